@@ -1,0 +1,96 @@
+"""Engines and sessions from a URL: a SQLite file by default, PostgreSQL (psycopg 3) by URL.
+
+    registry = create_registry("sqlite:///var/qserve/registry.db")   # migrates to head
+    with registry.transaction() as session:                          # commits on success
+        reserve_artifact(session, version, "w4a8kv4-g128", "sm90")
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from shared.registry import migrate
+from shared.registry.errors import InvalidState, InvalidValue
+
+_ACCEPTED_URLS = "sqlite:///path/to/registry.db or postgresql+psycopg://user@host:5432/dbname"
+_SQLITE_LOCK_WAIT_S = 30.0
+
+
+def sqlite_url(path: str | Path) -> str:
+    return f"sqlite:///{Path(path).expanduser().resolve()}"
+
+
+def make_engine(url: str) -> sa.Engine:
+    parsed = sa.make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        return _sqlite_engine(parsed)
+    if backend == "postgresql":
+        if parsed.drivername == "postgresql":  # the bare scheme means psycopg2, which is not a dependency
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        # search_path etc. can ride in the URL: ...?options=-csearch_path%3Dregistry
+        return sa.create_engine(parsed, pool_pre_ping=True)
+    shown = parsed.render_as_string(hide_password=True)
+    raise InvalidValue(f"registry URL {shown!r}: backend {backend!r} is not supported; use {_ACCEPTED_URLS}")
+
+
+def _sqlite_engine(url: sa.URL) -> sa.Engine:
+    if not url.database or url.database == ":memory:":
+        raise InvalidValue(
+            f"registry URL {url.render_as_string()!r}: an in-memory SQLite database is not shared between "
+            f"connections; use a file, e.g. sqlite:///var/qserve/registry.db"
+        )
+    Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = sa.create_engine(url, connect_args={"timeout": _SQLITE_LOCK_WAIT_S})
+
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record) -> None:
+        dbapi_conn.isolation_level = None  # sqlite3 must not emit its own BEGIN; _on_begin does
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA foreign_keys = ON")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(conn: sa.Connection) -> None:
+        # Take the write lock up front: a deferred transaction that reads and then writes can fail at
+        # once with SQLITE_BUSY when another writer got in between, with no wait and no retry. The
+        # registry's transactions are short, so serializing them costs little.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+@dataclass
+class Registry:
+    engine: sa.Engine
+    sessions: sessionmaker[Session]
+
+    def transaction(self) -> AbstractContextManager[Session]:
+        """A session in a transaction that commits when the block ends and rolls back on an exception."""
+        return self.sessions.begin()
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def create_registry(url: str, *, migrate_to_head: bool = True) -> Registry:
+    """Opens the registry at `url`. By default migrates it to head first (creating it when empty);
+    with migrate_to_head=False it refuses a database that is not already at head."""
+    engine = make_engine(url)
+    if migrate_to_head:
+        migrate.upgrade(engine)
+    else:
+        current, head = migrate.current_revision(engine), migrate.head_revision()
+        if current != head:
+            engine.dispose()
+            raise InvalidState(
+                f"registry at {engine.url.render_as_string(hide_password=True)!r} is at schema revision "
+                f"{current!r}, this code needs {head!r}: open it once with migrate_to_head=True"
+            )
+    return Registry(engine=engine, sessions=sessionmaker(engine, expire_on_commit=False))

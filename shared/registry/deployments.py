@@ -1,0 +1,177 @@
+"""Deployments: what the gateway serves under a name. Every change appends its event in the same
+transaction, so the log and the state cannot disagree."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from shared.registry._rows import check_percent, check_segment, check_text, insert_or_get, locked
+from shared.registry.artifacts import get_artifact
+from shared.registry.errors import Conflict, InvalidState, InvalidValue, NotFound
+from shared.registry.events import EventKind, append_event
+from shared.registry.models import Artifact, ArtifactState, Deployment, utcnow
+
+
+def create_deployment(
+    session: Session, name: str, *, stable_artifact_id: str, baseline_artifact_id: str | None = None, actor: str
+) -> Deployment:
+    check_text("actor", actor, 128)
+    check_segment("deployment name", name)
+    _ready(session, stable_artifact_id, "stable")
+    if baseline_artifact_id is not None:
+        _ready(session, baseline_artifact_id, "baseline")
+    now = utcnow()
+    row = Deployment(
+        name=name, stable_artifact_id=stable_artifact_id, baseline_artifact_id=baseline_artifact_id,
+        canary_percent=0, fallback=False, revision=1, created_at=now, updated_at=now,
+    )
+    deployment, created = insert_or_get(session, row, lambda: _find(session, name))
+    if not created:
+        raise Conflict(f"deployment {name!r} already exists; choose another name or change it with a rollout")
+    append_event(session, EventKind.DEPLOYMENT_CREATE, actor=actor, deployment=deployment,
+                 detail={"stable": stable_artifact_id, "baseline": baseline_artifact_id, "revision": 1})
+    session.flush()
+    return deployment
+
+
+def get_deployment(session: Session, name: str) -> Deployment:
+    deployment = _find(session, name)
+    if deployment is None:
+        raise NotFound(f"deployment {name!r} does not exist; existing deployments: {_names(session)}")
+    return deployment
+
+
+def list_deployments(session: Session) -> list[Deployment]:
+    return list(session.scalars(sa.select(Deployment).order_by(Deployment.name)))
+
+
+def start_rollout(session: Session, name: str, *, canary_artifact_id: str, percent: int, actor: str) -> Deployment:
+    """Sends `percent` of traffic (sticky per session key, decided by the gateway) to the canary."""
+    check_text("actor", actor, 128)
+    check_percent(percent)
+    deployment = _lock(session, name)
+    if deployment.canary_artifact_id is not None:
+        raise InvalidState(
+            f"deployment {name!r} already has a rollout of canary {deployment.canary_artifact_id} "
+            f"at {deployment.canary_percent}%: promote or abort it before starting another"
+        )
+    if canary_artifact_id == deployment.stable_artifact_id:
+        raise InvalidState(f"artifact {canary_artifact_id} is already the stable of deployment {name!r}; "
+                           f"a canary must be a different artifact")
+    _ready(session, canary_artifact_id, "canary")
+    deployment.canary_artifact_id, deployment.canary_percent = canary_artifact_id, percent
+    _record(session, deployment, EventKind.ROLLOUT_START, actor,
+            {"canary": canary_artifact_id, "percent": percent, "stable": deployment.stable_artifact_id})
+    return deployment
+
+
+def set_canary_percent(session: Session, name: str, percent: int, *, actor: str) -> Deployment:
+    check_text("actor", actor, 128)
+    check_percent(percent)
+    deployment = _lock(session, name)
+    _require_rollout(deployment, "set_canary_percent")
+    previous = deployment.canary_percent
+    deployment.canary_percent = percent
+    _record(session, deployment, EventKind.ROLLOUT_PERCENT, actor,
+            {"canary": deployment.canary_artifact_id, "from": previous, "to": percent})
+    return deployment
+
+
+def promote(session: Session, name: str, *, actor: str) -> Deployment:
+    """The canary becomes the stable; the rollout ends."""
+    check_text("actor", actor, 128)
+    deployment = _lock(session, name)
+    _require_rollout(deployment, "promote")
+    previous = deployment.stable_artifact_id
+    deployment.stable_artifact_id, deployment.canary_artifact_id = deployment.canary_artifact_id, None
+    deployment.canary_percent = 0
+    detail = {"stable": deployment.stable_artifact_id, "previous": previous}
+    _record(session, deployment, EventKind.PROMOTE, actor, detail)
+    return deployment
+
+
+def abort_rollout(session: Session, name: str, *, actor: str, reason: str = "") -> Deployment:
+    """The canary gets no more traffic; the stable stays."""
+    check_text("actor", actor, 128)
+    deployment = _lock(session, name)
+    _require_rollout(deployment, "abort_rollout")
+    canary = deployment.canary_artifact_id
+    deployment.canary_artifact_id, deployment.canary_percent = None, 0
+    _record(session, deployment, EventKind.ABORT, actor, {"canary": canary, "reason": reason})
+    return deployment
+
+
+def set_baseline(session: Session, name: str, baseline_artifact_id: str, *, actor: str) -> Deployment:
+    check_text("actor", actor, 128)
+    _ready(session, baseline_artifact_id, "baseline")
+    deployment = _lock(session, name)
+    previous = deployment.baseline_artifact_id
+    if previous == baseline_artifact_id:
+        return deployment
+    deployment.baseline_artifact_id = baseline_artifact_id
+    detail = {"baseline": baseline_artifact_id, "previous": previous}
+    _record(session, deployment, EventKind.BASELINE_SET, actor, detail)
+    return deployment
+
+
+def set_fallback(session: Session, name: str, on: bool, *, actor: str, reason: str = "") -> Deployment:
+    """On: all traffic goes to the baseline. Turning it to the state it already has changes nothing
+    and logs nothing (the gateway's automatic switch may ask repeatedly)."""
+    check_text("actor", actor, 128)
+    if not isinstance(on, bool):
+        raise InvalidValue(f"fallback switch {on!r} is not accepted: use True (on) or False (off)")
+    deployment = _lock(session, name)
+    if deployment.fallback == on:
+        return deployment
+    if on and deployment.baseline_artifact_id is None:
+        raise InvalidState(
+            f"deployment {name!r} has no baseline artifact to fall back to; set one with set_baseline first"
+        )
+    deployment.fallback = on
+    _record(session, deployment, EventKind.FALLBACK_ON if on else EventKind.FALLBACK_OFF, actor, {"reason": reason})
+    return deployment
+
+
+def _record(session: Session, deployment: Deployment, kind: EventKind, actor: str, detail: Mapping[str, Any]) -> None:
+    deployment.revision += 1
+    deployment.updated_at = utcnow()
+    append_event(session, kind, actor=actor, deployment=deployment, detail={**detail, "revision": deployment.revision})
+    session.flush()
+
+
+def _ready(session: Session, artifact_id: str, role: str) -> Artifact:
+    artifact = get_artifact(session, artifact_id)
+    if artifact.state != ArtifactState.READY:
+        raise InvalidState(
+            f"artifact {artifact_id} is {artifact.state.value} and cannot be a deployment's {role}: "
+            f"only a READY artifact can be served"
+        )
+    return artifact
+
+
+def _require_rollout(deployment: Deployment, action: str) -> None:
+    if deployment.canary_artifact_id is None:
+        raise InvalidState(
+            f"deployment {deployment.name!r} has no rollout in progress: {action} needs one; "
+            f"start it with start_rollout"
+        )
+
+
+def _find(session: Session, name: str) -> Deployment | None:
+    return session.scalars(sa.select(Deployment).where(Deployment.name == name)).one_or_none()
+
+
+def _lock(session: Session, name: str) -> Deployment:
+    deployment = locked(session, sa.select(Deployment).where(Deployment.name == name), Deployment)
+    if deployment is None:
+        raise NotFound(f"deployment {name!r} does not exist; existing deployments: {_names(session)}")
+    return deployment
+
+
+def _names(session: Session) -> str:
+    names = list(session.scalars(sa.select(Deployment.name).order_by(Deployment.name)))
+    return ", ".join(names) or "none"

@@ -1,0 +1,176 @@
+"""Quantization jobs: QUEUED -> RUNNING -> SUCCEEDED | FAILED (and QUEUED -> FAILED).
+
+A job is held by an `owner`, a string naming one quantizer process (host, pid and a per-boot id, so a
+restarted process is a new owner). The owner calls heartbeat() while it lives; when a quantizer starts
+it calls fail_orphaned_jobs() to fail what a dead process left QUEUED or RUNNING, with its artifact."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from shared.registry._rows import check_segment, check_text, locked, new_id
+from shared.registry.artifacts import get_artifact, mark_artifact_failed
+from shared.registry.errors import InvalidState, InvalidValue, NotFound
+from shared.registry.events import EventKind, append_event
+from shared.registry.models import ArtifactState, JobState, QuantJob, utcnow
+
+_ACTIVE = (JobState.QUEUED, JobState.RUNNING)
+
+
+def create_job(session: Session, *, owner: str, artifact_id: str | None = None) -> QuantJob:
+    check_text("job owner", owner, 256)
+    if artifact_id is not None:
+        get_artifact(session, artifact_id)
+    now = utcnow()
+    job = QuantJob(
+        id=new_id(), state=JobState.QUEUED, owner=owner, artifact_id=artifact_id,
+        block_index=0, block_count=0, heartbeat_at=now, created_at=now, updated_at=now,
+    )
+    session.add(job)
+    session.flush()
+    append_event(session, EventKind.JOB_QUEUED, actor=owner, job_id=job.id, artifact_id=artifact_id)
+    return job
+
+
+def get_job(session: Session, job_id: str) -> QuantJob:
+    job = session.get(QuantJob, job_id)
+    if job is None:
+        raise NotFound(f"quantization job {job_id!r} does not exist")
+    return job
+
+
+def list_jobs(
+    session: Session, *, states: Iterable[JobState] | None = None, owner: str | None = None
+) -> list[QuantJob]:
+    stmt = sa.select(QuantJob).order_by(QuantJob.created_at, QuantJob.id)
+    if states is not None:
+        stmt = stmt.where(QuantJob.state.in_([JobState(s) for s in states]))
+    if owner is not None:
+        stmt = stmt.where(QuantJob.owner == owner)
+    return list(session.scalars(stmt))
+
+
+def start_job(session: Session, job_id: str, *, owner: str) -> QuantJob:
+    """QUEUED -> RUNNING under `owner` (which may take over a queued job of another live process)."""
+    check_text("job owner", owner, 256)
+    job = _lock(session, job_id)
+    _require(job, (JobState.QUEUED,), "start_job")
+    now = utcnow()
+    job.state, job.owner, job.started_at, job.heartbeat_at, job.updated_at = JobState.RUNNING, owner, now, now, now
+    append_event(session, EventKind.JOB_STARTED, actor=owner, job_id=job.id, artifact_id=job.artifact_id)
+    session.flush()
+    return job
+
+
+def report_progress(session: Session, job_id: str, *, stage: str, block_index: int, block_count: int) -> QuantJob:
+    """Records `stage` and "block i of n" of a RUNNING job; counts as a heartbeat. Not an event."""
+    check_segment("job stage", stage)
+    if (
+        isinstance(block_index, bool) or isinstance(block_count, bool)
+        or not isinstance(block_index, int) or not isinstance(block_count, int)
+        or not 0 <= block_index <= block_count
+    ):
+        raise InvalidValue(
+            f"job progress block {block_index!r} of {block_count!r} is not accepted: "
+            f"use integers with 0 <= block_index <= block_count"
+        )
+    job = _lock(session, job_id)
+    _require(job, (JobState.RUNNING,), "report_progress")
+    now = utcnow()
+    job.stage, job.block_index, job.block_count = stage, block_index, block_count
+    job.heartbeat_at = job.updated_at = now
+    session.flush()
+    return job
+
+
+def heartbeat(session: Session, owner: str, *, now: datetime | None = None) -> int:
+    """Marks every QUEUED or RUNNING job of `owner` alive; returns how many there are."""
+    now = now or utcnow()
+    stmt = (
+        sa.update(QuantJob)
+        .where(QuantJob.owner == owner, QuantJob.state.in_(_ACTIVE))
+        .values(heartbeat_at=now)
+        .execution_options(synchronize_session="fetch")
+    )
+    return session.execute(stmt).rowcount
+
+
+def finish_job(session: Session, job_id: str, *, artifact_id: str | None = None) -> QuantJob:
+    """RUNNING -> SUCCEEDED. The artifact it produced (given here or at creation) must be READY."""
+    job = _lock(session, job_id)
+    _require(job, (JobState.RUNNING,), "finish_job")
+    artifact_id = artifact_id or job.artifact_id
+    if artifact_id is not None:
+        artifact = get_artifact(session, artifact_id)
+        if artifact.state != ArtifactState.READY:
+            raise InvalidState(
+                f"job {job.id} cannot succeed with artifact {artifact_id} in state {artifact.state.value}; "
+                f"mark the artifact READY first (mark_artifact_ready) or fail the job"
+            )
+    now = utcnow()
+    job.state, job.artifact_id, job.finished_at, job.updated_at = JobState.SUCCEEDED, artifact_id, now, now
+    append_event(session, EventKind.JOB_SUCCEEDED, actor=job.owner, job_id=job.id, artifact_id=artifact_id)
+    session.flush()
+    return job
+
+
+def fail_job(session: Session, job_id: str, error: str) -> QuantJob:
+    """QUEUED or RUNNING -> FAILED with `error`. The artifact, if any, is left to the caller."""
+    check_text("job error", error, 10_000)
+    job = _lock(session, job_id)
+    _require(job, _ACTIVE, "fail_job")
+    _fail(session, job, error, actor=job.owner)
+    return job
+
+
+def fail_orphaned_jobs(
+    session: Session, reason: str, *, current_owner: str, stale_after: timedelta, now: datetime | None = None
+) -> list[QuantJob]:
+    """Fails every QUEUED or RUNNING job that is not `current_owner`'s and whose heartbeat is older
+    than `stale_after`, and fails its PENDING artifact too, so that the binding can be retried.
+    With one quantizer per registry, stale_after=timedelta(0) fails everything a previous process left."""
+    check_text("orphan reason", reason, 10_000)
+    if not isinstance(stale_after, timedelta) or stale_after < timedelta(0):
+        raise InvalidValue(f"stale_after {stale_after!r} is not accepted: use a timedelta >= 0")
+    cutoff = (now or utcnow()) - stale_after
+    stmt = (
+        sa.select(QuantJob)
+        .where(QuantJob.state.in_(_ACTIVE), QuantJob.owner != current_owner, QuantJob.heartbeat_at <= cutoff)
+        .order_by(QuantJob.created_at, QuantJob.id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    )
+    orphans = list(session.scalars(stmt))
+    for job in orphans:
+        error = f"{reason} (owner {job.owner!r} last seen {job.heartbeat_at.isoformat()})"
+        _fail(session, job, error, actor=current_owner)
+        if job.artifact_id is not None and get_artifact(session, job.artifact_id).state == ArtifactState.PENDING:
+            why = f"quantization job {job.id} failed: {error}"
+            mark_artifact_failed(session, job.artifact_id, why, actor=current_owner)
+    session.flush()
+    return orphans
+
+
+def _fail(session: Session, job: QuantJob, error: str, *, actor: str) -> None:
+    now = utcnow()
+    job.state, job.error, job.finished_at, job.updated_at = JobState.FAILED, error, now, now
+    append_event(session, EventKind.JOB_FAILED, actor=actor, job_id=job.id, artifact_id=job.artifact_id,
+                 detail={"error": error})
+    session.flush()
+
+
+def _require(job: QuantJob, states: tuple[JobState, ...], action: str) -> None:
+    if job.state not in states:
+        allowed = " or ".join(state.value for state in states)
+        raise InvalidState(f"job {job.id} is {job.state.value}: {action} accepts only a job that is {allowed}")
+
+
+def _lock(session: Session, job_id: str) -> QuantJob:
+    job = locked(session, sa.select(QuantJob).where(QuantJob.id == job_id), QuantJob)
+    if job is None:
+        raise NotFound(f"quantization job {job_id!r} does not exist")
+    return job

@@ -1,0 +1,84 @@
+"""Every registry test runs on a SQLite file and on PostgreSQL (a fresh schema per test)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from shared.registry import (
+    Artifact,
+    ModelVersion,
+    Registry,
+    create_registry,
+    mark_artifact_ready,
+    register_model_version,
+    reserve_artifact,
+    sqlite_url,
+)
+
+PG_URL = os.environ.get("QSERVE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield sqlite_url(tmp_path / "registry.db")
+        return
+    schema = f"test_registry_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
+    unreachable = None
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    except sa.exc.OperationalError as exc:
+        unreachable = f"PostgreSQL at {PG_URL} is unreachable ({exc.orig}); set QSERVE_TEST_POSTGRES_URL or start it"
+    if unreachable is not None:
+        admin.dispose()
+        if os.environ.get("CI") == "true":
+            pytest.fail(unreachable)
+        pytest.skip(unreachable)
+    try:
+        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture
+def registry(db_url: str) -> Iterator[Registry]:
+    registry = create_registry(db_url)
+    yield registry
+    registry.close()
+
+
+@pytest.fixture
+def session(registry: Registry) -> Iterator[Session]:
+    with registry.sessions() as session:
+        yield session
+
+
+@pytest.fixture
+def version(registry: Registry) -> ModelVersion:
+    """A committed model version, so that other connections (threads) see it."""
+    with registry.transaction() as session:
+        return register_model_version(session, "tiny-llama", "a" * 64, label="v1")
+
+
+@pytest.fixture
+def make_ready(version: ModelVersion) -> Callable[..., Artifact]:
+    """Reserves the binding (format, gpu) and marks it READY with the given content digest."""
+
+    def make(session: Session, format: str, gpu: str = "sm90", digest: str | None = None) -> Artifact:
+        artifact = reserve_artifact(session, version.id, format, gpu).artifact
+        return mark_artifact_ready(
+            session, artifact.id, manifest_sha256="b" * 64, content_digest=digest or uuid.uuid4().hex, actor="test"
+        )
+
+    return make
