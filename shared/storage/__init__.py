@@ -1,0 +1,29 @@
+"""Object store: one small interface (ObjectStore), a local-folder store and an S3 store.
+
+    config = StorageConfig.from_url("s3://artifacts/qserve?endpoint=http://127.0.0.1:9000", access_key=..., secret_key=...)
+    store = open_store(config)
+    objects = store.publish_folder(artifact_dir, "<model>/<version>/<format>/<gpu>/<artifact_id>")
+    # only now mark the artifact READY in the registry
+"""
+
+from .base import ObjectInfo, ObjectStore, Progress
+from .config import StorageConfig, open_store
+from .errors import InvalidConfig, InvalidKey, ObjectNotFound, StorageError
+from .fetch import fetch_folder
+from .keys import STAGING_ROOT
+from .local import LocalStore
+
+__all__ = [
+    "STAGING_ROOT",
+    "InvalidConfig",
+    "InvalidKey",
+    "LocalStore",
+    "ObjectInfo",
+    "ObjectNotFound",
+    "ObjectStore",
+    "Progress",
+    "StorageConfig",
+    "StorageError",
+    "fetch_folder",
+    "open_store",
+]

@@ -1,0 +1,270 @@
+"""The object store interface: seven primitives per backend; publish and download written once here.
+
+Publishing is the only way an artifact reaches its final prefix: every file is uploaded under
+`_staging/<millis>-<id>/`, each staged object's size and sha256 are checked against the local
+file, and only then are the objects moved to the final prefix. The caller marks the artifact
+READY after `publish_folder` returns; if it raises, everything the attempt wrote is deleted
+(best effort: when the store itself is unreachable the error says what may be left, and
+`purge_staging` removes stale staging objects later).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InvalidKey, ObjectNotFound, StorageError
+from .keys import STAGING_ROOT, check_key, check_prefix, folder_prefix
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str  # relative to the store (its local root or its S3 bucket/prefix)
+    size: int  # bytes
+    sha256: str | None  # hex; None where the store keeps no record of it (e.g. in listings)
+
+
+Progress = Callable[[ObjectInfo], None]
+
+
+class ObjectStore(abc.ABC):
+    """Keys are '/'-separated relative paths (see keys.py); every error is a StorageError."""
+
+    # ---- primitives: one implementation per backend ----
+
+    @abc.abstractmethod
+    def uri(self, key: str = "") -> str:
+        """Where key lives, for messages and records: 's3://bucket/prefix/key' or 'file:///root/key'."""
+
+    @abc.abstractmethod
+    def put_file(self, local_path: str | os.PathLike[str], key: str) -> ObjectInfo:
+        """Upload a local file to key (replacing it); returns its size and sha256."""
+
+    @abc.abstractmethod
+    def get_file(self, key: str, local_path: str | os.PathLike[str]) -> ObjectInfo:
+        """Download key to local_path (readers never see a partial file); returns the sha256 of the bytes written."""
+
+    @abc.abstractmethod
+    def head(self, key: str) -> ObjectInfo:
+        """Size and recorded sha256 of key; raises ObjectNotFound."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Objects whose key starts with prefix (a plain string prefix), sorted by key; sha256 is None."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete key; deleting a missing key is not an error."""
+
+    @abc.abstractmethod
+    def move(self, src_key: str, dst_key: str) -> None:
+        """Move an object, keeping its recorded sha256 (S3: server-side copy then delete)."""
+
+    # ---- built on the primitives ----
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.head(key)
+        except ObjectNotFound:
+            return False
+        return True
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object under prefix; returns how many were deleted."""
+        if not prefix:
+            raise InvalidKey("delete_prefix needs a non-empty prefix; emptying a whole store is not offered")
+        check_prefix(prefix)
+        objects = self.list(prefix)
+        for info in objects:
+            self.delete(info.key)
+        return len(objects)
+
+    def put_bytes(self, data: bytes, key: str) -> ObjectInfo:
+        """Small objects (manifests): written through a temporary file."""
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "object"
+            path.write_bytes(data)
+            return self.put_file(path, key)
+
+    def get_bytes(self, key: str) -> bytes:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "object"
+            self.get_file(key, path)
+            return path.read_bytes()
+
+    def publish_folder(
+        self, local_dir: str | os.PathLike[str], final_prefix: str, *, progress: Progress | None = None
+    ) -> list[ObjectInfo]:
+        """Upload every file under local_dir to final_prefix, all or nothing (see the module doc).
+
+        progress, if given, is called with each staged object's info after its upload.
+        Returns the published objects (final keys, sizes, sha256s) in key order.
+        """
+        local_dir = Path(local_dir)
+        final = folder_prefix(final_prefix)
+        if not final or final.startswith(STAGING_ROOT):
+            raise InvalidKey(
+                f"publish_folder needs a final prefix outside {STAGING_ROOT!r} and not the store root, "
+                f"got {final_prefix!r}"
+            )
+        if not local_dir.is_dir():
+            raise StorageError(f"cannot publish {local_dir}: it is not a folder")
+        files = _files_under(local_dir)
+        if not files:
+            raise StorageError(f"cannot publish {local_dir}: the folder has no files")
+        if self.list(final):
+            raise StorageError(
+                f"cannot publish to {self.uri(final)}: objects already exist there; an artifact "
+                "prefix is written once (use a new artifact id, or delete the old objects first)"
+            )
+        staging = f"{STAGING_ROOT}{int(time.time() * 1000)}-{uuid.uuid4().hex[:16]}/"
+        written: list[str] = []  # every key this attempt may have created, in order
+        try:
+            staged = []
+            for rel, path in files:
+                written.append(staging + rel)
+                info = self.put_file(path, staging + rel)
+                staged.append(info)
+                if progress is not None:
+                    progress(info)
+            for info in staged:
+                self._verify(info)
+            published = []
+            for (rel, _path), info in zip(files, staged):
+                written.append(final + rel)
+                self.move(info.key, final + rel)
+                published.append(ObjectInfo(final + rel, info.size, info.sha256))
+        except BaseException as exc:
+            leftover = self._discard(written, staging, final)
+            if not isinstance(exc, Exception):
+                raise
+            note = (
+                f"; cleanup also failed, so objects may remain under {' and '.join(leftover)} "
+                "(purge_staging() removes stale staging objects)"
+                if leftover
+                else ""
+            )
+            raise StorageError(
+                f"publish of {local_dir} to {self.uri(final)} failed: {_describe(exc)}{note}"
+            ) from exc
+        return published
+
+    def download_folder(
+        self, prefix: str, local_dir: str | os.PathLike[str], *, progress: Progress | None = None
+    ) -> list[ObjectInfo]:
+        """Download every object under prefix into local_dir, checking sizes and recorded sha256s.
+
+        local_dir must not exist or be empty. Files land in a hidden sibling folder that is renamed
+        to local_dir only when all of them are verified, so local_dir is either complete or absent.
+        Returns the downloaded objects (store keys, sizes, sha256 of the bytes on disk).
+        """
+        src = folder_prefix(prefix)
+        local_dir = Path(local_dir)
+        if local_dir.exists() and (not local_dir.is_dir() or any(local_dir.iterdir())):
+            raise StorageError(
+                f"cannot download {self.uri(src)} into {local_dir}: it exists and is not an empty folder"
+            )
+        objects = [info for info in self.list(src) if not info.key.endswith("/")]
+        if not objects:
+            raise ObjectNotFound(f"no objects under {self.uri(src)}")
+        try:
+            local_dir.parent.mkdir(parents=True, exist_ok=True)
+            tmp_dir = Path(tempfile.mkdtemp(prefix=f".{local_dir.name}.partial-", dir=local_dir.parent))
+        except OSError as exc:
+            raise StorageError(f"cannot create {local_dir}: {exc}") from exc
+        try:
+            downloaded = []
+            for obj in objects:
+                rel = check_key(obj.key[len(src) :])
+                expected = self.head(obj.key)
+                dest = tmp_dir / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                got = self.get_file(obj.key, dest)
+                _check_same(
+                    self.uri(obj.key), expected, got, what="downloaded file", check_sha=expected.sha256 is not None
+                )
+                downloaded.append(got)
+                if progress is not None:
+                    progress(got)
+            if local_dir.exists():
+                local_dir.rmdir()
+            os.replace(tmp_dir, local_dir)
+        except OSError as exc:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise StorageError(f"download of {self.uri(src)} into {local_dir} failed: {exc}") from exc
+        except BaseException:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise
+        return downloaded
+
+    def purge_staging(self, older_than_s: float = 3600.0) -> int:
+        """Delete staging objects of publishes that started more than older_than_s ago (crashed or
+        cut off from the store); returns how many objects were deleted."""
+        cutoff_ms = (time.time() - older_than_s) * 1000
+        attempts = {info.key[len(STAGING_ROOT) :].split("/", 1)[0] for info in self.list(STAGING_ROOT)}
+        deleted = 0
+        for attempt in sorted(attempts):
+            started_ms = attempt.split("-", 1)[0]
+            if not started_ms.isdigit():
+                log.warning("leaving %s alone: not a staging folder written by publish_folder", attempt)
+                continue
+            if int(started_ms) <= cutoff_ms:
+                deleted += self.delete_prefix(f"{STAGING_ROOT}{attempt}/")
+        return deleted
+
+    # ---- helpers ----
+
+    def _verify(self, expected: ObjectInfo) -> None:
+        _check_same(self.uri(expected.key), self.head(expected.key), expected, what="local file", check_sha=True)
+
+    def _discard(self, written: list[str], staging: str, final: str) -> list[str]:
+        """Delete what a failed publish wrote; returns the locations that may still hold objects."""
+        try:
+            for key in reversed(written):
+                self.delete(key)
+            self.delete_prefix(staging)
+        except Exception as exc:  # the store is failing; report what may be left, keep the first error
+            log.warning("cleanup after a failed publish to %s failed: %s", self.uri(final), exc)
+            leftover = [self.uri(staging)]
+            if any(key.startswith(final) for key in written):
+                leftover.append(self.uri(final))
+            return leftover
+        return []
+
+
+def _check_same(where: str, stored: ObjectInfo, reference: ObjectInfo, *, what: str, check_sha: bool) -> None:
+    if stored.size != reference.size:
+        raise StorageError(
+            f"verification of {where} failed: the object has {stored.size} bytes, "
+            f"the {what} {reference.size}"
+        )
+    if check_sha and stored.sha256 != reference.sha256:
+        raise StorageError(
+            f"verification of {where} failed: the object's sha256 is {stored.sha256}, "
+            f"the {what}'s {reference.sha256}"
+        )
+
+
+def _files_under(folder: Path) -> list[tuple[str, Path]]:
+    """Every regular file under folder (file symlinks followed) as sorted (posix key, path)."""
+    found = []
+    for dirpath, _dirnames, filenames in os.walk(folder):
+        for name in filenames:
+            path = Path(dirpath) / name
+            if path.is_file():
+                found.append((check_key(path.relative_to(folder).as_posix()), path))
+    return sorted(found)
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, StorageError) else f"{type(exc).__name__}: {exc}"

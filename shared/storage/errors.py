@@ -1,0 +1,17 @@
+"""Errors raised by every object store; callers catch these, never boto3's or OSError."""
+
+
+class StorageError(Exception):
+    """An object store operation failed; the message names the store, the key and the cause."""
+
+
+class ObjectNotFound(StorageError):
+    """The key (or prefix) has no object in the store."""
+
+
+class InvalidKey(StorageError, ValueError):
+    """A key or prefix that no store accepts: empty, absolute, or with '.'/'..' segments."""
+
+
+class InvalidConfig(StorageError, ValueError):
+    """A storage setting or URL that cannot work; the message says what is accepted."""

@@ -1,0 +1,136 @@
+"""A folder as an object store: `qctl up`, tests, and single-host setups.
+
+Writes go to a temporary file under `<root>/.tmp/` (same filesystem) and are renamed into place,
+so a reader never sees a partial object. Keys map to paths under root and cannot leave it.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+from .base import ObjectInfo, ObjectStore
+from .errors import InvalidKey, ObjectNotFound, StorageError
+from .hashing import copy_hashing, sha256_file
+from .keys import check_key, check_prefix
+
+TMP_DIR = ".tmp"
+
+
+class LocalStore(ObjectStore):
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = False):
+        root = Path(root).expanduser().resolve()
+        if not root.is_dir():
+            if not create:
+                raise StorageError(
+                    f"local store folder {root} does not exist: create it, or open the store with create=True"
+                )
+            root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        self._tmp = root / TMP_DIR
+        self._tmp.mkdir(exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.root)!r})"
+
+    def uri(self, key: str = "") -> str:
+        return f"{self.root.as_uri()}/{key}"
+
+    def put_file(self, local_path: str | os.PathLike[str], key: str) -> ObjectInfo:
+        dest = self._path(key)
+        tmp = self._tmp / uuid.uuid4().hex
+        try:
+            size, sha = copy_hashing(local_path, tmp)
+            self._place(tmp, dest)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise StorageError(f"cannot write {self.uri(key)} from {local_path}: {exc}") from exc
+        return ObjectInfo(key, size, sha)
+
+    def get_file(self, key: str, local_path: str | os.PathLike[str]) -> ObjectInfo:
+        src = self._existing(key)
+        dest = Path(local_path)
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.partial")
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            size, sha = copy_hashing(src, tmp)
+            os.replace(tmp, dest)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise StorageError(f"cannot copy {self.uri(key)} to {dest}: {exc}") from exc
+        return ObjectInfo(key, size, sha)
+
+    def head(self, key: str) -> ObjectInfo:
+        # A folder keeps no checksum beside the file, so this reads the whole object.
+        size, sha = sha256_file(self._existing(key))
+        return ObjectInfo(key, size, sha)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        check_prefix(prefix)
+        top = self.root / prefix.rpartition("/")[0]
+        found = []
+        for dirpath, dirnames, filenames in os.walk(top):
+            if Path(dirpath) == self.root and TMP_DIR in dirnames:
+                dirnames.remove(TMP_DIR)
+            for name in filenames:
+                path = Path(dirpath) / name
+                key = path.relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    found.append(ObjectInfo(key, path.stat().st_size, None))
+        return sorted(found, key=lambda info: info.key)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot delete {self.uri(key)}: {exc}") from exc
+        self._prune(path.parent)
+
+    def move(self, src_key: str, dst_key: str) -> None:
+        src = self._existing(src_key)
+        try:
+            self._place(src, self._path(dst_key))
+        except OSError as exc:
+            raise StorageError(f"cannot move {self.uri(src_key)} to {self.uri(dst_key)}: {exc}") from exc
+        self._prune(src.parent)
+
+    def _path(self, key: str) -> Path:
+        check_key(key)
+        if key.split("/", 1)[0] == TMP_DIR:
+            raise InvalidKey(f"object key {key!r} is not accepted: {TMP_DIR}/ is reserved for partial writes")
+        path = self.root / key
+        # '..' is already refused; this catches a symlink inside root that points outside it.
+        if not path.resolve().is_relative_to(self.root):
+            raise InvalidKey(f"object key {key!r} resolves outside the store folder {self.root}")
+        return path
+
+    def _existing(self, key: str) -> Path:
+        path = self._path(key)
+        if not path.is_file():
+            raise ObjectNotFound(f"no object {self.uri(key)}")
+        return path
+
+    def _place(self, src: Path, dest: Path) -> None:
+        # A concurrent delete may prune dest's (empty) parent between mkdir and rename: retry.
+        for attempt in range(3):
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.replace(src, dest)
+                return
+            except FileNotFoundError:
+                if attempt == 2 or not src.exists():
+                    raise
+
+    def _prune(self, folder: Path) -> None:
+        """Remove folder and its parents while they are empty, stopping at root."""
+        while folder != self.root and folder.is_relative_to(self.root):
+            try:
+                folder.rmdir()
+            except OSError:
+                return
+            folder = folder.parent

@@ -1,0 +1,111 @@
+"""S3-only behaviour: parts, metadata, opening errors, and the server going away mid-publish."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+
+import pytest
+
+from shared.storage import StorageError, open_store
+
+MIB = 1024 * 1024
+
+
+def test_large_files_go_up_in_parts_with_sha256_metadata(moto_endpoint, s3_config, s3_client, tmp_path):
+    config = s3_config(moto_endpoint)
+    store = open_store(config, create=True)
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom(12 * MIB))
+
+    store.put_file(src, "big.bin")
+
+    head = s3_client(moto_endpoint).head_object(Bucket=config.bucket, Key="big.bin")
+    assert head["ETag"].strip('"').endswith("-3")  # a multipart upload of three 5 MiB parts
+    assert head["Metadata"]["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
+
+
+def test_store_prefix_scopes_every_key(moto_endpoint, s3_config, s3_client):
+    config = s3_config(moto_endpoint, prefix="team/artifacts")
+    store = open_store(config, create=True)
+    store.put_bytes(b"{}", "m/manifest.json")
+
+    keys = [o["Key"] for o in s3_client(moto_endpoint).list_objects_v2(Bucket=config.bucket)["Contents"]]
+    assert keys == ["team/artifacts/m/manifest.json"]
+    assert [o.key for o in store.list()] == ["m/manifest.json"]
+    assert store.uri("m/manifest.json") == f"s3://{config.bucket}/team/artifacts/m/manifest.json"
+
+
+def test_missing_bucket_is_a_clear_error(moto_endpoint, s3_config):
+    config = s3_config(moto_endpoint, bucket="no-such-bucket-here")
+    with pytest.raises(StorageError, match=f"bucket 'no-such-bucket-here' does not exist at endpoint {moto_endpoint}"):
+        open_store(config)
+
+
+def test_unreachable_endpoint_names_the_endpoint(s3_config):
+    with socket.socket() as sock:  # a loopback port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(StorageError, match=f"cannot reach S3 endpoint {endpoint}"):
+        open_store(s3_config(endpoint, max_attempts=1))
+
+
+def test_download_detects_an_object_that_does_not_match_its_checksum(moto_endpoint, s3_config, s3_client, tmp_path):
+    config = s3_config(moto_endpoint)
+    store = open_store(config, create=True)
+    store.put_bytes(b"good", "a/ok.bin")
+    s3_client(moto_endpoint).put_object(
+        Bucket=config.bucket, Key="a/bad.bin", Body=b"rotten", Metadata={"sha256": hashlib.sha256(b"fresh!").hexdigest()}
+    )
+
+    with pytest.raises(StorageError, match="verification of .*a/bad.bin failed.*sha256"):
+        store.download_folder("a", tmp_path / "dl")
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor a partial one
+
+
+def test_download_accepts_objects_without_recorded_checksum(moto_endpoint, s3_config, s3_client, tmp_path):
+    config = s3_config(moto_endpoint)
+    store = open_store(config, create=True)
+    s3_client(moto_endpoint).put_object(Bucket=config.bucket, Key="ckpt/config.json", Body=b"{}")
+
+    [got] = store.download_folder("ckpt/", tmp_path / "ckpt")
+    assert got.sha256 == hashlib.sha256(b"{}").hexdigest()
+    assert (tmp_path / "ckpt" / "config.json").read_bytes() == b"{}"
+
+
+def test_server_stopping_mid_publish(moto_server, s3_config, artifact_dir):
+    server = moto_server()
+    store = open_store(s3_config(server.endpoint), create=True)
+    final = "llama/v1/w4a8kv4-g128/sm90/art-1"
+    staged = []
+
+    def stop_after_first_upload(info):
+        staged.append(info.key)
+        server.stop()
+
+    with pytest.raises(StorageError) as failure:
+        store.publish_folder(artifact_dir, final, progress=stop_after_first_upload)
+
+    message = str(failure.value)
+    assert f"cannot reach S3 endpoint {server.endpoint}" in message
+    staging_prefix = staged[0].rsplit("/", 1)[0] + "/"
+    assert store.uri(staging_prefix) in message  # cleanup could not run, so the error says what may be left
+
+    # moto's state lives in this process: the server started again holds what the stopped one held.
+    moto_server(server.port)
+    assert store.list(final) == []  # the final prefix never saw an object
+    assert {o.key for o in store.list()} == set(staged)
+    assert store.purge_staging(older_than_s=0) == len(staged)
+    assert store.list() == []
+
+    published = store.publish_folder(artifact_dir, final)
+    assert len(published) == 4
+    assert {o.key for o in store.list()} == {o.key for o in published}
+
+
+def test_create_makes_the_bucket_once_in_any_region(moto_endpoint, s3_config):
+    config = s3_config(moto_endpoint, region="eu-west-1")
+    open_store(config, create=True).put_bytes(b"{}", "k")
+    again = open_store(config, create=True)  # the bucket exists now: opening again is fine
+    assert again.get_bytes("k") == b"{}"
