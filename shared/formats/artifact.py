@@ -1,0 +1,188 @@
+"""The artifact folder: file names, tensor names, an atomic writer and a verifying reader.
+
+    manifest.json                      shared.formats.manifest.Manifest
+    weights/embed.safetensors          embed (V, H) fp16
+    weights/block_{i:03d}.safetensors  attn_norm, mlp_norm (H,) fp16; qkv.*, o.*, gate_up.*, down.*
+                                       (one PackedWeight each, in the format's weight kind)
+    weights/head.safetensors           final_norm (H,) fp16; lm_head.weight (V, H) fp16
+    tokenizer/                         the source checkpoint's tokenizer files
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from shared.formats.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError
+from shared.formats.spec import FormatSpec, format_spec
+from shared.formats.weights import WEIGHT_KINDS, Fp16Weight, PackedWeight
+
+EMBED_FILE = "weights/embed.safetensors"
+HEAD_FILE = "weights/head.safetensors"
+TOKENIZER_DIR = "tokenizer"
+BLOCK_LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def block_file(i: int) -> str:
+    return f"weights/block_{i:03d}.safetensors"
+
+
+class ArtifactError(ValueError):
+    """An artifact folder that is missing files, corrupt, or not the artifact that was expected."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class ArtifactWriter:
+    """Writes into a hidden staging folder beside `out_dir`; `finish` moves it into place.
+
+    A crash or error leaves `out_dir` as it was. `identity` (model version, format, GPU target,
+    options) decides whether an existing artifact in `out_dir` may be replaced: the same
+    artifact re-made is fine, a different one is refused.
+    """
+
+    def __init__(self, out_dir: str | Path, identity: dict):
+        self.out_dir = Path(out_dir)
+        self.identity = identity
+        self._check_destination()
+        self.staging = self.out_dir.parent / f".{self.out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
+        self.staging.mkdir(parents=True)
+
+    def _check_destination(self) -> None:
+        if not self.out_dir.exists():
+            return
+        if not self.out_dir.is_dir():
+            raise ArtifactError(f"output path {self.out_dir} exists and is not a folder")
+        if not any(self.out_dir.iterdir()):
+            return
+        try:
+            existing = Manifest.read(self.out_dir)
+        except ManifestError:
+            raise ArtifactError(
+                f"output folder {self.out_dir} is not empty and holds no artifact; choose an empty or new folder"
+            ) from None
+        theirs = {k: getattr(existing, k) for k in self.identity}
+        if theirs != self.identity:
+            diff = ", ".join(f"{k}={theirs[k]!r} (new: {self.identity[k]!r})" for k in self.identity if theirs[k] != self.identity[k])
+            raise ArtifactError(f"output folder {self.out_dir} already holds a different artifact: {diff}")
+
+    def write_tensors(self, relpath: str, tensors: dict[str, torch.Tensor]) -> None:
+        path = self.staging / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+
+    def copy_file(self, src: Path, relpath: str) -> None:
+        dst = self.staging / relpath
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+
+    def finish(self, manifest: Manifest) -> Path:
+        manifest.files = [
+            FileEntry(p.relative_to(self.staging).as_posix(), sha256_file(p), p.stat().st_size)
+            for p in sorted(self.staging.rglob("*"))
+            if p.is_file()
+        ]
+        manifest.write(self.staging)
+        old = None
+        if self.out_dir.exists():
+            old = self.out_dir.parent / f".{self.out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+            self.out_dir.rename(old)
+        self.staging.rename(self.out_dir)
+        if old is not None:
+            shutil.rmtree(old)
+        return self.out_dir
+
+    def abort(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def __enter__(self) -> "ArtifactWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.staging.exists():
+            self.abort()
+
+
+class ArtifactReader:
+    """Opens an artifact folder; with verify=True every file's size and sha256 must match the manifest."""
+
+    def __init__(self, folder: str | Path, verify: bool = True):
+        self.folder = Path(folder)
+        try:
+            self.manifest = Manifest.read(self.folder)
+        except ManifestError as e:
+            raise ArtifactError(str(e)) from e
+        self.spec: FormatSpec = format_spec(self.manifest.format)
+        if verify:
+            self.verify()
+
+    def verify(self) -> None:
+        for entry in self.manifest.files:
+            path = self.folder / entry.path
+            if not path.is_file():
+                raise ArtifactError(f"artifact {self.folder} is incomplete: {entry.path} is missing")
+            if path.stat().st_size != entry.size:
+                raise ArtifactError(
+                    f"artifact {self.folder} is corrupt: {entry.path} has {path.stat().st_size} bytes, manifest says {entry.size}"
+                )
+            if sha256_file(path) != entry.sha256:
+                raise ArtifactError(f"artifact {self.folder} is corrupt: sha256 of {entry.path} does not match the manifest")
+
+    def _load(self, relpath: str) -> dict[str, torch.Tensor]:
+        path = self.folder / relpath
+        if not path.is_file():
+            raise ArtifactError(f"artifact {self.folder} lacks {relpath}")
+        return load_file(str(path))
+
+    def embed(self) -> torch.Tensor:
+        return self._load(EMBED_FILE)["embed"]
+
+    def head(self) -> tuple[torch.Tensor, Fp16Weight]:
+        t = self._load(HEAD_FILE)
+        return t["final_norm"], Fp16Weight.from_tensors("lm_head", t)
+
+    def block(self, i: int) -> tuple[dict[str, torch.Tensor], dict[str, PackedWeight]]:
+        """-> norms {attn_norm, mlp_norm}, linears {qkv, o, gate_up, down}."""
+        t = self._load(block_file(i))
+        kind = WEIGHT_KINDS[self.spec.weight_kind]
+        norms = {"attn_norm": t["attn_norm"], "mlp_norm": t["mlp_norm"]}
+        return norms, {name: kind.from_tensors(name, t) for name in BLOCK_LINEARS}
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.folder / TOKENIZER_DIR
+
+
+def block_tensors(norms: dict[str, torch.Tensor], linears: dict[str, PackedWeight]) -> dict[str, torch.Tensor]:
+    out = {k: v.to(torch.float16) for k, v in norms.items()}
+    for name, packed in linears.items():
+        out.update(packed.tensors(name))
+    return out
+
+
+
+__all__ = [
+    "ArtifactError",
+    "ArtifactReader",
+    "ArtifactWriter",
+    "BLOCK_LINEARS",
+    "EMBED_FILE",
+    "HEAD_FILE",
+    "MANIFEST_NAME",
+    "TOKENIZER_DIR",
+    "block_file",
+    "block_tensors",
+    "sha256_file",
+]

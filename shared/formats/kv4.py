@@ -1,0 +1,63 @@
+"""KV4: the 4-bit KV cache (dynamic, asymmetric, one scale and zero per token and per head).
+
+Values of one head vector x (D,) are stored as codes q in [0, 15] with
+    x ~= (q - zero) * scale,    scale = (max - min) / 15,    zero = -min / scale,
+scale and zero kept in fp16 beside the codes. The zero point is not rounded to an integer: KV
+values never need an exact 0, and the unrounded zero halves the worst-case error at the ends.
+
+Paged layout (one tensor per layer for K and one for V):
+    page (num_blocks, num_kv_heads, block_size, D // 2 + 4) uint8
+Row t of a block holds token t's D/2 code bytes (nibbles paired (j, j + D/2) as in
+shared.formats.nibbles) followed by its fp16 scale and fp16 zero (4 bytes). Keeping the
+scale and zero in the same row as the data means one contiguous read per token per head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.formats.nibbles import pack_halves, unpack_halves
+
+KV4_LEVELS = 15
+SCALE_ZERO_BYTES = 4  # fp16 scale + fp16 zero
+
+
+def quantize_kv4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (..., D) -> codes (..., D) uint8, scale (...) fp16, zero (...) fp16."""
+    xf = x.float()
+    lo, hi = xf.amin(dim=-1), xf.amax(dim=-1)
+    scale = ((hi - lo) / KV4_LEVELS).clamp_min(1e-5).half()
+    zero = (-lo / scale.float()).half()
+    q = torch.round(xf / scale.float()[..., None] + zero.float()[..., None]).clamp_(0, KV4_LEVELS)
+    return q.to(torch.uint8), scale, zero
+
+
+def dequantize_kv4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """codes (..., D) uint8 -> (..., D) fp32."""
+    return (q.float() - zero.float()[..., None]) * scale.float()[..., None]
+
+
+def fake_quantize_kv4(x: torch.Tensor) -> torch.Tensor:
+    """What attention reads back after x went through the KV4 cache, in x's dtype."""
+    return dequantize_kv4(*quantize_kv4(x)).to(x.dtype)
+
+
+def page_row_bytes(head_dim: int) -> int:
+    return head_dim // 2 + SCALE_ZERO_BYTES
+
+
+def encode_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (..., D) -> page rows (..., D/2 + 4) uint8 in the layout above."""
+    d = x.shape[-1]
+    q, scale, zero = quantize_kv4(x)
+    codes = pack_halves(q, d)
+    tail = torch.stack([scale, zero], dim=-1).contiguous().view(torch.uint8)  # (..., 4)
+    return torch.cat([codes, tail], dim=-1)
+
+
+def decode_rows(rows: torch.Tensor) -> torch.Tensor:
+    """page rows (..., D/2 + 4) uint8 -> (..., D) fp32."""
+    d = (rows.shape[-1] - SCALE_ZERO_BYTES) * 2
+    q = unpack_halves(rows[..., : d // 2], d)
+    scale_zero = rows[..., d // 2 :].contiguous().view(torch.float16)  # (..., 2)
+    return dequantize_kv4(q, scale_zero[..., 0], scale_zero[..., 1])

@@ -1,0 +1,97 @@
+"""manifest.json: what an artifact is, what made it, how accurate it is, and its files' digests."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from shared.formats.spec import FORMATS
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+GPU_TARGETS = ("cpu", "sm80", "sm89", "sm90")
+
+
+class ManifestError(ValueError):
+    """A manifest that is missing, malformed or of another schema version."""
+
+
+@dataclass(slots=True, frozen=True)
+class FileEntry:
+    path: str  # relative to the artifact folder, '/'-separated
+    sha256: str
+    size: int
+
+
+@dataclass(slots=True, frozen=True)
+class Evaluation:
+    data_name: str
+    data_sha256: str
+    seq_len: int
+    windows: int
+    ppl_fp16: float
+    ppl_quantized: float
+
+    @property
+    def ratio(self) -> float:
+        return self.ppl_quantized / self.ppl_fp16
+
+
+@dataclass(slots=True)
+class Manifest:
+    artifact_id: str
+    model_name: str
+    model_version: str  # sha256 of the source checkpoint's config and weights
+    format: str  # a key of shared.formats.spec.FORMATS
+    gpu_target: str  # one of GPU_TARGETS
+    quantizer_version: str
+    model_config: dict  # shared.model.config.LlamaConfig.to_dict()
+    options: dict  # shared.quant.options.QoQOptions.to_dict()
+    calibration: dict | None  # shared.quant.calibration.CalibrationRecord.to_dict(); None for fp16
+    created_at: str  # ISO 8601, UTC
+    evaluation: Evaluation | None = None
+    files: list[FileEntry] = field(default_factory=list)
+    kernel_policy: dict | None = None  # per-GPU kernel choice table (bench/tune.py); None on cpu
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ManifestError(f"unknown format {self.format!r}; expected one of {', '.join(FORMATS)}")
+        if self.gpu_target not in GPU_TARGETS:
+            raise ManifestError(f"unknown GPU target {self.gpu_target!r}; expected one of {', '.join(GPU_TARGETS)}")
+
+    def binding(self) -> tuple[str, str, str]:
+        """What a worker checks: (model version, format, GPU target)."""
+        return (self.model_version, self.format, self.gpu_target)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ManifestError(f"manifest is not valid JSON: {e}") from e
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ManifestError(f"manifest schema_version {version!r} is not supported (this build reads {SCHEMA_VERSION})")
+        try:
+            d["files"] = [FileEntry(**f) for f in d.get("files", [])]
+            d["evaluation"] = Evaluation(**d["evaluation"]) if d.get("evaluation") else None
+            return cls(**d)
+        except TypeError as e:
+            raise ManifestError(f"manifest has missing or unknown fields: {e}") from e
+
+    def write(self, folder: Path) -> Path:
+        path = Path(folder) / MANIFEST_NAME
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def read(cls, folder: Path) -> "Manifest":
+        path = Path(folder) / MANIFEST_NAME
+        if not path.is_file():
+            raise ManifestError(f"{folder} has no {MANIFEST_NAME}: not an artifact folder")
+        return cls.from_json(path.read_text())

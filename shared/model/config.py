@@ -1,0 +1,140 @@
+"""The Llama architecture parameters, read once from a Hugging Face config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that is missing, incomplete or not a Llama-family model."""
+
+
+@dataclass(slots=True, frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    # "default" (plain RoPE), "linear" (positions / factor) or "llama3" (Llama-3.1 frequency bands).
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(slots=True, frozen=True)
+class LlamaConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    rope: RopeConfig = field(default_factory=RopeConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise CheckpointError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.rope.type not in SUPPORTED_ROPE_TYPES:
+            raise CheckpointError(
+                f"rope type {self.rope.type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (grouped-query attention)."""
+        return self.num_heads // self.num_kv_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LlamaConfig":
+        d = dict(d)
+        d["rope"] = RopeConfig(**d.get("rope", {}))
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "LlamaConfig":
+        archs = hf.get("architectures") or []
+        if hf.get("model_type") != "llama" and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise CheckpointError(
+                f"model_type={hf.get('model_type')!r} architectures={archs} is not a Llama-family "
+                f"checkpoint; supported: model_type 'llama' ({', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        if hf.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"hidden_act={hf['hidden_act']!r} is not supported; expected 'silu'")
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise CheckpointError("attention_bias / mlp_bias checkpoints are not supported")
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            vocab_size=hf["vocab_size"],
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            rope=_rope_from_hf(hf),
+        )
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "LlamaConfig":
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise CheckpointError(f"{folder} has no config.json; expected a Hugging Face checkpoint folder")
+        try:
+            hf = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+        try:
+            return cls.from_hf(hf)
+        except KeyError as e:
+            raise CheckpointError(f"{path} lacks required key {e.args[0]!r}") from e
+
+
+def _rope_from_hf(hf: dict) -> RopeConfig:
+    # transformers >= 5 nests everything under rope_parameters; older configs use rope_theta + rope_scaling.
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    return RopeConfig(
+        theta=float(theta),
+        type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+    )

@@ -1,0 +1,117 @@
+"""A plain Llama forward over reference linears: the numerics every backend is checked against.
+
+Weights are fused as the kernels want them: qkv = [q; k; v] rows and gate_up = [gate; up] rows.
+The same block function serves the quantizer (fp32 weights, activations captured for
+calibration), perplexity evaluation and the CPU backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from shared.formats.kv4 import fake_quantize_kv4
+from shared.model.config import LlamaConfig
+from shared.model.rope import apply_rope, cos_sin, inverse_frequencies
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)
+class Block:
+    attn_norm: torch.Tensor  # (H,) fp32
+    qkv: Linear  # H -> heads*D + 2*kv_heads*D
+    o: Linear  # heads*D -> H
+    mlp_norm: torch.Tensor  # (H,) fp32
+    gate_up: Linear  # H -> 2F
+    down: Linear  # F -> H
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def attention(
+    config: LlamaConfig,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_bits: int,
+    capture: dict | None = None,
+) -> torch.Tensor:
+    """qkv (B, T, q+2kv) fp32 -> causal attention output (B, T, heads*D) fp32."""
+    c = config
+    b, t, _ = qkv.shape
+    q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+    q = q.view(b, t, c.num_heads, c.head_dim).transpose(1, 2)  # (B, heads, T, D)
+    k = k.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (B, kv_heads, T, D)
+    v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+    if capture is not None:
+        capture["k_pre_rope"] = k
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if kv_bits == 4:
+        k, v = fake_quantize_kv4(k), fake_quantize_kv4(v)
+    if c.group_size > 1:
+        k = k.repeat_interleave(c.group_size, dim=1)
+        v = v.repeat_interleave(c.group_size, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, D)
+    return out.transpose(1, 2).reshape(b, t, c.q_size)
+
+
+def block_forward(
+    config: LlamaConfig,
+    block: Block,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_bits: int = 16,
+    capture: dict | None = None,
+) -> torch.Tensor:
+    """x (B, T, H) fp32 residual stream -> (B, T, H). `capture` receives each GEMM's input."""
+    h = rms_norm(x, block.attn_norm, config.rms_norm_eps)
+    attn = attention(config, block.qkv(h), cos, sin, kv_bits, capture)
+    x = x + block.o(attn)
+    h2 = rms_norm(x, block.mlp_norm, config.rms_norm_eps)
+    gate, up = block.gate_up(h2).chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    if capture is not None:
+        capture.update(qkv_in=h, o_in=attn, gate_up_in=h2, down_in=act)
+    return x + block.down(act)
+
+
+class LlamaModel:
+    """Embedding, blocks, final norm and LM head: tokens (B, T) -> logits (B, T, V) fp32."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        embed: torch.Tensor,
+        blocks: list[Block],
+        final_norm: torch.Tensor,
+        lm_head: Linear,
+        kv_bits: int = 16,
+    ):
+        self.config = config
+        self.embed = embed  # (V, H)
+        self.blocks = blocks
+        self.final_norm = final_norm.float()
+        self.lm_head = lm_head
+        self.kv_bits = kv_bits
+        self.inv_freq = inverse_frequencies(config.rope, config.head_dim)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = cos_sin(positions, self.inv_freq)
+        x = self.embed[tokens].float()
+        for block in self.blocks:
+            x = block_forward(self.config, block, x, cos, sin, self.kv_bits)
+        return self.lm_head(rms_norm(x, self.final_norm, self.config.rms_norm_eps))

@@ -1,0 +1,38 @@
+"""Loads a checkpoint's tokenizer from its folder, offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shared.model.config import CheckpointError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "generation_config.json")
+
+
+class Tokenizer:
+    """encode(text) -> ids with no special tokens added; decode(ids) -> text."""
+
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        if (folder / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer as FastTokenizer
+
+            self._fast = FastTokenizer.from_file(str(folder / "tokenizer.json"))
+            self._hf = None
+        elif (folder / "tokenizer.model").is_file() or (folder / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            self._fast = None
+            self._hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        else:
+            raise CheckpointError(f"{folder} has no tokenizer.json or tokenizer.model")
+
+    def encode(self, text: str) -> list[int]:
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=False).ids
+        return self._hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast.decode(ids, skip_special_tokens=False)
+        return self._hf.decode(ids)

@@ -1,0 +1,39 @@
+"""QoQ options: which steps run and with what settings. Parsed once (CLI or gRPC), passed down."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class QoQOptions:
+    rotation: bool = True  # Hadamard rotation of block inputs, folded into weights
+    smooth_attention: bool = True  # scale K channels down (and Q up) before KV4
+    smooth_attention_alpha: float = 0.5
+    smoothing: bool = True  # per-channel smoothing of o_proj and down_proj inputs, alpha searched
+    reorder: bool = True  # activation-aware channel reordering of down_proj inputs (group formats)
+    clipping: bool = True  # weight clip ratios searched to minimize output error
+    clip_min_ratio: float = 0.5
+    clip_steps: int = 20  # candidate ratios between clip_min_ratio and 1
+    search_tokens: int = 1024  # calibration tokens used by the smoothing and clipping searches
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 0.0 <= self.smooth_attention_alpha <= 1.0:
+            raise ValueError(f"smooth_attention_alpha must be in [0, 1], got {self.smooth_attention_alpha}")
+        if not 0.0 < self.clip_min_ratio <= 1.0:
+            raise ValueError(f"clip_min_ratio must be in (0, 1], got {self.clip_min_ratio}")
+        if self.clip_steps < 1 or self.search_tokens < 1:
+            raise ValueError("clip_steps and search_tokens must be positive")
+
+    @classmethod
+    def rtn(cls) -> "QoQOptions":
+        """Plain round-to-nearest: every QoQ step off."""
+        return cls(rotation=False, smooth_attention=False, smoothing=False, reorder=False, clipping=False)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QoQOptions":
+        return cls(**d)

@@ -1,0 +1,119 @@
+"""QoQ on one decoder block: transform the fp weights with calibration activations, then quantize.
+
+Order: fold norms + rotate (block inputs) -> one fp forward capturing every GEMM input ->
+SmoothAttention (K) -> smoothing (o_proj, down_proj inputs) -> reorder (down_proj input) ->
+clip search + round each linear. Every transform keeps the block's fp function unchanged,
+so the block output of the capture forward is the next block's calibration input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.formats.artifact import BLOCK_LINEARS
+from shared.formats.spec import FormatSpec
+from shared.formats.weights import PackedWeight
+from shared.model.config import LlamaConfig
+from shared.model.llama import block_forward
+from shared.quant.block import WorkBlock
+from shared.quant.clipping import candidate_ratios, search_clip_ratios
+from shared.quant.options import QoQOptions
+from shared.quant.reorder import apply_down_reorder, salience_order
+from shared.quant.smooth_attention import apply_smooth_attention, smooth_attention_scales
+from shared.quant.smoothing import apply_down_smoothing, apply_o_smoothing, search_scales, tie_over_query_groups
+from shared.quant.weights import WEIGHT_QUANTIZERS
+
+FORWARD_BATCH = 8  # calibration samples per capture forward; bounds activation memory
+
+
+@dataclass(slots=True)
+class Captured:
+    """Per-GEMM inputs on a token subsample, and the running maxima the scale searches need."""
+
+    qkv_in: torch.Tensor  # (S, H)
+    o_in: torch.Tensor  # (S, heads*D)
+    gate_up_in: torch.Tensor  # (S, H)
+    down_in: torch.Tensor  # (S, F)
+    k_absmax: torch.Tensor  # (kv_heads, D) over every calibration token, pre-RoPE
+
+
+@dataclass(slots=True)
+class QuantizedBlock:
+    norms: dict[str, torch.Tensor]  # attn_norm, mlp_norm (H,)
+    linears: dict[str, PackedWeight]  # qkv, o, gate_up, down
+
+
+def capture(
+    config: LlamaConfig, work: WorkBlock, x: torch.Tensor, cos, sin, token_idx: torch.Tensor
+) -> tuple[Captured, torch.Tensor]:
+    """Runs the fp block over x (N, T, H); returns captures and the block output (N, T, H)."""
+    block = work.as_fp_block()
+    outs, subs = [], {k: [] for k in ("qkv_in", "o_in", "gate_up_in", "down_in")}
+    k_absmax = None
+    t = x.shape[1]
+    for start in range(0, x.shape[0], FORWARD_BATCH):
+        cap: dict = {}
+        xb = x[start : start + FORWARD_BATCH]
+        outs.append(block_forward(config, block, xb, cos, sin, capture=cap))
+        kmax = cap["k_pre_rope"].abs().amax(dim=(0, 2))
+        k_absmax = kmax if k_absmax is None else torch.maximum(k_absmax, kmax)
+        # Keep only the subsampled tokens that fall in this batch.
+        lo, hi = start * t, (start + xb.shape[0]) * t
+        local = token_idx[(token_idx >= lo) & (token_idx < hi)] - lo
+        for name in subs:
+            subs[name].append(cap[name].reshape(-1, cap[name].shape[-1])[local])
+    captured = Captured(**{k: torch.cat(v) for k, v in subs.items()}, k_absmax=k_absmax)
+    return captured, torch.cat(outs)
+
+
+def quantize_block(
+    config: LlamaConfig,
+    work: WorkBlock,
+    x: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    spec: FormatSpec,
+    options: QoQOptions,
+    rotation: torch.Tensor | None,
+    token_idx: torch.Tensor | None,
+) -> tuple[QuantizedBlock, torch.Tensor | None]:
+    """x (N, T, H) calibration inputs (already rotated if rotation is on) -> (quantized block, next x).
+
+    x None (no data-driven step enabled): rotation, if any, then round-to-nearest.
+    """
+    if rotation is not None:
+        work.fold_norms()
+        work.rotate(rotation)
+    kind, bits = spec.weight_kind, spec.activation_bits
+    quantize = WEIGHT_QUANTIZERS[kind][0]
+    norms = {"attn_norm": work.attn_norm, "mlp_norm": work.mlp_norm}
+    if x is None:
+        return QuantizedBlock(norms, {n: quantize(getattr(work, n)) for n in BLOCK_LINEARS}), None
+    cap, out = capture(config, work, x, cos, sin, token_idx)
+
+    if options.smooth_attention and spec.kv_bits == 4:
+        lam = smooth_attention_scales(config, cap.k_absmax, options.smooth_attention_alpha)
+        apply_smooth_attention(config, work, lam)
+    if options.smoothing:
+        s = search_scales(cap.o_in, work.o, kind, bits, tie=tie_over_query_groups(config))
+        apply_o_smoothing(config, work, s)
+        cap.o_in = cap.o_in / s
+        s = search_scales(cap.down_in, work.down, kind, bits)
+        apply_down_smoothing(work, s)
+        cap.down_in = cap.down_in / s
+    if options.reorder and spec.needs_groups and kind != "w4chn":
+        perm = salience_order(cap.down_in)
+        apply_down_reorder(work, perm)
+        cap.down_in = cap.down_in[:, perm]
+
+    ratios = candidate_ratios(options.clip_min_ratio, options.clip_steps)
+    inputs = {"qkv": cap.qkv_in, "o": cap.o_in, "gate_up": cap.gate_up_in, "down": cap.down_in}
+    linears = {}
+    for name, x_in in inputs.items():
+        w = getattr(work, name)
+        clip = search_clip_ratios(x_in, w, kind, ratios) if options.clipping else None
+        linears[name] = quantize(w, clip)
+    return QuantizedBlock(norms, linears), out
+

@@ -1,0 +1,150 @@
+"""Quantize a Hugging Face Llama checkpoint into an artifact folder, streaming block by block.
+
+Peak memory is one block's fp32 weights, the embedding and LM head, and the calibration
+activations: a 7B checkpoint never needs its whole fp32 size in memory.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from shared import __version__
+from shared.formats.artifact import (
+    EMBED_FILE,
+    HEAD_FILE,
+    TOKENIZER_DIR,
+    ArtifactWriter,
+    block_file,
+    block_tensors,
+)
+from shared.formats.manifest import GPU_TARGETS, Manifest
+from shared.formats.spec import FormatSpec, format_spec
+from shared.formats.weights import GROUP_SIZE, Fp16Weight
+from shared.model.checkpoint import HfCheckpoint
+from shared.model.config import CheckpointError, LlamaConfig
+from shared.model.rope import cos_sin, inverse_frequencies
+from shared.model.tokenizer import TOKENIZER_FILES, Tokenizer
+from shared.quant.block import WorkBlock
+from shared.quant.calibration import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, load_calibration
+from shared.quant.options import QoQOptions
+from shared.quant.qoq import quantize_block
+from shared.quant.rotation import rotation_matrix
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+@dataclass(slots=True, frozen=True)
+class QuantizeSettings:
+    model_dir: Path
+    out_dir: Path
+    format: str
+    gpu_target: str = "cpu"
+    options: QoQOptions = field(default_factory=QoQOptions)
+    calib_path: Path | None = None  # None: the built-in default calibration text
+    calib_samples: int = DEFAULT_SAMPLES
+    calib_seq_len: int = DEFAULT_SEQ_LEN
+    model_name: str | None = None  # default: the checkpoint folder's name
+    device: str = "cpu"
+
+    def __post_init__(self):
+        format_spec(self.format)  # raises on an unknown format
+        if self.gpu_target not in GPU_TARGETS:
+            raise ValueError(f"unknown GPU target {self.gpu_target!r}; expected one of: {', '.join(GPU_TARGETS)}")
+
+
+def check_group_divisibility(config: LlamaConfig, spec: FormatSpec) -> None:
+    if not spec.needs_groups:
+        return
+    sizes = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+             "num_attention_heads*head_dim": config.q_size}
+    for name, size in sizes.items():
+        if size % GROUP_SIZE:
+            raise CheckpointError(
+                f"{name}={size} is not a multiple of the group size {GROUP_SIZE} that format {spec.name} needs; "
+                "use w8a8 or fp16 for this model"
+            )
+
+
+def needs_calibration(spec: FormatSpec, options: QoQOptions) -> bool:
+    if spec.weight_kind == "fp16":
+        return False
+    return options.smooth_attention or options.smoothing or options.reorder or options.clipping
+
+
+@torch.no_grad()
+def quantize_checkpoint(settings: QuantizeSettings, progress: Progress | None = None) -> Manifest:
+    report = progress or (lambda stage, done, total: None)
+    spec = format_spec(settings.format)
+    device = torch.device(settings.device)
+    report("load", 0, 1)
+    ckpt = HfCheckpoint(settings.model_dir)
+    config = ckpt.config
+    check_group_divisibility(config, spec)
+    options = settings.options if spec.weight_kind != "fp16" else QoQOptions.rtn()
+    model_version = ckpt.content_hash()
+    tokenizer = Tokenizer(settings.model_dir)
+    report("load", 1, 1)
+
+    identity = {"model_version": model_version, "format": spec.name, "gpu_target": settings.gpu_target,
+                "options": options.to_dict()}
+    with ArtifactWriter(settings.out_dir, identity) as writer:
+        rotation = rotation_matrix(config.hidden_size, options.seed).float().to(device) if options.rotation else None
+        embed = ckpt.embed_tokens().to(device=device, dtype=torch.float32)  # (V, H)
+        if rotation is not None:
+            embed = embed @ rotation
+        writer.write_tensors(EMBED_FILE, {"embed": embed.half()})
+
+        calibration, x, cos, sin, token_idx = None, None, None, None, None
+        if needs_calibration(spec, options):
+            report("calibrate", 0, 1)
+            tokens, calibration = load_calibration(
+                settings.calib_path, tokenizer, settings.calib_samples, settings.calib_seq_len
+            )
+            x = embed[tokens.to(device)]  # (N, T, H) fp32
+            cos, sin = cos_sin(torch.arange(tokens.shape[1], device=device), inverse_frequencies(config.rope, config.head_dim))
+            g = torch.Generator().manual_seed(options.seed)
+            n_tokens = tokens.numel()
+            token_idx = torch.randperm(n_tokens, generator=g)[: options.search_tokens].sort().values.to(device)
+            report("calibrate", 1, 1)
+        del embed
+
+        for i in range(config.num_layers):
+            work = WorkBlock.from_fp(ckpt.block(i), device)
+            qb, x = quantize_block(config, work, x, cos, sin, spec, options, rotation, token_idx)
+            writer.write_tensors(block_file(i), block_tensors(qb.norms, qb.linears))
+            del work, qb
+            report("quantize", i + 1, config.num_layers)
+
+        report("pack", 0, 1)
+        final_norm = ckpt.final_norm().to(device=device, dtype=torch.float32)
+        lm_head = ckpt.lm_head().to(device=device, dtype=torch.float32)
+        if rotation is not None:
+            lm_head = (lm_head * final_norm[None, :]) @ rotation
+            final_norm = torch.ones_like(final_norm)
+        head = {"final_norm": final_norm.half(), **Fp16Weight(lm_head.half()).tensors("lm_head")}
+        writer.write_tensors(HEAD_FILE, head)
+        for name in TOKENIZER_FILES:
+            src = Path(settings.model_dir) / name
+            if src.is_file():
+                writer.copy_file(src, f"{TOKENIZER_DIR}/{name}")
+        manifest = Manifest(
+            artifact_id=uuid.uuid4().hex,
+            model_name=settings.model_name or Path(settings.model_dir).resolve().name,
+            model_version=model_version,
+            format=spec.name,
+            gpu_target=settings.gpu_target,
+            quantizer_version=__version__,
+            model_config=config.to_dict(),
+            options=options.to_dict(),
+            calibration=calibration.to_dict() if calibration else None,
+            created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        )
+        writer.finish(manifest)
+        report("pack", 1, 1)
+    return manifest
