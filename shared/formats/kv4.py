@@ -1,9 +1,10 @@
 """KV4: the 4-bit KV cache (dynamic, asymmetric, one scale and zero per token and per head).
 
 Values of one head vector x (D,) are stored as codes q in [0, 15] with
-    x ~= (q - zero) * scale,    scale = (max - min) / 15,    zero = -min / scale,
-scale and zero kept in fp16 beside the codes. The zero point is not rounded to an integer: KV
-values never need an exact 0, and the unrounded zero halves the worst-case error at the ends.
+    x ~= q * scale + zero,    scale = (max - min) / 15,    zero = min,
+scale and zero kept in fp16 beside the codes. The zero is kept in value units (what code 0
+means) rather than as a code offset: dequantization is one multiply-add, and a vector whose
+range is tiny next to its values (min / scale beyond fp16) still round-trips.
 
 Paged layout (one tensor per layer for K and one for V):
     page (num_blocks, num_kv_heads, block_size, D // 2 + 4) uint8
@@ -27,14 +28,14 @@ def quantize_kv4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     xf = x.float()
     lo, hi = xf.amin(dim=-1), xf.amax(dim=-1)
     scale = ((hi - lo) / KV4_LEVELS).clamp_min(1e-5).half()
-    zero = (-lo / scale.float()).half()
-    q = torch.round(xf / scale.float()[..., None] + zero.float()[..., None]).clamp_(0, KV4_LEVELS)
+    zero = lo.half()
+    q = torch.round((xf - zero.float()[..., None]) / scale.float()[..., None]).clamp_(0, KV4_LEVELS)
     return q.to(torch.uint8), scale, zero
 
 
 def dequantize_kv4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """codes (..., D) uint8 -> (..., D) fp32."""
-    return (q.float() - zero.float()[..., None]) * scale.float()[..., None]
+    return q.float() * scale.float()[..., None] + zero.float()[..., None]
 
 
 def fake_quantize_kv4(x: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,20 @@ class WorkBlock:
         self.attn_norm = torch.ones_like(self.attn_norm)
         self.mlp_norm = torch.ones_like(self.mlp_norm)
 
+    def rotate_values(self, config: LlamaConfig, r: torch.Tensor) -> None:
+        """Per-head V -> V R (R (D, D) orthogonal): v_proj rows -> R^T W_v, o_proj columns -> W_o R.
+
+        Attention outputs are weighted sums of V rows, so each head's output turns by the same R
+        and o_proj turns it back: the function is unchanged, V's outlier channels are spread out.
+        """
+        r = r.to(self.qkv)
+        _, _, v_rows = self.q_k_v_rows(config)
+        d = config.head_dim
+        w_v = self.qkv[v_rows].view(config.num_kv_heads, d, -1)  # (kv_heads, D, H)
+        self.qkv[v_rows] = (r.t() @ w_v).reshape(-1, w_v.shape[-1])
+        w_o = self.o.view(self.o.shape[0], config.num_heads, d)  # (H, heads, D)
+        self.o = (w_o @ r).reshape(self.o.shape[0], -1)
+
     def rotate(self, r: torch.Tensor) -> None:
         """Residual stream x -> x R: inputs read x R, so W -> W R; outputs write y R, so W -> R^T W."""
         r = r.to(self.qkv)

@@ -8,11 +8,13 @@ from dataclasses import asdict, dataclass
 @dataclass(slots=True, frozen=True)
 class QoQOptions:
     rotation: bool = True  # Hadamard rotation of block inputs, folded into weights
+    rotate_values: bool = True  # per-head rotation of V folded into v_proj / o_proj (beyond QServe)
     smooth_attention: bool = True  # scale K channels down (and Q up) before KV4
     smooth_attention_alpha: float = 0.5
     smoothing: bool = True  # per-channel smoothing of o_proj and down_proj inputs, alpha searched
     reorder: bool = True  # activation-aware channel reordering of down_proj inputs (group formats)
     clipping: bool = True  # weight clip ratios searched to minimize output error
+    gptq: bool = True  # error-compensated rounding (beyond QServe's recipe; measured in the accuracy table)
     clip_min_ratio: float = 0.5
     clip_steps: int = 20  # candidate ratios between clip_min_ratio and 1
     search_tokens: int = 1024  # calibration tokens used by the smoothing and clipping searches
@@ -29,7 +31,7 @@ class QoQOptions:
     @classmethod
     def rtn(cls) -> "QoQOptions":
         """Plain round-to-nearest: every QoQ step off."""
-        return cls(rotation=False, smooth_attention=False, smoothing=False, reorder=False, clipping=False)
+        return cls(rotation=False, rotate_values=False, smooth_attention=False, smoothing=False, reorder=False, clipping=False, gptq=False)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -2,7 +2,7 @@
 
 Order: fold norms + rotate (block inputs) -> one fp forward capturing every GEMM input ->
 SmoothAttention (K) -> smoothing (o_proj, down_proj inputs) -> reorder (down_proj input) ->
-clip search + round each linear. Every transform keeps the block's fp function unchanged,
+clip search -> rounding of each linear (GPTQ error compensation, or round-to-nearest). Every transform keeps the block's fp function unchanged,
 so the block output of the capture forward is the next block's calibration input.
 """
 
@@ -18,6 +18,7 @@ from shared.formats.weights import PackedWeight
 from shared.model.config import LlamaConfig
 from shared.model.llama import block_forward
 from shared.quant.block import WorkBlock
+from shared.quant.gptq import gptq_quantize
 from shared.quant.clipping import candidate_ratios, search_clip_ratios
 from shared.quant.options import QoQOptions
 from shared.quant.reorder import apply_down_reorder, salience_order
@@ -37,6 +38,7 @@ class Captured:
     gate_up_in: torch.Tensor  # (S, H)
     down_in: torch.Tensor  # (S, F)
     k_absmax: torch.Tensor  # (kv_heads, D) over every calibration token, pre-RoPE
+    hessians: dict[str, torch.Tensor]  # per linear: sum of x^T x over every calibration token (K, K)
 
 
 @dataclass(slots=True)
@@ -51,6 +53,7 @@ def capture(
     """Runs the fp block over x (N, T, H); returns captures and the block output (N, T, H)."""
     block = work.as_fp_block()
     outs, subs = [], {k: [] for k in ("qkv_in", "o_in", "gate_up_in", "down_in")}
+    hessians: dict[str, torch.Tensor] = {}
     k_absmax = None
     t = x.shape[1]
     for start in range(0, x.shape[0], FORWARD_BATCH):
@@ -62,9 +65,12 @@ def capture(
         # Keep only the subsampled tokens that fall in this batch.
         lo, hi = start * t, (start + xb.shape[0]) * t
         local = token_idx[(token_idx >= lo) & (token_idx < hi)] - lo
-        for name in subs:
-            subs[name].append(cap[name].reshape(-1, cap[name].shape[-1])[local])
-    captured = Captured(**{k: torch.cat(v) for k, v in subs.items()}, k_absmax=k_absmax)
+        for name, linear in zip(subs, BLOCK_LINEARS):
+            flat = cap[name].reshape(-1, cap[name].shape[-1])
+            subs[name].append(flat[local])
+            xtx = flat.t() @ flat
+            hessians[linear] = hessians[linear] + xtx if linear in hessians else xtx
+    captured = Captured(**{k: torch.cat(v) for k, v in subs.items()}, k_absmax=k_absmax, hessians=hessians)
     return captured, torch.cat(outs)
 
 
@@ -78,6 +84,7 @@ def quantize_block(
     options: QoQOptions,
     rotation: torch.Tensor | None,
     token_idx: torch.Tensor | None,
+    value_rotation: torch.Tensor | None = None,
 ) -> tuple[QuantizedBlock, torch.Tensor | None]:
     """x (N, T, H) calibration inputs (already rotated if rotation is on) -> (quantized block, next x).
 
@@ -86,6 +93,8 @@ def quantize_block(
     if rotation is not None:
         work.fold_norms()
         work.rotate(rotation)
+    if value_rotation is not None:
+        work.rotate_values(config, value_rotation)
     kind, bits = spec.weight_kind, spec.activation_bits
     quantize = WEIGHT_QUANTIZERS[kind][0]
     norms = {"attn_norm": work.attn_norm, "mlp_norm": work.mlp_norm}
@@ -100,13 +109,16 @@ def quantize_block(
         s = search_scales(cap.o_in, work.o, kind, bits, tie=tie_over_query_groups(config))
         apply_o_smoothing(config, work, s)
         cap.o_in = cap.o_in / s
+        cap.hessians["o"] = cap.hessians["o"] / s[:, None] / s[None, :]
         s = search_scales(cap.down_in, work.down, kind, bits)
         apply_down_smoothing(work, s)
         cap.down_in = cap.down_in / s
+        cap.hessians["down"] = cap.hessians["down"] / s[:, None] / s[None, :]
     if options.reorder and spec.needs_groups and kind != "w4chn":
         perm = salience_order(cap.down_in)
         apply_down_reorder(work, perm)
         cap.down_in = cap.down_in[:, perm]
+        cap.hessians["down"] = cap.hessians["down"][perm][:, perm]
 
     ratios = candidate_ratios(options.clip_min_ratio, options.clip_steps)
     inputs = {"qkv": cap.qkv_in, "o": cap.o_in, "gate_up": cap.gate_up_in, "down": cap.down_in}
@@ -114,6 +126,13 @@ def quantize_block(
     for name, x_in in inputs.items():
         w = getattr(work, name)
         clip = search_clip_ratios(x_in, w, kind, ratios) if options.clipping else None
-        linears[name] = quantize(w, clip)
+        if name == "qkv" and clip is not None:
+            # Clipping shrinks q and k outputs, which sharpens or flattens every attention
+            # distribution; like AWQ, only V's rows are clipped (measured: clipping q/k costs ppl).
+            clip[: config.q_size + config.kv_size] = 1.0
+        if options.gptq:
+            linears[name] = gptq_quantize(w, cap.hessians[name], kind, clip)
+        else:
+            linears[name] = quantize(w, clip)
     return QuantizedBlock(norms, linears), out
 

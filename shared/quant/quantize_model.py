@@ -74,7 +74,7 @@ def check_group_divisibility(config: LlamaConfig, spec: FormatSpec) -> None:
 def needs_calibration(spec: FormatSpec, options: QoQOptions) -> bool:
     if spec.weight_kind == "fp16":
         return False
-    return options.smooth_attention or options.smoothing or options.reorder or options.clipping
+    return options.smooth_attention or options.smoothing or options.reorder or options.clipping or options.gptq
 
 
 @torch.no_grad()
@@ -95,6 +95,9 @@ def quantize_checkpoint(settings: QuantizeSettings, progress: Progress | None = 
                 "options": options.to_dict()}
     with ArtifactWriter(settings.out_dir, identity) as writer:
         rotation = rotation_matrix(config.hidden_size, options.seed).float().to(device) if options.rotation else None
+        value_rotation = (
+            rotation_matrix(config.head_dim, options.seed + 1).float().to(device) if options.rotate_values else None
+        )
         embed = ckpt.embed_tokens().to(device=device, dtype=torch.float32)  # (V, H)
         if rotation is not None:
             embed = embed @ rotation
@@ -116,7 +119,7 @@ def quantize_checkpoint(settings: QuantizeSettings, progress: Progress | None = 
 
         for i in range(config.num_layers):
             work = WorkBlock.from_fp(ckpt.block(i), device)
-            qb, x = quantize_block(config, work, x, cos, sin, spec, options, rotation, token_idx)
+            qb, x = quantize_block(config, work, x, cos, sin, spec, options, rotation, token_idx, value_rotation)
             writer.write_tensors(block_file(i), block_tensors(qb.norms, qb.linears))
             del work, qb
             report("quantize", i + 1, config.num_layers)

@@ -71,6 +71,18 @@ def progressive_level2(w8: torch.Tensor, clip: torch.Tensor | None = None):
     return q.flatten(1).to(torch.uint8), s2.to(torch.uint8), zero.to(torch.uint8)
 
 
+def progressive_safe_code_range(s2: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes q whose (q - zero) * s2 lies in [-128, 127], as fp32 bounds (q_lo, q_hi).
+
+    Round-to-nearest never produces a code outside this range; error-compensated rounding
+    (shared.quant.gptq) can push a weight past its group's range, so it clamps to it.
+    """
+    s2f, zf = s2.float(), zero.float()
+    q_lo = (zf - torch.floor(128 / s2f)).clamp(min=0)
+    q_hi = (zf + torch.floor(127 / s2f)).clamp(max=UINT4_MAX)
+    return q_lo, q_hi
+
+
 def quantize_w4_g128_progressive(w: torch.Tensor, clip: torch.Tensor | None = None) -> W4G128ProgressiveWeight:
     """clip: (N, G) ratios applied to the level-2 group range."""
     w8, s1 = progressive_level1(w)

@@ -1,0 +1,57 @@
+"""`qctl eval`: perplexity of a checkpoint, or of an artifact made from it, over a whole text file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+
+from qctl.devices import resolve_device
+from qctl.errors import user_errors
+from shared.formats.artifact import ArtifactReader
+from shared.model.checkpoint import HfCheckpoint
+from shared.model.config import LlamaConfig
+from shared.model.load import artifact_model, fp_model
+from shared.model.perplexity import perplexity, windows_of
+from shared.model.tokenizer import Tokenizer
+
+
+@user_errors
+def evaluate(
+    model: Path = typer.Option(..., "--model", help="the source checkpoint folder (its tokenizer is used)"),
+    artifact: Path = typer.Option(None, "--artifact", help="an artifact folder made from --model [default: the fp model]"),
+    data: Path = typer.Option(..., "--data", help="text file, tokenized whole, no special tokens"),
+    seq_len: int = typer.Option(512, help="window length; windows do not overlap"),
+    max_windows: int = typer.Option(0, help="score only the first N windows (0: all)"),
+    batch_size: int = typer.Option(8, help="windows per forward"),
+    device: str = typer.Option("auto", help="cpu, cuda, or auto"),
+    as_json: bool = typer.Option(False, "--json", help='print {"ppl": ..., "tokens": ...} only'),
+):
+    """Perplexity over the whole file in non-overlapping windows."""
+    dev = resolve_device(device)
+    if not data.is_file():
+        raise FileNotFoundError(f"data file {data} does not exist")
+    text = data.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise ValueError(f"data file {data} is empty")
+    if artifact is not None:
+        reader = ArtifactReader(artifact)
+        expected = LlamaConfig.from_folder(model).to_dict()
+        if reader.manifest.model_config != expected:
+            raise ValueError(f"artifact {artifact} was not made from {model}: their model configurations differ")
+        net = artifact_model(reader, dev)
+    else:
+        net = fp_model(HfCheckpoint(model), dev)
+    windows = windows_of(Tokenizer(model).encode(text), seq_len)
+    if max_windows > 0:
+        windows = windows[:max_windows]
+    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as bar:
+        task = bar.add_task("eval", total=windows.shape[0])
+        result = perplexity(net.forward, windows, batch_size, dev, lambda done, total: bar.update(task, completed=done))
+    if as_json:
+        print(json.dumps({"ppl": result.ppl, "tokens": result.tokens, "windows": result.windows}))
+    else:
+        print(f"perplexity {result.ppl:.4f} over {result.tokens} tokens ({result.windows} windows of {seq_len})")

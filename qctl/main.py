@@ -1,0 +1,16 @@
+"""qctl: the admin CLI of the quantize-and-serve stack."""
+
+from __future__ import annotations
+
+import typer
+
+from qctl.eval_cmd import evaluate
+from qctl.quantize_cmd import quantize
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Quantize, publish, roll out and serve W4A8KV4 LLMs.")
+app.command("quantize")(quantize)
+app.command("eval")(evaluate)
+
+
+if __name__ == "__main__":
+    app()

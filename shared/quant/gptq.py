@@ -1,0 +1,128 @@
+"""Error-compensated rounding (GPTQ) onto each format's grid.
+
+Round-to-nearest treats every weight alone. GPTQ rounds one input column at a time and moves the
+rounding error onto the columns not yet rounded, weighted by the inverse Hessian of the layer's
+calibration inputs (H = X^T X), so the layer output, not the weights, stays close. The grids
+are those of shared.quant.weights; group parameters are taken from the error-updated weights
+when each group of 128 starts, with the group's searched clip ratio.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.formats.weights import (
+    GROUP_SIZE,
+    PROTECTIVE_RANGE,
+    PackedWeight,
+    W4ChannelWeight,
+    W4G128ProgressiveWeight,
+    W4G128Weight,
+    W8Weight,
+    pack_codes,
+)
+from shared.quant.weights import UINT4_MAX, progressive_safe_code_range
+
+DAMPING = 0.01  # of the mean Hessian diagonal, keeps the Cholesky factorization stable
+
+
+class _Grid:
+    """The quantization grid of one format: per-row parameters and per-group parameters."""
+
+    def __init__(self, kind: str, w: torch.Tensor, clip: torch.Tensor | None):
+        self.kind = kind
+        n, k = w.shape
+        self.clip = clip
+        self.codes = torch.zeros(n, k, dtype=torch.uint8, device=w.device)
+        if kind == "w4g128p":
+            self.s1 = (w.abs().amax(dim=1) / PROTECTIVE_RANGE).clamp_min(1e-8).half()
+            self.s2 = torch.zeros(n, k // GROUP_SIZE, dtype=torch.uint8, device=w.device)
+            self.zero = torch.zeros_like(self.s2)
+        elif kind == "w4g128":
+            self.scale = torch.zeros(n, k // GROUP_SIZE, dtype=torch.float16, device=w.device)
+            self.zero = torch.zeros(n, k // GROUP_SIZE, dtype=torch.uint8, device=w.device)
+        elif kind == "w4chn":
+            ratio = clip if clip is not None else torch.ones(n, device=w.device)
+            lo = w.amin(dim=1).clamp(max=0) * ratio
+            hi = w.amax(dim=1).clamp(min=0) * ratio
+            self.scale = ((hi - lo) / UINT4_MAX).clamp_min(1e-8).half()
+            self.zero = torch.round(-lo / self.scale.float()).clamp_(0, UINT4_MAX).half()
+        elif kind == "w8":
+            ratio = clip if clip is not None else torch.ones(n, device=w.device)
+            self.scale = (w.abs().amax(dim=1) * ratio / 127).clamp_min(1e-8).half()
+        else:
+            raise ValueError(f"GPTQ has no grid for weight kind {kind!r}")
+
+    def start_group(self, g: int, wg: torch.Tensor) -> None:
+        """wg (N, 128): the current (error-updated) weights of group g."""
+        ratio = self.clip[:, g] if self.clip is not None else 1.0
+        if self.kind == "w4g128p":
+            w8 = torch.round(wg / self.s1.float()[:, None]).clamp_(-PROTECTIVE_RANGE, PROTECTIVE_RANGE)
+            lo, hi = w8.amin(dim=1).clamp(max=0) * ratio, w8.amax(dim=1).clamp(min=0) * ratio
+            s2 = torch.round((hi - lo) / UINT4_MAX).clamp_(1, 16)
+            self.s2[:, g] = s2.to(torch.uint8)
+            self.zero[:, g] = torch.round(-lo / s2).clamp_(0, UINT4_MAX).to(torch.uint8)
+        elif self.kind == "w4g128":
+            lo, hi = wg.amin(dim=1).clamp(max=0) * ratio, wg.amax(dim=1).clamp(min=0) * ratio
+            scale = ((hi - lo) / UINT4_MAX).clamp_min(1e-8).half()
+            self.scale[:, g] = scale
+            self.zero[:, g] = torch.round(-lo / scale.float()).clamp_(0, UINT4_MAX).to(torch.uint8)
+
+    def round_column(self, j: int, w: torch.Tensor) -> torch.Tensor:
+        """Rounds column j (N,) onto the grid, records its codes, returns the dequantized column."""
+        g = j // GROUP_SIZE
+        if self.kind == "w4g128p":
+            step = self.s2[:, g].float()
+            zero = self.zero[:, g].float()
+            q_lo, q_hi = progressive_safe_code_range(self.s2[:, g], self.zero[:, g])
+            q = torch.minimum(torch.maximum(torch.round(w / (self.s1.float() * step)) + zero, q_lo), q_hi)
+            self.codes[:, j] = q.to(torch.uint8)
+            return (q - zero) * step * self.s1.float()
+        if self.kind == "w8":
+            q = torch.round(w / self.scale.float()).clamp_(-127, 127)
+            self.codes[:, j] = q.to(torch.int8).view(torch.uint8)
+            return q * self.scale.float()
+        scale = (self.scale[:, g] if self.kind == "w4g128" else self.scale).float()
+        zero = (self.zero[:, g] if self.kind == "w4g128" else self.zero).float()
+        q = (torch.round(w / scale) + zero).clamp_(0, UINT4_MAX)
+        self.codes[:, j] = q.to(torch.uint8)
+        return (q - zero) * scale
+
+    def packed(self) -> PackedWeight:
+        if self.kind == "w4g128p":
+            return W4G128ProgressiveWeight(qweight=pack_codes(self.codes), s1=self.s1, s2=self.s2, zero=self.zero)
+        if self.kind == "w4g128":
+            return W4G128Weight(qweight=pack_codes(self.codes), scale=self.scale, zero=self.zero)
+        if self.kind == "w4chn":
+            return W4ChannelWeight(qweight=pack_codes(self.codes), scale=self.scale, zero=self.zero)
+        return W8Weight(qweight=self.codes.view(torch.int8), scale=self.scale)
+
+
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, kind: str, clip: torch.Tensor | None = None) -> PackedWeight:
+    """w (N, K) fp32, hessian (K, K) = sum of x^T x over calibration tokens -> packed weight."""
+    w = w.float().clone()
+    n, k = w.shape
+    h = hessian.double().clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += DAMPING * torch.diagonal(h).mean() * torch.eye(k, dtype=h.dtype, device=h.device)
+    # Upper Cholesky factor of H^-1: row j holds the update coefficients for columns after j.
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    grid = _Grid(kind, w, clip)
+    block = GROUP_SIZE if k % GROUP_SIZE == 0 else k
+    for start in range(0, k, block):
+        end = min(start + block, k)
+        w_blk = w[:, start:end].clone()
+        h_blk = hinv[start:end, start:end]
+        err_blk = torch.zeros_like(w_blk)
+        if kind in ("w4g128p", "w4g128"):
+            grid.start_group(start // GROUP_SIZE, w_blk)
+        for i in range(end - start):
+            col = w_blk[:, i]
+            deq = grid.round_column(start + i, col)
+            err = (col - deq) / h_blk[i, i]
+            w_blk[:, i:] -= err[:, None] * h_blk[i, i:][None, :]
+            err_blk[:, i] = err
+        w[:, end:] -= err_blk @ hinv[start:end, end:]
+    return grid.packed()

@@ -1,0 +1,49 @@
+import json
+
+import pytest
+
+from shared.formats.manifest import Evaluation, FileEntry, Manifest, ManifestError
+
+
+def _manifest(**kw):
+    base = dict(
+        artifact_id="a1", model_name="m", model_version="v" * 64, format="w4a8kv4-g128", gpu_target="sm90",
+        quantizer_version="0.1.0", model_config={"hidden_size": 8}, options={"rotation": True},
+        calibration={"data_name": "c.txt", "data_sha256": "0" * 64, "samples": 2, "seq_len": 16},
+        created_at="2026-11-29T00:00:00+00:00",
+    )
+    base.update(kw)
+    return Manifest(**base)
+
+
+def test_round_trip_with_files_and_evaluation(tmp_path):
+    m = _manifest(
+        evaluation=Evaluation("eval.txt", "1" * 64, 512, 215, 5.01, 5.08),
+        files=[FileEntry("weights/embed.safetensors", "2" * 64, 10)],
+        kernel_policy={"(4096,4096)": {"1": "w4a8_fp8_small_m"}},
+    )
+    m.write(tmp_path)
+    back = Manifest.read(tmp_path)
+    assert back == m
+    assert back.evaluation.ratio == pytest.approx(5.08 / 5.01)
+    assert back.binding() == ("v" * 64, "w4a8kv4-g128", "sm90")
+
+
+def test_unknown_format_and_gpu_are_refused_with_the_accepted_values():
+    with pytest.raises(ManifestError, match="unknown format 'w3a8'.*w4a8kv4-g128"):
+        _manifest(format="w3a8")
+    with pytest.raises(ManifestError, match="unknown GPU target 'sm100'.*sm90"):
+        _manifest(gpu_target="sm100")
+
+
+def test_other_schema_versions_are_refused(tmp_path):
+    d = json.loads(_manifest().to_json())
+    d["schema_version"] = 99
+    (tmp_path / "manifest.json").write_text(json.dumps(d))
+    with pytest.raises(ManifestError, match="schema_version 99"):
+        Manifest.read(tmp_path)
+
+
+def test_missing_manifest_says_not_an_artifact(tmp_path):
+    with pytest.raises(ManifestError, match="not an artifact folder"):
+        Manifest.read(tmp_path)

@@ -1,0 +1,42 @@
+"""Every weight layout survives safetensors and means what its class says."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from shared.formats.weights import WEIGHT_KINDS, FormatError, W4G128ProgressiveWeight
+from shared.quant.weights import WEIGHT_QUANTIZERS
+
+
+@pytest.mark.parametrize("kind", sorted(WEIGHT_QUANTIZERS))
+def test_round_trip_through_safetensors(kind, tmp_path):
+    w = torch.randn(67, 256)  # odd N
+    packed = WEIGHT_QUANTIZERS[kind][0](w)
+    path = tmp_path / "w.safetensors"
+    save_file(packed.tensors("layer"), str(path))
+    loaded = WEIGHT_KINDS[kind].from_tensors("layer", load_file(str(path)))
+    assert torch.equal(loaded.dequantize(), packed.dequantize())
+    rel = (loaded.dequantize() - w).norm() / w.norm()
+    assert rel < {"fp16": 1e-3, "w8": 0.01}.get(kind, 0.12), f"{kind}: relative error {rel:.4f}"
+
+
+def test_missing_tensor_names_the_key():
+    packed = WEIGHT_QUANTIZERS["w4chn"][0](torch.randn(8, 128))
+    tensors = packed.tensors("down")
+    del tensors["down.zero"]
+    with pytest.raises(FormatError, match="down.zero"):
+        WEIGHT_KINDS["w4chn"].from_tensors("down", tensors)
+
+
+def test_wrong_dtype_is_refused_with_shapes_named():
+    packed = WEIGHT_QUANTIZERS["w4g128p"][0](torch.randn(8, 128))
+    with pytest.raises(FormatError, match="s2: expected"):
+        W4G128ProgressiveWeight(qweight=packed.qweight, s1=packed.s1, s2=packed.s2.float(), zero=packed.zero)
+
+
+def test_clip_ratio_shrinks_the_range():
+    w = torch.randn(4, 128)
+    w[:, 0] = 20.0  # an outlier per row
+    full = WEIGHT_QUANTIZERS["w4chn"][0](w)
+    clipped = WEIGHT_QUANTIZERS["w4chn"][0](w, torch.full((4,), 0.5))
+    assert (clipped.scale.float() < full.scale.float()).all()
