@@ -12,7 +12,7 @@ import torch
 
 from shared.model.tokenizer import Tokenizer
 
-DEFAULT_SAMPLES = 32
+DEFAULT_SAMPLES = 64
 DEFAULT_SEQ_LEN = 512
 
 

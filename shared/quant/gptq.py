@@ -98,8 +98,15 @@ class _Grid:
         return W8Weight(qweight=self.codes.view(torch.int8), scale=self.scale)
 
 
-def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, kind: str, clip: torch.Tensor | None = None) -> PackedWeight:
-    """w (N, K) fp32, hessian (K, K) = sum of x^T x over calibration tokens -> packed weight."""
+def gptq_quantize(
+    w: torch.Tensor, hessian: torch.Tensor, kind: str, clip: torch.Tensor | None = None, act_order: bool = True
+) -> PackedWeight:
+    """w (N, K) fp32, hessian (K, K) = sum of x^T x over calibration tokens -> packed weight.
+
+    act_order: round the columns with the largest Hessian diagonal (most active inputs) first,
+    while their errors can still be compensated by many columns; group parameters are then
+    fixed up front from the original weights, since groups are no longer visited in order.
+    """
     w = w.float().clone()
     n, k = w.shape
     h = hessian.double().clone()
@@ -107,20 +114,29 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, kind: str, clip: torch
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     h += DAMPING * torch.diagonal(h).mean() * torch.eye(k, dtype=h.dtype, device=h.device)
+    grid = _Grid(kind, w, clip)
+    grouped = kind in ("w4g128p", "w4g128")
+    order = torch.arange(k, device=w.device)
+    if act_order:
+        if grouped:
+            for g in range(k // GROUP_SIZE):
+                grid.start_group(g, w[:, g * GROUP_SIZE : (g + 1) * GROUP_SIZE])
+        order = torch.argsort(torch.diagonal(h), descending=True)
+        w, h = w[:, order], h[order][:, order]
     # Upper Cholesky factor of H^-1: row j holds the update coefficients for columns after j.
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-    grid = _Grid(kind, w, clip)
+    order = order.tolist()
     block = GROUP_SIZE if k % GROUP_SIZE == 0 else k
     for start in range(0, k, block):
         end = min(start + block, k)
         w_blk = w[:, start:end].clone()
         h_blk = hinv[start:end, start:end]
         err_blk = torch.zeros_like(w_blk)
-        if kind in ("w4g128p", "w4g128"):
+        if grouped and not act_order:
             grid.start_group(start // GROUP_SIZE, w_blk)
         for i in range(end - start):
             col = w_blk[:, i]
-            deq = grid.round_column(start + i, col)
+            deq = grid.round_column(order[start + i], col)
             err = (col - deq) / h_blk[i, i]
             w_blk[:, i:] -= err[:, None] * h_blk[i, i:][None, :]
             err_blk[:, i] = err

@@ -15,9 +15,10 @@ class QoQOptions:
     reorder: bool = True  # activation-aware channel reordering of down_proj inputs (group formats)
     clipping: bool = True  # weight clip ratios searched to minimize output error
     gptq: bool = True  # error-compensated rounding (beyond QServe's recipe; measured in the accuracy table)
+    gptq_act_order: bool = True  # GPTQ rounds the most active input channels first
     clip_min_ratio: float = 0.5
     clip_steps: int = 20  # candidate ratios between clip_min_ratio and 1
-    search_tokens: int = 1024  # calibration tokens used by the smoothing and clipping searches
+    search_tokens: int = 2048  # calibration tokens used by the smoothing and clipping searches
     seed: int = 0
 
     def __post_init__(self):

@@ -131,7 +131,7 @@ def quantize_block(
             # distribution; like AWQ, only V's rows are clipped (measured: clipping q/k costs ppl).
             clip[: config.q_size + config.kv_size] = 1.0
         if options.gptq:
-            linears[name] = gptq_quantize(w, cap.hessians[name], kind, clip)
+            linears[name] = gptq_quantize(w, cap.hessians[name], kind, clip, options.gptq_act_order)
         else:
             linears[name] = quantize(w, clip)
     return QuantizedBlock(norms, linears), out
