@@ -51,7 +51,7 @@ def attention(
     k = k.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (B, kv_heads, T, D)
     v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
     if capture is not None:
-        capture["k_pre_rope"] = k
+        capture["q_pre_rope"], capture["k_pre_rope"] = q, k
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if kv_bits == 4:
         k, v = fake_quantize_kv4(k), fake_quantize_kv4(v)

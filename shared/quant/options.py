@@ -11,6 +11,9 @@ class QoQOptions:
     rotate_values: bool = True  # per-head rotation of V folded into v_proj / o_proj (beyond QServe)
     smooth_attention: bool = True  # scale K channels down (and Q up) before KV4
     smooth_attention_alpha: float = 0.5
+    # Search lambda = max|K|^a / max|Q|^b per layer for the least KV4 logit error (beyond QServe,
+    # which fixes a = smooth_attention_alpha, b = 0); off: the fixed QServe rule.
+    smooth_attention_search: bool = True
     smoothing: bool = True  # per-channel smoothing of o_proj and down_proj inputs, alpha searched
     reorder: bool = True  # activation-aware channel reordering of down_proj inputs (group formats)
     clipping: bool = True  # weight clip ratios searched to minimize output error

@@ -22,7 +22,7 @@ from shared.quant.gptq import gptq_quantize
 from shared.quant.clipping import candidate_ratios, search_clip_ratios
 from shared.quant.options import QoQOptions
 from shared.quant.reorder import apply_down_reorder, salience_order
-from shared.quant.smooth_attention import apply_smooth_attention, smooth_attention_scales
+from shared.quant.smooth_attention import apply_smooth_attention, search_smooth_attention, smooth_attention_scales
 from shared.quant.smoothing import apply_down_smoothing, apply_o_smoothing, search_scales, tie_over_query_groups
 from shared.quant.weights import WEIGHT_QUANTIZERS
 
@@ -38,6 +38,10 @@ class Captured:
     gate_up_in: torch.Tensor  # (S, H)
     down_in: torch.Tensor  # (S, F)
     k_absmax: torch.Tensor  # (kv_heads, D) over every calibration token, pre-RoPE
+    q_absmax: torch.Tensor  # (heads, D) likewise
+    q_sub: torch.Tensor  # (S, heads, D) pre-RoPE queries of the subsampled tokens
+    k_sub: torch.Tensor  # (S, kv_heads, D) pre-RoPE keys of the subsampled tokens
+    positions: torch.Tensor  # (S,) their positions
     hessians: dict[str, torch.Tensor]  # per linear: sum of x^T x over every calibration token (K, K)
 
 
@@ -54,23 +58,31 @@ def capture(
     block = work.as_fp_block()
     outs, subs = [], {k: [] for k in ("qkv_in", "o_in", "gate_up_in", "down_in")}
     hessians: dict[str, torch.Tensor] = {}
-    k_absmax = None
+    k_absmax = q_absmax = None
+    q_sub, k_sub = [], []
     t = x.shape[1]
     for start in range(0, x.shape[0], FORWARD_BATCH):
         cap: dict = {}
         xb = x[start : start + FORWARD_BATCH]
         outs.append(block_forward(config, block, xb, cos, sin, capture=cap))
         kmax = cap["k_pre_rope"].abs().amax(dim=(0, 2))
+        qmax = cap["q_pre_rope"].abs().amax(dim=(0, 2))
         k_absmax = kmax if k_absmax is None else torch.maximum(k_absmax, kmax)
+        q_absmax = qmax if q_absmax is None else torch.maximum(q_absmax, qmax)
         # Keep only the subsampled tokens that fall in this batch.
         lo, hi = start * t, (start + xb.shape[0]) * t
         local = token_idx[(token_idx >= lo) & (token_idx < hi)] - lo
+        q_sub.append(cap["q_pre_rope"].transpose(1, 2).reshape(-1, *qmax.shape)[local])
+        k_sub.append(cap["k_pre_rope"].transpose(1, 2).reshape(-1, *kmax.shape)[local])
         for name, linear in zip(subs, BLOCK_LINEARS):
             flat = cap[name].reshape(-1, cap[name].shape[-1])
             subs[name].append(flat[local])
             xtx = flat.t() @ flat
             hessians[linear] = hessians[linear] + xtx if linear in hessians else xtx
-    captured = Captured(**{k: torch.cat(v) for k, v in subs.items()}, k_absmax=k_absmax, hessians=hessians)
+    captured = Captured(
+        **{k: torch.cat(v) for k, v in subs.items()}, k_absmax=k_absmax, q_absmax=q_absmax,
+        q_sub=torch.cat(q_sub), k_sub=torch.cat(k_sub), positions=token_idx % t, hessians=hessians,
+    )
     return captured, torch.cat(outs)
 
 
@@ -103,7 +115,10 @@ def quantize_block(
     cap, out = capture(config, work, x, cos, sin, token_idx)
 
     if options.smooth_attention and spec.kv_bits == 4:
-        lam = smooth_attention_scales(config, cap.k_absmax, options.smooth_attention_alpha)
+        if options.smooth_attention_search:
+            lam = search_smooth_attention(config, cap.q_sub, cap.k_sub, cap.positions, cap.q_absmax, cap.k_absmax, cos, sin)
+        else:
+            lam = smooth_attention_scales(config, cap.k_absmax, options.smooth_attention_alpha)
         apply_smooth_attention(config, work, lam)
     if options.smoothing:
         s = search_scales(cap.o_in, work.o, kind, bits, tie=tie_over_query_groups(config))

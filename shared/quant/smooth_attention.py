@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from shared.formats.kv4 import fake_quantize_kv4
+
 from shared.model.config import LlamaConfig
 from shared.quant.block import WorkBlock
 
@@ -29,3 +31,61 @@ def apply_smooth_attention(config: LlamaConfig, block: WorkBlock, lam: torch.Ten
     per_q_head = lam.repeat_interleave(config.group_size, dim=0)  # (heads, D)
     block.qkv[q_rows] *= per_q_head.reshape(-1, 1)
     block.qkv[k_rows] /= lam.reshape(-1, 1)
+
+
+K_EXPONENTS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+Q_EXPONENTS = (0.0, 0.25, 0.5)
+
+
+def _pair(v: torch.Tensor) -> torch.Tensor:
+    """Max over RoPE pairs (i, i + D/2), written back to both: (..., D) -> (..., D)."""
+    half = v.shape[-1] // 2
+    paired = torch.maximum(v[..., :half], v[..., half:])
+    return torch.cat([paired, paired], dim=-1)
+
+
+def kv4_logit_error(config: LlamaConfig, q_rope: torch.Tensor, k_rope: torch.Tensor, lam: torch.Tensor) -> float:
+    """sum over (query, key) pairs and heads of (q~ . (Q(k~) - k~))^2 with q~ = q lambda, k~ = k / lambda.
+
+    q_rope (S, heads, D), k_rope (S, kv_heads, D) post-RoPE; lam (kv_heads, D).
+    """
+    k_s = k_rope / lam
+    err = fake_quantize_kv4(k_s) - k_s  # (S, kv_heads, D)
+    q_s = (q_rope * lam.repeat_interleave(config.group_size, dim=0)).view(
+        q_rope.shape[0], config.num_kv_heads, config.group_size, -1
+    )
+    m = torch.einsum("sgjd,sgje->gde", q_s, q_s)  # (kv_heads, D, D): second moment of the queries
+    return torch.einsum("sgd,gde,sge->", err, m, err).item()
+
+
+def search_smooth_attention(
+    config: LlamaConfig,
+    q_sub: torch.Tensor,
+    k_sub: torch.Tensor,
+    positions: torch.Tensor,
+    q_absmax: torch.Tensor,
+    k_absmax: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """The lambda (kv_heads, D), among max|K|^a / max|Q|^b and no scaling, with the least KV4 logit error.
+
+    Q's magnitude enters because the logit error of a K channel is weighted by the matching Q channel.
+    """
+    def rope(x):  # (S, H, D) at their own positions
+        c, s = cos[positions][:, None], sin[positions][:, None]
+        half = x.shape[-1] // 2
+        return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
+
+    q_rope, k_rope = rope(q_sub), rope(k_sub)
+    k_max = _pair(k_absmax).clamp_min(1e-5)
+    q_max = _pair(q_absmax.view(config.num_kv_heads, config.group_size, -1).amax(dim=1)).clamp_min(1e-5)
+    best = torch.ones_like(k_max)
+    best_err = kv4_logit_error(config, q_rope, k_rope, best)
+    for a in K_EXPONENTS:
+        for b in Q_EXPONENTS:
+            lam = k_max.pow(a) / q_max.pow(b)
+            err = kv4_logit_error(config, q_rope, k_rope, lam)
+            if err < best_err:
+                best, best_err = lam, err
+    return best
