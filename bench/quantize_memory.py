@@ -73,7 +73,7 @@ def main() -> None:
     import torch
 
     result = {
-        "command": "python " + " ".join(sys.argv),
+        "command": "python3 " + " ".join(sys.argv),
         "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     "torch": torch.__version__},
         "model": {"shape": "llama2-7b", "parameters": params, "fp32_bytes": fp32_bytes, "generate_seconds": gen_s},

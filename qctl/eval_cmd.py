@@ -39,8 +39,7 @@ def evaluate(
         raise ValueError(f"data file {data} is empty")
     if artifact is not None:
         reader = ArtifactReader(artifact)
-        expected = LlamaConfig.from_folder(model).to_dict()
-        if reader.manifest.model_config != expected:
+        if LlamaConfig.from_dict(reader.manifest.model_config) != LlamaConfig.from_folder(model):
             raise ValueError(f"artifact {artifact} was not made from {model}: their model configurations differ")
         net = artifact_model(reader, dev)
     else:

@@ -1,0 +1,115 @@
+"""Perplexity table for every format and a QoQ ablation, on a trained checkpoint (CPU is fine).
+
+    python bench/accuracy.py --model ../shared/models/tiny-llama-pystdlib \
+        --eval ../shared/data/pystdlib-eval.txt --calib ../shared/data/pystdlib-calib.txt \
+        --out bench/results/accuracy.json
+
+fp16 is the checkpoint itself in fp32 on the CPU (the reference figure); every other row is an
+artifact written by the quantizer and evaluated with the integer reference numerics (KV4 included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from shared.formats.artifact import ArtifactReader  # noqa: E402
+from shared.model.checkpoint import HfCheckpoint  # noqa: E402
+from shared.model.load import artifact_model, fp_model  # noqa: E402
+from shared.model.perplexity import perplexity, windows_of  # noqa: E402
+from shared.model.tokenizer import Tokenizer  # noqa: E402
+from shared.quant.options import QoQOptions  # noqa: E402
+from shared.quant.quantize_model import QuantizeSettings, quantize_checkpoint  # noqa: E402
+
+RTN = QoQOptions.rtn()
+# One step added at a time, in the order the pipeline applies them.
+ABLATION_STEPS = ("rotation", "rotate_values", "smooth_attention", "smoothing", "reorder", "clipping", "gptq")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--eval", type=Path, required=True)
+    p.add_argument("--calib", type=Path, required=True)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--reference-ppl", type=float, default=5.012, help="the published fp32 figure to reproduce")
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args()
+
+    windows = windows_of(Tokenizer(a.model).encode(a.eval.read_text()), a.seq_len)
+    rows: list[dict] = []
+
+    def record(name: str, fmt: str, options: QoQOptions | None, ppl: float, quant_s: float | None) -> None:
+        rows.append({"name": name, "format": fmt, "options": options.to_dict() if options else None,
+                     "ppl": ppl, "quantize_seconds": quant_s})
+        print(f"{name:<34} {fmt:<14} ppl {ppl:.4f}" + (f"  (quantized in {quant_s:.0f} s)" if quant_s else ""), flush=True)
+
+    record("fp16", "fp16", None, perplexity(fp_model(HfCheckpoint(a.model)).forward, windows).ppl, None)
+    with tempfile.TemporaryDirectory() as tmp:
+        def run(name: str, fmt: str, options: QoQOptions) -> float:
+            out = Path(tmp) / name
+            start = time.time()
+            quantize_checkpoint(QuantizeSettings(a.model, out, fmt, gpu_target="cpu", options=options, calib_path=a.calib))
+            seconds = time.time() - start
+            ppl = perplexity(artifact_model(ArtifactReader(out)).forward, windows).ppl
+            record(name, fmt, options, ppl, seconds)
+            return ppl
+
+        run("w8a8 rtn", "w8a8", RTN)
+        run("w4a16-g128 rtn", "w4a16-g128", RTN)
+        run("w4a8kv4-chn rtn", "w4a8kv4-chn", RTN)
+        run("w4a8kv4-chn qoq", "w4a8kv4-chn", QoQOptions())
+        run("w4a8kv4-g128 rtn", "w4a8kv4-g128", RTN)
+        options = RTN
+        for step in ABLATION_STEPS:
+            options = dataclasses.replace(options, **{step: True})
+            run(f"w4a8kv4-g128 +{step}" if step != ABLATION_STEPS[-1] else "w4a8kv4-g128 qoq", "w4a8kv4-g128", options)
+        assert options == QoQOptions(), "the last ablation row must be the default QoQ pipeline"
+
+    ppl = {r["name"]: r["ppl"] for r in rows}
+    fp = ppl["fp16"]
+
+    def closed(fmt: str) -> float:
+        return (ppl[f"{fmt} rtn"] - ppl[f"{fmt} qoq"]) / (ppl[f"{fmt} rtn"] - fp)
+
+    g128_seconds = next(r["quantize_seconds"] for r in rows if r["name"] == "w4a8kv4-g128 qoq")
+    checks = [
+        ("fp16 perplexity reproduces the reference (abs diff)", abs(fp - a.reference_ppl), 0.01, "<="),
+        ("QoQ w4a8kv4-g128 ppl / fp16", ppl["w4a8kv4-g128 qoq"] / fp, 1.02, "<="),
+        ("QoQ w4a8kv4-chn ppl / fp16", ppl["w4a8kv4-chn qoq"] / fp, 1.03, "<="),
+        ("g128: fraction of the RTN-to-fp16 gap closed by QoQ", closed("w4a8kv4-g128"), 0.5, ">="),
+        ("chn: fraction of the RTN-to-fp16 gap closed by QoQ", closed("w4a8kv4-chn"), 0.5, ">="),
+        ("seconds to quantize the fixture (QoQ g128)", g128_seconds, 120.0, "<="),
+    ]
+    result = {
+        "command": "python3 " + " ".join(sys.argv),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "device": "cpu"},
+        "model": str(a.model.name), "eval_data": a.eval.name, "calibration_data": a.calib.name,
+        "seq_len": a.seq_len, "windows": windows.shape[0], "tokens": windows.numel(),
+        "rows": rows,
+        "ratios": {name: value / fp for name, value in ppl.items()},
+        "checks": [{"name": n, "value": v, "target": t, "op": op, "met": v <= t if op == "<=" else v >= t}
+                   for n, v, t, op in checks],
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=2) + "\n")
+    for c in result["checks"]:
+        print(f"{'MET ' if c['met'] else 'MISS'} {c['name']}: {c['value']:.4f} {c['op']} {c['target']}")
+
+
+if __name__ == "__main__":
+    main()
