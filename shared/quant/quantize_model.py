@@ -87,8 +87,13 @@ def quantize_checkpoint(settings: QuantizeSettings, progress: Progress | None = 
     config = ckpt.config
     check_group_divisibility(config, spec)
     options = settings.options if spec.weight_kind != "fp16" else QoQOptions.rtn()
+    tokens, calibration = None, None
+    if needs_calibration(spec, options):
+        # Before the (long, for a 7B model) content hash, so a bad calibration file fails fast.
+        tokens, calibration = load_calibration(
+            settings.calib_path, Tokenizer(settings.model_dir), settings.calib_samples, settings.calib_seq_len
+        )
     model_version = ckpt.content_hash()
-    tokenizer = Tokenizer(settings.model_dir)
     report("load", 1, 1)
 
     identity = {"model_version": model_version, "format": spec.name, "gpu_target": settings.gpu_target,
@@ -103,18 +108,13 @@ def quantize_checkpoint(settings: QuantizeSettings, progress: Progress | None = 
             embed = embed @ rotation
         writer.write_tensors(EMBED_FILE, {"embed": embed.half()})
 
-        calibration, x, cos, sin, token_idx = None, None, None, None, None
-        if needs_calibration(spec, options):
-            report("calibrate", 0, 1)
-            tokens, calibration = load_calibration(
-                settings.calib_path, tokenizer, settings.calib_samples, settings.calib_seq_len
-            )
+        x, cos, sin, token_idx = None, None, None, None
+        if tokens is not None:
             x = embed[tokens.to(device)]  # (N, T, H) fp32
-            cos, sin = cos_sin(torch.arange(tokens.shape[1], device=device), inverse_frequencies(config.rope, config.head_dim))
+            positions = torch.arange(tokens.shape[1], device=device)
+            cos, sin = cos_sin(positions, inverse_frequencies(config.rope, config.head_dim))
             g = torch.Generator().manual_seed(options.seed)
-            n_tokens = tokens.numel()
-            token_idx = torch.randperm(n_tokens, generator=g)[: options.search_tokens].sort().values.to(device)
-            report("calibrate", 1, 1)
+            token_idx = torch.randperm(tokens.numel(), generator=g)[: options.search_tokens].sort().values.to(device)
         del embed
 
         for i in range(config.num_layers):
