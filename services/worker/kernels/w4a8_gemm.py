@@ -1,0 +1,503 @@
+"""W4A8 GEMM: 4-bit weights, per-token int8 activations, int8 tensor cores, fp16 out.
+
+Inputs (layouts from shared/formats/weights.py):
+    x8      (M, K) int8, row-major        per-token symmetric codes (shared/quant/activations.py)
+    sx      (M,) fp32                     per-token scale
+    qweight (N, K // 2) uint8             in each chunk of 128 along K, byte j = value j (low nibble)
+                                          | value j + 64 (high nibble)
+    w4g128p: s2 (N, G) uint8, zero (N, G) uint8, s1 (N,) fp16      G = K // 128
+             y = (sum_k x8 * (q - zero) * s2) * sx * s1             (the int8 weight (q - z) * s2 is exact)
+    w4chn:   scale (N,) fp16, zero (N,) fp16 (an integer)
+             y = (sum_k x8 * q - zero * rowsum(x8)) * sx * scale
+Both match shared/model/linear.py bit for bit: int32 sums, then the same fp32 epilogue.
+
+Orientation: the kernels compute the transposed tile, acc (BLOCK_N, BLOCK_M) = W_tile @ X_tile^T.
+The dequantized weight is then the *first* MMA operand, which Hopper's wgmma reads from registers,
+so it never makes a round trip through shared memory; and a tiny M (decode) sits in the MMA's N
+dimension (as small as 16) instead of wasting a 64-row M dimension.
+
+One K step is one 128-wide group: a (BLOCK_N, 64) tile of packed bytes is split into its low
+nibbles (k .. k+63) and high nibbles (k+64 .. k+127), and each half meets its own slice of x.
+
+Split-K (small M: the output tiles alone do not fill the GPU): each K slice adds its int32 partial
+into an L2-resident workspace with atomics, and the last slice to arrive (a per-tile counter)
+reads the sum, runs the epilogue and zeroes the workspace tile and counter for the next call.
+One launch, exact and deterministic (integer addition commutes). The workspace is per device
+and shared by every call: launches must be ordered (one stream), as a model forward is.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from shared.formats.weights import GROUP_SIZE, W4ChannelWeight, W4G128ProgressiveWeight
+
+log = logging.getLogger(__name__)
+
+HALF = GROUP_SIZE // 2  # packed bytes per row per K step
+# |x8 * w8| <= 127 * 128 per product: the int32 sum cannot overflow below this K.
+MAX_K = (2**31 - 1) // (127 * 128) // GROUP_SIZE * GROUP_SIZE
+KINDS = (W4G128ProgressiveWeight.kind, W4ChannelWeight.kind)
+
+
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (pid_n, pid_m), GROUP_M row blocks of x sweeping N together (L2 reuse)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_n, pid_m
+
+
+@triton.jit
+def _split_k_reduce(acc, ws_ptr, count_ptr, offs_n, offs_m, M, N, SPLIT_K):
+    """Add this K slice's int32 tile into the workspace; return (is_last_slice, full sum).
+
+    ws (M, N) int32 row-major, all zero between calls; count (tiles,) int32, all zero between calls.
+    """
+    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    ws_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]  # (BLOCK_N, BLOCK_M)
+    tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
+    # Every thread's partial is in L2 before one thread announces the slice (release).
+    tl.debug_barrier()
+    tile = tl.program_id(0)
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+    is_last = arrived == SPLIT_K - 1
+    if is_last:
+        acc = tl.load(ws_ptrs, mask=mask, other=0, cache_modifier=".cg")
+        tl.store(ws_ptrs, tl.zeros_like(acc), mask=mask)
+        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed")
+    return is_last, acc
+
+
+@triton.jit
+def _split_nibbles(packed, OP_DTYPE: tl.constexpr, FAST_UNPACK: tl.constexpr):
+    """(BLOCK_N, 64) uint8 -> the codes of k .. k+63 (low nibbles) and k+64 .. k+127 (high nibbles)."""
+    if FAST_UNPACK:
+        # Four bytes per 32-bit register, split with two masks and a shift (no per-byte unpacking).
+        lo, hi = tl.inline_asm_elementwise(
+            asm="and.b32 $0, $2, 0x0F0F0F0F;\n\tshr.u32 $1, $2, 4;\n\tand.b32 $1, $1, 0x0F0F0F0F;",
+            constraints="=r,=r,r", args=[packed], dtype=(tl.int8, tl.int8), is_pure=True, pack=4,
+        )
+    else:
+        lo = (packed & 0xF).to(tl.int8)
+        hi = (packed >> 4).to(tl.int8)
+    return lo.to(OP_DTYPE), hi.to(OP_DTYPE)
+
+
+@triton.jit
+def _w4a8_g128_kernel(
+    # pointers
+    x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_ptr, count_ptr,
+    # sizes
+    M, N, K, GROUPS_PER_SPLIT, SPLIT_K,
+    # strides
+    stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_om, stride_on,
+    # meta
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    ZERO_AFTER_DOT: tl.constexpr, DOT_FP16: tl.constexpr, USE_SPLIT: tl.constexpr, FAST_UNPACK: tl.constexpr,
+):
+    """acc (BLOCK_N, BLOCK_M) int32 = sum over groups of ((q - z) * s2) @ x8^T; fp16 out."""
+    pid_n, pid_m = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    HALF_K: tl.constexpr = 64
+    OP_DTYPE: tl.constexpr = tl.float16 if DOT_FP16 else tl.int8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_h = tl.arange(0, HALF_K)
+    # Rows past M or N are read from a valid row and dropped at the store: no masks in the loop.
+    rn = offs_n % N
+    rm = offs_m % M
+    g_start = pid_k * GROUPS_PER_SPLIT
+    g_end = min(g_start + GROUPS_PER_SPLIT, K // (2 * HALF_K))
+    w_ptrs = qw_ptr + rn[:, None] * stride_qn + (g_start * HALF_K + offs_h)[None, :] * stride_qk  # (BN, 64) u8
+    x_ptrs = x_ptr + rm[None, :] * stride_xm + (g_start * 2 * HALF_K + offs_h)[:, None] * stride_xk  # (64, BM) i8
+    s2_ptrs = s2_ptr + rn * stride_sn + g_start * stride_sg  # (BN,) u8
+    z_ptrs = zero_ptr + rn * stride_sn + g_start * stride_sg
+    if DOT_FP16:
+        acc_f = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
+    s2 = tl.load(s2_ptrs)
+    z = tl.load(z_ptrs)
+    for g in range(g_start, g_end):
+        packed = tl.load(w_ptrs)
+        x_lo = tl.load(x_ptrs)
+        x_hi = tl.load(x_ptrs + HALF_K * stride_xk)
+        # The next group's byte-wide scales, one step ahead: too narrow for the async-copy pipeline,
+        # and a strided load each, so their latency would otherwise stall every step.
+        has_next = tl.full((BLOCK_N,), g + 1, tl.int32) < g_end
+        s2_next = tl.load(s2_ptrs + stride_sg, mask=has_next, other=0)
+        z_next = tl.load(z_ptrs + stride_sg, mask=has_next, other=0)
+        q_lo, q_hi = _split_nibbles(packed, OP_DTYPE, FAST_UNPACK)
+        if DOT_FP16:
+            # (q - z) * s2 is an integer in [-240, 240]: exact in fp16, and so are the x8 codes.
+            zf = z.to(tl.float16)[:, None]
+            sf = s2.to(tl.float16)[:, None]
+            acc_f = tl.dot((q_lo - zf) * sf, x_lo.to(tl.float16), acc_f)
+            acc_f = tl.dot((q_hi - zf) * sf, x_hi.to(tl.float16), acc_f)
+        elif ZERO_AFTER_DOT:
+            # MMA on the raw codes; sum x * (q - z) * s2 = s2 * (sum x * q - z * sum x), per group.
+            part = tl.dot(q_lo, x_lo, out_dtype=tl.int32)
+            part = tl.dot(q_hi, x_hi, part)
+            x_sum = tl.sum(x_lo.to(tl.int32), axis=0) + tl.sum(x_hi.to(tl.int32), axis=0)  # (BM,)
+            acc += (part - z.to(tl.int32)[:, None] * x_sum[None, :]) * s2.to(tl.int32)[:, None]
+        else:
+            # int8 arithmetic wraps, but the true (q - z) * s2 lies in [-128, 127] (protective range).
+            zi = z.to(tl.int8)[:, None]
+            si = s2.to(tl.int8)[:, None]
+            acc = tl.dot((q_lo - zi) * si, x_lo, acc)
+            acc = tl.dot((q_hi - zi) * si, x_hi, acc)
+        w_ptrs += HALF_K * stride_qk
+        x_ptrs += 2 * HALF_K * stride_xk
+        s2_ptrs += stride_sg
+        z_ptrs += stride_sg
+        s2 = s2_next
+        z = z_next
+    if DOT_FP16:
+        acc = acc_f.to(tl.int32)  # integer-valued: fp32 holds these sums exactly below 2^24
+    if USE_SPLIT:
+        is_last, acc = _split_k_reduce(acc, ws_ptr, count_ptr, offs_n, offs_m, M, N, SPLIT_K)
+    else:
+        is_last = True
+    if is_last:
+        sx = tl.load(sx_ptr + rm)  # (BM,) fp32
+        s1 = tl.load(s1_ptr + rn).to(tl.float32)  # (BN,)
+        y = acc.to(tl.float32) * sx[None, :] * s1[:, None]
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
+        tl.store(out_ptrs, y.to(tl.float16), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
+
+
+@triton.jit
+def _w4a8_channel_kernel(
+    # pointers
+    x_ptr, sx_ptr, rowsum_ptr, qw_ptr, scale_ptr, zero_ptr, out_ptr, ws_ptr, count_ptr,
+    # sizes
+    M, N, K, GROUPS_PER_SPLIT, SPLIT_K,
+    # strides
+    stride_xm, stride_xk, stride_qn, stride_qk, stride_om, stride_on,
+    # meta
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_ROWSUM: tl.constexpr, DOT_FP16: tl.constexpr, USE_SPLIT: tl.constexpr, FAST_UNPACK: tl.constexpr,
+):
+    """acc (BLOCK_N, BLOCK_M) int32 = q @ x8^T on the raw codes; the zero term in the epilogue.
+
+    Without a rowsum input, each K slice sums its own x8 columns and subtracts zero * that
+    partial sum in int32 (the correction is linear in K, so slices stay independent).
+    """
+    pid_n, pid_m = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    HALF_K: tl.constexpr = 64
+    OP_DTYPE: tl.constexpr = tl.float16 if DOT_FP16 else tl.int8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_h = tl.arange(0, HALF_K)
+    rn = offs_n % N
+    rm = offs_m % M
+    g_start = pid_k * GROUPS_PER_SPLIT
+    g_end = min(g_start + GROUPS_PER_SPLIT, K // (2 * HALF_K))
+    w_ptrs = qw_ptr + rn[:, None] * stride_qn + (g_start * HALF_K + offs_h)[None, :] * stride_qk
+    x_ptrs = x_ptr + rm[None, :] * stride_xm + (g_start * 2 * HALF_K + offs_h)[:, None] * stride_xk
+    if DOT_FP16:
+        acc_f = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
+    x_sum = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    for _ in range(g_start, g_end):
+        packed = tl.load(w_ptrs)
+        x_lo = tl.load(x_ptrs)
+        x_hi = tl.load(x_ptrs + HALF_K * stride_xk)
+        q_lo, q_hi = _split_nibbles(packed, OP_DTYPE, FAST_UNPACK)
+        if DOT_FP16:
+            acc_f = tl.dot(q_lo, x_lo.to(tl.float16), acc_f)
+            acc_f = tl.dot(q_hi, x_hi.to(tl.float16), acc_f)
+        else:
+            acc = tl.dot(q_lo, x_lo, acc)
+            acc = tl.dot(q_hi, x_hi, acc)
+        if not HAS_ROWSUM:
+            x_sum += tl.sum(x_lo.to(tl.int32), axis=0) + tl.sum(x_hi.to(tl.int32), axis=0)
+        w_ptrs += HALF_K * stride_qk
+        x_ptrs += 2 * HALF_K * stride_xk
+    if DOT_FP16:
+        acc = acc_f.to(tl.int32)
+    zero = tl.load(zero_ptr + rn).to(tl.float32)  # (BN,) integers in [0, 15]
+    if not HAS_ROWSUM:
+        acc -= zero.to(tl.int32)[:, None] * x_sum[None, :]
+    if USE_SPLIT:
+        is_last, acc = _split_k_reduce(acc, ws_ptr, count_ptr, offs_n, offs_m, M, N, SPLIT_K)
+    else:
+        is_last = True
+    if is_last:
+        sx = tl.load(sx_ptr + rm)
+        scale = tl.load(scale_ptr + rn).to(tl.float32)
+        y = acc.to(tl.float32)
+        if HAS_ROWSUM:
+            y = y - tl.load(rowsum_ptr + rm).to(tl.float32)[None, :] * zero[:, None]
+        y = y * sx[None, :] * scale[:, None]
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
+        tl.store(out_ptrs, y.to(tl.float16), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
+
+
+@dataclass(frozen=True, slots=True)
+class GemmVariant:
+    """One compiled configuration of a W4A8 kernel. Tiles are named (BLOCK_N, BLOCK_M)."""
+
+    name: str
+    kind: str  # the weight kind it reads: "w4g128p" or "w4chn"
+    block_n: int
+    block_m: int
+    num_warps: int
+    num_stages: int
+    split_k: bool = False  # may split K over programs when the output tiles do not fill the GPU
+    zero_after_dot: bool = False  # g128: MMA on raw codes, zero and s2 applied per group after it
+    dot_fp16: bool = False  # dequantize to fp16 and use fp16 MMAs (meant for tiny M)
+    max_m: int | None = None
+    group_m: int = 8
+
+    def can_implement(self, M: int, N: int, K: int, fmt: str) -> tuple[bool, str]:
+        if fmt != self.kind:
+            return False, f"{self.name} reads {self.kind} weights, not {fmt}"
+        if M < 1 or N < 1:
+            return False, f"empty problem: M={M}, N={N}"
+        if K < GROUP_SIZE or K % GROUP_SIZE:
+            return False, f"K={K} is not a positive multiple of {GROUP_SIZE} (the group and pack chunk)"
+        if K > MAX_K:
+            return False, f"K={K} exceeds {MAX_K}: the int32 accumulator could overflow"
+        if self.max_m is not None and M > self.max_m:
+            return False, f"M={M} exceeds {self.max_m}, the largest M of {self.name}"
+        return True, "ok"
+
+
+def _v(name: str, kind: str, bn: int, bm: int, warps: int, stages: int, **kw) -> GemmVariant:
+    return GemmVariant(name, kind, bn, bm, warps, stages, **kw)
+
+
+G128, CHN = KINDS
+VARIANTS: tuple[GemmVariant, ...] = (
+    _v("g128.n64m16.sk", G128, 64, 16, 4, 4, split_k=True),
+    _v("g128.n64m16.sk.zp", G128, 64, 16, 4, 4, split_k=True, zero_after_dot=True),
+    _v("g128.n128m16.sk.zp", G128, 128, 16, 4, 4, split_k=True, zero_after_dot=True),
+    _v("g128.n64m16.sk.f16", G128, 64, 16, 4, 4, split_k=True, dot_fp16=True, max_m=16),
+    _v("g128.n128m64.sk", G128, 128, 64, 8, 3, split_k=True),
+    _v("g128.n128m64.sk.zp", G128, 128, 64, 8, 3, split_k=True, zero_after_dot=True),
+    _v("g128.n128m128", G128, 128, 128, 8, 3),
+    _v("g128.n128m128.zp", G128, 128, 128, 8, 3, zero_after_dot=True),
+    _v("g128.n128m256", G128, 128, 256, 8, 3),
+    _v("g128.n256m128", G128, 256, 128, 8, 3),
+    _v("chn.n64m16.sk", CHN, 64, 16, 4, 4, split_k=True),
+    _v("chn.n128m16.sk", CHN, 128, 16, 4, 4, split_k=True),
+    _v("chn.n64m16.sk.f16", CHN, 64, 16, 4, 4, split_k=True, dot_fp16=True, max_m=16),
+    _v("chn.n128m64.sk", CHN, 128, 64, 8, 3, split_k=True),
+    _v("chn.n128m128", CHN, 128, 128, 8, 3),
+    _v("chn.n128m256", CHN, 128, 256, 8, 3),
+    _v("chn.n256m128", CHN, 256, 128, 8, 3),
+)
+VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
+
+
+def variants_for(fmt: str) -> list[GemmVariant]:
+    return [v for v in VARIANTS if v.kind == fmt]
+
+
+def get_variant(name: str) -> GemmVariant:
+    try:
+        return VARIANTS_BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown W4A8 GEMM variant {name!r}; known: {sorted(VARIANTS_BY_NAME)}") from None
+
+
+def default_variant_name(M: int, fmt: str) -> str:
+    """A safe choice by M alone, until an artifact's policy table names one per shape."""
+    prefix = "g128" if fmt == G128 else "chn"
+    if M <= 16:
+        return f"{prefix}.n64m16.sk"
+    if M <= 64:
+        return f"{prefix}.n128m64.sk"
+    return f"{prefix}.n128m128"
+
+
+_logged_defaults: set[tuple[str, str]] = set()
+
+
+class _Workspace:
+    """Per-device split-K scratch, kept all-zero between launches by the kernels themselves."""
+
+    def __init__(self):
+        self._by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, device: torch.device, elements: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ws, count = self._by_device.get(device, (None, None))
+        if ws is None or ws.numel() < elements or count.numel() < tiles:
+            size = max(elements, 0 if ws is None else ws.numel())
+            ntiles = max(tiles, 0 if count is None else count.numel())
+            ws = torch.zeros(size, dtype=torch.int32, device=device)
+            count = torch.zeros(ntiles, dtype=torch.int32, device=device)
+            self._by_device[device] = (ws, count)
+        return ws, count
+
+
+WORKSPACE = _Workspace()
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: keep grids small
+
+
+def split_factor(variant: GemmVariant, M: int, N: int, K: int, device: torch.device) -> int:
+    """How many K slices: enough programs for ~2 waves, each slice at least 4 groups."""
+    if not variant.split_k:
+        return 1
+    tiles = triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n)
+    groups = K // GROUP_SIZE
+    want = triton.cdiv(2 * _num_sms(device), tiles)
+    return max(1, min(want, groups // 4))
+
+
+def _check_common(x8: torch.Tensor, sx: torch.Tensor, N: int, K: int, out: torch.Tensor | None) -> torch.Tensor:
+    assert x8.dim() == 2 and x8.dtype == torch.int8, f"x8: expected (M, K) int8, got {tuple(x8.shape)} {x8.dtype}"
+    M = x8.shape[0]
+    assert x8.shape[1] == K, f"x8 has K={x8.shape[1]}, the weight has K={K}"
+    assert x8.stride(1) == 1, f"x8 must be contiguous along K, strides {x8.stride()}"
+    assert sx.dtype == torch.float32 and sx.numel() == M, f"sx: expected ({M},) fp32, got {tuple(sx.shape)} {sx.dtype}"
+    sx = sx.reshape(M)
+    assert sx.stride(0) == 1 or M == 1, "sx must be contiguous"
+    if out is not None:
+        assert out.shape == (M, N) and out.dtype == torch.float16, f"out: expected ({M}, {N}) fp16"
+        assert out.stride(1) == 1, f"out must be contiguous along N, strides {out.stride()}"
+        assert out.device == x8.device
+    return sx
+
+
+def _launch_grid(variant: GemmVariant, M: int, N: int, K: int, split_k: int | None, device: torch.device):
+    split = split_factor(variant, M, N, K, device) if split_k is None else split_k
+    groups = K // GROUP_SIZE
+    assert 1 <= split <= groups, f"split_k={split} must be in [1, {groups}]"
+    per_split = triton.cdiv(groups, split)
+    split = triton.cdiv(groups, per_split)  # no empty slices
+    tiles = triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n)
+    if split > 1:
+        ws, count = WORKSPACE.get(device, M * N, tiles)
+    else:
+        ws = count = torch.empty(1, dtype=torch.int32, device=device)  # unused
+    return (tiles, split), per_split, split, ws, count
+
+
+def w4a8_g128_gemm(
+    x8: torch.Tensor,
+    sx: torch.Tensor,
+    weight: W4G128ProgressiveWeight,
+    variant: GemmVariant,
+    *,
+    split_k: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x8 (M, K) int8, sx (M,) fp32, progressive g128 weight (N, K) -> (M, N) fp16."""
+    qw, s2, zero, s1 = weight.qweight, weight.s2, weight.zero, weight.s1
+    N, K = qw.shape[0], qw.shape[1] * 2
+    sx = _check_common(x8, sx, N, K, out)
+    M = x8.shape[0]
+    ok, reason = variant.can_implement(M, N, K, weight.kind)
+    assert ok, reason
+    assert qw.dtype == torch.uint8 and qw.stride(1) == 1, f"qweight: (N, K // 2) uint8 contiguous along K"
+    assert s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride(), "s2 / zero: (N, G) alike"
+    assert s1.shape == (N,) and s1.dtype == torch.float16 and s1.stride(0) == 1, "s1: (N,) fp16 contiguous"
+    assert all(t.device == x8.device for t in (sx, qw, s2, zero, s1)), "all tensors on one device"
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
+    grid, per_split, split, ws, count = _launch_grid(variant, M, N, K, split_k, x8.device)
+    _w4a8_g128_kernel[grid](
+        x8, sx, qw, s2, zero, s1, out, ws, count,
+        M, N, K, per_split, split,
+        x8.stride(0), x8.stride(1), qw.stride(0), qw.stride(1), s2.stride(0), s2.stride(1),
+        out.stride(0), out.stride(1),
+        BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
+        ZERO_AFTER_DOT=variant.zero_after_dot, DOT_FP16=variant.dot_fp16, USE_SPLIT=split > 1,
+        FAST_UNPACK=x8.is_cuda, num_warps=variant.num_warps, num_stages=variant.num_stages,
+    )
+    return out
+
+
+def w4a8_channel_gemm(
+    x8: torch.Tensor,
+    sx: torch.Tensor,
+    weight: W4ChannelWeight,
+    variant: GemmVariant,
+    rowsum: torch.Tensor | None = None,
+    *,
+    split_k: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x8 (M, K) int8, sx (M,) fp32, rowsum (M,) int32 or None, per-channel weight -> (M, N) fp16.
+
+    rowsum = x8.sum(-1) as the activation-quant kernels return it; without it the GEMM sums x8 itself.
+    """
+    qw, scale, zero = weight.qweight, weight.scale, weight.zero
+    N, K = qw.shape[0], qw.shape[1] * 2
+    sx = _check_common(x8, sx, N, K, out)
+    M = x8.shape[0]
+    ok, reason = variant.can_implement(M, N, K, weight.kind)
+    assert ok, reason
+    assert qw.dtype == torch.uint8 and qw.stride(1) == 1, f"qweight: (N, K // 2) uint8 contiguous along K"
+    assert scale.shape == zero.shape == (N,) and scale.dtype == zero.dtype == torch.float16, "scale / zero: (N,) fp16"
+    assert scale.stride(0) == zero.stride(0) == 1, "scale / zero must be contiguous"
+    if rowsum is not None:
+        assert rowsum.dtype == torch.int32 and rowsum.numel() == M, f"rowsum: expected ({M},) int32"
+        rowsum = rowsum.reshape(M)
+        assert rowsum.stride(0) == 1 or M == 1, "rowsum must be contiguous"
+    assert all(t.device == x8.device for t in (sx, qw, scale, zero)), "all tensors on one device"
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
+    grid, per_split, split, ws, count = _launch_grid(variant, M, N, K, split_k, x8.device)
+    _w4a8_channel_kernel[grid](
+        x8, sx, sx if rowsum is None else rowsum, qw, scale, zero, out, ws, count,
+        M, N, K, per_split, split,
+        x8.stride(0), x8.stride(1), qw.stride(0), qw.stride(1), out.stride(0), out.stride(1),
+        BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
+        HAS_ROWSUM=rowsum is not None, DOT_FP16=variant.dot_fp16, USE_SPLIT=split > 1,
+        FAST_UNPACK=x8.is_cuda, num_warps=variant.num_warps, num_stages=variant.num_stages,
+    )
+    return out
+
+
+def w4a8_gemm(
+    x8: torch.Tensor,
+    sx: torch.Tensor,
+    weight: W4G128ProgressiveWeight | W4ChannelWeight,
+    rowsum: torch.Tensor | None = None,
+    variant: str | None = None,
+    *,
+    split_k: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y (M, N) fp16 = the W4A8 linear of shared/model/linear.py on pre-quantized activations.
+
+    variant: a name from VARIANTS (a policy table's choice); None picks a safe default by M.
+    """
+    if not isinstance(weight, (W4G128ProgressiveWeight, W4ChannelWeight)):
+        raise TypeError(f"w4a8_gemm takes {KINDS} weights, got {type(weight).__name__}")
+    M, K = x8.shape[0], x8.shape[-1]
+    N = weight.qweight.shape[0]
+    if variant is None:
+        variant = default_variant_name(M, weight.kind)
+        if (weight.kind, variant) not in _logged_defaults:
+            _logged_defaults.add((weight.kind, variant))
+            log.info("w4a8_gemm: no variant given for %s M=%d, using %s", weight.kind, M, variant)
+    chosen = get_variant(variant)
+    ok, reason = chosen.can_implement(M, N, K, weight.kind)
+    if not ok:
+        others = "; ".join(f"{v.name}: {v.can_implement(M, N, K, weight.kind)[1]}" for v in VARIANTS)
+        raise ValueError(f"variant {variant} cannot run M={M} N={N} K={K} {weight.kind}: {reason}. All: {others}")
+    if isinstance(weight, W4G128ProgressiveWeight):
+        return w4a8_g128_gemm(x8, sx, weight, chosen, split_k=split_k, out=out)
+    return w4a8_channel_gemm(x8, sx, weight, chosen, rowsum, split_k=split_k, out=out)

@@ -1,0 +1,75 @@
+"""Fused activation-quant kernels (Triton interpreter) against shared/quant/activations.py.
+
+The scale must equal the reference to fp32 rounding (the sum of squares is reduced in another
+order); an int8 code may differ by one only where x / scale sits on a rounding tie.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.worker.kernels.act_quant import quantize, rmsnorm_quant, silu_mul_quant
+from shared.model.llama import rms_norm
+from shared.quant.activations import quantize_per_token
+
+SHAPES = [(1, 64), (3, 200), (129, 384)]
+
+
+def _assert_quantized(got, ref_input: torch.Tensor) -> None:
+    x8, scale, rowsum = got
+    r8, rscale = quantize_per_token(ref_input)
+    assert x8.dtype == torch.int8 and scale.dtype == torch.float32 and rowsum.dtype == torch.int32
+    assert scale.shape == rowsum.shape == (x8.shape[0],)
+    torch.testing.assert_close(scale, rscale[:, 0], rtol=4e-7, atol=0)
+    diff = (x8.int() - r8.int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-2
+    assert torch.equal(rowsum, x8.int().sum(dim=1))
+
+
+def _input(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=g) * 3).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k", SHAPES)
+def test_rmsnorm_quant(m, k, dtype):
+    x = _input(m, k, dtype, seed=m * k)
+    weight = 1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(1))
+    _assert_quantized(rmsnorm_quant(x, weight, 1e-6), rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,f", SHAPES)
+def test_silu_mul_quant(m, f, dtype):
+    gate_up = _input(m, 2 * f, dtype, seed=m + f)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    _assert_quantized(silu_mul_quant(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k", SHAPES)
+def test_quantize(m, k, dtype):
+    x = _input(m, k, dtype, seed=m - k)
+    _assert_quantized(quantize(x), x.float())
+
+
+def test_strided_rows_and_zero_rows():
+    x = _input(4, 256, torch.float32, seed=2)[:, :200]  # row stride 256
+    x[1] = 0
+    x8, scale, rowsum = quantize(x)
+    _assert_quantized((x8, scale, rowsum), x)
+    assert scale[1] == torch.tensor(1e-8) and not x8[1].any()
+
+
+def test_bad_inputs_are_refused_by_name():
+    with pytest.raises(ValueError, match="2-D"):
+        quantize(torch.zeros(2, 3, 64))
+    with pytest.raises(ValueError, match="width 129 is odd"):
+        silu_mul_quant(torch.zeros(2, 129))
+    with pytest.raises(ValueError, match="int32"):
+        quantize(torch.zeros(2, 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="contiguous"):
+        quantize(torch.zeros(64, 2).t())

@@ -1,0 +1,165 @@
+"""W4A8 GEMM kernels (Triton interpreter) against the reference linears of shared/model/linear.py.
+
+The int8 paths must equal the reference bit for bit: both take the same exact int32 sums through
+the same fp32 epilogue. The fp16-MMA path accumulates integer-valued products in fp32, which is
+exact at these sizes; it is held to rtol 1e-3 as the function it promises.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.kernels import w4a8_gemm as gemm
+from shared.formats.weights import GROUP_SIZE, W4G128ProgressiveWeight, pack_codes
+from shared.model.linear import reference_linear
+from shared.quant.activations import quantize_per_token
+from shared.quant.weights import progressive_safe_code_range, quantize_w4_channel, quantize_w4_g128_progressive
+
+# (M, N, K): M around the tile edges, N not a multiple of any tile, K = 128 x odd.
+SHAPES = [(1, 67, 384), (3, 200, 640), (127, 200, 384), (128, 67, 640), (129, 200, 384)]
+
+
+def _activations(m: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[:, torch.randint(0, k, (3,), generator=g)] *= 20  # outlier channels: codes span [-127, 127]
+    return x
+
+
+def _full_range_g128(n: int, k: int, seed: int) -> W4G128ProgressiveWeight:
+    """Random s2, zero and codes anywhere in the safe range: int8 weights reach both ends of int8."""
+    g = torch.Generator().manual_seed(seed)
+    s2 = torch.randint(1, 17, (n, k // GROUP_SIZE), generator=g, dtype=torch.uint8)
+    zero = torch.randint(0, 16, (n, k // GROUP_SIZE), generator=g, dtype=torch.uint8)
+    lo, hi = progressive_safe_code_range(s2, zero)
+    u = torch.rand(n, k // GROUP_SIZE, GROUP_SIZE, generator=g)
+    q = (lo[..., None] + torch.floor(u * (hi - lo + 1)[..., None])).clamp(max=15).flatten(1).to(torch.uint8)
+    s1 = (torch.rand(n, generator=g) * 1e-3 + 1e-4).half()
+    return W4G128ProgressiveWeight(qweight=pack_codes(q), s1=s1, s2=s2, zero=zero)
+
+
+def _weight(kind: str, n: int, k: int, seed: int):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    return quantize_w4_g128_progressive(w) if kind == "w4g128p" else quantize_w4_channel(w)
+
+
+def _assert_matches(y: torch.Tensor, ref: torch.Tensor, variant: gemm.GemmVariant) -> None:
+    assert y.dtype == torch.float16 and y.shape == ref.shape
+    assert torch.isfinite(y).all()
+    if variant.dot_fp16:
+        torch.testing.assert_close(y.float(), ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+    else:
+        assert torch.equal(y.float(), ref), f"max diff {(y.float() - ref).abs().max().item()}"
+
+
+@pytest.mark.parametrize("variant", gemm.VARIANTS, ids=lambda v: v.name)
+def test_variant_matches_reference_linear(variant: gemm.GemmVariant):
+    ran = 0
+    for i, (m, n, k) in enumerate(SHAPES):
+        if not variant.can_implement(m, n, k, variant.kind)[0]:
+            continue
+        weight = _weight(variant.kind, n, k, seed=i)
+        x = _activations(m, k, seed=100 + i)
+        x8, sx = quantize_per_token(x)
+        y = gemm.w4a8_gemm(x8, sx[:, 0], weight, variant=variant.name)
+        _assert_matches(y, reference_linear(weight)(x), variant)
+        ran += 1
+    assert ran >= 2
+
+
+@pytest.mark.parametrize("variant", [v for v in gemm.VARIANTS if v.split_k], ids=lambda v: v.name)
+def test_split_k_slices_sum_exactly(variant: gemm.GemmVariant):
+    # K = 640 is 5 groups: 2 slices of (3, 2) groups, 3 of (2, 2, 1), 5 of one each.
+    m, n, k = 5, 67, 640
+    weight = _weight(variant.kind, n, k, seed=7)
+    x = _activations(m, k, seed=8)
+    x8, sx = quantize_per_token(x)
+    ref = reference_linear(weight)(x)
+    for split in (1, 2, 3, 5):
+        y = gemm.w4a8_gemm(x8, sx, weight, variant=variant.name, split_k=split)
+        _assert_matches(y, ref, variant)
+    # The last slice of every tile leaves the shared workspace zeroed for the next call.
+    ws, count = gemm.WORKSPACE.get(x8.device, 0, 0)
+    assert not ws.any() and not count.any()
+
+
+@pytest.mark.parametrize("variant", [v for v in gemm.VARIANTS if v.kind == "w4g128p"], ids=lambda v: v.name)
+def test_g128_full_int8_weight_range(variant: gemm.GemmVariant):
+    m, n, k = 9, 67, 384
+    weight = _full_range_g128(n, k, seed=3)
+    w8 = weight.int8_weight()
+    assert w8.min() == -128 and w8.max() == 126  # 127 is no product of a code and a scale <= 16
+    x = _activations(m, k, seed=4)
+    x8, sx = quantize_per_token(x)
+    y = gemm.w4a8_gemm(x8, sx, weight, variant=variant.name, split_k=2 if variant.split_k else None)
+    _assert_matches(y, reference_linear(weight)(x), variant)
+
+
+@pytest.mark.parametrize("name", ["chn.n64m16.sk", "chn.n64m16.sk.f16", "chn.n128m128"])
+def test_channel_rowsum_given_or_computed(name: str):
+    from services.worker.kernels.act_quant import quantize
+
+    m, n, k = 3, 200, 640
+    weight = _weight("w4chn", n, k, seed=5)
+    x = _activations(m, k, seed=6)
+    x8, sx, rowsum = quantize(x)
+    ref = reference_linear(weight)(x)
+    variant = gemm.get_variant(name)
+    for rs in (rowsum, None):
+        _assert_matches(gemm.w4a8_gemm(x8, sx, weight, rowsum=rs, variant=name, split_k=2), ref, variant)
+
+
+def test_every_output_is_written_into_a_given_buffer():
+    m, n, k = 3, 67, 384
+    weight = _weight("w4g128p", n, k, seed=9)
+    x8, sx = quantize_per_token(_activations(m, k, seed=10))
+    out = torch.full((m, n), float("nan"), dtype=torch.float16)
+    y = gemm.w4a8_gemm(x8, sx, weight, variant="g128.n64m16.sk", out=out)
+    assert y.data_ptr() == out.data_ptr() and torch.isfinite(out).all()
+
+
+def test_default_variant_is_logged_once(caplog):
+    m, n, k = 2, 67, 384
+    weight = _weight("w4chn", n, k, seed=11)
+    x = _activations(m, k, seed=12)
+    x8, sx = quantize_per_token(x)
+    gemm._logged_defaults.clear()
+    with caplog.at_level("INFO", logger=gemm.__name__):
+        y = gemm.w4a8_gemm(x8, sx, weight)
+        gemm.w4a8_gemm(x8, sx, weight)
+    assert torch.equal(y.float(), reference_linear(weight)(x))
+    assert [r.getMessage() for r in caplog.records].count(
+        f"w4a8_gemm: no variant given for w4chn M=2, using {gemm.default_variant_name(2, 'w4chn')}") == 1
+
+
+def test_can_implement_reasons():
+    v = gemm.get_variant("g128.n64m16.sk.f16")
+    assert v.can_implement(16, 4096, 4096, "w4g128p") == (True, "ok")
+    ok, reason = v.can_implement(1, 4096, 200, "w4g128p")
+    assert not ok and "K=200" in reason and "128" in reason
+    ok, reason = v.can_implement(17, 4096, 4096, "w4g128p")
+    assert not ok and "M=17" in reason
+    ok, reason = v.can_implement(1, 4096, 4096, "w4chn")
+    assert not ok and "w4chn" in reason
+    ok, reason = gemm.get_variant("chn.n128m128").can_implement(1, 64, gemm.MAX_K + 128, "w4chn")
+    assert not ok and "overflow" in reason
+    for variant in gemm.VARIANTS:
+        ok, reason = variant.can_implement(4, 64, 384, variant.kind)
+        assert ok, reason
+
+
+def test_bad_requests_name_the_problem():
+    m, n, k = 2, 67, 384
+    weight = _weight("w4g128p", n, k, seed=13)
+    x8, sx = quantize_per_token(_activations(m, k, seed=14))
+    with pytest.raises(ValueError, match="unknown W4A8 GEMM variant 'nope'"):
+        gemm.w4a8_gemm(x8, sx, weight, variant="nope")
+    with pytest.raises(ValueError, match="reads w4chn weights, not w4g128p.*g128.n64m16.sk: ok"):
+        gemm.w4a8_gemm(x8, sx, weight, variant="chn.n64m16.sk")
+    with pytest.raises(TypeError, match="W8Weight"):
+        from shared.quant.weights import quantize_w8
+
+        gemm.w4a8_gemm(x8, sx, quantize_w8(torch.randn(n, k)))
+    with pytest.raises(AssertionError, match="K=256"):
+        gemm.w4a8_gemm(x8[:, :256], sx, weight, variant="g128.n64m16.sk")
