@@ -31,11 +31,9 @@ FORWARD_BATCH = 8  # calibration samples per capture forward; bounds activation 
 
 @dataclass(slots=True)
 class Captured:
-    """Per-GEMM inputs on a token subsample, and the running maxima the scale searches need."""
+    """What the searches need: smoothed GEMM inputs on a token subsample, maxima, Hessians."""
 
-    qkv_in: torch.Tensor  # (S, H)
     o_in: torch.Tensor  # (S, heads*D)
-    gate_up_in: torch.Tensor  # (S, H)
     down_in: torch.Tensor  # (S, F)
     k_absmax: torch.Tensor  # (kv_heads, D) over every calibration token, pre-RoPE
     q_absmax: torch.Tensor  # (heads, D) likewise
@@ -56,7 +54,8 @@ def capture(
 ) -> tuple[Captured, torch.Tensor]:
     """Runs the fp block over x (N, T, H); returns captures and the block output (N, T, H)."""
     block = work.as_fp_block()
-    outs, subs = [], {k: [] for k in ("qkv_in", "o_in", "gate_up_in", "down_in")}
+    outs, subs = [], {"o_in": [], "down_in": []}
+    inputs = dict(zip(("qkv_in", "o_in", "gate_up_in", "down_in"), BLOCK_LINEARS))  # capture key -> linear
     hessians: dict[str, torch.Tensor] = {}
     k_absmax = q_absmax = None
     q_sub, k_sub = [], []
@@ -74,9 +73,10 @@ def capture(
         local = token_idx[(token_idx >= lo) & (token_idx < hi)] - lo
         q_sub.append(cap["q_pre_rope"].transpose(1, 2).reshape(-1, *qmax.shape)[local])
         k_sub.append(cap["k_pre_rope"].transpose(1, 2).reshape(-1, *kmax.shape)[local])
-        for name, linear in zip(subs, BLOCK_LINEARS):
+        for name, linear in inputs.items():
             flat = cap[name].reshape(-1, cap[name].shape[-1])
-            subs[name].append(flat[local])
+            if name in subs:
+                subs[name].append(flat[local])
             xtx = flat.t() @ flat
             hessians[linear] = hessians[linear] + xtx if linear in hessians else xtx
     captured = Captured(
@@ -136,11 +136,10 @@ def quantize_block(
         cap.hessians["down"] = cap.hessians["down"][perm][:, perm]
 
     ratios = candidate_ratios(options.clip_min_ratio, options.clip_steps)
-    inputs = {"qkv": cap.qkv_in, "o": cap.o_in, "gate_up": cap.gate_up_in, "down": cap.down_in}
     linears = {}
-    for name, x_in in inputs.items():
+    for name in BLOCK_LINEARS:
         w = getattr(work, name)
-        clip = search_clip_ratios(x_in, w, kind, ratios) if options.clipping else None
+        clip = search_clip_ratios(cap.hessians[name], w, kind, ratios) if options.clipping else None
         if name == "qkv" and clip is not None:
             # Clipping shrinks q and k outputs, which sharpens or flattens every attention
             # distribution; like AWQ, only V's rows are clipped (measured: clipping q/k costs ppl).
