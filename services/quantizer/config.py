@@ -1,0 +1,121 @@
+"""The quantizer's settings, parsed once (command line plus explicit credentials) and passed down."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.storage import StorageConfig
+
+DEFAULT_LISTEN = "127.0.0.1:50061"
+DEFAULT_BUDGET = 0.05  # largest accepted perplexity_quantized / perplexity_fp16 - 1
+DEVICES = ("cpu", "cuda", "auto")
+
+
+class ConfigError(ValueError):
+    """A quantizer setting that cannot work; the message names it and what is accepted."""
+
+
+@dataclass(slots=True)
+class QuantizerConfig:
+    registry_url: str  # sqlite:///path/registry.db or postgresql+psycopg://user@host/db
+    store: StorageConfig  # where artifacts are published; also the endpoint/credentials for s3:// sources
+    work_dir: Path  # scratch space: downloaded sources, artifact folders before upload
+    create_bucket: bool = False  # create the store's bucket (or folder) at start-up when it is missing
+    listen: str = DEFAULT_LISTEN  # host:port; port 0 picks a free one
+    default_budget: float = DEFAULT_BUDGET
+    default_eval_data: str | None = None  # local path or s3:// URI used when a request names none
+    default_calib_data: str | None = None  # None: the built-in calibration text (Python stdlib sources)
+    workers: int = 1  # jobs that run at once
+    max_queued: int = 16  # jobs waiting for a worker before Publish answers RESOURCE_EXHAUSTED
+    device: str = "cpu"  # torch device for quantization and eval: cpu, cuda, or auto
+    heartbeat_s: float = 10.0  # how often this process marks its jobs alive and sweeps orphans
+    orphan_after_s: float = 60.0  # another owner's job with no heartbeat for this long is failed
+    grace_s: float = 10.0  # graceful stop: in-flight rpcs get this long, running jobs are cancelled
+    owner: str = field(default_factory=lambda: f"quantizer@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
+
+    def __post_init__(self) -> None:
+        self.work_dir = Path(self.work_dir)
+        if not self.registry_url:
+            raise ConfigError("registry_url is required: sqlite:///path/registry.db or postgresql+psycopg://...")
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"listen address {self.listen!r} is not host:port (e.g. {DEFAULT_LISTEN}, or port 0)")
+        if not (isinstance(self.default_budget, (int, float)) and math.isfinite(self.default_budget)
+                and self.default_budget >= 0):
+            raise ConfigError(f"default budget {self.default_budget!r} must be a finite number >= 0 (0.05 = 5%)")
+        for name in ("workers", "max_queued"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device {self.device!r} is not supported; accepted: {', '.join(DEVICES)}, cuda:N")
+        for name in ("heartbeat_s", "grace_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be a positive number of seconds")
+        if self.orphan_after_s < 0:
+            raise ConfigError(f"orphan_after_s={self.orphan_after_s} must be >= 0 seconds")
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> QuantizerConfig:
+        """Settings from the command line; S3 credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
+        (read here, once: credentials never go on a command line)."""
+        env = os.environ if environ is None else environ
+        args = _parser().parse_args(argv)
+        store = StorageConfig.from_url(
+            args.store,
+            endpoint_url=args.store_endpoint,
+            region=args.store_region,
+            access_key=env.get("AWS_ACCESS_KEY_ID"),
+            secret_key=env.get("AWS_SECRET_ACCESS_KEY"),
+            session_token=env.get("AWS_SESSION_TOKEN"),
+        )
+        return cls(
+            registry_url=args.registry_url,
+            store=store,
+            create_bucket=args.create_bucket,
+            work_dir=args.work_dir,
+            listen=args.listen,
+            default_budget=args.budget,
+            default_eval_data=args.eval_data,
+            default_calib_data=args.calib_data,
+            workers=args.workers,
+            max_queued=args.max_queued,
+            device=args.device,
+            heartbeat_s=args.heartbeat_s,
+            orphan_after_s=args.orphan_after_s,
+            grace_s=args.grace_s,
+        )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m services.quantizer.server",
+        description="The quantizer service: Publish checkpoints as evaluated, GPU-bound artifacts.",
+    )
+    p.add_argument("--registry-url", required=True, help="sqlite:///path/registry.db or postgresql+psycopg://user@host/db")
+    p.add_argument("--store", required=True,
+                   help="artifact store: s3://bucket/prefix?endpoint=http://host:9000&region=r, file:///path or a path")
+    p.add_argument("--store-endpoint", default=None, help="S3 endpoint URL when not in --store (e.g. http://minio:9000)")
+    p.add_argument("--store-region", default="us-east-1")
+    p.add_argument("--create-bucket", action="store_true", help="create the store's bucket when it does not exist")
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/qserve-quantizer"), help="scratch folder")
+    p.add_argument("--listen", default=DEFAULT_LISTEN, help="host:port to serve gRPC on")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
+                   help="default accuracy budget: largest accepted relative perplexity increase (0.05 = 5%%)")
+    p.add_argument("--eval-data", default=None, help="default eval text (path or s3:// URI) for requests that name none")
+    p.add_argument("--calib-data", default=None,
+                   help="default calibration text (path or s3:// URI) [default: the Python standard library sources]")
+    p.add_argument("--workers", type=int, default=1, help="jobs that run at once")
+    p.add_argument("--max-queued", type=int, default=16, help="queued jobs before Publish answers RESOURCE_EXHAUSTED")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N or auto")
+    p.add_argument("--heartbeat-s", type=float, default=10.0)
+    p.add_argument("--orphan-after-s", type=float, default=60.0,
+                   help="fail another owner's job after this long without a heartbeat (0 with a single quantizer)")
+    p.add_argument("--grace-s", type=float, default=10.0, help="graceful-stop time for in-flight rpcs")
+    return p

@@ -1,0 +1,218 @@
+"""The job runner: a thread pool of pipelines, their progress in the registry, heartbeats, orphans.
+
+Every job is a registry row owned by this process (config.owner). A heartbeat thread keeps the rows
+of live jobs fresh and fails the jobs of owners that stopped heartbeating (a killed quantizer), at
+start-up and then periodically, so that their bindings can be published again.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+
+from services.quantizer.board import JobBoard, Update
+from services.quantizer.errors import AccuracyBudgetExceeded, JobCancelled, QueueFull
+from services.quantizer.pipeline import Pipeline, Services
+from services.quantizer.requests import PublishSpec
+from services.quantizer.views import ArtifactDetails, ArtifactView, JobView, Stage
+from shared.registry import (
+    JobState,
+    QuantJob,
+    RegistryError,
+    create_job,
+    fail_job,
+    fail_orphaned_jobs,
+    finish_job,
+    get_artifact,
+    get_job,
+    heartbeat,
+    report_progress,
+    start_job,
+)
+from shared.storage import StorageError
+
+log = logging.getLogger(__name__)
+
+ORPHAN_REASON = "the quantizer running this job stopped (killed or crashed) before it ended"
+EXPECTED_ERRORS = (AccuracyBudgetExceeded, StorageError, RegistryError, ValueError, OSError, JobCancelled)
+
+
+@dataclass(slots=True)
+class _Live:
+    """What the registry does not keep about a job this process runs."""
+
+    spec: PublishSpec
+    stage: Stage | None = None
+    remaining_s: float | None = None
+
+
+class JobRunner:
+    def __init__(self, services: Services):
+        self.services = services
+        self.config = services.config
+        self.board = JobBoard()
+        self.details: dict[str, ArtifactDetails] = {}  # artifact id -> size and full evaluation
+        self._live: dict[str, _Live] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="quantize")
+        self._heartbeats = threading.Thread(target=self._heartbeat_loop, name="quantizer-heartbeat", daemon=True)
+
+    # ---- lifecycle ----
+
+    def start(self) -> list[str]:
+        """Fails what dead quantizers left running, then starts heartbeating; -> the failed job ids."""
+        failed = self._sweep_orphans()
+        self._heartbeats.start()
+        return failed
+
+    def stop(self) -> None:
+        """Cancels queued jobs, makes running ones stop at their next progress report, fails them all."""
+        self._stopping.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            left = [job_id for job_id in self._live]
+        for job_id in left:  # cancelled before they started
+            self._fail(job_id, None, "the quantizer stopped before the job ran; publish again")
+        if self._heartbeats.is_alive():
+            self._heartbeats.join(timeout=self.config.heartbeat_s + 5)
+
+    # ---- the API the servicer uses ----
+
+    def submit(self, spec: PublishSpec) -> JobView:
+        with self._lock:
+            if self._stopping.is_set():
+                raise QueueFull("the quantizer is stopping; publish to another quantizer or retry later")
+            if len(self._live) >= self.config.workers + self.config.max_queued:
+                raise QueueFull(
+                    f"{len(self._live)} jobs are queued or running (limit {self.config.workers} running + "
+                    f"{self.config.max_queued} queued); retry later"
+                )
+            with self.services.registry.transaction() as session:
+                job = create_job(session, owner=self.config.owner)
+                self._live[job.id] = _Live(spec)
+                view = self._view(session, job)
+            self.board.post(Update(view, "queued"))
+            self._pool.submit(self._execute, job.id)
+        return view
+
+    def view(self, job_id: str) -> JobView:
+        """The job's current snapshot (raises the registry's NotFound for an unknown id)."""
+        with self.services.registry.sessions() as session:
+            return self._view(session, get_job(session, job_id))
+
+    def artifact_details(self, artifact_id: str) -> ArtifactDetails | None:
+        return self.details.get(artifact_id)
+
+    # ---- running a job (worker threads) ----
+
+    def _execute(self, job_id: str) -> None:
+        live = self._live[job_id]
+        work_dir = self.config.work_dir / "jobs" / job_id
+        pipeline = Pipeline(self.services, live.spec, job_id, _Reporter(self, job_id), work_dir)
+        try:
+            with self.services.registry.transaction() as session:
+                job = start_job(session, job_id, owner=self.config.owner)
+                view = self._view(session, job)
+            self.board.post(Update(view, "started"))
+            artifact_id = pipeline.run(lambda session, artifact_id: finish_job(session, job_id, artifact_id=artifact_id))
+            if pipeline.details is not None:
+                self.details[artifact_id] = pipeline.details
+            self._post_now(job_id, f"published artifact {artifact_id}")
+        except Exception as exc:
+            if not isinstance(exc, EXPECTED_ERRORS):
+                log.exception("job %s failed unexpectedly", job_id)
+            stage = live.stage.value if live.stage is not None else "start"
+            where = "" if isinstance(exc, AccuracyBudgetExceeded) else f"{stage} failed: "
+            self._fail(job_id, pipeline, f"{where}{_describe(exc)}")
+        finally:
+            with self._lock:
+                self._live.pop(job_id, None)
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+    def _fail(self, job_id: str, pipeline: Pipeline | None, error: str) -> None:
+        try:
+            with self.services.registry.transaction() as session:
+                if pipeline is not None:
+                    pipeline.fail(session, error)
+                job = get_job(session, job_id)
+                if job.state in (JobState.QUEUED, JobState.RUNNING):
+                    fail_job(session, job_id, error)
+                view = self._view(session, job)
+        except Exception:  # the registry itself is failing: the orphan sweep settles the job later
+            log.exception("could not record the failure of job %s: %s", job_id, error)
+            return
+        finally:
+            with self._lock:
+                self._live.pop(job_id, None)
+        self.board.post(Update(view, error))
+
+    def _progress(self, job_id: str, stage: Stage, block_index: int, block_count: int,
+                  message: str, remaining_s: float | None) -> None:
+        live = self._live.get(job_id)
+        if live is not None:
+            live.stage, live.remaining_s = stage, remaining_s
+        with self.services.registry.transaction() as session:
+            job = report_progress(session, job_id, stage=stage.value, block_index=block_index, block_count=block_count)
+            view = self._view(session, job)
+        self.board.post(Update(view, message))
+
+    def _post_now(self, job_id: str, message: str) -> None:
+        self.board.post(Update(self.view(job_id), message))
+
+    def _view(self, session, job: QuantJob) -> JobView:
+        artifact = None
+        if job.artifact_id is not None:
+            artifact = ArtifactView.from_row(get_artifact(session, job.artifact_id), self.details.get(job.artifact_id))
+        live = self._live.get(job.id)
+        return JobView.from_row(job, artifact, live.spec if live else None, live.remaining_s if live else None)
+
+    # ---- heartbeats and orphans ----
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stopping.wait(self.config.heartbeat_s):
+            try:
+                with self.services.registry.transaction() as session:
+                    heartbeat(session, self.config.owner)
+                self._sweep_orphans()
+            except Exception as exc:  # a registry outage must not kill the heartbeat thread
+                log.warning("heartbeat failed: %s", exc)
+
+    def _sweep_orphans(self) -> list[str]:
+        with self.services.registry.transaction() as session:
+            orphans = fail_orphaned_jobs(
+                session, ORPHAN_REASON, current_owner=self.config.owner,
+                stale_after=timedelta(seconds=self.config.orphan_after_s),
+            )
+            ids = [job.id for job in orphans]
+        for job_id in ids:
+            log.warning("failed job %s: %s", job_id, ORPHAN_REASON)
+        return ids
+
+
+class _Reporter:
+    """The pipeline's view of its job: progress goes to the registry and to watchers."""
+
+    def __init__(self, runner: JobRunner, job_id: str):
+        self._runner = runner
+        self._job_id = job_id
+
+    def check(self) -> None:
+        if self._runner._stopping.is_set():
+            raise JobCancelled("the quantizer is stopping; publish again")
+
+    def progress(self, stage: Stage, block_index: int = 0, block_count: int = 0, *,
+                 message: str = "", remaining_s: float | None = None) -> None:
+        self.check()
+        self._runner._progress(self._job_id, stage, block_index, block_count, message, remaining_s)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    if isinstance(exc, (KeyError, IndexError, TypeError, AttributeError, RuntimeError)) or not text:
+        return f"{type(exc).__name__}: {text}"
+    return text

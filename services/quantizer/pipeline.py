@@ -1,0 +1,268 @@
+"""One publish, stage by stage: load -> calibrate/quantize/pack -> eval -> accuracy gate -> manifest ->
+upload -> register. Runs on a worker thread; reports through a Reporter (see jobs.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from sqlalchemy.orm import Session
+
+from services.quantizer.allocation import Binding, Claim, claim_binding
+from services.quantizer.config import QuantizerConfig
+from services.quantizer.errors import AccuracyBudgetExceeded
+from services.quantizer.evaluate import (
+    EvalWindows,
+    Fp16PerplexityCache,
+    artifact_perplexity,
+    checkpoint_perplexity,
+    eval_windows,
+)
+from services.quantizer.requests import PublishSpec
+from services.quantizer.sources import local_file, local_folder
+from services.quantizer.views import ArtifactDetails, EvaluationView, Stage
+from shared.formats.artifact import sha256_file
+from shared.formats.manifest import MANIFEST_NAME, Evaluation, Manifest
+from shared.formats.spec import format_spec
+from shared.model.checkpoint import HfCheckpoint
+from shared.model.tokenizer import Tokenizer
+from shared.quant.quantize_model import QuantizeSettings, check_group_divisibility, quantize_checkpoint
+from shared.registry import ArtifactState, Registry, find_ready_by_digest, get_artifact, mark_artifact_failed, mark_artifact_ready
+from shared.storage import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+class Reporter(Protocol):
+    def progress(self, stage: Stage, block_index: int = 0, block_count: int = 0, *,
+                 message: str = "", remaining_s: float | None = None) -> None:
+        """Records the job's progress; raises JobCancelled when the quantizer is stopping."""
+
+    def check(self) -> None:
+        """Raises JobCancelled when the quantizer is stopping."""
+
+
+@dataclass(slots=True)
+class Services:
+    config: QuantizerConfig
+    registry: Registry
+    store: ObjectStore
+    fp16_cache: Fp16PerplexityCache
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def content_digest(manifest: Manifest) -> str:
+    """Identifies the bytes a worker loads for this binding: the files (not the manifest, which names the
+    artifact and its evaluation), the binding and the kernel policy table."""
+    body = {
+        "model_version": manifest.model_version, "format": manifest.format, "gpu_target": manifest.gpu_target,
+        "kernel_policy": manifest.kernel_policy,
+        "files": [[f.path, f.sha256, f.size] for f in sorted(manifest.files, key=lambda f: f.path)],
+    }
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+class Pipeline:
+    def __init__(self, services: Services, spec: PublishSpec, job_id: str, reporter: Reporter, work_dir: Path):
+        self.services = services
+        self.spec = spec
+        self.job_id = job_id
+        self.reporter = reporter
+        self.work_dir = work_dir
+        self.device = resolve_device(services.config.device)
+        self.claim: Claim | None = None
+        self.evaluation: EvaluationView | None = None
+        self.details: ArtifactDetails | None = None  # set once READY
+
+    @property
+    def owned_artifact(self) -> str | None:
+        """The artifact this job builds (None before allocation, or when it adopted a READY one)."""
+        return self.claim.artifact_id if self.claim is not None and self.claim.owned else None
+
+    def run(self, finish: Callable[[Session, str], None]) -> str:
+        """Publishes; `finish(session, artifact_id)` runs in the transaction that marks the artifact READY."""
+        registry = self.services.registry
+        folder, checkpoint, model_version = self._load()
+        self.claim = claim_binding(
+            registry, self.job_id,
+            Binding(self.spec.model_name, model_version, self.spec.version_label, self.spec.format, self.spec.gpu_target),
+            actor=self.services.config.owner, check=self.reporter.check,
+            waiting=lambda holder: self.reporter.progress(
+                Stage.LOAD, message=f"job {holder} is publishing the same binding: waiting for it"),
+        )
+        if not self.claim.owned:
+            self.reporter.progress(Stage.REGISTER, message=f"the binding is already published as artifact "
+                                                            f"{self.claim.artifact_id}")
+            with registry.transaction() as session:
+                finish(session, self.claim.artifact_id)
+            return self.claim.artifact_id
+        artifact_dir = self._quantize(folder, checkpoint.config.num_layers)
+        windows = self._eval_windows(folder)
+        ppl_fp16, ppl_quantized = self._evaluate(checkpoint, model_version, artifact_dir, windows)
+        self._gate(ppl_fp16, ppl_quantized, windows)
+        manifest = self._write_manifest(artifact_dir, windows, ppl_fp16, ppl_quantized)
+        digest = content_digest(manifest)
+        reuse_of, manifest_sha256 = self._upload(artifact_dir, digest)
+        self._register(finish, digest, manifest_sha256, reuse_of, artifact_dir)
+        return self.claim.artifact_id
+
+    def fail(self, session: Session, reason: str) -> None:
+        """Marks the artifact this job builds FAILED (keeping its perplexities when it was evaluated)."""
+        artifact_id = self.owned_artifact
+        if artifact_id is None or get_artifact(session, artifact_id).state != ArtifactState.PENDING:
+            return
+        artifact = mark_artifact_failed(session, artifact_id, reason, actor=self.services.config.owner)
+        if self.evaluation is not None:
+            artifact.ppl_fp16, artifact.ppl_quant = self.evaluation.ppl_fp16, self.evaluation.ppl_quantized
+            artifact.eval_data = self.evaluation.data_name
+
+    # ---- stages ----
+
+    def _load(self) -> tuple[Path, HfCheckpoint, str]:
+        self.reporter.progress(Stage.LOAD, message=f"reading {self.spec.source}")
+        folder = local_folder(self.spec.source, self.work_dir / "source", self.services.config.store)
+        checkpoint = HfCheckpoint(folder)  # config.json, a Llama-family model, every tensor present
+        check_group_divisibility(checkpoint.config, format_spec(self.spec.format))
+        Tokenizer(folder)  # the eval needs it: fail now rather than after quantizing
+        model_version = checkpoint.content_hash()
+        self.reporter.progress(Stage.LOAD, message=f"model version {model_version[:12]}")
+        return folder, checkpoint, model_version
+
+    def _quantize(self, folder: Path, num_layers: int) -> Path:
+        spec = self.spec
+        calib = local_file(spec.calib_data, self.work_dir / "calib", self.services.config.store) if spec.calib_data else None
+        out = self.work_dir / "artifact"
+        started = time.monotonic()
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage == "load" and done == 0:
+                self.reporter.progress(Stage.CALIBRATE, message="reading the calibration text")
+            elif stage == "load":
+                self.reporter.progress(Stage.QUANTIZE, 1, num_layers)
+            elif stage == "quantize" and done < total:
+                remaining = (time.monotonic() - started) / done * (total - done)
+                self.reporter.progress(Stage.QUANTIZE, done + 1, total, remaining_s=remaining,
+                                       message=f"block {done}/{total} done")
+            elif stage == "pack" and done == 0:
+                self.reporter.progress(Stage.PACK, message=f"block {num_layers}/{num_layers} done; writing the artifact")
+
+        quantize_checkpoint(
+            QuantizeSettings(
+                model_dir=folder, out_dir=out, format=spec.format, gpu_target=spec.gpu_target, options=spec.options,
+                calib_path=calib, calib_samples=spec.calib_samples, calib_seq_len=spec.calib_seq_len,
+                model_name=spec.model_name, device=self.device,
+            ),
+            progress,
+        )
+        return out
+
+    def _eval_windows(self, folder: Path) -> EvalWindows:
+        spec = self.spec
+        text = local_file(spec.eval_data, self.work_dir / "eval", self.services.config.store)
+        return eval_windows(text, spec.eval_name, folder, spec.eval_seq_len, spec.eval_max_windows)
+
+    def _evaluate(self, checkpoint: HfCheckpoint, model_version: str, artifact_dir: Path,
+                  windows: EvalWindows) -> tuple[float, float]:
+        cache = self.services.fp16_cache
+        key = cache.key(model_version, windows)
+        ppl_fp16 = cache.get(key)
+        if ppl_fp16 is None:
+            ppl_fp16 = checkpoint_perplexity(checkpoint, windows, self.device, self._window_progress("fp16", windows))
+            cache.put(key, ppl_fp16)
+        else:
+            self.reporter.progress(Stage.EVAL, message=f"fp16 perplexity {ppl_fp16:.4f} (cached)")
+        if self.spec.format == "fp16":  # the artifact is the checkpoint's own weights
+            return ppl_fp16, ppl_fp16
+        ppl_quantized = artifact_perplexity(artifact_dir, windows, self.device,
+                                            self._window_progress(self.spec.format, windows))
+        return ppl_fp16, ppl_quantized
+
+    def _window_progress(self, what: str, windows: EvalWindows) -> Callable[[int, int], None]:
+        started = time.monotonic()
+        self.reporter.progress(Stage.EVAL, message=f"{what} perplexity on {windows.name}: "
+                                                    f"{windows.count} windows of {windows.seq_len} tokens")
+
+        def progress(done: int, total: int) -> None:
+            remaining = (time.monotonic() - started) / done * (total - done)
+            self.reporter.progress(Stage.EVAL, message=f"{what}: {done}/{total} windows", remaining_s=remaining)
+
+        return progress
+
+    def _gate(self, ppl_fp16: float, ppl_quantized: float, windows: EvalWindows) -> None:
+        budget = self.spec.budget
+        self.evaluation = EvaluationView(windows.name, ppl_fp16, ppl_quantized, windows.seq_len, windows.count, budget)
+        increase = ppl_quantized / ppl_fp16 - 1
+        numbers = (f"quantized perplexity {ppl_quantized:.4f} vs fp16 {ppl_fp16:.4f} on {windows.name} "
+                   f"({windows.count} windows of {windows.seq_len} tokens): {increase:+.2%}")
+        if ppl_quantized > ppl_fp16 * (1 + budget):
+            raise AccuracyBudgetExceeded(
+                f"accuracy budget exceeded: {numbers}, above the budget of {budget:.2%} "
+                f"(max_relative_perplexity_increase={budget:g})"
+            )
+        self.reporter.progress(Stage.EVAL, message=f"{numbers}, within the budget of {budget:.2%}")
+
+    def _write_manifest(self, artifact_dir: Path, windows: EvalWindows, ppl_fp16: float, ppl_quantized: float) -> Manifest:
+        # The manifest is not in its own file list, so rewriting it keeps every listed sha256 valid.
+        manifest = Manifest.read(artifact_dir)
+        manifest.artifact_id = self.claim.artifact_id
+        manifest.model_name = self.spec.model_name
+        manifest.evaluation = Evaluation(windows.name, windows.sha256, windows.seq_len, windows.count,
+                                         ppl_fp16, ppl_quantized)
+        manifest.write(artifact_dir)
+        return manifest
+
+    def _upload(self, artifact_dir: Path, digest: str) -> tuple[str | None, str]:
+        """-> (id of the READY artifact whose identical objects are reused, or None; manifest sha256)."""
+        with self.services.registry.sessions() as session:
+            twin = find_ready_by_digest(session, digest)
+        if twin is not None:
+            self.reporter.progress(Stage.UPLOAD, message=f"identical content is stored as artifact {twin.id}: "
+                                                          f"reusing {twin.object_prefix}")
+            return twin.id, twin.manifest_sha256
+        store, prefix = self.services.store, self.claim.object_prefix
+        if store.list(prefix):  # an earlier attempt of this (never READY) artifact died mid-publish
+            store.delete_prefix(prefix)
+        self.reporter.progress(Stage.UPLOAD, message=f"publishing to {store.uri(prefix)}")
+        objects = store.publish_folder(
+            artifact_dir, prefix,
+            progress=lambda info: self.reporter.progress(
+                Stage.UPLOAD, message=f"uploaded {info.key.split('/', 2)[-1]} ({info.size} bytes)"),
+        )
+        self.details = ArtifactDetails(sum(o.size for o in objects), self.evaluation)
+        return None, sha256_file(artifact_dir / MANIFEST_NAME)
+
+    def _register(self, finish: Callable[[Session, str], None], digest: str, manifest_sha256: str,
+                  reuse_of: str | None, artifact_dir: Path) -> None:
+        self.reporter.progress(Stage.REGISTER)
+        artifact_id = self.claim.artifact_id
+        try:
+            with self.services.registry.transaction() as session:
+                mark_artifact_ready(
+                    session, artifact_id, manifest_sha256=manifest_sha256, content_digest=digest,
+                    actor=self.services.config.owner, ppl_fp16=self.evaluation.ppl_fp16,
+                    ppl_quant=self.evaluation.ppl_quantized, eval_data=self.evaluation.data_name,
+                    reuse_prefix_of=reuse_of,
+                )
+                finish(session, artifact_id)
+        except Exception:
+            if reuse_of is None:  # never leave objects behind an artifact that is not READY
+                try:
+                    self.services.store.delete_prefix(self.claim.object_prefix)
+                except Exception as exc:  # the original error matters more; purge later
+                    log.warning("could not delete %s after a failed register: %s", self.claim.object_prefix, exc)
+            raise
+        if reuse_of is not None:
+            size = sum(f.size for f in Manifest.read(artifact_dir).files)
+            self.details = ArtifactDetails(size, self.evaluation)

@@ -1,0 +1,175 @@
+"""PublishSpec: a Publish request checked and with its defaults filled in (from_pb / to_pb)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.quantizer.config import QuantizerConfig
+from services.quantizer.errors import InvalidRequest, MissingInput
+from shared.formats.manifest import GPU_TARGETS
+from shared.formats.spec import FORMATS, format_spec
+from shared.model.config import CheckpointError, LlamaConfig
+from shared.quant.calibration import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
+from shared.quant.options import QoQOptions
+from shared.quant.quantize_model import check_group_divisibility
+from shared.rpc.qserve.v1 import quantizer_pb2
+from shared.storage import InvalidConfig, StorageConfig
+
+MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+VERSION_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+QOQ_STEPS = ("smooth_attention", "rotation", "smoothing", "reorder", "clipping")  # the proto's switches
+DEFAULT_EVAL_SEQ_LEN = 512
+MAX_SEQ_LEN = 32768
+MAX_CALIB_SAMPLES = 4096
+
+
+@dataclass(slots=True, frozen=True)
+class PublishSpec:
+    source: str  # local folder or s3://bucket/prefix
+    model_name: str
+    version_label: str  # '' = none given
+    format: str
+    gpu_target: str
+    calib_data: str  # local path or s3:// URI; '' = the built-in calibration text
+    calib_samples: int
+    calib_seq_len: int
+    qoq: dict[str, bool]  # the proto's switches as given (unset ones absent)
+    budget: float  # largest accepted perplexity_quantized / perplexity_fp16 - 1
+    eval_data: str  # local path or s3:// URI
+    eval_name: str
+    eval_seq_len: int
+    eval_max_windows: int  # 0 = every window of the text
+
+    @property
+    def options(self) -> QoQOptions:
+        """The QoQ recipe with the request's switches applied (unset = on)."""
+        return QoQOptions(**self.qoq)
+
+    @classmethod
+    def from_pb(cls, req: quantizer_pb2.PublishRequest, config: QuantizerConfig) -> PublishSpec:
+        """Raises InvalidRequest (INVALID_ARGUMENT) or MissingInput (NOT_FOUND), naming the bad value."""
+        if req.format not in FORMATS:
+            raise InvalidRequest(f"format {req.format!r} is not supported; accepted: {', '.join(FORMATS)}")
+        if req.gpu_target not in GPU_TARGETS:
+            raise InvalidRequest(f"gpu_target {req.gpu_target!r} is not supported; accepted: {', '.join(GPU_TARGETS)}")
+        if not MODEL_NAME.fullmatch(req.model_name):
+            raise InvalidRequest(
+                f"model_name {req.model_name!r} is not accepted: use 1-64 characters of [a-z0-9._-], "
+                "starting with a letter or digit"
+            )
+        if req.version_label and not VERSION_LABEL.fullmatch(req.version_label):
+            raise InvalidRequest(
+                f"version_label {req.version_label!r} is not accepted: use 1-128 characters of letters, digits, "
+                "'.', '_' and '-', starting with a letter or digit (or leave it empty)"
+            )
+        qoq = {step: getattr(req.qoq, step) for step in QOQ_STEPS if req.qoq.HasField(step)}
+        if req.format == "fp16" and any(qoq.values()):
+            on = ", ".join(step for step, value in qoq.items() if value)
+            raise InvalidRequest(f"QoQ steps {on} were enabled for format 'fp16', which quantizes nothing; unset them")
+        budget = config.default_budget
+        if req.HasField("max_relative_perplexity_increase"):
+            budget = req.max_relative_perplexity_increase
+            if not math.isfinite(budget) or budget < 0:
+                raise InvalidRequest(
+                    f"max_relative_perplexity_increase {budget!r} is not accepted: use a finite number >= 0 "
+                    "(0.05 = quantized perplexity at most 5% above fp16)"
+                )
+        source = _check_source(req.source, req.format, config)
+        calib_data = req.calibration.data or config.default_calib_data or ""
+        if calib_data:
+            _check_text_file("calibration.data", calib_data, config)
+        eval_data = req.eval.data or config.default_eval_data or ""
+        if not eval_data:
+            raise InvalidRequest(
+                "eval.data is required: every artifact is evaluated (give a text file path or s3:// URI, "
+                "or start the quantizer with --eval-data)"
+            )
+        _check_text_file("eval.data", eval_data, config)
+        return cls(
+            source=source,
+            model_name=req.model_name,
+            version_label=req.version_label,
+            format=req.format,
+            gpu_target=req.gpu_target,
+            calib_data=calib_data,
+            calib_samples=_count("calibration.num_samples", req.calibration.num_samples, DEFAULT_SAMPLES,
+                                 1, MAX_CALIB_SAMPLES),
+            calib_seq_len=_count("calibration.seq_len", req.calibration.seq_len, DEFAULT_SEQ_LEN, 2, MAX_SEQ_LEN),
+            qoq=qoq,
+            budget=float(budget),
+            eval_data=eval_data,
+            eval_name=req.eval.name or _stem(eval_data),
+            eval_seq_len=_count("eval.seq_len", req.eval.seq_len, DEFAULT_EVAL_SEQ_LEN, 2, MAX_SEQ_LEN),
+            eval_max_windows=req.eval.max_windows,
+        )
+
+    def to_pb(self) -> quantizer_pb2.PublishRequest:
+        return quantizer_pb2.PublishRequest(
+            source=self.source,
+            model_name=self.model_name,
+            version_label=self.version_label,
+            format=self.format,
+            gpu_target=self.gpu_target,
+            calibration=quantizer_pb2.Calibration(
+                data=self.calib_data, num_samples=self.calib_samples, seq_len=self.calib_seq_len
+            ),
+            qoq=quantizer_pb2.QoQOptions(**self.qoq),
+            max_relative_perplexity_increase=self.budget,
+            eval=quantizer_pb2.EvalData(
+                data=self.eval_data, name=self.eval_name, seq_len=self.eval_seq_len, max_windows=self.eval_max_windows
+            ),
+        )
+
+
+def is_s3(uri: str) -> bool:
+    return uri.startswith("s3://")
+
+
+def _check_source(source: str, format: str, config: QuantizerConfig) -> str:
+    if not source:
+        raise InvalidRequest("source is required: a checkpoint folder or an s3://bucket/prefix URI")
+    if is_s3(source):
+        _check_s3_uri("source", source, config)
+        return source  # read when the job runs: its errors end the job FAILED
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        raise MissingInput(f"source checkpoint folder {source!r} does not exist (on the quantizer's host)")
+    try:
+        model_config = LlamaConfig.from_folder(folder)
+        check_group_divisibility(model_config, format_spec(format))
+    except CheckpointError as exc:
+        raise InvalidRequest(f"source {source!r}: {exc}") from exc
+    return str(folder.resolve())
+
+
+def _check_text_file(what: str, uri: str, config: QuantizerConfig) -> None:
+    if is_s3(uri):
+        bucket_and_key = uri[len("s3://"):].split("?", 1)[0]
+        if "/" not in bucket_and_key.strip("/") or bucket_and_key.endswith("/"):
+            raise InvalidRequest(f"{what} {uri!r} names no object: use s3://bucket/path/file.txt")
+        _check_s3_uri(what, uri, config)
+    elif not Path(uri).expanduser().is_file():
+        raise MissingInput(f"{what} file {uri!r} does not exist (on the quantizer's host)")
+
+
+def _check_s3_uri(what: str, uri: str, config: QuantizerConfig) -> None:
+    try:
+        StorageConfig.from_url(uri, base=config.store if config.store.kind == "s3" else None)
+    except InvalidConfig as exc:
+        raise InvalidRequest(f"{what} {uri!r} is not a usable S3 URI: {exc}") from exc
+
+
+def _count(what: str, value: int, default: int, low: int, high: int) -> int:
+    if value == 0:
+        return default
+    if not low <= value <= high:
+        raise InvalidRequest(f"{what}={value} is out of range: use {low} to {high}, or 0 for the default ({default})")
+    return value
+
+
+def _stem(uri: str) -> str:
+    name = uri.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+    return name.rsplit(".", 1)[0] if "." in name else name

@@ -1,0 +1,124 @@
+"""The quantizer's grpc.aio server: the Quantizer service, the standard health service, reflection.
+
+    python -m services.quantizer.server --registry-url sqlite:///var/qserve/registry.db \\
+        --store 's3://artifacts?endpoint=http://127.0.0.1:9000' --eval-data /data/eval.txt
+
+S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY. SIGTERM or SIGINT stops it
+gracefully: health turns NOT_SERVING, running jobs end FAILED ("the quantizer is stopping").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from sqlalchemy.exc import SQLAlchemyError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.quantizer.config import ConfigError, QuantizerConfig
+from services.quantizer.evaluate import Fp16PerplexityCache
+from services.quantizer.jobs import JobRunner
+from services.quantizer.pipeline import Services
+from services.quantizer.servicer import QuantizerServicer
+from shared.registry import Registry, RegistryError, create_registry
+from shared.rpc.qserve.v1 import quantizer_pb2, quantizer_pb2_grpc
+from shared.storage import StorageError, open_store
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = quantizer_pb2.DESCRIPTOR.services_by_name["Quantizer"].full_name  # qserve.v1.Quantizer
+STAGING_MAX_AGE_S = 3600.0  # staging objects older than this at start-up belong to dead publishes
+
+
+@dataclass(slots=True)
+class RunningQuantizer:
+    server: grpc.aio.Server
+    runner: JobRunner
+    health: health.aio.HealthServicer
+    registry: Registry
+    port: int
+    grace_s: float
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stops taking work, fails running jobs at their next progress report, lets rpcs finish."""
+        await self.health.enter_graceful_shutdown()
+        jobs_stopped = asyncio.create_task(asyncio.to_thread(self.runner.stop))
+        await self.server.stop(self.grace_s if grace_s is None else grace_s)
+        await jobs_stopped
+        self.registry.close()
+
+
+async def start(config: QuantizerConfig) -> RunningQuantizer:
+    """Opens the registry and the store, fails orphaned jobs, and starts serving on config.listen."""
+    registry = await asyncio.to_thread(create_registry, config.registry_url)
+    try:
+        store = await asyncio.to_thread(open_store, config.store, create=config.create_bucket)
+        await asyncio.to_thread(_purge_staging, store)
+        config.work_dir.mkdir(parents=True, exist_ok=True)
+        services = Services(config, registry, store, Fp16PerplexityCache(config.work_dir / "fp16-perplexity.json"))
+        runner = JobRunner(services)
+        orphans = await asyncio.to_thread(runner.start)
+    except BaseException:
+        registry.close()
+        raise
+    if orphans:
+        log.warning("failed %d job(s) left running by a stopped quantizer: %s", len(orphans), ", ".join(orphans))
+
+    server = grpc.aio.server()
+    quantizer_pb2_grpc.add_QuantizerServicer_to_server(QuantizerServicer(runner), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(config.listen)
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("quantizer %s serving on port %d (store %s)", config.owner, port, store.uri())
+    return RunningQuantizer(server, runner, health_servicer, registry, port, config.grace_s)
+
+
+async def serve(config: QuantizerConfig) -> None:
+    """Runs until SIGTERM or SIGINT, then stops gracefully."""
+    running = await start(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping (grace %.0f s)", config.grace_s)
+    await running.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = QuantizerConfig.from_args(argv)
+        asyncio.run(serve(config))
+    except (ConfigError, StorageError, RegistryError, SQLAlchemyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _purge_staging(store) -> None:
+    try:
+        removed = store.purge_staging(STAGING_MAX_AGE_S)
+    except StorageError as exc:
+        log.warning("could not purge stale staging objects: %s", exc)
+        return
+    if removed:
+        log.info("removed %d stale staging objects", removed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
