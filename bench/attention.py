@@ -1,0 +1,377 @@
+"""KV4 paged decode attention against torch SDPA (fp16, contiguous cache) and our fp16 paged kernel (GPU only).
+
+    python3 bench/attention.py --out bench/results/h200/attention.json
+
+The issue's point: batch 64, 32 heads (32 KV heads, Llama-2-7B), context 1536, head_dim 128, one
+query token per sequence. Every kernel variant is first checked against the fp32 reference
+(services/worker/kernels/attention_reference.py) on the GPU, then timed with
+triton.testing.do_bench (median; the L2 is cleared before every call, so the cache comes from
+HBM as in a real decode step). Bytes counted are what a kernel must read and write: KV rows
+(codes + fp16 scale/zero for KV4, fp16 for the others), the query and the output; partials of
+the split path and block tables are not counted. The copy bandwidth of a large device-to-device
+copy (read + write) measured in the same run is the ceiling. Also raw figures: contexts 512 and
+4096, GQA 32/8, the cache-write kernels and prefill attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+BLOCK_SIZE = 16
+MAIN = dict(batch=64, heads=32, kv_heads=32, ctx=1536, head_dim=128)
+CHECK_NAME = "KV4 decode attention vs SDPA fp16 (B=64, H=32, ctx=1536, D=128)"
+CHECK_TARGET = 3.0
+# (variant, block_n, num_warps, num_stages) swept at the main point; partitions swept on the best.
+KV4_SWEEP = [("fma", 32, 1, 1), ("fma", 16, 1, 1), ("fma", 64, 1, 1), ("fma", 32, 2, 1), ("fma", 64, 2, 1),
+             ("fma", 64, 4, 1), ("fma", 128, 4, 1), ("fma", 32, 1, 3), ("dot", 64, 4, 1), ("dot", 64, 2, 1)]
+FP16_SWEEP = [("fma", 32, 1, 1), ("fma", 16, 1, 1), ("fma", 64, 2, 1), ("fma", 64, 4, 1)]
+GQA_SWEEP = [("fma", 32, 1, 1), ("fma", 16, 1, 1), ("fma", 32, 2, 1), ("dot", 64, 2, 1), ("dot", 64, 4, 1), ("dot", 32, 2, 1)]
+PARTITIONS = [256, 512, 1024, 2048]
+WRITE_TOKENS = (64, 16384)  # a decode step of 64 sequences, a prefill chunk
+WRITE_SHAPE = dict(heads=32, kv_heads=32, head_dim=128)
+PREFILL_CHECK_LENS = [300, 1, 1000, 77]
+PREFILL_TIMED = dict(batch=4, seq=2048, heads=32, head_dim=128)
+
+
+class Bench:
+    def __init__(self, args):
+        import torch
+        import triton
+
+        self.torch, self.triton, self.args = torch, triton, args
+        self.dev = torch.device("cuda")
+        props = torch.cuda.get_device_properties(self.dev)
+        self.result = {
+            "command": " ".join(["python3"] + sys.argv),
+            "machine": {
+                "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+                "triton": triton.__version__, "cuda": torch.version.cuda, "platform": platform.platform(),
+            },
+            "timing": f"triton.testing.do_bench median, warmup {args.warmup} ms, rep {args.rep} ms, L2 cleared before each call",
+            "bytes": "KV rows read (KV4: D/2 code bytes + 4 scale/zero bytes per token per KV head; fp16: 2D) + query + output",
+            "copy_bandwidth_GBps": None, "correctness": [], "decode": [], "sdpa": [], "writes": [], "prefill": [],
+            "checks": [], "best": {},
+        }
+        self.gen = torch.Generator(device=self.dev).manual_seed(0)
+
+    # ----------------------------------------------------------------------------------------- helpers
+
+    def time_ms(self, fn) -> float:
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=self.args.warmup, rep=self.args.rep, return_mode="median")
+
+    def write(self) -> None:
+        if self.args.out:
+            self.args.out.parent.mkdir(parents=True, exist_ok=True)
+            self.args.out.write_text(json.dumps(self.result, indent=1) + "\n")
+
+    def randn(self, *shape, scale=1.0):
+        return (self.torch.randn(*shape, device=self.dev, generator=self.gen) * scale).half()
+
+    def paged(self, batch, kv_heads, ctx, head_dim, kv4: bool):
+        """Caches with every sequence at `ctx` tokens on shuffled blocks, and the block tables."""
+        torch = self.torch
+        per_seq = -(-ctx // BLOCK_SIZE)
+        num_blocks = batch * per_seq + 8
+        tables = torch.randperm(num_blocks, device=self.dev, generator=self.gen)[: batch * per_seq]
+        tables = tables.view(batch, per_seq).int().contiguous()
+        shape = (num_blocks, kv_heads, BLOCK_SIZE)
+        caches = []
+        for _ in range(2):
+            if kv4:
+                # Valid KV4 rows: random codes, positive fp16 scales, fp16 zeros (what encode_rows writes).
+                codes = torch.randint(0, 256, (*shape, head_dim // 2), device=self.dev, dtype=torch.uint8, generator=self.gen)
+                scale = (torch.rand(*shape, 1, device=self.dev, generator=self.gen) * 0.2 + 0.01).half()
+                zero = self.randn(*shape, 1)
+                tail = torch.cat([scale, zero], dim=-1).view(torch.uint8)
+                caches.append(torch.cat([codes, tail], dim=-1).contiguous())
+            else:
+                caches.append(self.randn(*shape, head_dim))
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=self.dev)
+        return caches[0], caches[1], tables, lens
+
+    @staticmethod
+    def decode_bytes(batch, heads, kv_heads, ctx, head_dim, kv4: bool) -> int:
+        row = head_dim // 2 + 4 if kv4 else 2 * head_dim
+        return 2 * batch * kv_heads * ctx * row + 2 * 2 * batch * heads * head_dim
+
+    def figure(self, t_ms: float, nbytes: int) -> dict:
+        gbps = nbytes / t_ms / 1e6
+        copy = self.result["copy_bandwidth_GBps"]
+        return {"time_us": round(t_ms * 1e3, 2), "GBps": round(gbps, 1), "fraction_of_copy": round(gbps / copy, 3) if copy else None}
+
+    def check_decode(self, out, ref) -> tuple[bool, float]:
+        torch = self.torch
+        finite = bool(torch.isfinite(out).all())
+        err = (out.float() - ref.float()).abs()
+        ok = finite and bool((err <= 2e-3 + 4e-3 * ref.float().abs()).all())
+        rel = float(err.norm() / ref.float().norm().clamp_min(1e-6))
+        return ok and rel < 2e-3, rel
+
+    # ----------------------------------------------------------------------------------------- stages
+
+    def copy_bandwidth(self) -> None:
+        src = self.torch.empty(2 * 1024**3, dtype=self.torch.uint8, device=self.dev)
+        src.random_(generator=self.gen)
+        dst = self.torch.empty_like(src)
+        t = self.time_ms(lambda: dst.copy_(src))
+        self.result["copy_bandwidth_GBps"] = round(2 * src.numel() / t / 1e6, 1)
+        print(f"copy bandwidth: {self.result['copy_bandwidth_GBps']} GB/s (read + write, 2 GiB)", flush=True)
+        del src, dst
+
+    def decode_point(self, name, batch, heads, kv_heads, ctx, head_dim, sweep, partitions=(512,), fp16=True, sdpa=True):
+        """Check then time every config of `sweep` (KV4), our fp16 kernel and SDPA at one shape."""
+        from services.worker.kernels.attention_reference import paged_decode_reference
+        from services.worker.kernels.paged_attention import DecodeConfig, default_config, paged_decode_attention
+
+        torch = self.torch
+        group = heads // kv_heads
+        q = self.randn(batch, heads, head_dim, scale=1.5)
+        point = dict(name=name, batch=batch, heads=heads, kv_heads=kv_heads, ctx=ctx, head_dim=head_dim)
+        rows = {}
+
+        def run(kind, cfg, kcache, vcache, tables, lens, ref, kv4):
+            fn = lambda: paged_decode_attention(q, kcache, vcache, tables, lens, max_context_len=ctx, config=cfg)  # noqa: E731
+            label = f"{kind} {cfg.variant} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} p{cfg.partition_size}"
+            try:
+                ok, rel = self.check_decode(fn(), ref)
+            except Exception as e:  # a config that does not compile is a result, not a crash
+                self.result["correctness"].append({"what": f"{name}: {label}", "ok": False, "error": repr(e)[:300]})
+                print(f"  {label}: FAILED {e!r}"[:300], flush=True)
+                return None
+            self.result["correctness"].append({"what": f"{name}: {label}", "ok": ok, "rel_err": rel})
+            if not ok:
+                print(f"  {label}: WRONG rel_err {rel:.2e}", flush=True)
+                return None
+            t = self.time_ms(fn)
+            row = dict(point, kind=kind, config=dict(variant=cfg.variant, block_n=cfg.block_n, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages, partition_size=cfg.partition_size), rel_err=rel,
+                       **self.figure(t, self.decode_bytes(batch, heads, kv_heads, ctx, head_dim, kv4)))
+            self.result["decode"].append(row)
+            print(f"  {label}: {row['time_us']:8.1f} us {row['GBps']:7.0f} GB/s ({row['fraction_of_copy']:.2f} of copy)", flush=True)
+            return row
+
+        kc, vc, tables, lens = self.paged(batch, kv_heads, ctx, head_dim, kv4=True)
+        ref = paged_decode_reference(q, kc, vc, tables, lens)
+        default = default_config(True, group, head_dim)
+        rows["kv4_default"] = run("kv4-default", default, kc, vc, tables, lens, ref, True)
+        best = rows["kv4_default"]
+        for variant, bn, nw, ns in sweep:
+            if variant == "dot" and group == 1 and name != "main":
+                continue
+            row = run("kv4", DecodeConfig(variant, bn, 512, nw, ns), kc, vc, tables, lens, ref, True)
+            if row and (best is None or row["time_us"] < best["time_us"]):
+                best = row
+        if best is not None:
+            c = best["config"]
+            for part in partitions:
+                if part != c["partition_size"] and part % c["block_n"] == 0:
+                    row = run("kv4", DecodeConfig(c["variant"], c["block_n"], part, c["num_warps"], c["num_stages"]),
+                              kc, vc, tables, lens, ref, True)
+                    if row and row["time_us"] < best["time_us"]:
+                        best = row
+        rows["kv4_best"] = best
+        del kc, vc
+
+        if fp16:
+            kc, vc, tables, lens = self.paged(batch, kv_heads, ctx, head_dim, kv4=False)
+            ref = paged_decode_reference(q, kc, vc, tables, lens)
+            rows["fp16_default"] = run("fp16-paged-default", default_config(False, group, head_dim), kc, vc, tables, lens, ref, False)
+            best16 = rows["fp16_default"]
+            for variant, bn, nw, ns in FP16_SWEEP:
+                row = run("fp16-paged", DecodeConfig(variant, bn, 512, nw, ns), kc, vc, tables, lens, ref, False)
+                if row and (best16 is None or row["time_us"] < best16["time_us"]):
+                    best16 = row
+            rows["fp16_best"] = best16
+            del kc, vc
+
+        if sdpa:
+            rows.update(self.sdpa(point, q))
+        self.result["best"][name] = {k: (v["time_us"], v.get("config")) if v else None for k, v in rows.items()}
+        self.write()
+        return rows
+
+    def sdpa(self, point: dict, q) -> dict:
+        """torch SDPA over a contiguous fp16 cache (B, H, ctx, D): the default dispatch and each backend."""
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        torch = self.torch
+        b, h, kvh, ctx, d = point["batch"], point["heads"], point["kv_heads"], point["ctx"], point["head_dim"]
+        k = self.randn(b, kvh, ctx, d)
+        v = self.randn(b, kvh, ctx, d)
+        q4 = q[:, :, None, :]
+        gqa = dict(enable_gqa=True) if kvh != h else {}
+        ref = (torch.softmax((q4.float() @ k.float().repeat_interleave(h // kvh, 1).transpose(-1, -2)) / math.sqrt(d), -1)
+               @ v.float().repeat_interleave(h // kvh, 1))
+        out = {}
+        nbytes = self.decode_bytes(b, h, kvh, ctx, d, kv4=False)
+        for backend in ("default", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
+            def fn():
+                return F.scaled_dot_product_attention(q4, k, v, **gqa)
+            try:
+                if backend == "default":
+                    got = fn()
+                    t = self.time_ms(fn)
+                else:
+                    with sdpa_kernel(getattr(SDPBackend, backend)):
+                        got = fn()
+                        t = self.time_ms(fn)
+            except Exception as e:
+                self.result["sdpa"].append(dict(point, backend=backend, error=repr(e)[:200]))
+                print(f"  sdpa {backend}: unavailable ({e!r})"[:160], flush=True)
+                continue
+            ok, rel = self.check_decode(got[:, :, 0], ref[:, :, 0])
+            row = dict(point, backend=backend, ok=ok, rel_err=rel, **self.figure(t, nbytes))
+            self.result["sdpa"].append(row)
+            out[f"sdpa_{backend.lower()}"] = row
+            print(f"  sdpa {backend}: {row['time_us']:8.1f} us {row['GBps']:7.0f} GB/s ok={ok}", flush=True)
+        return out
+
+    def writes(self) -> None:
+        """Check the RoPE + KV4 write on the GPU against the reference, then time decode and prefill writes."""
+        from services.worker.kernels.attention_reference import build_rope_cache, write_kv4_cache_reference
+        from services.worker.kernels.kv4_cache import write_fp16_cache, write_kv4_cache
+        from shared.formats.kv4 import page_row_bytes
+        from shared.model.config import RopeConfig
+        from shared.model.rope import inverse_frequencies
+
+        torch = self.torch
+        d, kvh, heads = WRITE_SHAPE["head_dim"], WRITE_SHAPE["kv_heads"], WRITE_SHAPE["heads"]
+        rope = build_rope_cache(inverse_frequencies(RopeConfig(), d).to(self.dev), 8192)
+        for t_tokens in WRITE_TOKENS:
+            label = f"{t_tokens} tokens"
+            nb = -(-t_tokens // BLOCK_SIZE) + 4
+            k, v, q = self.randn(t_tokens, kvh, d, scale=2.0), self.randn(t_tokens, kvh, d), self.randn(t_tokens, heads, d)
+            slots = torch.randperm(nb * BLOCK_SIZE, device=self.dev, generator=self.gen)[:t_tokens]
+            pos = torch.randint(0, 8192, (t_tokens,), device=self.dev, generator=self.gen)
+            kc = torch.full((nb, kvh, BLOCK_SIZE, page_row_bytes(d)), 0xA5, dtype=torch.uint8, device=self.dev)
+            vc, kr, vr = kc.clone(), kc.clone(), kc.clone()
+            write_kv4_cache(k, v, pos, slots, rope, kc, vc, query=q)
+            write_kv4_cache_reference(k, v, pos, slots, rope, kr, vr)
+            tails_equal = bool(torch.equal(kc[..., d // 2:], kr[..., d // 2:]) and torch.equal(vc[..., d // 2:], vr[..., d // 2:]))
+            code_diff = float(((kc != kr).float().mean() + (vc != vr).float().mean()) / 2)
+            self.result["correctness"].append({"what": f"kv4 write {label}", "ok": tails_equal and code_diff < 1e-3,
+                                               "scale_zero_equal": tails_equal, "fraction_of_bytes_differing": code_diff})
+            t = self.time_ms(lambda: write_kv4_cache(k, v, pos, slots, rope, kc, vc, query=q))
+            nbytes = 2 * t_tokens * kvh * d * 2 + 2 * 2 * t_tokens * heads * d + 2 * t_tokens * kvh * page_row_bytes(d)
+            self.result["writes"].append(dict(kind="kv4+rope(q,k)", tokens=t_tokens, kv_heads=kvh, head_dim=d, **self.figure(t, nbytes)))
+            kc16 = torch.empty(nb, kvh, BLOCK_SIZE, d, dtype=torch.float16, device=self.dev)
+            vc16 = torch.empty_like(kc16)
+            t16 = self.time_ms(lambda: write_fp16_cache(k, v, pos, slots, rope, kc16, vc16, query=q))
+            nbytes16 = 2 * t_tokens * kvh * d * 2 * 2 + 2 * 2 * t_tokens * heads * d
+            self.result["writes"].append(dict(kind="fp16+rope(q,k)", tokens=t_tokens, kv_heads=kvh, head_dim=d, **self.figure(t16, nbytes16)))
+            print(f"  write {label}: kv4 {t * 1e3:.1f} us (scale/zero equal {tails_equal}, bytes differing {code_diff:.1e}), fp16 {t16 * 1e3:.1f} us", flush=True)
+        self.write()
+
+    def prefill(self) -> None:
+        import torch.nn.functional as F
+
+        from services.worker.kernels.attention_reference import prefill_reference
+        from services.worker.kernels.prefill_attention import PrefillConfig, prefill_attention
+
+        torch = self.torch
+        # Correctness on an awkward varlen batch with GQA.
+        lens = PREFILL_CHECK_LENS
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=self.dev)
+        d = PREFILL_TIMED["head_dim"]
+        q, k, v = self.randn(sum(lens), 32, d, scale=1.5), self.randn(sum(lens), 8, d, scale=1.5), self.randn(sum(lens), 8, d)
+        ref = prefill_reference(q, k, v, cu)
+        configs = [None, PrefillConfig(64, 32, 4, 2), PrefillConfig(128, 64, 8, 2), PrefillConfig(128, 32, 8, 3), PrefillConfig(64, 64, 4, 3)]
+        good = []
+        for cfg in configs:
+            try:
+                ok, rel = self.check_decode(prefill_attention(q, k, v, cu, max_seqlen=max(lens), config=cfg), ref)
+            except Exception as e:
+                ok, rel = False, repr(e)[:200]
+            self.result["correctness"].append({"what": f"prefill varlen GQA {cfg}", "ok": ok, "rel_err": rel})
+            if ok:
+                good.append(cfg)
+        b, t, h, d = (PREFILL_TIMED[k] for k in ("batch", "seq", "heads", "head_dim"))
+        q, k, v = self.randn(b * t, h, d), self.randn(b * t, h, d), self.randn(b * t, h, d)
+        cu = torch.arange(0, b * t + 1, t, dtype=torch.int32, device=self.dev)
+        flop = 4 * b * h * t * t * d / 2
+        for cfg in good:
+            ms = self.time_ms(lambda: prefill_attention(q, k, v, cu, max_seqlen=t, config=cfg))
+            self.result["prefill"].append(dict(kind="ours", config=str(cfg), batch=b, seq=t, heads=h, head_dim=d,
+                                               time_us=round(ms * 1e3, 1), TFLOPs=round(flop / ms / 1e9, 1)))
+        qs, ks, vs = (x.view(b, t, h, d).transpose(1, 2) for x in (q, k, v))
+        ms = self.time_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+        self.result["prefill"].append(dict(kind="sdpa causal default", batch=b, seq=t, heads=h, head_dim=d,
+                                           time_us=round(ms * 1e3, 1), TFLOPs=round(flop / ms / 1e9, 1)))
+        for row in self.result["prefill"]:
+            print(f"  prefill {row['kind']} {row.get('config', '')}: {row['time_us']} us {row['TFLOPs']} TFLOP/s", flush=True)
+        self.write()
+
+    def summarize(self, main: dict) -> None:
+        base = main.get("sdpa_default")
+        ours = main.get("kv4_default") or main.get("kv4_best")
+        if base and ours:
+            ratio = base["time_us"] / ours["time_us"]
+            self.result["checks"].append({"name": CHECK_NAME, "value": round(ratio, 3), "target": CHECK_TARGET,
+                                          "op": ">=", "met": ratio >= CHECK_TARGET})
+            fastest = min((v for k, v in main.items() if k.startswith("sdpa_") and v and v.get("ok")), key=lambda r: r["time_us"])
+            self.result["main_summary"] = {
+                "kv4_time_us": ours["time_us"], "kv4_config": ours["config"], "kv4_GBps": ours["GBps"],
+                "kv4_fraction_of_copy": ours["fraction_of_copy"], "sdpa_default_time_us": base["time_us"],
+                "ratio_vs_sdpa_default": round(ratio, 3),
+                "fastest_sdpa_backend": fastest["backend"], "ratio_vs_fastest_sdpa": round(fastest["time_us"] / ours["time_us"], 3),
+                "kv4_best_swept_us": main["kv4_best"]["time_us"] if main.get("kv4_best") else None,
+                "fp16_paged_default_us": main["fp16_default"]["time_us"] if main.get("fp16_default") else None,
+                "ratio_fp16_paged_over_kv4": round(main["fp16_default"]["time_us"] / ours["time_us"], 3) if main.get("fp16_default") else None,
+            }
+        self.write()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--warmup", type=int, default=25)
+    parser.add_argument("--rep", type=int, default=100)
+    parser.add_argument("--quick", action="store_true", help="main point only, no sweeps")
+    args = parser.parse_args()
+    bench = Bench(args)
+    print(json.dumps(bench.result["machine"]), flush=True)
+    try:
+        bench.copy_bandwidth()
+        print("main point:", MAIN, flush=True)
+        main_rows = bench.decode_point("main", **MAIN, sweep=[] if args.quick else KV4_SWEEP,
+                                       partitions=() if args.quick else PARTITIONS)
+        bench.summarize(main_rows)
+        if not args.quick:
+            for ctx in (512, 4096):
+                print(f"context {ctx}:", flush=True)
+                bench.decode_point(f"ctx{ctx}", 64, 32, 32, ctx, 128, sweep=KV4_SWEEP[:2], partitions=(1024, 2048), fp16=True)
+            print("GQA 32/8, context 1536 and 4096:", flush=True)
+            bench.decode_point("gqa32x8_ctx1536", 64, 32, 8, 1536, 128, sweep=GQA_SWEEP, partitions=(256, 1024))
+            bench.decode_point("gqa32x8_ctx4096", 64, 32, 8, 4096, 128, sweep=GQA_SWEEP[:4], partitions=())
+            print("batch 8, context 4096 (split path matters):", flush=True)
+            bench.decode_point("b8_ctx4096", 8, 32, 32, 4096, 128, sweep=KV4_SWEEP[:2], partitions=(256, 1024, 4096))
+            print("cache writes:", flush=True)
+            bench.writes()
+            print("prefill:", flush=True)
+            bench.prefill()
+    except Exception:
+        bench.result["error"] = traceback.format_exc()[-2000:]
+        traceback.print_exc()
+    bench.write()
+    for c in bench.result["checks"]:
+        print(f"CHECK {c['name']}: {c['value']} (target {c['op']} {c['target']}) met={c['met']}")
+    if "main_summary" in bench.result:
+        print(json.dumps(bench.result["main_summary"], indent=1))
+    bad = [c["what"] for c in bench.result["correctness"] if not c["ok"]]
+    print(f"correctness: {len(bench.result['correctness']) - len(bad)} ok, failed: {bad}")
+
+
+if __name__ == "__main__":
+    main()

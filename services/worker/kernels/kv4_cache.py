@@ -1,0 +1,217 @@
+"""Fused RoPE + paged KV-cache write: KV4 (the quantized engine) and fp16 (the baseline engine).
+
+One program per (token, KV head): it rotates the key (HF rotate_half, pairs (i, i + D/2)) with
+angles read from a precomputed rope cache, then either quantizes key and value to KV4 rows
+(shared/formats/kv4.py: D/2 nibble-pair bytes, fp16 scale, fp16 zero) or writes them as fp16.
+The same program can also rotate the query heads of its KV group, so one launch per layer does
+all the RoPE work of the attention block.
+
+Layouts:
+    key, value    (T, kv_heads, D) fp16, last dim contiguous; key is pre-RoPE
+    query         (T, heads, D) fp16 (optional), pre-RoPE; heads = kv_heads * group
+    positions     (T,) int32/int64, each < rope_cache.shape[0]
+    slot_mapping  (T,) int64, block_id * block_size + offset; negative = skip (padding tokens)
+    rope_cache    (max_positions, D) fp32, [cos | sin] (see attention_reference.build_rope_cache)
+    KV4 caches    (num_blocks, kv_heads, block_size, D/2 + 4) uint8, one for K and one for V
+    fp16 caches   (num_blocks, kv_heads, block_size, D) fp16
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.worker.kernels.attention_reference import build_rope_cache  # noqa: F401  (re-exported)
+from shared.formats.kv4 import page_row_bytes
+
+__all__ = ["build_rope_cache", "write_fp16_cache", "write_kv4_cache"]
+
+
+@triton.jit
+def _round_half_even(x):
+    """torch.round for fp32 x >= -1 (what the KV4 codes need): exact, no libdevice."""
+    r = tl.floor(x)
+    frac = x - r  # exact for x >= -1
+    odd = (r.to(tl.int32) & 1) == 1
+    up = (frac > 0.5) | ((frac == 0.5) & odd)
+    return r + up.to(tl.float32)
+
+
+@triton.jit
+def _store_kv4_row(row_ptr, lo, hi, HALF: tl.constexpr):
+    """Quantize one head vector (halves lo, hi: (HALF,) fp32 holding fp16 values) into a KV4 row.
+
+    Bit-for-bit shared.formats.kv4.encode_rows: IEEE division, round half to even, fp16 scale/zero.
+    """
+    vmin = tl.minimum(tl.min(lo, axis=0), tl.min(hi, axis=0))
+    vmax = tl.maximum(tl.max(lo, axis=0), tl.max(hi, axis=0))
+    scale = tl.maximum(tl.div_rn(vmax - vmin, 15.0), 1e-5).to(tl.float16)
+    zero = vmin.to(tl.float16)
+    scale_f, zero_f = scale.to(tl.float32), zero.to(tl.float32)
+    q_lo = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(lo - zero_f, scale_f)), 0.0), 15.0)
+    q_hi = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(hi - zero_f, scale_f)), 0.0), 15.0)
+    codes = q_lo.to(tl.int32) | (q_hi.to(tl.int32) << 4)  # byte j: dim j low nibble, dim j + D/2 high
+    offs = tl.arange(0, HALF)
+    tl.store(row_ptr + offs, codes.to(tl.uint8))
+    # The 4 tail bytes, little-endian: fp16 scale then fp16 zero.
+    scale_bits = scale.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    zero_bits = zero.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    tail = scale_bits | (zero_bits << 16)
+    offs_tail = tl.arange(0, 4)
+    tl.store(row_ptr + HALF + offs_tail, ((tail >> (offs_tail * 8)) & 0xFF).to(tl.uint8))
+
+
+@triton.jit
+def _rope_cache_write_kernel(
+    # pointers
+    key_ptr, value_ptr, query_ptr, query_out_ptr, positions_ptr, slots_ptr, rope_ptr, k_cache_ptr, v_cache_ptr,
+    # strides (elements of each tensor's dtype)
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_qt, stride_qh, stride_ot, stride_oh, stride_rope,
+    stride_cb, stride_ch, stride_cs,
+    # meta
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    QUANTIZE: tl.constexpr, ROTATE_QUERY: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    kvh = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, HALF)
+
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    cos = tl.load(rope_ptr + pos * stride_rope + offs)  # (HALF,) fp32
+    sin = tl.load(rope_ptr + pos * stride_rope + HALF + offs)
+
+    if ROTATE_QUERY:
+        offs_g = tl.arange(0, BLOCK_G)
+        heads = kvh * GROUP + offs_g
+        mask_q = (offs_g < GROUP)[:, None]
+        q_ptrs = query_ptr + tok * stride_qt + heads[:, None] * stride_qh + offs[None, :]
+        q_lo = tl.load(q_ptrs, mask=mask_q, other=0.0).to(tl.float32)  # (BLOCK_G, HALF)
+        q_hi = tl.load(q_ptrs + HALF, mask=mask_q, other=0.0).to(tl.float32)
+        o_ptrs = query_out_ptr + tok * stride_ot + heads[:, None] * stride_oh + offs[None, :]
+        tl.store(o_ptrs, (q_lo * cos[None, :] - q_hi * sin[None, :]).to(tl.float16), mask=mask_q)
+        tl.store(o_ptrs + HALF, (q_hi * cos[None, :] + q_lo * sin[None, :]).to(tl.float16), mask=mask_q)
+
+    slot = tl.load(slots_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        k_ptrs = key_ptr + tok * stride_kt + kvh * stride_kh + offs
+        k_lo = tl.load(k_ptrs).to(tl.float32)
+        k_hi = tl.load(k_ptrs + HALF).to(tl.float32)
+        # Round the rotated key to fp16 first: the reference quantizes the fp16 rotated key.
+        r_lo = (k_lo * cos - k_hi * sin).to(tl.float16)
+        r_hi = (k_hi * cos + k_lo * sin).to(tl.float16)
+        v_ptrs = value_ptr + tok * stride_vt + kvh * stride_vh + offs
+        v_lo = tl.load(v_ptrs)
+        v_hi = tl.load(v_ptrs + HALF)
+        row = (slot // BLOCK_SIZE) * stride_cb + kvh * stride_ch + (slot % BLOCK_SIZE) * stride_cs
+        if QUANTIZE:
+            _store_kv4_row(k_cache_ptr + row, r_lo.to(tl.float32), r_hi.to(tl.float32), HALF)
+            _store_kv4_row(v_cache_ptr + row, v_lo.to(tl.float32), v_hi.to(tl.float32), HALF)
+        else:
+            tl.store(k_cache_ptr + row + offs, r_lo)
+            tl.store(k_cache_ptr + row + HALF + offs, r_hi)
+            tl.store(v_cache_ptr + row + offs, v_lo)
+            tl.store(v_cache_ptr + row + HALF + offs, v_hi)
+
+
+def _check_inputs(key, value, positions, slot_mapping, rope_cache, query) -> tuple[int, int, int]:
+    if key.dim() != 3 or key.dtype != torch.float16:
+        raise ValueError(f"key must be (T, kv_heads, D) fp16, got {tuple(key.shape)} {key.dtype}")
+    t, kv_heads, d = key.shape
+    if value.shape != key.shape or value.dtype != torch.float16:
+        raise ValueError(f"value must match key {tuple(key.shape)} fp16, got {tuple(value.shape)} {value.dtype}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head_dim {d} is not supported: a power of two >= 16 (64 and 128 are tuned)")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key and value must be contiguous in the head dimension")
+    if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be ({t},) int32/int64, got {tuple(positions.shape)} {positions.dtype}")
+    if slot_mapping.shape != (t,) or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be ({t},) int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    if rope_cache.dim() != 2 or rope_cache.shape[1] != d or rope_cache.dtype != torch.float32:
+        raise ValueError(f"rope_cache must be (max_positions, {d}) fp32, got {tuple(rope_cache.shape)} {rope_cache.dtype}")
+    if rope_cache.stride(1) != 1:
+        raise ValueError("rope_cache must be contiguous in its last dimension")
+    group = 1
+    if query is not None:
+        if query.dim() != 3 or query.shape[0] != t or query.shape[2] != d or query.dtype != torch.float16:
+            raise ValueError(f"query must be ({t}, heads, {d}) fp16, got {tuple(query.shape)} {query.dtype}")
+        if query.shape[1] % kv_heads:
+            raise ValueError(f"query heads {query.shape[1]} are not a multiple of kv_heads {kv_heads}")
+        if query.stride(-1) != 1:
+            raise ValueError("query must be contiguous in the head dimension")
+        group = query.shape[1] // kv_heads
+    return t, kv_heads, group
+
+
+def _check_cache(name: str, cache: torch.Tensor, kv_heads: int, row: int, dtype: torch.dtype) -> None:
+    if cache.dim() != 4 or cache.shape[1] != kv_heads or cache.shape[3] != row or cache.dtype != dtype:
+        raise ValueError(
+            f"{name} must be (num_blocks, {kv_heads}, block_size, {row}) {dtype}, "
+            f"got {tuple(cache.shape)} {cache.dtype}"
+        )
+    if cache.stride(3) != 1 or cache.stride(2) != row:
+        raise ValueError(f"{name} rows must be contiguous (strides {cache.stride()})")
+
+
+def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, quantize: bool):
+    t, kv_heads, group = _check_inputs(key, value, positions, slot_mapping, rope_cache, query)
+    d = key.shape[2]
+    row = page_row_bytes(d) if quantize else d
+    dtype = torch.uint8 if quantize else torch.float16
+    _check_cache("k_cache", k_cache, kv_heads, row, dtype)
+    _check_cache("v_cache", v_cache, kv_heads, row, dtype)
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"v_cache {tuple(v_cache.shape)} must have k_cache's shape and strides {tuple(k_cache.shape)}")
+    query_out = torch.empty_like(query) if query is not None else None
+    if t == 0:
+        return query_out
+    q_arg = query if query is not None else key  # unused when ROTATE_QUERY is off
+    o_arg = query_out if query_out is not None else key
+    _rope_cache_write_kernel[(t, kv_heads)](
+        key, value, q_arg, o_arg, positions, slot_mapping, rope_cache, k_cache, v_cache,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        q_arg.stride(0), q_arg.stride(1), o_arg.stride(0), o_arg.stride(1), rope_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], GROUP=group, BLOCK_G=triton.next_power_of_2(group),
+        QUANTIZE=quantize, ROTATE_QUERY=query is not None,
+        num_warps=1,
+    )
+    return query_out
+
+
+def write_kv4_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    rope_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """RoPE the key, quantize key and value to KV4 rows, write them at slot_mapping (in place).
+
+    key, value (T, kv_heads, D) fp16 pre-RoPE key; k_cache/v_cache (num_blocks, kv_heads,
+    block_size, D/2 + 4) uint8. If `query` (T, heads, D) fp16 is given, returns it rotated
+    (a new tensor); otherwise returns None. Tokens whose slot is negative are not written.
+    """
+    return _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, quantize=True)
+
+
+def write_fp16_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    rope_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The fp16 baseline's write: RoPE the key, write key and value at slot_mapping (in place).
+
+    k_cache/v_cache (num_blocks, kv_heads, block_size, D) fp16; `query` as in write_kv4_cache.
+    """
+    return _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, quantize=False)

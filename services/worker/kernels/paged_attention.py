@@ -1,0 +1,651 @@
+"""Paged decode attention (one query token per sequence) over a KV4 or an fp16 paged cache.
+
+Flash-decoding: the grid is (batch * kv_heads, partitions); a program attends its KV group's
+query heads (loaded together, so each KV row is read once per group) to one partition of
+`partition_size` tokens with an online softmax (fp32), walking the block table BLOCK_N tokens
+at a time. With more than one partition per sequence, each program writes its partial
+(max, sum, unnormalized output) and a reduction kernel combines them; with one partition the
+program writes the final fp16 output itself.
+
+Two KV4 kernels, chosen per group size (see choose_kv4_variant):
+  * "fma": CUDA-core fp32 math on the page rows read as int32 words (a row is D/8 code words and
+    one scale/zero word). Byte i of word w holds dims 4w + i (low nibble) and 4w + i + D/2 (high
+    nibble): 8 "planes" per word. One shift puts a byte at bits 15..22 and one AND/OR per nibble
+    turns it into the fp32 1 + c * 2^-k (the nibble lands in the top of 1.0's mantissa): no
+    int-to-float conversion. The 2^k is folded into the query and the 1 is taken back out through
+    sums: q.k = scale * (q.c) + zero * sum(q), and
+    sum_n p_n (scale_n c_n + zero_n) = sum_n (p_n scale_n) c_n + sum_n p_n zero_n.
+  * "dot": tensor cores (tl.dot) on nibble halves converted to fp16, query heads padded to 16.
+    Pays for itself once a KV group has many query heads.
+The fp16 cache has an "fma" kernel of the same structure (fp32 math on fp16 rows).
+
+Layouts:
+    query         (B, heads, D) fp16, already rotated; heads = kv_heads * group
+    KV4 cache     (num_blocks, kv_heads, block_size, D/2 + 4) uint8 (shared/formats/kv4.py)
+    fp16 cache    (num_blocks, kv_heads, block_size, D) fp16
+    block_tables  (B, max_blocks) int32, physical block ids in sequence order
+    context_lens  (B,) int32, tokens in the cache for each sequence (0 gives a zero output)
+    output        (B, heads, D) fp16
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# _nibble's operands, passed as kernel arguments rather than literals: a LOP3 takes one immediate,
+# and with both as literals ptxas re-materializes one of them before every use (~20% more
+# instructions in the inner loop); as arguments they stay in registers across the loop.
+_NIBBLE_MASK = 0x78000  # bits 15..18; bits 19..22 is this << 4
+_FP32_ONE_BITS = 0x3F800000
+
+
+@dataclass(slots=True, frozen=True)
+class DecodeConfig:
+    """Launch parameters of the decode kernels (tuned offline per GPU; see bench/attention.py)."""
+
+    variant: str = "fma"  # "fma" (CUDA cores) or, KV4 only, "dot" (tensor cores)
+    block_n: int = 64  # tokens per inner-loop tile
+    partition_size: int = 512  # tokens per program; a multiple of block_n
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.variant not in ("fma", "dot"):
+            raise ValueError(f"variant {self.variant!r} is not one of 'fma', 'dot'")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n {self.block_n} must be a power of two >= 16")
+        if self.partition_size % self.block_n:
+            raise ValueError(f"partition_size {self.partition_size} is not a multiple of block_n {self.block_n}")
+
+
+def choose_kv4_variant(group: int) -> str:
+    """CUDA-core math while a KV group has few query heads, tensor cores beyond."""
+    return "fma" if group <= 4 else "dot"
+
+
+# Launch parameters per (cache, variant), seeded from bench/attention.py on an H200 (head_dim 128).
+_DEFAULTS = {
+    ("kv4", "fma"): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1),
+    ("kv4", "dot"): DecodeConfig("dot", block_n=64, partition_size=512, num_warps=2, num_stages=1),
+    ("fp16", "fma"): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1),
+}
+
+
+def default_config(kv4: bool, group: int, head_dim: int) -> DecodeConfig:
+    """The launch the engine gets: variant by group size, tile and partition from _DEFAULTS."""
+    if kv4:
+        return _DEFAULTS[("kv4", choose_kv4_variant(group))]
+    return _DEFAULTS[("fp16", "fma")]
+
+
+# ---------------------------------------------------------------------------------------------
+# shared pieces
+
+
+@triton.jit
+def _scale_zero(words):
+    """(N,) int32 tail words -> fp16 scale (low half) and zero (high half), as fp32."""
+    scale = (words & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    zero = ((words >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return scale, zero
+
+
+@triton.jit
+def _online_softmax(s, m_i, l_i):
+    """s (G, N) fp32 scores in log2 units (masked = -inf) -> p, alpha, new max, new sum."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV4, CUDA cores
+
+
+@triton.jit
+def _nibble(x, mask, one):
+    """The nibble under `mask` (bits 15..18 or 19..22) of int32 x as fp32 1 + c * 2^-8 or 1 + c * 2^-4.
+
+    One AND/OR (a LOP3) puts the nibble in the top of the mantissa of 1.0 (`one`): exact, and no
+    int-to-float conversion. The 1 is taken back out through sums of the query (scores) and of
+    the weights (values); with the nibble in the top mantissa bits that subtraction costs only a
+    few bits of fp32.
+    """
+    return ((x & mask) | one).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _plane_dims(offs_w, S: tl.constexpr, HALF: tl.constexpr):
+    """Head dims of nibble plane S = 2 * byte + HI of words offs_w: byte j of a row is dims j, j + D/2."""
+    return 4 * offs_w + (S // 2) + (S % 2) * HALF
+
+
+@triton.jit
+def _load_q_plane(q_rows, mask_g, offs_w, qk_scale, S: tl.constexpr, HALF: tl.constexpr):
+    """Query dims of plane S times qk_scale * 2^(8 - 4 (S % 2)), undoing _nibble's scaling: (G, W) fp32."""
+    q = tl.load(q_rows[:, None] + _plane_dims(offs_w, S, HALF)[None, :], mask=mask_g[:, None], other=0.0)
+    return q.to(tl.float32) * (qk_scale * (1 << (8 - 4 * (S % 2))))
+
+
+@triton.jit
+def _pv_plane(acc, alpha, pw, f):
+    """acc (G, W) * alpha + sum over tokens of pw (G, N) x f (1, N, W)."""
+    return acc * alpha[:, None] + tl.sum(pw[:, :, None] * f, axis=1)
+
+
+@triton.jit
+def _kv4_fma_tile(
+    k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w, mask_lo, mask_hi, one,
+    q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
+    m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+    W: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):
+    """One tile of BLOCK_N tokens; MASKED only for the partition's last, partial tile."""
+    # Tiles are 3D (group, tokens, words) from the load on, with the group axis of size 1 where
+    # loaded: the layout stays the load's and the G query heads reuse each word in registers.
+    offs_n = n0 + tl.arange(0, BLOCK_N)[None, :]  # (1, N)
+    mask_n = offs_n < end
+    if MASKED:
+        page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
+    else:
+        page = tl.load(bt_row + offs_n // BLOCK_SIZE)
+    rows = page * stride_cb + head_off + (offs_n % BLOCK_SIZE) * stride_cs  # (1, N) int32 word offsets
+    k_ptrs = k_ptr + rows[:, :, None] + offs_w[None, None, :]
+    v_ptrs = v_ptr + rows[:, :, None] + offs_w[None, None, :]
+    if MASKED:
+        kw = tl.load(k_ptrs, mask=mask_n[:, :, None], other=0)  # (1, N, W) int32
+        k_scale, k_zero = _scale_zero(tl.load(k_ptr + rows + W, mask=mask_n, other=0))  # (1, N)
+    else:
+        kw = tl.load(k_ptrs)
+        k_scale, k_zero = _scale_zero(tl.load(k_ptr + rows + W))
+
+    # Each byte in turn at bits 15..22; its two nibbles become planes 2 * byte and 2 * byte + 1.
+    x0 = kw << 15
+    x1 = kw << 7
+    x2 = kw >> 1
+    x3 = kw >> 9
+    t = _nibble(x0, mask_lo, one) * q0[:, None, :]  # (G, N, W)
+    t += _nibble(x0, mask_hi, one) * q1[:, None, :]
+    t += _nibble(x1, mask_lo, one) * q2[:, None, :]
+    t += _nibble(x1, mask_hi, one) * q3[:, None, :]
+    t += _nibble(x2, mask_lo, one) * q4[:, None, :]
+    t += _nibble(x2, mask_hi, one) * q5[:, None, :]
+    t += _nibble(x3, mask_lo, one) * q6[:, None, :]
+    t += _nibble(x3, mask_hi, one) * q7[:, None, :]
+    s = (tl.sum(t, axis=2) - q_bias[:, None]) * k_scale + q_sum[:, None] * k_zero  # (G, N)
+    if MASKED:
+        s = tl.where(mask_n, s, float("-inf"))
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+
+    if MASKED:
+        vw = tl.load(v_ptrs, mask=mask_n[:, :, None], other=0)
+        v_scale, v_zero = _scale_zero(tl.load(v_ptr + rows + W, mask=mask_n, other=0))
+    else:
+        vw = tl.load(v_ptrs)
+        v_scale, v_zero = _scale_zero(tl.load(v_ptr + rows + W))
+    pw = p * v_scale  # (G, N)
+    pw_sum = pw_sum * alpha + tl.sum(pw, axis=1)
+    acc_z = acc_z * alpha + tl.sum(p * v_zero, axis=1)
+    y0 = vw << 15
+    y1 = vw << 7
+    y2 = vw >> 1
+    y3 = vw >> 9
+    acc0 = _pv_plane(acc0, alpha, pw, _nibble(y0, mask_lo, one))
+    acc1 = _pv_plane(acc1, alpha, pw, _nibble(y0, mask_hi, one))
+    acc2 = _pv_plane(acc2, alpha, pw, _nibble(y1, mask_lo, one))
+    acc3 = _pv_plane(acc3, alpha, pw, _nibble(y1, mask_hi, one))
+    acc4 = _pv_plane(acc4, alpha, pw, _nibble(y2, mask_lo, one))
+    acc5 = _pv_plane(acc5, alpha, pw, _nibble(y2, mask_hi, one))
+    acc6 = _pv_plane(acc6, alpha, pw, _nibble(y3, mask_lo, one))
+    acc7 = _pv_plane(acc7, alpha, pw, _nibble(y3, mask_hi, one))
+    return m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _kv4_decode_fma_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
+    # sizes
+    qk_scale, num_kv_heads, num_partitions, partition_size, nibble_mask, nibble_one,
+    # strides (q/out in elements, caches in int32 words)
+    stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_ob, stride_oh,
+    # meta
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+):
+    W: tl.constexpr = HEAD_DIM // 8  # int32 code words per row; word W holds scale and zero
+    HALF: tl.constexpr = HEAD_DIM // 2
+    bh = tl.program_id(0)
+    part = tl.program_id(1)
+    b = bh // num_kv_heads
+    kvh = bh % num_kv_heads
+    ctx = tl.load(context_lens_ptr + b)
+    start = part * partition_size
+    end = tl.minimum(start + partition_size, ctx)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    offs_w = tl.arange(0, W)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads * stride_qh  # (G,) pointers
+    q0 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 0, HALF)
+    q1 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 1, HALF)
+    q2 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 2, HALF)
+    q3 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 3, HALF)
+    q4 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 4, HALF)
+    q5 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 5, HALF)
+    q6 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 6, HALF)
+    q7 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 7, HALF)
+    q_bias = tl.sum(q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7, axis=1)  # (G,): what the 1.0s of _nibble add
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_full = tl.load(q_rows[:, None] + offs_d[None, :], mask=mask_g[:, None], other=0.0)
+    q_sum = tl.sum(q_full.to(tl.float32), axis=1) * qk_scale  # (G,)
+
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    pw_sum = tl.zeros((BLOCK_G,), tl.float32)
+    acc_z = tl.zeros((BLOCK_G,), tl.float32)
+    acc0 = tl.zeros((BLOCK_G, W), tl.float32)
+    acc1 = tl.zeros((BLOCK_G, W), tl.float32)
+    acc2 = tl.zeros((BLOCK_G, W), tl.float32)
+    acc3 = tl.zeros((BLOCK_G, W), tl.float32)
+    acc4 = tl.zeros((BLOCK_G, W), tl.float32)
+    acc5 = tl.zeros((BLOCK_G, W), tl.float32)
+    acc6 = tl.zeros((BLOCK_G, W), tl.float32)
+    acc7 = tl.zeros((BLOCK_G, W), tl.float32)
+
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    head_off = kvh * stride_ch
+    mask_lo = nibble_mask
+    mask_hi = nibble_mask << 4
+    one = nibble_one
+    for n0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
+            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w, mask_lo, mask_hi, one,
+            q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
+            m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+            W, BLOCK_SIZE, BLOCK_N, False,
+        )
+    for n0 in range(full_end, end, BLOCK_N):  # at most one partial tile
+        m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
+            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w, mask_lo, mask_hi, one,
+            q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
+            m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+            W, BLOCK_SIZE, BLOCK_N, True,
+        )
+
+    out_rows, denom = _epilogue_rows(
+        b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
+        num_partitions, stride_ob, stride_oh, GROUP, HEAD_DIM, SPLIT,
+    )
+    valid = mask_g & (offs_g * 0 + start < ctx)
+    _store_plane(out_rows, acc0, pw_sum, acc_z, denom, valid, offs_w, 0, HALF, SPLIT)
+    _store_plane(out_rows, acc1, pw_sum, acc_z, denom, valid, offs_w, 1, HALF, SPLIT)
+    _store_plane(out_rows, acc2, pw_sum, acc_z, denom, valid, offs_w, 2, HALF, SPLIT)
+    _store_plane(out_rows, acc3, pw_sum, acc_z, denom, valid, offs_w, 3, HALF, SPLIT)
+    _store_plane(out_rows, acc4, pw_sum, acc_z, denom, valid, offs_w, 4, HALF, SPLIT)
+    _store_plane(out_rows, acc5, pw_sum, acc_z, denom, valid, offs_w, 5, HALF, SPLIT)
+    _store_plane(out_rows, acc6, pw_sum, acc_z, denom, valid, offs_w, 6, HALF, SPLIT)
+    _store_plane(out_rows, acc7, pw_sum, acc_z, denom, valid, offs_w, 7, HALF, SPLIT)
+
+
+@triton.jit
+def _epilogue_rows(
+    b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
+    num_partitions, stride_ob, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Where this program's output rows go, and what to divide them by.
+
+    SPLIT: rows of the fp32 partial buffer (B * heads * partitions, D), stats stored here,
+    no division. Otherwise: rows of the fp16 output, divided by the softmax sum.
+    """
+    if SPLIT:
+        idx = (bh.to(tl.int64) * GROUP + offs_g) * num_partitions + part  # (G,)
+        valid = mask_g & (offs_g * 0 + start < ctx)
+        tl.store(part_m_ptr + idx, m_i, mask=valid)
+        tl.store(part_l_ptr + idx, l_i, mask=valid)
+        return part_o_ptr + idx * HEAD_DIM, tl.full(l_i.shape, 1.0, tl.float32)
+    else:
+        denom = tl.where(l_i > 0, l_i, 1.0)
+        return out_ptr + b.to(tl.int64) * stride_ob + heads * stride_oh, denom
+
+
+@triton.jit
+def _store_plane(
+    out_rows, acc, pw_sum, acc_z, denom, valid, offs_w, S: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr
+):
+    """Plane S of the value sum: sum p scale c = (acc - sum pw) * 2^(8 - 4 (S % 2)), plus sum p zero."""
+    vals = ((acc - pw_sum[:, None]) * (1 << (8 - 4 * (S % 2))) + acc_z[:, None]) / denom[:, None]
+    ptrs = out_rows[:, None] + _plane_dims(offs_w, S, HALF)[None, :]
+    if SPLIT:
+        tl.store(ptrs, vals, mask=valid[:, None])
+    else:
+        tl.store(ptrs, vals.to(tl.float16), mask=valid[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# fp16, CUDA cores
+
+
+@triton.jit
+def _fp16_fma_tile(
+    k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_d, q, m_i, l_i, acc,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    if MASKED:
+        page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
+    else:
+        page = tl.load(bt_row + offs_n // BLOCK_SIZE)
+    rows = page.to(tl.int64) * stride_cb + head_off + (offs_n % BLOCK_SIZE) * stride_cs  # (N,)
+    k_ptrs = k_ptr + rows[:, None] + offs_d[None, :]
+    v_ptrs = v_ptr + rows[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=mask_n[:, None], other=0.0)  # (N, D) fp16
+    else:
+        k = tl.load(k_ptrs)
+    s = tl.sum(k.to(tl.float32)[None, :, :] * q[:, None, :], axis=2)  # (G, N)
+    if MASKED:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _fp16_decode_fma_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
+    # sizes
+    qk_scale, num_kv_heads, num_partitions, partition_size,
+    # strides (elements)
+    stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_ob, stride_oh,
+    # meta
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    part = tl.program_id(1)
+    b = bh // num_kv_heads
+    kvh = bh % num_kv_heads
+    ctx = tl.load(context_lens_ptr + b)
+    start = part * partition_size
+    end = tl.minimum(start + partition_size, ctx)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads * stride_qh
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=mask_g[:, None], other=0.0).to(tl.float32) * qk_scale
+
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, HEAD_DIM), tl.float32)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    head_off = kvh.to(tl.int64) * stride_ch
+    for n0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc = _fp16_fma_tile(
+            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_d, q, m_i, l_i, acc,
+            BLOCK_SIZE, BLOCK_N, False,
+        )
+    for n0 in range(full_end, end, BLOCK_N):
+        m_i, l_i, acc = _fp16_fma_tile(
+            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_d, q, m_i, l_i, acc,
+            BLOCK_SIZE, BLOCK_N, True,
+        )
+
+    out_rows, denom = _epilogue_rows(
+        b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
+        num_partitions, stride_ob, stride_oh, GROUP, HEAD_DIM, SPLIT,
+    )
+    valid = (mask_g & (offs_g * 0 + start < ctx))[:, None]
+    vals = acc / denom[:, None]
+    ptrs = out_rows[:, None] + offs_d[None, :]
+    if SPLIT:
+        tl.store(ptrs, vals, mask=valid)
+    else:
+        tl.store(ptrs, vals.to(tl.float16), mask=valid)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV4, tensor cores
+
+
+@triton.jit
+def _nibbles_f16(x):
+    """uint8 nibble values [0, 15] -> fp16 without an int-to-float conversion (0x6400 is 1024.0)."""
+    return ((x.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0).to(tl.float16)
+
+
+@triton.jit
+def _kv4_decode_dot_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, k_words_ptr, v_words_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
+    # sizes
+    qk_scale, num_kv_heads, num_partitions, partition_size,
+    # strides (q/out in elements; caches in bytes)
+    stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_ob, stride_oh,
+    # meta
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    bh = tl.program_id(0)
+    part = tl.program_id(1)
+    b = bh // num_kv_heads
+    kvh = bh % num_kv_heads
+    ctx = tl.load(context_lens_ptr + b)
+    start = part * partition_size
+    end = tl.minimum(start + partition_size, ctx)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    offs_h = tl.arange(0, HALF)
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_h[None, :]
+    q_lo = tl.load(q_ptrs, mask=mask_g[:, None], other=0.0)  # (G, HALF) fp16
+    q_hi = tl.load(q_ptrs + HALF, mask=mask_g[:, None], other=0.0)
+    q_sum = tl.sum(q_lo.to(tl.float32), axis=1) + tl.sum(q_hi.to(tl.float32), axis=1)
+
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc_z = tl.zeros((BLOCK_G,), tl.float32)
+    acc_lo = tl.zeros((BLOCK_G, HALF), tl.float32)
+    acc_hi = tl.zeros((BLOCK_G, HALF), tl.float32)
+
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    head_off = kvh.to(tl.int64) * stride_ch
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
+        rows = page.to(tl.int64) * stride_cb + head_off + (offs_n % BLOCK_SIZE) * stride_cs  # (N,) bytes
+
+        kb = tl.load(k_ptr + rows[:, None] + offs_h[None, :], mask=mask_n[:, None], other=0)  # (N, HALF) u8
+        k_scale, k_zero = _scale_zero(tl.load(k_words_ptr + rows // 4 + HALF // 4, mask=mask_n, other=0))
+        qk = tl.dot(q_lo, tl.trans(_nibbles_f16(kb & 0xF))) + tl.dot(q_hi, tl.trans(_nibbles_f16(kb >> 4)))
+        s = (qk * k_scale[None, :] + q_sum[:, None] * k_zero[None, :]) * qk_scale  # (G, N)
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+
+        vb = tl.load(v_ptr + rows[:, None] + offs_h[None, :], mask=mask_n[:, None], other=0)
+        v_scale, v_zero = _scale_zero(tl.load(v_words_ptr + rows // 4 + HALF // 4, mask=mask_n, other=0))
+        pw = (p * v_scale[None, :]).to(tl.float16)
+        acc_z = acc_z * alpha + tl.sum(p * v_zero[None, :], axis=1)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(pw, _nibbles_f16(vb & 0xF))
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(pw, _nibbles_f16(vb >> 4))
+
+    out_rows, denom = _epilogue_rows(
+        b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
+        num_partitions, stride_ob, stride_oh, GROUP, HEAD_DIM, SPLIT,
+    )
+    valid = (mask_g & (offs_g * 0 + start < ctx))[:, None]
+    lo = (acc_lo + acc_z[:, None]) / denom[:, None]
+    hi = (acc_hi + acc_z[:, None]) / denom[:, None]
+    ptrs = out_rows[:, None] + offs_h[None, :]
+    if SPLIT:
+        tl.store(ptrs, lo, mask=valid)
+        tl.store(ptrs + HALF, hi, mask=valid)
+    else:
+        tl.store(ptrs, lo.to(tl.float16), mask=valid)
+        tl.store(ptrs + HALF, hi.to(tl.float16), mask=valid)
+
+
+# ---------------------------------------------------------------------------------------------
+# reduction over partitions
+
+
+@triton.jit
+def _reduce_partitions_kernel(
+    part_m_ptr, part_l_ptr, part_o_ptr, context_lens_ptr, out_ptr,
+    num_heads, num_partitions, partition_size, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(context_lens_ptr + b)
+    n_parts = tl.cdiv(ctx, partition_size)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = (b.to(tl.int64) * num_heads + h) * num_partitions
+    m_run = tl.full([], float("-inf"), tl.float32)
+    l_run = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros((HEAD_DIM,), tl.float32)
+    for p in range(0, n_parts):
+        m_p = tl.load(part_m_ptr + base + p)
+        l_p = tl.load(part_l_ptr + base + p)
+        o_p = tl.load(part_o_ptr + (base + p) * HEAD_DIM + offs_d)
+        m_new = tl.maximum(m_run, m_p)
+        a = tl.exp2(m_run - m_new)
+        c = tl.exp2(m_p - m_new)
+        acc = acc * a + o_p * c
+        l_run = l_run * a + l_p * c
+        m_run = m_new
+    out = acc / tl.where(l_run > 0, l_run, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(tl.float16))
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
+
+
+def _check(query, k_cache, v_cache, block_tables, context_lens) -> tuple[bool, int, int]:
+    if query.dim() != 3 or query.dtype != torch.float16 or query.stride(-1) != 1:
+        raise ValueError(f"query must be (B, heads, D) fp16 with contiguous D, got {tuple(query.shape)} {query.dtype}")
+    b, heads, d = query.shape
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head_dim {d} is not supported: a power of two >= 16 (64 and 128 are tuned)")
+    kv4 = k_cache.dtype == torch.uint8
+    row = d // 2 + 4 if kv4 else d
+    if k_cache.dtype not in (torch.uint8, torch.float16) or k_cache.dim() != 4 or k_cache.shape[3] != row:
+        raise ValueError(
+            f"k_cache must be (num_blocks, kv_heads, block_size, {d // 2 + 4}) uint8 (KV4) or "
+            f"(num_blocks, kv_heads, block_size, {d}) fp16, got {tuple(k_cache.shape)} {k_cache.dtype}"
+        )
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match k_cache {tuple(k_cache.shape)}")
+    if k_cache.stride(3) != 1 or k_cache.stride(2) != row:
+        raise ValueError(f"cache rows must be contiguous, got strides {k_cache.stride()}")
+    if kv4 and any(s % 4 for s in k_cache.stride()[:3]):
+        raise ValueError(f"KV4 cache strides {k_cache.stride()} must be multiples of 4 bytes")
+    if kv4 and k_cache.numel() >= 2**33:
+        raise ValueError(f"a KV4 cache of {k_cache.numel()} bytes is over the 8 GiB that int32 word offsets reach")
+    kv_heads = k_cache.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"query heads {heads} are not a multiple of the cache's kv_heads {kv_heads}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != b or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be ({b}, max_blocks) int32, got {tuple(block_tables.shape)} {block_tables.dtype}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be contiguous in its last dimension")
+    if context_lens.shape != (b,) or context_lens.dtype != torch.int32:
+        raise ValueError(f"context_lens must be ({b},) int32, got {tuple(context_lens.shape)} {context_lens.dtype}")
+    return kv4, kv_heads, heads // kv_heads
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    sm_scale: float | None = None,
+    max_context_len: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Decode attention of one query token per sequence over a paged KV4 (uint8) or fp16 cache.
+
+    query (B, heads, D) fp16 (rotated); caches as in the module docstring; block_tables (B,
+    max_blocks) int32; context_lens (B,) int32. Returns (B, heads, D) fp16. sm_scale defaults to
+    1/sqrt(D). max_context_len (>= every context length) sizes the partition grid; without it
+    the launcher reads context_lens.max() (a device sync).
+    """
+    kv4, kv_heads, group = _check(query, k_cache, v_cache, block_tables, context_lens)
+    b, heads, d = query.shape
+    cfg = config or default_config(kv4, group, d)
+    if not kv4 and cfg.variant != "fma":
+        raise ValueError(f"the fp16 cache has only the 'fma' kernel, not {cfg.variant!r}")
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    if max_context_len is None:
+        max_context_len = int(context_lens.max().item()) if b else 0
+    out = torch.empty_like(query)
+    if b == 0:
+        return out
+    num_partitions = max(1, triton.cdiv(max_context_len, cfg.partition_size))
+    split = num_partitions > 1
+    if split:
+        part_m = torch.empty(b, heads, num_partitions, dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_o = torch.empty(b, heads, num_partitions, d, dtype=torch.float32, device=query.device)
+    else:
+        part_m = part_l = part_o = out  # unused
+    grid = (b * kv_heads, num_partitions)
+    common = dict(
+        GROUP=group, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], BLOCK_N=cfg.block_n,
+        SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    sizes = (scale * LOG2E, kv_heads, num_partitions, cfg.partition_size)
+    if not kv4:
+        _fp16_decode_fma_kernel[grid](
+            query, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_o, *sizes,
+            query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            BLOCK_G=triton.next_power_of_2(group), **common,
+        )
+    elif cfg.variant == "fma":
+        k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)
+        _kv4_decode_fma_kernel[grid](
+            query, k_words, v_words, block_tables, context_lens, out, part_m, part_l, part_o, *sizes,
+            _NIBBLE_MASK, _FP32_ONE_BITS,
+            query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1), k_words.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            BLOCK_G=triton.next_power_of_2(group), **common,
+        )
+    else:
+        _kv4_decode_dot_kernel[grid](
+            query, k_cache, v_cache, k_cache.view(torch.int32), v_cache.view(torch.int32), block_tables,
+            context_lens, out, part_m, part_l, part_o, *sizes,
+            query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            BLOCK_G=max(16, triton.next_power_of_2(group)), **common,
+        )
+    if split:
+        _reduce_partitions_kernel[(b, heads)](
+            part_m, part_l, part_o, context_lens, out, heads, num_partitions, cfg.partition_size,
+            out.stride(0), out.stride(1), HEAD_DIM=d, num_warps=1,
+        )
+    return out

@@ -1,0 +1,145 @@
+"""Paged decode attention (Triton interpreter) against the fp32 reference over the decoded cache.
+
+Awkward shapes: contexts ending mid-block, mixed lengths in one batch, shuffled physical blocks,
+GQA groups 1/2/4 and MQA, head_dim 64 and 128, partitions small enough to take the split path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.kernels.attention_reference import build_rope_cache, paged_decode_reference
+from services.worker.kernels.kv4_cache import write_kv4_cache
+from services.worker.kernels.paged_attention import DecodeConfig, paged_decode_attention
+from shared.formats.kv4 import encode_rows, page_row_bytes
+from shared.model.config import LlamaConfig
+from shared.model.llama import attention as llama_attention
+from shared.model.rope import cos_sin, inverse_frequencies
+
+BLOCK_SIZE = 16
+
+
+def _paged_batch(lengths, kv_heads, group, head_dim, kv4, seed, spare_blocks=3):
+    """Random caches whose sequences sit on shuffled blocks; blocks no table names are NaN/garbage."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // BLOCK_SIZE) for n in lengths]
+    num_blocks = sum(per_seq) + spare_blocks
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.full((len(lengths), max(per_seq + [1]) + 1), num_blocks - 1, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = order[start : start + n]
+        start += n
+    shape = (num_blocks, kv_heads, BLOCK_SIZE, head_dim)
+    offsets = torch.randn(2, num_blocks, kv_heads, BLOCK_SIZE, 1, generator=g)
+    x = torch.randn(2, *shape, generator=g) * torch.rand(2, *shape[:-1], 1, generator=g) * 3 + offsets
+    if kv4:
+        k_cache, v_cache = encode_rows(x[0].half()), encode_rows(x[1].half())
+    else:
+        k_cache, v_cache = x[0].half(), x[1].half()
+    # Rows past each sequence's end (inside its last block) and unused blocks hold garbage.
+    for b, n in enumerate(lengths):
+        if n % BLOCK_SIZE:
+            last = tables[b, per_seq[b] - 1]
+            for cache in (k_cache, v_cache):
+                cache[last, :, n % BLOCK_SIZE :] = 0xFF if kv4 else float("nan")
+    query = (torch.randn(len(lengths), kv_heads * group, head_dim, generator=g) * 1.5).half()
+    return query, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32)
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == torch.float16 and out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref.float()).abs()
+    assert (err <= 2e-3 + 4e-3 * ref.float().abs()).all(), f"max error {err.max().item():.3g}"
+    assert err.norm() / ref.float().norm().clamp_min(1e-6) < 2e-3
+
+
+CASES = [
+    # kv4, variant, head_dim, kv_heads, group, lengths, partition
+    (True, "fma", 128, 2, 1, [1, 15, 17, 33, 100], 512),
+    (True, "fma", 64, 2, 2, [1, 15, 17, 33, 100], 64),
+    (True, "fma", 128, 1, 4, [17, 100, 3], 32),
+    (True, "fma", 64, 2, 4, [33], 512),
+    (True, "dot", 64, 1, 8, [15, 100, 1], 64),
+    (True, "dot", 128, 2, 2, [33, 17], 512),
+    (False, "fma", 128, 2, 1, [1, 15, 17, 33, 100], 64),
+    (False, "fma", 64, 1, 4, [100, 15], 512),
+]
+
+
+@pytest.mark.parametrize("kv4,variant,head_dim,kv_heads,group,lengths,partition", CASES)
+def test_decode_matches_reference(kv4, variant, head_dim, kv_heads, group, lengths, partition):
+    q, k_cache, v_cache, tables, lens = _paged_batch(lengths, kv_heads, group, head_dim, kv4, seed=head_dim + group)
+    config = DecodeConfig(variant=variant, block_n=32, partition_size=partition, num_warps=1)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config)
+    _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
+
+
+@pytest.mark.parametrize("kv4", [True, False])
+def test_long_context_takes_the_split_path(kv4):
+    """600 tokens over partitions of 128: five partials per head, the last one partial, reduced."""
+    q, k_cache, v_cache, tables, lens = _paged_batch([600, 129], 1, 2, 64, kv4, seed=5)
+    config = DecodeConfig(block_n=32, partition_size=128, num_warps=1)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config, max_context_len=600)
+    _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
+    # The default launch (one partition of 512 would not cover 600: it splits too) agrees.
+    _assert_close(paged_decode_attention(q, k_cache, v_cache, tables, lens), out)
+
+
+def test_peaked_scores_and_empty_sequences():
+    """Large logits (one token dominates) stay accurate; a sequence of length 0 gives zeros."""
+    q, k_cache, v_cache, tables, lens = _paged_batch([40, 0, 18], 2, 2, 64, True, seed=9)
+    q = (q.float() * 6).half()
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=DecodeConfig(block_n=16, partition_size=32))
+    _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
+    assert (out[1] == 0).all()
+
+
+def test_written_cache_attends_like_the_reference_model():
+    """Prefill a sequence through write_kv4_cache; decoding its last token matches the reference
+    Llama attention with a KV4 cache (shared.model.llama.attention, kv_bits=4) for that token."""
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_layers=1, num_heads=4, num_kv_heads=2,
+                         head_dim=64, vocab_size=16)
+    t = 37
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(1, t, config.q_size + 2 * config.kv_size, generator=g).half().float()
+    inv_freq = inverse_frequencies(config.rope, config.head_dim)
+    cos, sin = cos_sin(torch.arange(t), inv_freq)
+    ref = llama_attention(config, qkv, cos, sin, kv_bits=4)[0, -1].view(config.num_heads, config.head_dim)
+
+    q, k, v = qkv[0].half().split([config.q_size, config.kv_size, config.kv_size], dim=-1)
+    q = q.reshape(t, config.num_heads, config.head_dim)
+    k = k.reshape(t, config.num_kv_heads, config.head_dim)
+    v = v.reshape(t, config.num_kv_heads, config.head_dim)
+    blocks = [5, 2, 7]  # physical blocks of the sequence, out of order
+    slots = torch.tensor([blocks[i // BLOCK_SIZE] * BLOCK_SIZE + i % BLOCK_SIZE for i in range(t)])
+    shape = (8, config.num_kv_heads, BLOCK_SIZE, page_row_bytes(config.head_dim))
+    k_cache = torch.full(shape, 0x77, dtype=torch.uint8)
+    v_cache = k_cache.clone()
+    rope = build_rope_cache(inv_freq, 64)
+    q_rot = write_kv4_cache(k, v, torch.arange(t), slots, rope, k_cache, v_cache, query=q)
+    out = paged_decode_attention(
+        q_rot[-1:], k_cache, v_cache, torch.tensor([blocks], dtype=torch.int32), torch.tensor([t], dtype=torch.int32)
+    )
+    assert torch.isfinite(out).all()
+    # The reference rotates and quantizes fp32 keys; the cache holds fp16-rounded rotated keys.
+    assert (out[0].float() - ref).norm() / ref.norm() < 1e-2
+
+
+def test_bad_inputs_name_the_value():
+    q, k_cache, v_cache, tables, lens = _paged_batch([5], 2, 2, 64, True, seed=1)
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_decode_attention(q, k_cache, v_cache, tables.long(), lens)
+    with pytest.raises(ValueError, match="context_lens"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens.long())
+    with pytest.raises(ValueError, match="not a multiple"):
+        paged_decode_attention(q[:, :3], k_cache, v_cache, tables, lens)
+    with pytest.raises(ValueError, match="k_cache"):
+        paged_decode_attention(q, k_cache[..., :-4], v_cache[..., :-4], tables, lens)
+    with pytest.raises(ValueError, match="partition_size"):
+        DecodeConfig(block_n=64, partition_size=96)
+    fp16_cache = torch.zeros(k_cache.shape[:3] + (64,), dtype=torch.float16)
+    with pytest.raises(ValueError, match="only the 'fma' kernel"):
+        paged_decode_attention(q, fp16_cache, fp16_cache.clone(), tables, lens, config=DecodeConfig(variant="dot"))
