@@ -57,22 +57,23 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 CASES = [
-    # kv4, variant, head_dim, kv_heads, group, lengths, partition
-    (True, "fma", 128, 2, 1, [1, 15, 17, 33, 100], 512),
-    (True, "fma", 64, 2, 2, [1, 15, 17, 33, 100], 64),
-    (True, "fma", 128, 1, 4, [17, 100, 3], 32),
-    (True, "fma", 64, 2, 4, [33], 512),
-    (True, "dot", 64, 1, 8, [15, 100, 1], 64),
-    (True, "dot", 128, 2, 2, [33, 17], 512),
-    (False, "fma", 128, 2, 1, [1, 15, 17, 33, 100], 64),
-    (False, "fma", 64, 1, 4, [100, 15], 512),
+    # kv4, variant, prefetch, head_dim, kv_heads, group, lengths, partition
+    (True, "fma", True, 128, 2, 1, [1, 15, 17, 33, 100], 512),
+    (True, "fma", False, 128, 2, 1, [1, 15, 17, 33, 100], 64),
+    (True, "fma", True, 64, 2, 2, [1, 15, 17, 33, 100], 64),
+    (True, "fma", True, 128, 1, 4, [17, 100, 3], 32),
+    (True, "fma", False, 64, 2, 4, [33], 512),
+    (True, "dot", False, 64, 1, 8, [15, 100, 1], 64),
+    (True, "dot", False, 128, 2, 2, [33, 17], 512),
+    (False, "fma", False, 128, 2, 1, [1, 15, 17, 33, 100], 64),
+    (False, "fma", False, 64, 1, 4, [100, 15], 512),
 ]
 
 
-@pytest.mark.parametrize("kv4,variant,head_dim,kv_heads,group,lengths,partition", CASES)
-def test_decode_matches_reference(kv4, variant, head_dim, kv_heads, group, lengths, partition):
+@pytest.mark.parametrize("kv4,variant,prefetch,head_dim,kv_heads,group,lengths,partition", CASES)
+def test_decode_matches_reference(kv4, variant, prefetch, head_dim, kv_heads, group, lengths, partition):
     q, k_cache, v_cache, tables, lens = _paged_batch(lengths, kv_heads, group, head_dim, kv4, seed=head_dim + group)
-    config = DecodeConfig(variant=variant, block_n=32, partition_size=partition, num_warps=1)
+    config = DecodeConfig(variant=variant, block_n=32, partition_size=partition, num_warps=1, prefetch=prefetch)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config)
     _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
 

@@ -54,6 +54,8 @@ class DecodeConfig:
     partition_size: int = 512  # tokens per program; a multiple of block_n
     num_warps: int = 4
     num_stages: int = 2
+    prefetch: bool = True  # KV4 "fma": load tile i + 1 while computing tile i
+    maxnreg: int | None = None  # register cap per thread (ptxas .maxnreg): occupancy against spills
 
     def __post_init__(self):
         if self.variant not in ("fma", "dot"):
@@ -69,19 +71,22 @@ def choose_kv4_variant(group: int) -> str:
     return "fma" if group <= 4 else "dot"
 
 
-# Launch parameters per (cache, variant), seeded from bench/attention.py on an H200 (head_dim 128).
+# The launch the engine gets, per cache and group size (rounded up to a power of two, at most 8):
+# data measured by bench/attention.py on an H200 at head_dim 128 (bench/results/h200/attention.json).
 _DEFAULTS = {
-    ("kv4", "fma"): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1),
-    ("kv4", "dot"): DecodeConfig("dot", block_n=64, partition_size=512, num_warps=2, num_stages=1),
-    ("fp16", "fma"): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1),
+    ("kv4", 1): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=168),
+    ("kv4", 2): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=168),
+    ("kv4", 4): DecodeConfig("fma", block_n=16, partition_size=512, num_warps=1, num_stages=1, prefetch=True),
+    ("kv4", 8): DecodeConfig("dot", block_n=64, partition_size=512, num_warps=2, num_stages=1),
+    ("fp16", 1): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1),
 }
 
 
 def default_config(kv4: bool, group: int, head_dim: int) -> DecodeConfig:
-    """The launch the engine gets: variant by group size, tile and partition from _DEFAULTS."""
-    if kv4:
-        return _DEFAULTS[("kv4", choose_kv4_variant(group))]
-    return _DEFAULTS[("fp16", "fma")]
+    """The tuned launch for this cache and group size (head_dim 64 uses the head_dim 128 entries)."""
+    if not kv4:
+        return _DEFAULTS[("fp16", 1)]
+    return _DEFAULTS[("kv4", min(triton.next_power_of_2(group), 8))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,15 +146,15 @@ def _pv_plane(acc, alpha, pw, f):
 
 
 @triton.jit
-def _kv4_fma_tile(
-    k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w, mask_lo, mask_hi, one,
-    q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
-    m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+def _kv4_load_tile(
+    k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w,
     W: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """One tile of BLOCK_N tokens; MASKED only for the partition's last, partial tile."""
-    # Tiles are 3D (group, tokens, words) from the load on, with the group axis of size 1 where
-    # loaded: the layout stays the load's and the G query heads reuse each word in registers.
+    """Raw KV4 words of tokens [n0, n0 + BLOCK_N): codes (1, N, W) and scale/zero (1, N) int32.
+
+    Tiles are 3D (group, tokens, words) from the load on, with the group axis of size 1 here: the
+    layout stays the load's and the G query heads reuse each word in registers.
+    """
     offs_n = n0 + tl.arange(0, BLOCK_N)[None, :]  # (1, N)
     mask_n = offs_n < end
     if MASKED:
@@ -160,12 +165,28 @@ def _kv4_fma_tile(
     k_ptrs = k_ptr + rows[:, :, None] + offs_w[None, None, :]
     v_ptrs = v_ptr + rows[:, :, None] + offs_w[None, None, :]
     if MASKED:
-        kw = tl.load(k_ptrs, mask=mask_n[:, :, None], other=0)  # (1, N, W) int32
-        k_scale, k_zero = _scale_zero(tl.load(k_ptr + rows + W, mask=mask_n, other=0))  # (1, N)
+        kw = tl.load(k_ptrs, mask=mask_n[:, :, None], other=0)
+        ksz = tl.load(k_ptr + rows + W, mask=mask_n, other=0)
+        vw = tl.load(v_ptrs, mask=mask_n[:, :, None], other=0)
+        vsz = tl.load(v_ptr + rows + W, mask=mask_n, other=0)
     else:
         kw = tl.load(k_ptrs)
-        k_scale, k_zero = _scale_zero(tl.load(k_ptr + rows + W))
+        ksz = tl.load(k_ptr + rows + W)
+        vw = tl.load(v_ptrs)
+        vsz = tl.load(v_ptr + rows + W)
+    return kw, ksz, vw, vsz
 
+
+@triton.jit
+def _kv4_fma_tile(
+    kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one,
+    q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
+    m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Online-softmax update with one tile of raw KV4 words; MASKED only for a partial last tile."""
+    k_scale, k_zero = _scale_zero(ksz)  # (1, N)
+    v_scale, v_zero = _scale_zero(vsz)
     # Each byte in turn at bits 15..22; its two nibbles become planes 2 * byte and 2 * byte + 1.
     x0 = kw << 15
     x1 = kw << 7
@@ -179,17 +200,12 @@ def _kv4_fma_tile(
     t += _nibble(x2, mask_hi, one) * q5[:, None, :]
     t += _nibble(x3, mask_lo, one) * q6[:, None, :]
     t += _nibble(x3, mask_hi, one) * q7[:, None, :]
-    s = (tl.sum(t, axis=2) - q_bias[:, None]) * k_scale + q_sum[:, None] * k_zero  # (G, N)
+    s = (tl.sum(t, axis=2) - q_bias[:, None]) * k_scale + q_sum[:, None] * k_zero  # (G, N), log2 units
     if MASKED:
-        s = tl.where(mask_n, s, float("-inf"))
+        offs_n = n0 + tl.arange(0, BLOCK_N)[None, :]
+        s = tl.where(offs_n < end, s, float("-inf"))
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
 
-    if MASKED:
-        vw = tl.load(v_ptrs, mask=mask_n[:, :, None], other=0)
-        v_scale, v_zero = _scale_zero(tl.load(v_ptr + rows + W, mask=mask_n, other=0))
-    else:
-        vw = tl.load(v_ptrs)
-        v_scale, v_zero = _scale_zero(tl.load(v_ptr + rows + W))
     pw = p * v_scale  # (G, N)
     pw_sum = pw_sum * alpha + tl.sum(pw, axis=1)
     acc_z = acc_z * alpha + tl.sum(p * v_zero, axis=1)
@@ -218,7 +234,7 @@ def _kv4_decode_fma_kernel(
     stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_ob, stride_oh,
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     W: tl.constexpr = HEAD_DIM // 8  # int32 code words per row; word W holds scale and zero
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -267,19 +283,40 @@ def _kv4_decode_fma_kernel(
     mask_lo = nibble_mask
     mask_hi = nibble_mask << 4
     one = nibble_one
-    for n0 in range(start, full_end, BLOCK_N):
-        m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
-            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w, mask_lo, mask_hi, one,
-            q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
-            m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-            W, BLOCK_SIZE, BLOCK_N, False,
+    if PREFETCH:
+        # Software pipelining by one tile: the loads of tile i + 1 are in flight during tile i's
+        # math. The prologue's load is masked (there may be no full tile); the last iteration
+        # reloads the last full tile (a cache hit) instead of branching.
+        kw, ksz, vw, vsz = _kv4_load_tile(
+            k_ptr, v_ptr, bt_row, head_off, start, full_end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, True
         )
+        last_full = tl.maximum(full_end - BLOCK_N, start)
+        for n0 in range(start, full_end, BLOCK_N):
+            nxt = tl.minimum(n0 + BLOCK_N, last_full)
+            kw_n, ksz_n, vw_n, vsz_n = _kv4_load_tile(
+                k_ptr, v_ptr, bt_row, head_off, nxt, end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, False
+            )
+            m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
+                kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
+                m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, False,
+            )
+            kw, ksz, vw, vsz = kw_n, ksz_n, vw_n, vsz_n
+    else:
+        for n0 in range(start, full_end, BLOCK_N):
+            kw, ksz, vw, vsz = _kv4_load_tile(
+                k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, False
+            )
+            m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
+                kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
+                m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, False,
+            )
     for n0 in range(full_end, end, BLOCK_N):  # at most one partial tile
+        kw, ksz, vw, vsz = _kv4_load_tile(
+            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, True
+        )
         m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
-            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w, mask_lo, mask_hi, one,
-            q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
-            m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-            W, BLOCK_SIZE, BLOCK_N, True,
+            kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
+            m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, True,
         )
 
     out_rows, denom = _epilogue_rows(
@@ -617,6 +654,7 @@ def paged_decode_attention(
     common = dict(
         GROUP=group, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], BLOCK_N=cfg.block_n,
         SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     sizes = (scale * LOG2E, kv_heads, num_partitions, cfg.partition_size)
     if not kv4:
@@ -633,7 +671,7 @@ def paged_decode_attention(
             _NIBBLE_MASK, _FP32_ONE_BITS,
             query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1), k_words.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
-            BLOCK_G=triton.next_power_of_2(group), **common,
+            BLOCK_G=triton.next_power_of_2(group), PREFETCH=cfg.prefetch, **common,
         )
     else:
         _kv4_decode_dot_kernel[grid](
