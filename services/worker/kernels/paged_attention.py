@@ -72,10 +72,12 @@ def choose_kv4_variant(group: int) -> str:
 
 
 # The launch the engine gets, per cache and group size (rounded up to a power of two, at most 8):
-# data measured by bench/attention.py on an H200 at head_dim 128 (bench/results/h200/attention.json).
+# the fastest configs measured by bench/attention.py on an H200 at head_dim 128
+# (bench/results/h200/attention.json). Group 2 and 8 were not measured: group 2 takes group 4's
+# tile (the register budget of two query heads), group 8 the tensor-core kernel.
 _DEFAULTS = {
-    ("kv4", 1): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=168),
-    ("kv4", 2): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=168),
+    ("kv4", 1): DecodeConfig("fma", block_n=32, partition_size=1024, num_warps=1, num_stages=1, prefetch=True, maxnreg=128),
+    ("kv4", 2): DecodeConfig("fma", block_n=16, partition_size=512, num_warps=1, num_stages=1, prefetch=True),
     ("kv4", 4): DecodeConfig("fma", block_n=16, partition_size=512, num_warps=1, num_stages=1, prefetch=True),
     ("kv4", 8): DecodeConfig("dot", block_n=64, partition_size=512, num_warps=2, num_stages=1),
     ("fp16", 1): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1),
