@@ -2,10 +2,12 @@
 
     python3 bench/kernels.py --out bench/results/h200/kernels.json
 
-For every (N, K) and M: each variant is first checked against the reference linear on fresh random
-inputs with a NaN-poisoned output, then timed with triton.testing.do_bench (median; do_bench
-clears the L2 before every timed call, so weights and activations come from HBM each time, as in
-a real forward). Baselines in the same run: cuBLAS fp16 (torch.matmul), torch._int_mm (int8,
+First every variant is checked bit-exact on an awkward shape for several M and split-K factors.
+Then for every (N, K) and M: each variant is checked against the reference linear on fresh random
+inputs with a NaN-poisoned output, then timed: ROTATE calls on distinct weight and activation sets
+are captured in one CUDA graph, triton.testing.do_bench times its replays (median; it clears the
+L2 before each replay) and the time per call is replay / ROTATE. So every call reads cold data from
+HBM and no host launch overhead is counted, as in a graph-captured forward. Baselines, same way: cuBLAS fp16 (torch.matmul), torch._int_mm (int8,
 M > 16), torch._scaled_mm (fp8 e4m3, per-token x per-channel scales) and
 torch._weight_int4pack_mm (W4A16 g128, bf16). The JSON holds the raw times, TOP/s, GB/s, ratios,
 the issue's checks and the best variant per (N, K, M), the seed of a kernel policy table.
@@ -27,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 SHAPES = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]  # qkv, o, gate_up, down
 MS = [1, 16, 64, 256, 1024, 4096]
+ROTATE = 4
 # (kind, M range, minimum ratio of cuBLAS fp16 time over the best W4A8 time), from issue 3
 TARGETS_FP16 = [((1, 16), 3.0), ((64, 64), 2.5), ((256, 256), 1.5), ((4096, 4096), 1.5)]
 TARGET_INT4PACK = ((1, 16), 1.5)
@@ -65,8 +68,9 @@ class Bench:
                 "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
                 "triton": triton.__version__, "cuda": torch.version.cuda, "platform": platform.platform(),
             },
-            "timing": "triton.testing.do_bench median, warmup %d ms, rep %d ms, L2 cleared before each call"
-            % (args.warmup, args.rep),
+            "timing": "per call: triton.testing.do_bench median (warmup %d ms, rep %d ms, L2 cleared before each"
+            " replay) of a CUDA graph of %d calls on distinct weight/activation sets, divided by %d"
+            % (args.warmup, args.rep, ROTATE, ROTATE),
             "act_quant": [], "gemm": [], "baseline_notes": {}, "checks": [], "best_variant": {},
         }
 
@@ -74,6 +78,31 @@ class Bench:
         from triton.testing import do_bench
 
         return do_bench(fn, warmup=self.args.warmup, rep=self.args.rep, return_mode="median")
+
+    def time_calls(self, fns) -> float:
+        """Median ms per call of fns (one per input set) run back to back in a CUDA graph."""
+        torch = self.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for fn in fns:
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for fn in fns:
+                fn()
+        return self.time_ms(graph.replay) / len(fns)
+
+    def warm_gpu(self) -> None:
+        """Half a second of matrix products so clocks are up before the first timing."""
+        torch = self.torch
+        a = torch.randn(8192, 8192, device=self.dev, dtype=torch.float16)
+        end = time.time() + 0.5
+        while time.time() < end:
+            for _ in range(10):
+                a @ a
+            torch.cuda.synchronize()
 
     def note(self, key: str, text: str) -> None:
         if key not in self.result["baseline_notes"]:
@@ -89,70 +118,77 @@ class Bench:
         from shared.model.llama import rms_norm
         from shared.quant.activations import quantize_per_token
 
+        w = 1 + 0.1 * torch.randn(4096, device=self.dev)
         for m in (1, 16, 256, 4096):
-            x = torch.randn(m, 4096, device=self.dev, dtype=torch.float16) * 3
-            w = 1 + 0.1 * torch.randn(4096, device=self.dev)
-            gu = torch.randn(m, 2 * 11008, device=self.dev, dtype=torch.float16) * 3
-            g, u = gu.float().chunk(2, dim=-1)
+            xs = [torch.randn(m, 4096, device=self.dev, dtype=torch.float16) * 3 for _ in range(ROTATE)]
+            gus = [torch.randn(m, 2 * 11008, device=self.dev, dtype=torch.float16) * 3 for _ in range(ROTATE)]
+            g, u = gus[0].float().chunk(2, dim=-1)
             cases = [
-                ("rmsnorm_quant", lambda: rmsnorm_quant(x, w, 1e-6), rms_norm(x, w, 1e-6), 2 * m * 4096 + m * 4096),
-                ("silu_mul_quant", lambda: silu_mul_quant(gu), F.silu(g) * u, 2 * m * 2 * 11008 + m * 11008),
-                ("quantize", lambda: quantize(x), x.float(), 2 * m * 4096 + m * 4096),
+                ("rmsnorm_quant", [lambda x=x: rmsnorm_quant(x, w, 1e-6) for x in xs], rms_norm(xs[0], w, 1e-6),
+                 3 * m * 4096),
+                ("silu_mul_quant", [lambda gu=gu: silu_mul_quant(gu) for gu in gus], F.silu(g) * u, 5 * m * 11008),
+                ("quantize", [lambda x=x: quantize(x) for x in xs], xs[0].float(), 3 * m * 4096),
             ]
-            for name, fn, ref_in, nbytes in cases:
+            for name, fns, ref_in, nbytes in cases:
                 row = {"op": name, "M": m}
                 try:
-                    x8, scale, rowsum = fn()
+                    x8, scale, rowsum = fns[0]()
                     r8, rs = quantize_per_token(ref_in)
                     row["scale_max_rel_err"] = ((scale - rs[:, 0]).abs() / rs[:, 0]).max().item()
                     row["code_max_diff"] = (x8.int() - r8.int()).abs().max().item()
                     row["rowsum_exact"] = bool(torch.equal(rowsum, x8.int().sum(1)))
                     row["correct"] = row["scale_max_rel_err"] < 1e-6 and row["code_max_diff"] <= 1 and row["rowsum_exact"]
-                    t = self.time_ms(fn)
+                    t = self.time_calls(fns)
                     row.update(us=t * 1e3, gbps=nbytes / t / 1e6)
                 except Exception as e:  # a failing kernel is a result, not the end of the run
                     row["error"] = f"{type(e).__name__}: {e}"[:500]
                 self.result["act_quant"].append(row)
-                print(f"  {name:15s} M={m:5d} {row.get('us', float('nan')):8.2f} us  correct={row.get('correct')}"
-                      f" {row.get('error', '')}", flush=True)
+                print(f"  {name:15s} M={m:5d} {row.get('us', float('nan')):8.2f} us {row.get('gbps', 0):7.0f} GB/s"
+                      f" correct={row.get('correct')} {row.get('error', '')}", flush=True)
+
+    # ---------------------------------------------------------------- correctness sweep
+    def correctness_sweep(self) -> None:
+        """Every variant, bit-exact, on N and K that are no tile multiple, for several M and splits."""
+        import torch
+
+        from services.worker.kernels import w4a8_gemm as gemm
+        from shared.model.linear import reference_linear
+        from shared.quant.activations import quantize_per_token
+        from shared.quant.weights import quantize_w4_channel, quantize_w4_g128_progressive
+
+        n, k = self.args.sweep_shape
+        w = torch.randn(n, k, device=self.dev)
+        weights = {"w4g128p": quantize_w4_g128_progressive(w), "w4chn": quantize_w4_channel(w)}
+        failures = []
+        pattern = re.compile(self.args.variants) if self.args.variants else None
+        for m in (1, 2, 16, 17, 100):
+            x = torch.randn(m, k, device=self.dev)
+            x[:, :4] *= 10
+            x8, sx = quantize_per_token(x)
+            rowsum = x8.sum(dim=1, dtype=torch.int32)
+            for kind, p in weights.items():
+                ref = reference_linear(p)(x)
+                for v in gemm.variants_for(kind):
+                    if (pattern and not pattern.search(v.name)) or not v.can_implement(m, n, k, kind)[0]:
+                        continue
+                    for split in ((None, 1, 3, k // 128) if v.split_k else (None,)):
+                        for rs in ((rowsum, None) if kind == "w4chn" else (None,)):
+                            case = f"{v.name} M={m} split={split} rowsum={rs is not None}"
+                            try:
+                                out = torch.full((m, n), float("nan"), dtype=torch.float16, device=self.dev)
+                                gemm.w4a8_gemm(x8, sx, p, rowsum=rs, variant=v.name, split_k=split, out=out)
+                                bad = (out.float() != ref)
+                                if bad.any():
+                                    rows = bad.any(dim=1).nonzero()[:, 0].tolist()
+                                    failures.append(f"{case}: {bad.float().mean().item():.3f} wrong, rows {rows[:8]}")
+                            except Exception as e:
+                                failures.append(f"{case}: {type(e).__name__}: {str(e)[-300:]}")
+        self.result["correctness_sweep"] = {"N": n, "K": k, "M": [1, 2, 16, 17, 100], "failures": failures}
+        print(f"correctness sweep: {len(failures)} failures", flush=True)
+        for f in failures[:40]:
+            print("  FAIL", f, flush=True)
 
     # ---------------------------------------------------------------- GEMMs
-    def baselines(self, n: int, k: int, w16, w8, w_fp8, w_scale8, int4):
-        """name -> (make(x, x16, x8) -> callable or None, byte kind)."""
-        torch = self.torch
-
-        def fp16(x, x16, x8):
-            return lambda: torch.matmul(x16, w16.t())
-
-        def int_mm(x, x16, x8):
-            if x8.shape[0] <= 16:
-                self.note("torch._int_mm", "cuBLAS int8 GEMM needs M > 16; not timed there")
-                return None
-            return lambda: torch._int_mm(x8, w8.t())
-
-        def scaled_mm(x, x16, x8):
-            amax = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-8)
-            sa = (amax / 448).float()
-            xf8 = (x / sa).to(torch.float8_e4m3fn)
-            for dtype in (torch.float16, torch.bfloat16):
-                try:
-                    torch._scaled_mm(xf8, w_fp8.t(), scale_a=sa, scale_b=w_scale8, out_dtype=dtype)
-                    self.note("torch._scaled_mm", f"row-wise scales, out_dtype={dtype}")
-                    return lambda: torch._scaled_mm(xf8, w_fp8.t(), scale_a=sa, scale_b=w_scale8, out_dtype=dtype)
-                except Exception as e:
-                    self.note(f"torch._scaled_mm {dtype}", f"{type(e).__name__}: {e}"[:300])
-            return None
-
-        def int4pack(x, x16, x8):
-            if int4 is None:
-                return None
-            packed, sz = int4
-            xb = x.to(torch.bfloat16)
-            return lambda: torch._weight_int4pack_mm(xb, packed, 128, sz)
-
-        return {"cublas_fp16": (fp16, "fp16"), "torch_int_mm": (int_mm, "int8"),
-                "torch_scaled_mm_fp8": (scaled_mm, "fp8"), "torch_int4pack_mm": (int4pack, "int4pack")}
-
     def make_int4pack(self, n: int, k: int):
         torch = self.torch
         try:
@@ -165,50 +201,89 @@ class Bench:
             self.note("torch._weight_int4pack_mm", f"unavailable: {type(e).__name__}: {e}"[:300])
             return None
 
+    def weight_set(self, n: int, k: int) -> dict:
+        import torch
+
+        from shared.quant.weights import quantize_w4_channel, quantize_w4_g128_progressive
+
+        w = torch.randn(n, k, device=self.dev) * 0.02
+        g128 = quantize_w4_g128_progressive(w)
+        w_scale8 = (w.abs().amax(dim=1) / 448).clamp_min(1e-12)[None, :].float()  # (1, N)
+        return {
+            "w4g128p": g128, "w4chn": quantize_w4_channel(w), "fp16": w.half(), "int8": g128.int8_weight(),
+            "fp8": (w / w_scale8.t()).to(torch.float8_e4m3fn), "fp8_scale": w_scale8, "int4pack": self.make_int4pack(n, k),
+        }
+
+    def act_set(self, m: int, k: int) -> dict:
+        import torch
+
+        from shared.quant.activations import quantize_per_token
+
+        x = torch.randn(m, k, device=self.dev)
+        x[:, torch.randint(0, k, (8,), device=self.dev)] *= 10  # a few outlier channels
+        x8, sx = quantize_per_token(x)
+        amax = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-8)
+        sa = (amax / 448).float()
+        return {"x": x, "x8": x8, "sx": sx[:, 0].contiguous(), "rowsum": x8.sum(dim=1, dtype=torch.int32),
+                "x16": x.half(), "xbf16": x.to(torch.bfloat16), "xf8": (x / sa).to(torch.float8_e4m3fn), "sa": sa}
+
+    def baseline_fn(self, name: str, w: dict, a: dict):
+        torch = self.torch
+        m = a["x"].shape[0]
+        if name == "cublas_fp16":
+            return lambda: torch.matmul(a["x16"], w["fp16"].t())
+        if name == "torch_int_mm":
+            if m <= 16:
+                self.note("torch._int_mm", "cuBLAS int8 GEMM needs M > 16; not timed there")
+                return None
+            return lambda: torch._int_mm(a["x8"], w["int8"].t())
+        if name == "torch_scaled_mm_fp8":
+            for dtype in (torch.float16, torch.bfloat16):
+                def fn(dtype=dtype):
+                    return torch._scaled_mm(a["xf8"], w["fp8"].t(), scale_a=a["sa"], scale_b=w["fp8_scale"], out_dtype=dtype)
+                try:
+                    fn()
+                    self.note("torch._scaled_mm", f"fp8 e4m3, row-wise scales (M,1) x (1,N), out_dtype={dtype}")
+                    return fn
+                except Exception as e:
+                    self.note(f"torch._scaled_mm {dtype}", f"{type(e).__name__}: {e}"[:300])
+            return None
+        if name == "torch_int4pack_mm":
+            if w["int4pack"] is None:
+                return None
+            packed, sz = w["int4pack"]
+            return lambda: torch._weight_int4pack_mm(a["xbf16"], packed, 128, sz)
+        raise ValueError(name)
+
     def shape(self, n: int, k: int) -> None:
         import torch
 
         from services.worker.kernels import w4a8_gemm as gemm
         from shared.model.linear import reference_linear
-        from shared.quant.activations import quantize_per_token
-        from shared.quant.weights import quantize_w4_channel, quantize_w4_g128_progressive
 
-        w = torch.randn(n, k, device=self.dev) * 0.02
-        weights = {"w4g128p": quantize_w4_g128_progressive(w), "w4chn": quantize_w4_channel(w)}
-        refs = {kind: reference_linear(p) for kind, p in weights.items()}
-        w16 = w.half()
-        w8 = weights["w4g128p"].int8_weight()
-        w_scale8 = (w.abs().amax(dim=1) / 448).clamp_min(1e-12)[None, :].float()  # (1, N)
-        w_fp8 = (w / w_scale8.t()).to(torch.float8_e4m3fn)
-        base = self.baselines(n, k, w16, w8, w_fp8, w_scale8, self.make_int4pack(n, k))
-        del w
+        ws = [self.weight_set(n, k) for _ in range(ROTATE)]
+        refs = {kind: reference_linear(ws[0][kind]) for kind in ("w4g128p", "w4chn")}
         pattern = re.compile(self.args.variants) if self.args.variants else None
+        byte_kinds = {"cublas_fp16": "fp16", "torch_int_mm": "int8", "torch_scaled_mm_fp8": "fp8",
+                      "torch_int4pack_mm": "int4pack"}
         for m in self.args.ms:
-            x = torch.randn(m, k, device=self.dev)
-            x[:, torch.randint(0, k, (8,), device=self.dev)] *= 10  # a few outlier channels
-            x8, sx = quantize_per_token(x)
-            sx = sx[:, 0].contiguous()
-            rowsum = x8.sum(dim=1, dtype=torch.int32)
-            x16 = x.half()
+            acts = [self.act_set(m, k) for _ in range(ROTATE)]
             row = {"N": n, "K": k, "M": m, "flop": 2 * m * n * k, "impl": {}}
-            for kind, p in weights.items():
-                ref = refs[kind](x)
+            for kind in ("w4g128p", "w4chn"):
+                ref = refs[kind](acts[0]["x"])
                 for v in gemm.variants_for(kind):
-                    if pattern and not pattern.search(v.name):
+                    if (pattern and not pattern.search(v.name)) or not v.can_implement(m, n, k, kind)[0]:
                         continue
-                    ok, reason = v.can_implement(m, n, k, kind)
-                    if not ok:
-                        continue
-                    row["impl"][v.name] = self.run_variant(gemm, v, x8, sx, p, rowsum if kind == "w4chn" else None,
-                                                           ref, gemm_bytes(kind, m, n, k), row["flop"])
-            for name, (make, byte_kind) in base.items():
+                    row["impl"][v.name] = self.run_variant(gemm, v, kind, ws, acts, ref,
+                                                           gemm_bytes(kind, m, n, k), row["flop"])
+                del ref
+            for name, byte_kind in byte_kinds.items():
                 entry = {}
                 try:
-                    fn = make(x, x16, x8)
-                    if fn is None:
+                    fns = [self.baseline_fn(name, w, a) for w, a in zip(ws, acts)]
+                    if fns[0] is None:
                         continue
-                    fn()
-                    t = self.time_ms(fn)
+                    t = self.time_calls(fns)
                     entry = {"us": t * 1e3, "tops": row["flop"] / t / 1e9,
                              "gbps": gemm_bytes(byte_kind, m, n, k) / t / 1e6}
                 except Exception as e:
@@ -217,34 +292,66 @@ class Bench:
             self.summarize(row)
             self.result["gemm"].append(row)
             self.write()
+            del acts
+            torch.cuda.empty_cache()
 
-    def run_variant(self, gemm, v, x8, sx, weight, rowsum, ref, nbytes: int, flop: int) -> dict:
+    def run_variant(self, gemm, v, kind: str, ws: list, acts: list, ref, nbytes: int, flop: int) -> dict:
         torch = self.torch
-        entry = {"split_k": gemm.split_factor(v, x8.shape[0], ref.shape[1], x8.shape[1], x8.device)}
+        m, k = acts[0]["x8"].shape
+        n = ref.shape[1]
+        entry = {"split_k": gemm.split_factor(v, m, n, k, self.dev)}
+
+        def calls(split=None):
+            outs = [torch.empty((m, n), dtype=torch.float16, device=self.dev) for _ in ws]
+            return [lambda w=w, a=a, o=o: gemm.w4a8_gemm(
+                a["x8"], a["sx"], w[kind], rowsum=a["rowsum"] if kind == "w4chn" else None,
+                variant=v.name, split_k=split, out=o) for w, a, o in zip(ws, acts, outs)]
+
         try:
-            out = torch.full(ref.shape, float("nan"), dtype=torch.float16, device=self.dev)
-            gemm.w4a8_gemm(x8, sx, weight, rowsum=rowsum, variant=v.name, out=out)
+            out = torch.full((m, n), float("nan"), dtype=torch.float16, device=self.dev)
+            a = acts[0]
+            gemm.w4a8_gemm(a["x8"], a["sx"], ws[0][kind], rowsum=a["rowsum"] if kind == "w4chn" else None,
+                           variant=v.name, out=out)
             torch.cuda.synchronize()
             err = (out.float() - ref).abs()
             entry["all_written"] = bool(torch.isfinite(out).all())
             entry["exact"] = bool(torch.equal(out.float(), ref))
             entry["max_rel_err"] = (err.max() / ref.abs().max()).item()
             entry["correct"] = entry["all_written"] and entry["max_rel_err"] <= 1e-3
-            t = self.time_ms(lambda: gemm.w4a8_gemm(x8, sx, weight, rowsum=rowsum, variant=v.name, out=out))
+            if not entry["exact"]:
+                entry["wrong_rows"] = (out.float() != ref).any(dim=1).nonzero()[:, 0].tolist()[:16]
+            del out, err
+            t = self.time_calls(calls())
             entry.update(us=t * 1e3, tops=flop / t / 1e9, gbps=nbytes / t / 1e6)
-            m, groups = x8.shape[0], x8.shape[1] // 128
             if v.split_k and m <= self.args.sweep_max_m:
                 # The split factor is a heuristic; record what the others would have given.
                 entry["split_sweep_us"] = {}
-                for split in (1, 2, 3, 4, 6, 8, 12, 16):
-                    if split <= groups and split != entry["split_k"]:
-                        gemm.w4a8_gemm(x8, sx, weight, rowsum=rowsum, variant=v.name, split_k=split, out=out)
-                        entry["split_sweep_us"][split] = 1e3 * self.time_ms(
-                            lambda: gemm.w4a8_gemm(x8, sx, weight, rowsum=rowsum, variant=v.name, split_k=split, out=out))
+                for split in (1, 2, 4, 8, 16):
+                    if split <= k // 128 and split != entry["split_k"]:
+                        entry["split_sweep_us"][split] = 1e3 * self.time_calls(calls(split))
         except Exception as e:
             entry["error"] = f"{type(e).__name__}: {e}"[:800]
             traceback.print_exc(limit=1)
         return entry
+
+    def kernel_resources(self) -> None:
+        """Registers, spills and shared memory of every compiled kernel (Triton's JIT cache)."""
+        from services.worker.kernels import act_quant, w4a8_gemm
+
+        rows = []
+        for fn in (w4a8_gemm._w4a8_g128_kernel, w4a8_gemm._w4a8_channel_kernel, act_quant._act_quant_kernel):
+            try:
+                for cache in getattr(fn, "device_caches", {}).values():
+                    kernels = cache[0] if isinstance(cache, tuple) else cache
+                    for key, kern in kernels.items():
+                        md = kern.metadata
+                        rows.append({"kernel": fn.__name__, "key": str(key)[-400:], "n_regs": kern.n_regs,
+                                     "n_spills": kern.n_spills, "shared": getattr(md, "shared", None),
+                                     "num_warps": getattr(md, "num_warps", None),
+                                     "num_stages": getattr(md, "num_stages", None)})
+            except Exception as e:
+                rows.append({"kernel": fn.__name__, "error": f"{type(e).__name__}: {e}"[:300]})
+        self.result["kernel_resources"] = rows
 
     def summarize(self, row: dict) -> None:
         impl = row["impl"]
@@ -294,9 +401,11 @@ def main() -> None:
     p.add_argument("--rep", type=int, default=25, help="do_bench repetition, ms")
     p.add_argument("--skip-act-quant", action="store_true")
     p.add_argument("--sweep-max-m", type=int, default=64, help="time every split-K factor up to this M")
+    p.add_argument("--sweep-shape", default="1008x1152", help="N x K of the correctness sweep (no tile multiples)")
     args = p.parse_args()
     args.ms = [int(m) for m in args.ms.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    args.sweep_shape = tuple(int(v) for v in args.sweep_shape.split("x"))
 
     import torch
 
@@ -306,10 +415,13 @@ def main() -> None:
     bench = Bench(args)
     print(json.dumps(bench.result["machine"]), flush=True)
     start = time.time()
+    bench.warm_gpu()
+    bench.correctness_sweep()
     if not args.skip_act_quant:
         bench.act_quant()
     for n, k in shapes:
         bench.shape(n, k)
+    bench.kernel_resources()
     bench.result["seconds"] = time.time() - start
     bench.write()
     met = sum(c["met"] for c in bench.result["checks"])

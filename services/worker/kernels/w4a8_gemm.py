@@ -96,7 +96,8 @@ def _split_nibbles(packed, OP_DTYPE: tl.constexpr, FAST_UNPACK: tl.constexpr):
     return lo.to(OP_DTYPE), hi.to(OP_DTYPE)
 
 
-@triton.jit
+# M and the split sizes change with every batch; specializing on them (== 1, % 16) would only recompile.
+@triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT", "SPLIT_K"])
 def _w4a8_g128_kernel(
     # pointers
     x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_ptr, count_ptr,
@@ -126,7 +127,7 @@ def _w4a8_g128_kernel(
     s2_ptrs = s2_ptr + rn * stride_sn + g_start * stride_sg  # (BN,) u8
     z_ptrs = zero_ptr + rn * stride_sn + g_start * stride_sg
     if DOT_FP16:
-        acc_f = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x-major: mma.sync, both operands in registers
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     s2 = tl.load(s2_ptrs)
     z = tl.load(z_ptrs)
@@ -144,20 +145,20 @@ def _w4a8_g128_kernel(
             # (q - z) * s2 is an integer in [-240, 240]: exact in fp16, and so are the x8 codes.
             zf = z.to(tl.float16)[:, None]
             sf = s2.to(tl.float16)[:, None]
-            acc_f = tl.dot((q_lo - zf) * sf, x_lo.to(tl.float16), acc_f)
-            acc_f = tl.dot((q_hi - zf) * sf, x_hi.to(tl.float16), acc_f)
+            acc_f = tl.dot(tl.trans(x_lo.to(tl.float16)), tl.trans((q_lo - zf) * sf), acc_f)
+            acc_f = tl.dot(tl.trans(x_hi.to(tl.float16)), tl.trans((q_hi - zf) * sf), acc_f)
         elif ZERO_AFTER_DOT:
             # MMA on the raw codes; sum x * (q - z) * s2 = s2 * (sum x * q - z * sum x), per group.
             part = tl.dot(q_lo, x_lo, out_dtype=tl.int32)
-            part = tl.dot(q_hi, x_hi, part)
+            part = tl.dot(q_hi, x_hi, part, out_dtype=tl.int32)
             x_sum = tl.sum(x_lo.to(tl.int32), axis=0) + tl.sum(x_hi.to(tl.int32), axis=0)  # (BM,)
             acc += (part - z.to(tl.int32)[:, None] * x_sum[None, :]) * s2.to(tl.int32)[:, None]
         else:
             # int8 arithmetic wraps, but the true (q - z) * s2 lies in [-128, 127] (protective range).
             zi = z.to(tl.int8)[:, None]
             si = s2.to(tl.int8)[:, None]
-            acc = tl.dot((q_lo - zi) * si, x_lo, acc)
-            acc = tl.dot((q_hi - zi) * si, x_hi, acc)
+            acc = tl.dot((q_lo - zi) * si, x_lo, acc, out_dtype=tl.int32)
+            acc = tl.dot((q_hi - zi) * si, x_hi, acc, out_dtype=tl.int32)
         w_ptrs += HALF_K * stride_qk
         x_ptrs += 2 * HALF_K * stride_xk
         s2_ptrs += stride_sg
@@ -165,7 +166,7 @@ def _w4a8_g128_kernel(
         s2 = s2_next
         z = z_next
     if DOT_FP16:
-        acc = acc_f.to(tl.int32)  # integer-valued: fp32 holds these sums exactly below 2^24
+        acc = tl.trans(acc_f).to(tl.int32)  # integer-valued: fp32 holds these sums exactly below 2^24
     if USE_SPLIT:
         is_last, acc = _split_k_reduce(acc, ws_ptr, count_ptr, offs_n, offs_m, M, N, SPLIT_K)
     else:
@@ -178,7 +179,7 @@ def _w4a8_g128_kernel(
         tl.store(out_ptrs, y.to(tl.float16), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT", "SPLIT_K"])
 def _w4a8_channel_kernel(
     # pointers
     x_ptr, sx_ptr, rowsum_ptr, qw_ptr, scale_ptr, zero_ptr, out_ptr, ws_ptr, count_ptr,
@@ -209,7 +210,7 @@ def _w4a8_channel_kernel(
     w_ptrs = qw_ptr + rn[:, None] * stride_qn + (g_start * HALF_K + offs_h)[None, :] * stride_qk
     x_ptrs = x_ptr + rm[None, :] * stride_xm + (g_start * 2 * HALF_K + offs_h)[:, None] * stride_xk
     if DOT_FP16:
-        acc_f = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x-major: mma.sync, both operands in registers
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     x_sum = tl.zeros((BLOCK_M,), dtype=tl.int32)
     for _ in range(g_start, g_end):
@@ -218,17 +219,17 @@ def _w4a8_channel_kernel(
         x_hi = tl.load(x_ptrs + HALF_K * stride_xk)
         q_lo, q_hi = _split_nibbles(packed, OP_DTYPE, FAST_UNPACK)
         if DOT_FP16:
-            acc_f = tl.dot(q_lo, x_lo.to(tl.float16), acc_f)
-            acc_f = tl.dot(q_hi, x_hi.to(tl.float16), acc_f)
+            acc_f = tl.dot(tl.trans(x_lo.to(tl.float16)), tl.trans(q_lo), acc_f)
+            acc_f = tl.dot(tl.trans(x_hi.to(tl.float16)), tl.trans(q_hi), acc_f)
         else:
-            acc = tl.dot(q_lo, x_lo, acc)
-            acc = tl.dot(q_hi, x_hi, acc)
+            acc = tl.dot(q_lo, x_lo, acc, out_dtype=tl.int32)
+            acc = tl.dot(q_hi, x_hi, acc, out_dtype=tl.int32)
         if not HAS_ROWSUM:
             x_sum += tl.sum(x_lo.to(tl.int32), axis=0) + tl.sum(x_hi.to(tl.int32), axis=0)
         w_ptrs += HALF_K * stride_qk
         x_ptrs += 2 * HALF_K * stride_xk
     if DOT_FP16:
-        acc = acc_f.to(tl.int32)
+        acc = tl.trans(acc_f).to(tl.int32)
     zero = tl.load(zero_ptr + rn).to(tl.float32)  # (BN,) integers in [0, 15]
     if not HAS_ROWSUM:
         acc -= zero.to(tl.int32)[:, None] * x_sum[None, :]
