@@ -35,6 +35,7 @@ class QuantizerConfig:
     workers: int = 1  # jobs that run at once
     max_queued: int = 16  # jobs waiting for a worker before Publish answers RESOURCE_EXHAUSTED
     device: str = "cpu"  # torch device for quantization and eval: cpu, cuda, or auto
+    torch_threads: int = 0  # CPU threads torch uses; 0 = torch's default (one per core)
     heartbeat_s: float = 10.0  # how often this process marks its jobs alive and sweeps orphans
     orphan_after_s: float = 60.0  # another owner's job with no heartbeat for this long is failed
     grace_s: float = 10.0  # graceful stop: in-flight rpcs get this long, running jobs are cancelled
@@ -50,6 +51,8 @@ class QuantizerConfig:
         if not (isinstance(self.default_budget, (int, float)) and math.isfinite(self.default_budget)
                 and self.default_budget >= 0):
             raise ConfigError(f"default budget {self.default_budget!r} must be a finite number >= 0 (0.05 = 5%)")
+        if self.torch_threads < 0:
+            raise ConfigError(f"torch_threads={self.torch_threads} must be >= 0 (0 = torch's default)")
         for name in ("workers", "max_queued"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
@@ -87,6 +90,7 @@ class QuantizerConfig:
             workers=args.workers,
             max_queued=args.max_queued,
             device=args.device,
+            torch_threads=args.torch_threads,
             heartbeat_s=args.heartbeat_s,
             orphan_after_s=args.orphan_after_s,
             grace_s=args.grace_s,
@@ -114,6 +118,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, help="jobs that run at once")
     p.add_argument("--max-queued", type=int, default=16, help="queued jobs before Publish answers RESOURCE_EXHAUSTED")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N or auto")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="CPU threads for torch (0 = one per core; 1 on a host shared with other heavy work)")
     p.add_argument("--heartbeat-s", type=float, default=10.0)
     p.add_argument("--orphan-after-s", type=float, default=60.0,
                    help="fail another owner's job after this long without a heartbeat (0 with a single quantizer)")

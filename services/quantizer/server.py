@@ -13,10 +13,12 @@ import asyncio
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
+import torch
 from sqlalchemy.exc import SQLAlchemyError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -60,6 +62,8 @@ class RunningQuantizer:
 
 async def start(config: QuantizerConfig) -> RunningQuantizer:
     """Opens the registry and the store, fails orphaned jobs, and starts serving on config.listen."""
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
     registry = await asyncio.to_thread(create_registry, config.registry_url)
     try:
         store = await asyncio.to_thread(open_store, config.store, create=config.create_bucket)
@@ -97,6 +101,36 @@ async def serve(config: QuantizerConfig) -> None:
     await stop.wait()
     log.info("stopping (grace %.0f s)", config.grace_s)
     await running.stop()
+
+
+class BackgroundQuantizer:
+    """A quantizer on its own event loop in a daemon thread, for embedding (`qctl up`, tests):
+    BackgroundQuantizer(config).address ... .stop()."""
+
+    def __init__(self, config: QuantizerConfig, timeout_s: float = 120.0):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="quantizer-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.running = self._call(start(config), timeout_s)
+        except BaseException:
+            self._close()
+            raise
+        self.address = self.running.address
+
+    def stop(self, grace_s: float | None = None, timeout_s: float = 300.0) -> None:
+        try:
+            self._call(self.running.stop(grace_s), timeout_s)
+        finally:
+            self._close()
+
+    def _call(self, coro, timeout_s: float):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def _close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,187 @@
+"""Publishing through the service: job, registry record, S3 objects, progress, dedupe, the accuracy gate."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from shared.formats.artifact import ArtifactReader
+from shared.registry import ArtifactState, JobState, get_artifact, get_job, list_artifacts
+from shared.rpc.qserve.v1 import common_pb2, quantizer_pb2
+from shared.storage import StorageConfig, open_store
+
+Q = quantizer_pb2
+STAGE_ORDER = ["JOB_STAGE_LOAD", "JOB_STAGE_CALIBRATE", "JOB_STAGE_QUANTIZE", "JOB_STAGE_PACK",
+               "JOB_STAGE_EVAL", "JOB_STAGE_UPLOAD", "JOB_STAGE_REGISTER"]
+
+
+def _upload_folder(moto, bucket: str, prefix: str, folder: Path) -> str:
+    client = moto.client()
+    client.create_bucket(Bucket=bucket)
+    for path in sorted(folder.iterdir()):
+        client.upload_file(str(path), bucket, f"{prefix}/{path.name}")
+    return f"s3://{bucket}/{prefix}"
+
+
+def _stages(updates) -> list[str]:
+    seen = []
+    for update in updates:
+        name = Q.JobStage.Name(update.job.stage)
+        if update.job.stage and (not seen or seen[-1] != name):
+            seen.append(name)
+    return seen
+
+
+def test_publish_from_s3_end_to_end(moto, bucket_store, start_quantizer, registry_url, open_registry,
+                                    small_model, request_for, tmp_path):
+    source = _upload_folder(moto, "checkpoints", "llamas/rand", small_model)
+    quantizer = start_quantizer(bucket_store, registry_url)
+    job, updates = quantizer.publish(request_for(source, version_label="v1"))
+
+    assert Q.JobState.Name(job.state) == "JOB_STATE_SUCCEEDED", job.error
+    artifact = job.artifact
+    assert artifact.state == common_pb2.ARTIFACT_STATE_READY
+    evaluation = artifact.evaluation
+    assert evaluation.perplexity_fp16 > 1 and evaluation.perplexity_quantized > 1
+    assert (evaluation.seq_len, evaluation.num_windows, evaluation.max_relative_increase) == (64, 2, 0.05)
+    assert evaluation.data_name == "eval-small"
+    assert job.request.source == source and job.request.max_relative_perplexity_increase == 0.05
+
+    # WatchJob: the snapshot first, every stage in order, block i of n while quantizing, the end last.
+    assert updates[0].job.job_id == job.job_id
+    assert _stages(updates) == STAGE_ORDER
+    blocks = [(u.job.block_index, u.job.block_count) for u in updates if u.job.stage == Q.JOB_STAGE_QUANTIZE]
+    assert (1, 2) in blocks and (2, 2) in blocks
+    assert all(u.job.state != Q.JOB_STATE_SUCCEEDED for u in updates[:-1])
+    assert any(u.job.HasField("estimated_remaining") for u in updates if u.job.stage == Q.JOB_STAGE_QUANTIZE)
+
+    # The registry: READY with its perplexity pair, the job SUCCEEDED, the version labelled.
+    registry = open_registry(registry_url)
+    with registry.sessions() as session:
+        row = get_artifact(session, artifact.artifact_id)
+        assert row.state == ArtifactState.READY
+        assert (row.ppl_fp16, row.ppl_quant) == (evaluation.perplexity_fp16, evaluation.perplexity_quantized)
+        assert row.model_version.label == "v1" and len(row.content_digest) == 64
+        assert get_job(session, job.job_id).state == JobState.SUCCEEDED
+    version = row.model_version.content_hash
+
+    # S3: every object under <model>/<model_version>/<format>/<gpu>/<artifact_id>/, nothing staged.
+    prefix = f"rand/{version}/w4a8kv4-g128/cpu/{artifact.artifact_id}/"
+    assert artifact.object_key_prefix == prefix
+    keys = moto.keys(bucket_store.bucket)
+    assert keys and all(key.startswith(prefix) for key in keys)
+    assert {prefix + "manifest.json", prefix + "weights/block_001.safetensors"} <= set(keys)
+
+    # What a worker downloads verifies, and its manifest names the artifact and its evaluation.
+    folder = tmp_path / "downloaded"
+    open_store(bucket_store).download_folder(prefix, folder)
+    manifest = ArtifactReader(folder).manifest  # checks every file's sha256
+    assert (manifest.artifact_id, manifest.model_name, manifest.model_version) == (artifact.artifact_id, "rand", version)
+    assert manifest.evaluation.ppl_quantized == evaluation.perplexity_quantized
+    assert (manifest.evaluation.seq_len, manifest.evaluation.windows) == (64, 2)
+    assert artifact.size_bytes == sum(f.size for f in manifest.files) + (folder / "manifest.json").stat().st_size
+
+    # The read API agrees.
+    got = quantizer.stub.GetArtifact(Q.GetArtifactRequest(artifact_id=artifact.artifact_id))
+    assert got.state == common_pb2.ARTIFACT_STATE_READY and got.evaluation.num_windows == 2
+    listed = quantizer.stub.ListArtifacts(Q.ListArtifactsRequest(model_name="rand", state=common_pb2.ARTIFACT_STATE_READY))
+    assert [a.artifact_id for a in listed.artifacts] == [artifact.artifact_id]
+    assert not quantizer.stub.ListArtifacts(Q.ListArtifactsRequest(gpu_target="sm90")).artifacts
+    models = quantizer.stub.ListModels(Q.ListModelsRequest()).models
+    assert [(m.model_name, [(v.model_version, v.version_label) for v in m.versions]) for m in models] == [
+        ("rand", [(version, "v1")])
+    ]
+    assert [a.artifact_id for a in models[0].versions[0].artifacts] == [artifact.artifact_id]
+    final = quantizer.stub.GetJob(Q.GetJobRequest(job_id=job.job_id))
+    assert final.state == Q.JOB_STATE_SUCCEEDED and final.elapsed.ToTimedelta().total_seconds() > 0
+
+
+def test_identical_content_is_stored_once(moto, bucket_store, start_quantizer, registry_url, small_model, request_for):
+    quantizer = start_quantizer(bucket_store, registry_url)
+    first, _ = quantizer.publish(request_for(small_model, model_name="rand"))
+    keys = moto.keys(bucket_store.bucket)
+
+    again, updates = quantizer.publish(request_for(small_model, model_name="rand"))  # the same binding
+    assert again.state == Q.JOB_STATE_SUCCEEDED and again.artifact.artifact_id == first.artifact.artifact_id
+    assert "already published" in updates[-2].message
+    assert _stages(updates)[-1] == "JOB_STAGE_REGISTER" and "JOB_STAGE_QUANTIZE" not in _stages(updates)
+
+    twin, updates = quantizer.publish(request_for(small_model, model_name="rand-twin"))  # same bytes, another name
+    assert twin.state == Q.JOB_STATE_SUCCEEDED, twin.error
+    assert twin.artifact.artifact_id != first.artifact.artifact_id
+    assert twin.artifact.object_key_prefix == first.artifact.object_key_prefix
+    assert any("reusing" in u.message for u in updates)
+    assert moto.keys(bucket_store.bucket) == keys
+
+
+def test_two_publishes_of_one_binding_at_once_make_one_artifact(moto, bucket_store, start_quantizer, any_registry_url,
+                                                                open_registry, small_model, request_for):
+    quantizer = start_quantizer(bucket_store, any_registry_url, workers=2)
+    request = request_for(small_model)
+    jobs = [quantizer.stub.Publish(request), quantizer.stub.Publish(request)]
+    finals: dict[str, Q.Job] = {}
+    messages: list[str] = []
+
+    def follow(job_id: str) -> None:
+        updates = quantizer.follow(job_id)
+        finals[job_id] = updates[-1].job
+        messages.extend(u.message for u in updates)
+
+    threads = [threading.Thread(target=follow, args=(job.job_id,)) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=240)
+
+    assert [finals[job.job_id].state for job in jobs] == [Q.JOB_STATE_SUCCEEDED] * 2, [f.error for f in finals.values()]
+    artifact_ids = {finals[job.job_id].artifact.artifact_id for job in jobs}
+    assert len(artifact_ids) == 1
+    assert any("is publishing the same binding: waiting for it" in m for m in messages)
+    with open_registry(any_registry_url).sessions() as session:
+        assert [a.id for a in list_artifacts(session)] == list(artifact_ids)
+    prefix = finals[jobs[0].job_id].artifact.object_key_prefix
+    assert all(key.startswith(prefix) for key in moto.keys(bucket_store.bucket))
+
+
+def test_accuracy_gate_fails_the_job_with_both_numbers(moto, bucket_store, start_quantizer, registry_url, open_registry,
+                                                       tiny_llama, request_for):
+    # A trained model always loses some accuracy to 4-bit weights: no increase at all is allowed here.
+    quantizer = start_quantizer(bucket_store, registry_url)
+    steps_off = Q.QoQOptions(smooth_attention=False, rotation=False, smoothing=False, reorder=False, clipping=False)
+    request = request_for(tiny_llama, model_name="tiny", qoq=steps_off, max_relative_perplexity_increase=0.0,
+                          calibration=Q.Calibration(data=request_for("x").calibration.data, num_samples=4, seq_len=128))
+    job, updates = quantizer.publish(request)
+
+    assert job.state == Q.JOB_STATE_FAILED
+    assert job.error.startswith("accuracy budget exceeded: quantized perplexity ")
+    assert "vs fp16 " in job.error and "above the budget of 0.00%" in job.error
+    assert job.artifact.state == common_pb2.ARTIFACT_STATE_FAILED and job.artifact.failure_reason == job.error
+    evaluation = job.artifact.evaluation
+    assert evaluation.perplexity_quantized > evaluation.perplexity_fp16 > 1
+    assert f"{evaluation.perplexity_quantized:.4f}" in job.error and f"{evaluation.perplexity_fp16:.4f}" in job.error
+    with open_registry(registry_url).sessions() as session:
+        assert [a.state for a in list_artifacts(session)] == [ArtifactState.FAILED]
+    assert moto.keys(bucket_store.bucket) == []
+    assert "JOB_STAGE_UPLOAD" not in _stages(updates)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "w8a8"])
+def test_other_formats_publish_to_their_own_binding(bucket_store, start_quantizer, registry_url, small_model,
+                                                    request_for, fmt):
+    quantizer = start_quantizer(bucket_store, registry_url)
+    job, _ = quantizer.publish(request_for(small_model, format=fmt, gpu_target="sm90"))
+    assert job.state == Q.JOB_STATE_SUCCEEDED, job.error
+    assert (job.artifact.format, job.artifact.gpu_target) == (fmt, "sm90")
+    assert f"/{fmt}/sm90/" in job.artifact.object_key_prefix
+    if fmt == "fp16":
+        assert job.artifact.evaluation.perplexity_quantized == job.artifact.evaluation.perplexity_fp16
+
+
+def test_local_folder_store(tmp_path, start_quantizer, registry_url, small_model, request_for):
+    quantizer = start_quantizer(StorageConfig(kind="local", root=tmp_path / "objects"), registry_url, create_bucket=True)
+    job, _ = quantizer.publish(request_for(small_model))
+    assert job.state == Q.JOB_STATE_SUCCEEDED, job.error
+    assert (tmp_path / "objects" / job.artifact.object_key_prefix / "manifest.json").is_file()
+
