@@ -225,16 +225,16 @@ class Pipeline:
 
     def _upload(self, artifact_dir: Path, digest: str) -> tuple[str | None, str]:
         """-> (id of the READY artifact whose identical objects are reused, or None; manifest sha256)."""
+        store, prefix = self.services.store, self.claim.object_prefix
+        self.reporter.progress(Stage.UPLOAD, message=f"publishing to {store.uri(prefix)}")
         with self.services.registry.sessions() as session:
             twin = find_ready_by_digest(session, digest)
         if twin is not None:
             self.reporter.progress(Stage.UPLOAD, message=f"identical content is stored as artifact {twin.id}: "
                                                           f"reusing {twin.object_prefix}")
             return twin.id, twin.manifest_sha256
-        store, prefix = self.services.store, self.claim.object_prefix
         if store.list(prefix):  # an earlier attempt of this (never READY) artifact died mid-publish
             store.delete_prefix(prefix)
-        self.reporter.progress(Stage.UPLOAD, message=f"publishing to {store.uri(prefix)}")
         objects = store.publish_folder(
             artifact_dir, prefix,
             progress=lambda info: self.reporter.progress(

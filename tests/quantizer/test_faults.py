@@ -1,0 +1,163 @@
+"""Faults: S3 going away mid-upload, a killed quantizer, broken checkpoints, missing buckets, stopping."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import timedelta
+
+import pytest
+
+from shared.model.checkpoint import HfCheckpoint
+from shared.registry import (
+    ArtifactState,
+    JobState,
+    create_job,
+    get_artifact,
+    get_job,
+    heartbeat,
+    list_artifacts,
+    register_model_version,
+    reserve_artifact,
+    start_job,
+)
+from shared.registry.models import utcnow
+from shared.rpc.qserve.v1 import common_pb2, quantizer_pb2
+from shared.storage import StorageError, open_store
+from shared.storage.s3 import S3Store
+from tests.quantizer.conftest import Quantizer, s3_config
+
+Q = quantizer_pb2
+
+
+def test_s3_stopping_mid_upload_fails_the_job_and_a_retry_succeeds(own_moto, start_quantizer, registry_url,
+                                                                   open_registry, small_model, request_for,
+                                                                   monkeypatch):
+    server = own_moto()
+    store = s3_config(server.endpoint)
+    open_store(store, create=True)
+    quantizer = start_quantizer(store, registry_url)
+    uploaded = []
+    put_file = S3Store.put_file
+
+    def put_then_stop_the_server(self, local_path, key):
+        info = put_file(self, local_path, key)
+        uploaded.append(key)
+        if len(uploaded) == 2:
+            server.stop()
+        return info
+
+    monkeypatch.setattr(S3Store, "put_file", put_then_stop_the_server)
+    job, _ = quantizer.publish(request_for(small_model))
+    monkeypatch.undo()
+
+    assert job.state == Q.JOB_STATE_FAILED
+    assert job.error.startswith("upload failed: publish of ")
+    assert f"cannot reach S3 endpoint {server.endpoint}" in job.error
+    assert job.artifact.state == common_pb2.ARTIFACT_STATE_FAILED
+    with open_registry(registry_url).sessions() as session:
+        assert [a.state for a in list_artifacts(session)] == [ArtifactState.FAILED]
+
+    restarted = own_moto(server.port)  # moto keeps its state: what the stopped server held
+    left = restarted.keys(store.bucket)
+    assert left and all(key.startswith("_staging/") for key in left)  # nothing under the artifact's prefix
+    assert open_store(store).purge_staging(older_than_s=0) == len(left)
+    assert restarted.keys(store.bucket) == []
+
+    retry, _ = quantizer.publish(request_for(small_model))
+    assert retry.state == Q.JOB_STATE_SUCCEEDED, retry.error
+    assert retry.artifact.artifact_id == job.artifact.artifact_id  # the binding's artifact, retried
+    keys = restarted.keys(store.bucket)
+    assert keys and all(key.startswith(retry.artifact.object_key_prefix) for key in keys)
+
+
+def test_jobs_of_a_killed_quantizer_fail_when_the_service_starts(any_registry_url, open_registry, bucket_store,
+                                                                 start_quantizer, small_model, request_for):
+    registry = open_registry(any_registry_url)
+    dead, alive = "quantizer@gone:4242:deadbeef", "quantizer@other:7:cafe"
+    with registry.transaction() as session:
+        version = register_model_version(session, "rand", HfCheckpoint(small_model).content_hash())
+        artifact = reserve_artifact(session, version.id, "w4a8kv4-g128", "cpu").artifact
+        orphan = create_job(session, owner=dead, artifact_id=artifact.id)
+        start_job(session, orphan.id, owner=dead)
+        live = create_job(session, owner=alive)
+        start_job(session, live.id, owner=alive)
+        orphan_id, live_id, artifact_id = orphan.id, live.id, artifact.id
+    with registry.transaction() as session:
+        heartbeat(session, dead, now=utcnow() - timedelta(minutes=5))  # it died five minutes ago
+
+    quantizer = start_quantizer(bucket_store, any_registry_url)
+
+    failed = quantizer.stub.GetJob(Q.GetJobRequest(job_id=orphan_id))
+    assert failed.state == Q.JOB_STATE_FAILED
+    assert "stopped (killed or crashed)" in failed.error and dead in failed.error
+    assert failed.artifact.state == common_pb2.ARTIFACT_STATE_FAILED
+    with registry.sessions() as session:
+        assert get_job(session, live_id).state == JobState.RUNNING  # another quantizer that still heartbeats
+        assert get_artifact(session, artifact_id).state == ArtifactState.FAILED
+
+    job, _ = quantizer.publish(request_for(small_model))  # the binding can be published again
+    assert job.state == Q.JOB_STATE_SUCCEEDED, job.error
+    assert job.artifact.artifact_id == artifact_id
+
+
+def test_a_corrupt_checkpoint_fails_the_job_naming_the_file(bucket_store, start_quantizer, registry_url, small_model,
+                                                            request_for):
+    (small_model / "model.safetensors").write_bytes(b"\x00not a safetensors file" * 100)
+    quantizer = start_quantizer(bucket_store, registry_url)
+    job, _ = quantizer.publish(request_for(small_model))
+    assert job.state == Q.JOB_STATE_FAILED
+    assert job.error.startswith("load failed: ")
+    assert "model.safetensors is not a readable safetensors file" in job.error
+    assert not job.HasField("artifact")
+
+
+def test_a_checkpoint_missing_tensors_fails_the_job(bucket_store, start_quantizer, registry_url, small_model,
+                                                    request_for):
+    config = json.loads((small_model / "config.json").read_text())
+    config["num_hidden_layers"] = 3  # the weights hold 2
+    (small_model / "config.json").write_text(json.dumps(config))
+    quantizer = start_quantizer(bucket_store, registry_url)
+    job, _ = quantizer.publish(request_for(small_model))
+    assert job.state == Q.JOB_STATE_FAILED
+    assert "lacks tensors model.layers.2." in job.error
+
+
+def test_a_store_bucket_that_does_not_exist_stops_the_start(moto, registry_url, tmp_path):
+    from services.quantizer.config import QuantizerConfig
+
+    config = QuantizerConfig(registry_url=registry_url, store=s3_config(moto.endpoint, "no-such-bucket"),
+                             work_dir=tmp_path / "work", listen="127.0.0.1:0")
+    with pytest.raises(StorageError, match="bucket 'no-such-bucket' does not exist at endpoint"):
+        Quantizer(config)
+
+
+def test_a_source_or_store_bucket_that_does_not_exist_fails_the_job(moto, bucket_store, start_quantizer, registry_url,
+                                                                    small_model, request_for):
+    quantizer = start_quantizer(bucket_store, registry_url)
+    job, _ = quantizer.publish(request_for("s3://missing-checkpoints/llamas/rand"))
+    assert job.state == Q.JOB_STATE_FAILED
+    assert job.error.startswith("load failed: ") and "bucket 'missing-checkpoints' does not exist" in job.error
+
+    moto.client().delete_bucket(Bucket=bucket_store.bucket)
+    job, _ = quantizer.publish(request_for(small_model))
+    assert job.state == Q.JOB_STATE_FAILED
+    assert job.error.startswith("upload failed: ") and f"bucket {bucket_store.bucket!r} does not exist" in job.error
+    assert job.artifact.state == common_pb2.ARTIFACT_STATE_FAILED
+
+
+def test_stopping_the_quantizer_fails_its_jobs(bucket_store, start_quantizer, registry_url, open_registry,
+                                               small_model, request_for, tmp_path):
+    second = tmp_path / "second-llama"
+    shutil.copytree(small_model, second)
+    quantizer = start_quantizer(bucket_store, registry_url)
+    first = quantizer.stub.Publish(request_for(small_model))
+    queued = quantizer.stub.Publish(request_for(second, model_name="second"))
+    quantizer.stop()
+    with open_registry(registry_url).sessions() as session:
+        for job_id in (first.job_id, queued.job_id):
+            job = get_job(session, job_id)
+            assert job.state in (JobState.FAILED, JobState.SUCCEEDED)  # the first may finish before the stop
+        job = get_job(session, queued.job_id)
+        assert job.state == JobState.FAILED and "the quantizer stopped before the job ran" in job.error
+        assert all(a.state != ArtifactState.PENDING for a in list_artifacts(session))
