@@ -1,0 +1,50 @@
+"""`qctl ls`: models, their versions and every artifact of each, as a table."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from qctl.publish_cmd import QUANTIZER_OPTION, quantizer_stub, rpc_errors
+from shared.rpc.qserve.v1 import common_pb2, quantizer_pb2
+
+Q = quantizer_pb2
+STATE_STYLE = {"READY": "green", "PENDING": "yellow", "FAILED": "red"}
+
+
+@rpc_errors
+def ls(
+    quantizer: str = QUANTIZER_OPTION,
+    model: str = typer.Option("", "--model", help="only this model"),
+):
+    """List models, versions and artifacts (state, format, GPU, perplexity fp16 -> quantized)."""
+    channel, stub = quantizer_stub(quantizer)
+    with channel:
+        models = stub.ListModels(Q.ListModelsRequest(model_name=model)).models
+        artifacts = {a.artifact_id: a for a in stub.ListArtifacts(Q.ListArtifactsRequest(model_name=model)).artifacts}
+    console = Console()
+    if not models:
+        console.print("no models registered" + (f" under the name {model!r}" if model else ""))
+        return
+    table = Table("model", "version", "artifact", "state", "format", "gpu", "ppl fp16 -> quantized", "note")
+    for m in models:
+        for version in m.versions:
+            label = version.version_label
+            shown_version = f"{label} ({version.model_version[:12]})" if label != version.model_version[:12] else label
+            if not version.artifacts:
+                table.add_row(m.model_name, shown_version, "-", "", "", "", "", "")
+            for ref in version.artifacts:
+                info = artifacts.get(ref.artifact_id)
+                state = common_pb2.ArtifactState.Name(info.state).removeprefix("ARTIFACT_STATE_") if info else "?"
+                table.add_row(m.model_name, shown_version, ref.artifact_id,
+                              f"[{STATE_STYLE.get(state, 'white')}]{state}[/]", ref.format, ref.gpu_target,
+                              _perplexities(info), info.failure_reason if info else "")
+    console.print(table)
+
+
+def _perplexities(info: common_pb2.ArtifactInfo | None) -> str:
+    if info is None or not info.HasField("evaluation"):
+        return ""
+    e = info.evaluation
+    return f"{e.perplexity_fp16:.3f} -> {e.perplexity_quantized:.3f} ({e.perplexity_quantized / e.perplexity_fp16 - 1:+.2%})"

@@ -1,0 +1,134 @@
+"""`qctl publish`: ask the quantizer to publish a checkpoint, follow the job with a progress bar,
+print the artifact id (stdout: the id alone, so scripts can capture it)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from enum import Enum
+from pathlib import Path
+
+import grpc
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from shared.formats.manifest import GPU_TARGETS
+from shared.formats.spec import FORMATS
+from shared.rpc.qserve.v1 import quantizer_pb2, quantizer_pb2_grpc
+
+DEFAULT_QUANTIZER = "127.0.0.1:50061"
+QUANTIZER_OPTION = typer.Option(DEFAULT_QUANTIZER, "--quantizer", envvar="QSERVE_QUANTIZER",
+                                help="host:port of the quantizer service")
+FormatName = Enum("FormatName", {name: name for name in FORMATS}, type=str)
+GpuTarget = Enum("GpuTarget", {name: name for name in GPU_TARGETS}, type=str)
+Q = quantizer_pb2
+
+
+def rpc_errors(fn):
+    """gRPC failures as one line and exit code 2, naming the quantizer when it cannot be reached."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except grpc.RpcError as exc:
+            address = kwargs.get("quantizer", "")
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                print(f"error: cannot reach the quantizer at {address} ({exc.code().name}): {exc.details()}",
+                      file=sys.stderr)
+            else:
+                print(f"error: {exc.details()} ({exc.code().name})", file=sys.stderr)
+            raise typer.Exit(code=2) from None
+
+    return wrapper
+
+
+def quantizer_stub(address: str) -> tuple[grpc.Channel, quantizer_pb2_grpc.QuantizerStub]:
+    channel = grpc.insecure_channel(address)
+    return channel, quantizer_pb2_grpc.QuantizerStub(channel)
+
+
+def _location(value: str | None) -> str:
+    """A local path made absolute (the quantizer may run elsewhere in the file system); URIs as they are."""
+    if not value or "://" in value:
+        return value or ""
+    return str(Path(value).expanduser().resolve())
+
+
+@rpc_errors
+def publish(
+    source: str = typer.Option(..., "--source", help="checkpoint folder or s3://bucket/prefix"),
+    model_name: str = typer.Option(..., "--model-name", help="registry name: [a-z0-9._-], up to 64 characters"),
+    format: FormatName = typer.Option(..., "--format", help="artifact format"),
+    gpu_target: GpuTarget = typer.Option(..., "--gpu-target", help="GPU the artifact is bound to"),
+    quantizer: str = QUANTIZER_OPTION,
+    version_label: str = typer.Option("", "--version-label", help="human label of the model version"),
+    calib: str = typer.Option(None, "--calib", help="calibration text file or s3:// URI [default: the quantizer's]"),
+    calib_samples: int = typer.Option(0, help="calibration windows (0: the quantizer's default)"),
+    calib_seq_len: int = typer.Option(0, help="tokens per calibration window (0: the quantizer's default)"),
+    budget: float = typer.Option(None, "--budget",
+                                 help="largest accepted relative perplexity increase, e.g. 0.05 [default: the quantizer's]"),
+    eval_data: str = typer.Option(None, "--eval-data", help="eval text file or s3:// URI [default: the quantizer's]"),
+    eval_seq_len: int = typer.Option(0, help="eval window length (0: 512)"),
+    eval_max_windows: int = typer.Option(0, help="score at most this many eval windows (0: all)"),
+    smooth_attention: bool = typer.Option(None, "--smooth-attention/--no-smooth-attention", help="SmoothAttention"),
+    rotation: bool = typer.Option(None, "--rotation/--no-rotation", help="Hadamard rotation of block inputs"),
+    smoothing: bool = typer.Option(None, "--smoothing/--no-smoothing", help="smoothing of block outputs"),
+    reorder: bool = typer.Option(None, "--reorder/--no-reorder", help="activation-aware channel reordering"),
+    clipping: bool = typer.Option(None, "--clipping/--no-clipping", help="weight clip-ratio search"),
+):
+    """Publish a checkpoint as an evaluated artifact; prints its id. Exit 1 when the job fails."""
+    qoq = {name: value for name, value in (("smooth_attention", smooth_attention), ("rotation", rotation),
+                                            ("smoothing", smoothing), ("reorder", reorder), ("clipping", clipping))
+           if value is not None}
+    request = Q.PublishRequest(
+        source=_location(source), model_name=model_name, version_label=version_label, format=format.value,
+        gpu_target=gpu_target.value,
+        calibration=Q.Calibration(data=_location(calib), num_samples=calib_samples, seq_len=calib_seq_len),
+        qoq=Q.QoQOptions(**qoq),
+        eval=Q.EvalData(data=_location(eval_data), seq_len=eval_seq_len, max_windows=eval_max_windows),
+    )
+    if budget is not None:
+        request.max_relative_perplexity_increase = budget
+    console = Console(stderr=True)
+    channel, stub = quantizer_stub(quantizer)
+    with channel:
+        job = stub.Publish(request)
+        console.print(f"job {job.job_id} queued at {quantizer}")
+        job = _follow(stub, job.job_id, console)
+    if job.state != Q.JOB_STATE_SUCCEEDED:
+        print(f"error: job {job.job_id} failed: {job.error}", file=sys.stderr)
+        raise typer.Exit(code=1)
+    e = job.artifact.evaluation
+    console.print(
+        f"artifact {job.artifact.artifact_id} READY: {job.artifact.format} for {job.artifact.gpu_target}, "
+        f"perplexity {e.perplexity_quantized:.4f} vs fp16 {e.perplexity_fp16:.4f} on {e.data_name} "
+        f"({e.perplexity_quantized / e.perplexity_fp16 - 1:+.2%}); objects at {job.artifact.object_key_prefix}"
+    )
+    print(job.artifact.artifact_id)
+
+
+def _follow(stub: quantizer_pb2_grpc.QuantizerStub, job_id: str, console: Console) -> Q.Job:
+    """Shows stage and block i of n until the job ends; returns its last snapshot."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[note]}", style="dim"))
+    job, shown = None, ""
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("queued", total=None, note="")
+        for update in stub.WatchJob(Q.WatchJobRequest(job_id=job_id)):
+            job = update.job
+            stage = Q.JobStage.Name(job.stage).removeprefix("JOB_STAGE_").lower() if job.stage else "queued"
+            if job.block_count:
+                description = f"{stage} block {job.block_index}/{job.block_count}"
+                bar.update(task, description=description, completed=job.block_index - 1, total=job.block_count,
+                           note=update.message)
+            else:
+                description = stage
+                bar.update(task, description=stage, completed=0, total=None, note=update.message)
+            if description != shown:  # one line per stage and block, also in logs where no bar is drawn
+                bar.console.print(description, style="dim")
+                shown = description
+        if job is not None and job.state == Q.JOB_STATE_SUCCEEDED:
+            bar.update(task, description="published", completed=1, total=1, note="")
+    return job
