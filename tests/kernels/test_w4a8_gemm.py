@@ -79,9 +79,6 @@ def test_split_k_slices_sum_exactly(variant: gemm.GemmVariant):
     for split in (1, 2, 3, 5):
         y = gemm.w4a8_gemm(x8, sx, weight, variant=variant.name, split_k=split)
         _assert_matches(y, ref, variant)
-    # The last slice of every tile leaves the shared workspace zeroed for the next call.
-    ws, count = gemm.WORKSPACE.get(x8.device, 0, 0)
-    assert not ws.any() and not count.any()
 
 
 @pytest.mark.parametrize("variant", [v for v in gemm.VARIANTS if v.kind == "w4g128p"], ids=lambda v: v.name)

@@ -19,11 +19,16 @@ dimension (as small as 16) instead of wasting a 64-row M dimension.
 One K step is one 128-wide group: a (BLOCK_N, 64) tile of packed bytes is split into its low
 nibbles (k .. k+63) and high nibbles (k+64 .. k+127), and each half meets its own slice of x.
 
-Split-K (small M: the output tiles alone do not fill the GPU): each K slice adds its int32 partial
-into an L2-resident workspace with atomics, and the last slice to arrive (a per-tile counter)
-reads the sum, runs the epilogue and zeroes the workspace tile and counter for the next call.
-One launch, exact and deterministic (integer addition commutes). The workspace is per device
-and shared by every call: launches must be ordered (one stream), as a model forward is.
+Split-K (small M: the output tiles alone do not fill the GPU): each K slice writes its int32
+partial tile to a workspace (SPLIT, M, N) with plain stores, and a second small kernel sums the
+slices and runs the epilogue: exact and deterministic. (A one-launch version, atomics into the
+workspace and a per-tile arrival counter, gave wrong sums on an H200 under Triton 3.6.)
+The workspace is per device and shared by every call: launches must be ordered (one stream).
+
+Dequantization in registers uses Triton's integer ops in the interpreter; on the GPU the nibble
+split is two masks and a shift on 4 bytes at a time (inline PTX), and the `swar` variants also do
+(q - z) * s2 on 4 bytes per 32-bit register: one multiply (q * s2 <= 240 cannot carry into the
+next byte) and a carry-free bytewise subtraction of z * s2.
 """
 
 from __future__ import annotations
@@ -61,24 +66,36 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
 
 
 @triton.jit
-def _split_k_reduce(acc, ws_ptr, count_ptr, offs_n, offs_m, M, N, SPLIT_K):
-    """Add this K slice's int32 tile into the workspace; return (is_last_slice, full sum).
+def _store_partial(acc, ws_ptr, offs_n, offs_m, M, N):
+    """This K slice's int32 tile -> ws[pid_k] of a (SPLIT, M, N) workspace."""
+    ws_ptrs = ws_ptr + tl.program_id(1) * M * N + offs_m[None, :] * N + offs_n[:, None]  # (BLOCK_N, BLOCK_M)
+    tl.store(ws_ptrs, acc, mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
 
-    ws (M, N) int32 row-major, all zero between calls; count (tiles,) int32, all zero between calls.
-    """
-    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    ws_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]  # (BLOCK_N, BLOCK_M)
-    tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
-    # Every thread's partial is in L2 before one thread announces the slice (release).
-    tl.debug_barrier()
-    tile = tl.program_id(0)
-    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-    is_last = arrived == SPLIT_K - 1
-    if is_last:
-        acc = tl.load(ws_ptrs, mask=mask, other=0, cache_modifier=".cg")
-        tl.store(ws_ptrs, tl.zeros_like(acc), mask=mask)
-        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed")
-    return is_last, acc
+
+@triton.jit
+def _split_k_epilogue_kernel(
+    # pointers
+    ws_ptr, sx_ptr, col_scale_ptr, zero_ptr, rowsum_ptr, out_ptr,
+    # sizes
+    M, N, SPLIT_K,
+    # strides
+    stride_om, stride_on,
+    # meta
+    HAS_ROWSUM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """out[m, n] = (sum_s ws[s, m, n] [- rowsum[m] * zero[n]]) * sx[m] * col_scale[n], flat over M * N."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    m = offs // N
+    n = offs % N
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for k in range(SPLIT_K):
+        acc += tl.load(ws_ptr + k * M * N + offs, mask=mask, other=0)
+    y = acc.to(tl.float32)
+    if HAS_ROWSUM:
+        y = y - tl.load(rowsum_ptr + m, mask=mask, other=0).to(tl.float32) * tl.load(zero_ptr + n, mask=mask).to(tl.float32)
+    y = y * tl.load(sx_ptr + m, mask=mask) * tl.load(col_scale_ptr + n, mask=mask).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + n * stride_on, y.to(tl.float16), mask=mask)
 
 
 @triton.jit
@@ -96,18 +113,54 @@ def _split_nibbles(packed, OP_DTYPE: tl.constexpr, FAST_UNPACK: tl.constexpr):
     return lo.to(OP_DTYPE), hi.to(OP_DTYPE)
 
 
+@triton.jit
+def _dequant_swar(packed, s2, zs):
+    """(BLOCK_N, 64) packed bytes, s2 and zs = (z * s2) mod 256 per row -> int8 (q - z) * s2, both halves.
+
+    Four bytes of one row share a 32-bit register (the 4 consecutive K values of an int8 MMA
+    operand), so the row's s2 and zs are taken from byte 0 of their registers.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 s, y, yl, q, x, t, m;
+        and.b32 s, $3, 0xFF;
+        prmt.b32 y, $4, 0, 0x0000;
+        and.b32 yl, y, 0x7F7F7F7F;
+        and.b32 q, $2, 0x0F0F0F0F;
+        mul.lo.u32 x, q, s;
+        or.b32 t, x, 0x80808080;
+        sub.u32 t, t, yl;
+        xor.b32 m, x, y;
+        and.b32 m, m, 0x80808080;
+        xor.b32 m, m, 0x80808080;
+        xor.b32 $0, t, m;
+        shr.u32 q, $2, 4;
+        and.b32 q, q, 0x0F0F0F0F;
+        mul.lo.u32 x, q, s;
+        or.b32 t, x, 0x80808080;
+        sub.u32 t, t, yl;
+        xor.b32 m, x, y;
+        and.b32 m, m, 0x80808080;
+        xor.b32 m, m, 0x80808080;
+        xor.b32 $1, t, m;
+        }""",
+        constraints="=r,=r,r,r,r", args=[packed, s2, zs], dtype=(tl.int8, tl.int8), is_pure=True, pack=4,
+    )
+
+
 # M and the split sizes change with every batch; specializing on them (== 1, % 16) would only recompile.
-@triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT", "SPLIT_K"])
+@triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT"])
 def _w4a8_g128_kernel(
     # pointers
-    x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_ptr, count_ptr,
+    x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_ptr,
     # sizes
-    M, N, K, GROUPS_PER_SPLIT, SPLIT_K,
+    M, N, K, GROUPS_PER_SPLIT,
     # strides
     stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_om, stride_on,
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    ZERO_AFTER_DOT: tl.constexpr, DOT_FP16: tl.constexpr, USE_SPLIT: tl.constexpr, FAST_UNPACK: tl.constexpr,
+    ZERO_AFTER_DOT: tl.constexpr, DOT_FP16: tl.constexpr, SWAR: tl.constexpr, USE_SPLIT: tl.constexpr,
+    FAST_UNPACK: tl.constexpr,
 ):
     """acc (BLOCK_N, BLOCK_M) int32 = sum over groups of ((q - z) * s2) @ x8^T; fp16 out."""
     pid_n, pid_m = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -153,6 +206,11 @@ def _w4a8_g128_kernel(
             part = tl.dot(q_hi, x_hi, part, out_dtype=tl.int32)
             x_sum = tl.sum(x_lo.to(tl.int32), axis=0) + tl.sum(x_hi.to(tl.int32), axis=0)  # (BM,)
             acc += (part - z.to(tl.int32)[:, None] * x_sum[None, :]) * s2.to(tl.int32)[:, None]
+        elif SWAR and FAST_UNPACK:
+            zs = (z.to(tl.int32) * s2.to(tl.int32)).to(tl.uint8)
+            w_lo, w_hi = _dequant_swar(packed, s2[:, None], zs[:, None])
+            acc = tl.dot(w_lo, x_lo, acc, out_dtype=tl.int32)
+            acc = tl.dot(w_hi, x_hi, acc, out_dtype=tl.int32)
         else:
             # int8 arithmetic wraps, but the true (q - z) * s2 lies in [-128, 127] (protective range).
             zi = z.to(tl.int8)[:, None]
@@ -168,10 +226,8 @@ def _w4a8_g128_kernel(
     if DOT_FP16:
         acc = tl.trans(acc_f).to(tl.int32)  # integer-valued: fp32 holds these sums exactly below 2^24
     if USE_SPLIT:
-        is_last, acc = _split_k_reduce(acc, ws_ptr, count_ptr, offs_n, offs_m, M, N, SPLIT_K)
+        _store_partial(acc, ws_ptr, offs_n, offs_m, M, N)
     else:
-        is_last = True
-    if is_last:
         sx = tl.load(sx_ptr + rm)  # (BM,) fp32
         s1 = tl.load(s1_ptr + rn).to(tl.float32)  # (BN,)
         y = acc.to(tl.float32) * sx[None, :] * s1[:, None]
@@ -179,12 +235,12 @@ def _w4a8_g128_kernel(
         tl.store(out_ptrs, y.to(tl.float16), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
 
 
-@triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT", "SPLIT_K"])
+@triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT"])
 def _w4a8_channel_kernel(
     # pointers
-    x_ptr, sx_ptr, rowsum_ptr, qw_ptr, scale_ptr, zero_ptr, out_ptr, ws_ptr, count_ptr,
+    x_ptr, sx_ptr, rowsum_ptr, qw_ptr, scale_ptr, zero_ptr, out_ptr, ws_ptr,
     # sizes
-    M, N, K, GROUPS_PER_SPLIT, SPLIT_K,
+    M, N, K, GROUPS_PER_SPLIT,
     # strides
     stride_xm, stride_xk, stride_qn, stride_qk, stride_om, stride_on,
     # meta
@@ -234,10 +290,8 @@ def _w4a8_channel_kernel(
     if not HAS_ROWSUM:
         acc -= zero.to(tl.int32)[:, None] * x_sum[None, :]
     if USE_SPLIT:
-        is_last, acc = _split_k_reduce(acc, ws_ptr, count_ptr, offs_n, offs_m, M, N, SPLIT_K)
+        _store_partial(acc, ws_ptr, offs_n, offs_m, M, N)
     else:
-        is_last = True
-    if is_last:
         sx = tl.load(sx_ptr + rm)
         scale = tl.load(scale_ptr + rn).to(tl.float32)
         y = acc.to(tl.float32)
@@ -261,6 +315,7 @@ class GemmVariant:
     split_k: bool = False  # may split K over programs when the output tiles do not fill the GPU
     zero_after_dot: bool = False  # g128: MMA on raw codes, zero and s2 applied per group after it
     dot_fp16: bool = False  # dequantize to fp16 and use fp16 MMAs (meant for tiny M)
+    swar: bool = False  # g128 on the GPU: (q - z) * s2 on 4 bytes per register (see the module doc)
     max_m: int | None = None
     group_m: int = 8
 
@@ -285,14 +340,18 @@ def _v(name: str, kind: str, bn: int, bm: int, warps: int, stages: int, **kw) ->
 G128, CHN = KINDS
 VARIANTS: tuple[GemmVariant, ...] = (
     _v("g128.n64m16.sk", G128, 64, 16, 4, 4, split_k=True),
+    _v("g128.n64m16.sk.swar", G128, 64, 16, 4, 4, split_k=True, swar=True),
     _v("g128.n64m16.sk.zp", G128, 64, 16, 4, 4, split_k=True, zero_after_dot=True),
     _v("g128.n128m16.sk.zp", G128, 128, 16, 4, 4, split_k=True, zero_after_dot=True),
     _v("g128.n64m16.sk.f16", G128, 64, 16, 4, 4, split_k=True, dot_fp16=True, max_m=16),
     _v("g128.n128m64.sk", G128, 128, 64, 8, 3, split_k=True),
+    _v("g128.n128m64.sk.swar", G128, 128, 64, 8, 3, split_k=True, swar=True),
     _v("g128.n128m64.sk.zp", G128, 128, 64, 8, 3, split_k=True, zero_after_dot=True),
     _v("g128.n128m128", G128, 128, 128, 8, 3),
+    _v("g128.n128m128.swar", G128, 128, 128, 8, 3, swar=True),
     _v("g128.n128m128.zp", G128, 128, 128, 8, 3, zero_after_dot=True),
     _v("g128.n128m256", G128, 128, 256, 8, 3),
+    _v("g128.n128m256.swar", G128, 128, 256, 8, 3, swar=True),
     _v("g128.n256m128", G128, 256, 128, 8, 3),
     _v("chn.n64m16.sk", CHN, 64, 16, 4, 4, split_k=True),
     _v("chn.n128m16.sk", CHN, 128, 16, 4, 4, split_k=True),
@@ -317,33 +376,27 @@ def get_variant(name: str) -> GemmVariant:
 
 
 def default_variant_name(M: int, fmt: str) -> str:
-    """A safe choice by M alone, until an artifact's policy table names one per shape."""
-    prefix = "g128" if fmt == G128 else "chn"
-    if M <= 16:
-        return f"{prefix}.n64m16.sk"
-    if M <= 64:
-        return f"{prefix}.n128m64.sk"
-    return f"{prefix}.n128m128"
+    """A safe choice by M alone (the H200 bench's usual winners), until a policy table names one per shape."""
+    if fmt == G128:
+        return "g128.n128m16.sk.zp" if M <= 64 else "g128.n128m256"
+    return ("chn.n64m16.sk" if M <= 16 else "chn.n128m16.sk") if M <= 64 else "chn.n128m128"
 
 
 _logged_defaults: set[tuple[str, str]] = set()
 
 
 class _Workspace:
-    """Per-device split-K scratch, kept all-zero between launches by the kernels themselves."""
+    """Per-device int32 scratch for split-K partial tiles, grown on demand (never shrunk)."""
 
     def __init__(self):
-        self._by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._by_device: dict[torch.device, torch.Tensor] = {}
 
-    def get(self, device: torch.device, elements: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ws, count = self._by_device.get(device, (None, None))
-        if ws is None or ws.numel() < elements or count.numel() < tiles:
-            size = max(elements, 0 if ws is None else ws.numel())
-            ntiles = max(tiles, 0 if count is None else count.numel())
-            ws = torch.zeros(size, dtype=torch.int32, device=device)
-            count = torch.zeros(ntiles, dtype=torch.int32, device=device)
-            self._by_device[device] = (ws, count)
-        return ws, count
+    def get(self, device: torch.device, elements: int) -> torch.Tensor:
+        ws = self._by_device.get(device)
+        if ws is None or ws.numel() < elements:
+            ws = torch.empty(elements, dtype=torch.int32, device=device)
+            self._by_device[device] = ws
+        return ws
 
 
 WORKSPACE = _Workspace()
@@ -356,12 +409,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def split_factor(variant: GemmVariant, M: int, N: int, K: int, device: torch.device) -> int:
-    """How many K slices: enough programs for ~2 waves, each slice at least 4 groups."""
+    """How many K slices: about 3 programs per SM in all (H200 sweep), each slice >= 4 groups."""
     if not variant.split_k:
         return 1
     tiles = triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n)
     groups = K // GROUP_SIZE
-    want = triton.cdiv(2 * _num_sms(device), tiles)
+    want = (3 * _num_sms(device) + tiles // 2) // tiles
     return max(1, min(want, groups // 4))
 
 
@@ -381,17 +434,26 @@ def _check_common(x8: torch.Tensor, sx: torch.Tensor, N: int, K: int, out: torch
 
 
 def _launch_grid(variant: GemmVariant, M: int, N: int, K: int, split_k: int | None, device: torch.device):
+    """-> grid, groups per slice, slices, workspace (SPLIT * M * N int32, or a dummy when not split)."""
     split = split_factor(variant, M, N, K, device) if split_k is None else split_k
     groups = K // GROUP_SIZE
     assert 1 <= split <= groups, f"split_k={split} must be in [1, {groups}]"
     per_split = triton.cdiv(groups, split)
     split = triton.cdiv(groups, per_split)  # no empty slices
     tiles = triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n)
-    if split > 1:
-        ws, count = WORKSPACE.get(device, M * N, tiles)
-    else:
-        ws = count = torch.empty(1, dtype=torch.int32, device=device)  # unused
-    return (tiles, split), per_split, split, ws, count
+    ws = WORKSPACE.get(device, split * M * N if split > 1 else 1)
+    return (tiles, split), per_split, split, ws
+
+
+def _split_k_epilogue(ws, split, sx, col_scale, zero, rowsum, out) -> None:
+    M, N = out.shape
+    block = 1024
+    _split_k_epilogue_kernel[(triton.cdiv(M * N, block),)](
+        ws, sx, col_scale, zero, sx if rowsum is None else rowsum, out,
+        M, N, split,
+        out.stride(0), out.stride(1),
+        HAS_ROWSUM=rowsum is not None, BLOCK=block, num_warps=4,
+    )
 
 
 def w4a8_g128_gemm(
@@ -410,22 +472,24 @@ def w4a8_g128_gemm(
     M = x8.shape[0]
     ok, reason = variant.can_implement(M, N, K, weight.kind)
     assert ok, reason
-    assert qw.dtype == torch.uint8 and qw.stride(1) == 1, f"qweight: (N, K // 2) uint8 contiguous along K"
+    assert qw.dtype == torch.uint8 and qw.stride(1) == 1, "qweight: (N, K // 2) uint8 contiguous along K"
     assert s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride(), "s2 / zero: (N, G) alike"
     assert s1.shape == (N,) and s1.dtype == torch.float16 and s1.stride(0) == 1, "s1: (N,) fp16 contiguous"
     assert all(t.device == x8.device for t in (sx, qw, s2, zero, s1)), "all tensors on one device"
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
-    grid, per_split, split, ws, count = _launch_grid(variant, M, N, K, split_k, x8.device)
+    grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
     _w4a8_g128_kernel[grid](
-        x8, sx, qw, s2, zero, s1, out, ws, count,
-        M, N, K, per_split, split,
+        x8, sx, qw, s2, zero, s1, out, ws,
+        M, N, K, per_split,
         x8.stride(0), x8.stride(1), qw.stride(0), qw.stride(1), s2.stride(0), s2.stride(1),
         out.stride(0), out.stride(1),
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
-        ZERO_AFTER_DOT=variant.zero_after_dot, DOT_FP16=variant.dot_fp16, USE_SPLIT=split > 1,
-        FAST_UNPACK=x8.is_cuda, num_warps=variant.num_warps, num_stages=variant.num_stages,
+        ZERO_AFTER_DOT=variant.zero_after_dot, DOT_FP16=variant.dot_fp16, SWAR=variant.swar,
+        USE_SPLIT=split > 1, FAST_UNPACK=x8.is_cuda, num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
+    if split > 1:
+        _split_k_epilogue(ws, split, sx, s1, s1, None, out)
     return out
 
 
@@ -449,7 +513,7 @@ def w4a8_channel_gemm(
     M = x8.shape[0]
     ok, reason = variant.can_implement(M, N, K, weight.kind)
     assert ok, reason
-    assert qw.dtype == torch.uint8 and qw.stride(1) == 1, f"qweight: (N, K // 2) uint8 contiguous along K"
+    assert qw.dtype == torch.uint8 and qw.stride(1) == 1, "qweight: (N, K // 2) uint8 contiguous along K"
     assert scale.shape == zero.shape == (N,) and scale.dtype == zero.dtype == torch.float16, "scale / zero: (N,) fp16"
     assert scale.stride(0) == zero.stride(0) == 1, "scale / zero must be contiguous"
     if rowsum is not None:
@@ -459,15 +523,17 @@ def w4a8_channel_gemm(
     assert all(t.device == x8.device for t in (sx, qw, scale, zero)), "all tensors on one device"
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
-    grid, per_split, split, ws, count = _launch_grid(variant, M, N, K, split_k, x8.device)
+    grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
     _w4a8_channel_kernel[grid](
-        x8, sx, sx if rowsum is None else rowsum, qw, scale, zero, out, ws, count,
-        M, N, K, per_split, split,
+        x8, sx, sx if rowsum is None else rowsum, qw, scale, zero, out, ws,
+        M, N, K, per_split,
         x8.stride(0), x8.stride(1), qw.stride(0), qw.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
         HAS_ROWSUM=rowsum is not None, DOT_FP16=variant.dot_fp16, USE_SPLIT=split > 1,
         FAST_UNPACK=x8.is_cuda, num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
+    if split > 1:
+        _split_k_epilogue(ws, split, sx, scale, zero, rowsum, out)
     return out
 
 
