@@ -398,7 +398,7 @@ def main() -> None:
     p.add_argument("--ms", default=",".join(map(str, MS)))
     p.add_argument("--variants", default="", help="regular expression on variant names")
     p.add_argument("--warmup", type=int, default=5, help="do_bench warm-up, ms")
-    p.add_argument("--rep", type=int, default=25, help="do_bench repetition, ms")
+    p.add_argument("--rep", type=int, default=20, help="do_bench repetition, ms")
     p.add_argument("--skip-act-quant", action="store_true")
     p.add_argument("--sweep-max-m", type=int, default=64, help="time every split-K factor up to this M")
     p.add_argument("--sweep-shape", default="1008x1152", help="N x K of the correctness sweep (no tile multiples)")
