@@ -44,7 +44,6 @@ from shared.formats.weights import GROUP_SIZE, W4ChannelWeight, W4G128Progressiv
 
 log = logging.getLogger(__name__)
 
-HALF = GROUP_SIZE // 2  # packed bytes per row per K step
 # |x8 * w8| <= 127 * 128 per product: the int32 sum cannot overflow below this K.
 MAX_K = (2**31 - 1) // (127 * 128) // GROUP_SIZE * GROUP_SIZE
 KINDS = (W4G128ProgressiveWeight.kind, W4ChannelWeight.kind)
@@ -376,7 +375,7 @@ def get_variant(name: str) -> GemmVariant:
 
 
 def default_variant_name(M: int, fmt: str) -> str:
-    """A safe choice by M alone (the H200 bench's usual winners), until a policy table names one per shape."""
+    """A safe choice by M alone: the H200 bench's fastest variants that need no SWAR layout assumption."""
     if fmt == G128:
         return "g128.n128m16.sk.zp" if M <= 64 else "g128.n128m256"
     return ("chn.n64m16.sk" if M <= 16 else "chn.n128m16.sk") if M <= 64 else "chn.n128m128"
