@@ -17,7 +17,7 @@ from datetime import timedelta
 from services.quantizer.board import JobBoard, Update
 from services.quantizer.errors import AccuracyBudgetExceeded, JobCancelled, QueueFull
 from services.quantizer.pipeline import Pipeline, Services
-from services.quantizer.requests import PublishSpec
+from services.quantizer.publish_spec import PublishSpec
 from services.quantizer.views import ArtifactDetails, ArtifactView, JobView, Stage
 from shared.registry import (
     JobState,

@@ -25,7 +25,7 @@ from services.quantizer.evaluate import (
     checkpoint_perplexity,
     eval_windows,
 )
-from services.quantizer.requests import PublishSpec
+from services.quantizer.publish_spec import PublishSpec
 from services.quantizer.sources import local_file, local_folder
 from services.quantizer.views import ArtifactDetails, EvaluationView, Stage
 from shared.formats.artifact import sha256_file

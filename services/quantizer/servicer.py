@@ -13,7 +13,7 @@ from services.quantizer.board import Update
 from services.quantizer.catalog import ArtifactFilter, artifact_view, artifact_views, model_views
 from services.quantizer.errors import InvalidRequest, MissingInput, QueueFull
 from services.quantizer.jobs import JobRunner
-from services.quantizer.requests import PublishSpec
+from services.quantizer.publish_spec import PublishSpec
 from services.quantizer.views import JobView, artifact_state_from_pb
 from shared.registry import InvalidValue, NotFound
 from shared.rpc.qserve.v1 import common_pb2, quantizer_pb2, quantizer_pb2_grpc

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.quantizer.errors import MissingInput
-from services.quantizer.requests import is_s3
+from services.quantizer.publish_spec import is_s3
 from shared.storage import ObjectNotFound, StorageConfig, fetch_folder, open_store
 
 

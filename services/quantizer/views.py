@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from services.quantizer.requests import PublishSpec
+from services.quantizer.publish_spec import PublishSpec
 from shared.registry import Artifact, ArtifactState, JobState, QuantJob
 from shared.registry.models import utcnow
 from shared.rpc.qserve.v1 import common_pb2, quantizer_pb2
