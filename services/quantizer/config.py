@@ -36,6 +36,10 @@ class QuantizerConfig:
     max_queued: int = 16  # jobs waiting for a worker before Publish answers RESOURCE_EXHAUSTED
     device: str = "cpu"  # torch device for quantization and eval: cpu, cuda, or auto
     torch_threads: int = 0  # CPU threads torch uses; 0 = torch's default (one per core)
+    # Measure the fp16 perplexity on a second thread while quantizing: both models in memory at once.
+    # Pays on a CPU host run with torch_threads=1 (two single-threaded streams); with torch's default
+    # threads the two streams oversubscribe the cores.
+    overlap_eval: bool = False
     heartbeat_s: float = 10.0  # how often this process marks its jobs alive and sweeps orphans
     orphan_after_s: float = 60.0  # another owner's job with no heartbeat for this long is failed
     grace_s: float = 10.0  # graceful stop: in-flight rpcs get this long, running jobs are cancelled
@@ -91,6 +95,7 @@ class QuantizerConfig:
             max_queued=args.max_queued,
             device=args.device,
             torch_threads=args.torch_threads,
+            overlap_eval=args.overlap_eval,
             heartbeat_s=args.heartbeat_s,
             orphan_after_s=args.orphan_after_s,
             grace_s=args.grace_s,
@@ -120,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N or auto")
     p.add_argument("--torch-threads", type=int, default=0,
                    help="CPU threads for torch (0 = one per core; 1 on a host shared with other heavy work)")
+    p.add_argument("--overlap-eval", action=argparse.BooleanOptionalAction, default=False,
+                   help="measure the fp16 perplexity while quantizing (both models in memory; "
+                        "use with --torch-threads 1 on small CPU hosts)")
     p.add_argument("--heartbeat-s", type=float, default=10.0)
     p.add_argument("--orphan-after-s", type=float, default=60.0,
                    help="fail another owner's job after this long without a heartbeat (0 with a single quantizer)")

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from services.quantizer.board import JobBoard, Update
-from services.quantizer.errors import AccuracyBudgetExceeded, JobCancelled, QueueFull
+from services.quantizer.allocation import BindingFailed
+from services.quantizer.errors import AccuracyBudgetExceeded, JobCancelled, QuantizerError, QueueFull
 from services.quantizer.pipeline import Pipeline, Services
 from services.quantizer.publish_spec import PublishSpec
 from services.quantizer.views import ArtifactDetails, ArtifactView, JobView, Stage
@@ -38,7 +39,7 @@ from shared.storage import StorageError
 log = logging.getLogger(__name__)
 
 ORPHAN_REASON = "the quantizer running this job stopped (killed or crashed) before it ended"
-EXPECTED_ERRORS = (AccuracyBudgetExceeded, StorageError, RegistryError, ValueError, OSError, JobCancelled)
+EXPECTED_ERRORS = (QuantizerError, BindingFailed, StorageError, RegistryError, ValueError, OSError)
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class JobRunner:
         self.board = JobBoard()
         self.details: dict[str, ArtifactDetails] = {}  # artifact id -> size and full evaluation
         self._live: dict[str, _Live] = {}
+        self._unsettled: dict[str, tuple[Pipeline | None, str]] = {}  # failures the registry did not take yet
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="quantize")
@@ -72,7 +74,8 @@ class JobRunner:
 
     def stop(self) -> None:
         """Cancels queued jobs, makes running ones stop at their next progress report, fails them all."""
-        self._stopping.set()
+        with self._lock:  # no submit slips in between
+            self._stopping.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             left = [job_id for job_id in self._live]
@@ -120,10 +123,10 @@ class JobRunner:
                 view = self._view(session, job)
             self.board.post(Update(view, "started"))
             artifact_id = pipeline.run(lambda session, artifact_id: finish_job(session, job_id, artifact_id=artifact_id))
-            if pipeline.details is not None:
-                self.details[artifact_id] = pipeline.details
+            self._keep_details(pipeline)
             self._post_now(job_id, f"published artifact {artifact_id}")
         except Exception as exc:
+            self._keep_details(pipeline)
             if not isinstance(exc, EXPECTED_ERRORS):
                 log.exception("job %s failed unexpectedly", job_id)
             stage = live.stage.value if live.stage is not None else "start"
@@ -134,6 +137,10 @@ class JobRunner:
                 self._live.pop(job_id, None)
             shutil.rmtree(work_dir, ignore_errors=True)
 
+    def _keep_details(self, pipeline: Pipeline) -> None:
+        if pipeline.claim is not None and pipeline.details is not None:
+            self.details[pipeline.claim.artifact_id] = pipeline.details
+
     def _fail(self, job_id: str, pipeline: Pipeline | None, error: str) -> None:
         try:
             with self.services.registry.transaction() as session:
@@ -143,12 +150,14 @@ class JobRunner:
                 if job.state in (JobState.QUEUED, JobState.RUNNING):
                     fail_job(session, job_id, error)
                 view = self._view(session, job)
-        except Exception:  # the registry itself is failing: the orphan sweep settles the job later
-            log.exception("could not record the failure of job %s: %s", job_id, error)
+        except Exception as exc:  # the registry itself is failing: the heartbeat loop tries again
+            log.warning("could not record the failure of job %s (%s): %s", job_id, error, exc)
+            self._unsettled[job_id] = (pipeline, error)
             return
         finally:
             with self._lock:
                 self._live.pop(job_id, None)
+        self._unsettled.pop(job_id, None)
         self.board.post(Update(view, error))
 
     def _progress(self, job_id: str, stage: Stage, block_index: int, block_count: int,
@@ -179,6 +188,8 @@ class JobRunner:
                 with self.services.registry.transaction() as session:
                     heartbeat(session, self.config.owner)
                 self._sweep_orphans()
+                for job_id, (pipeline, error) in list(self._unsettled.items()):
+                    self._fail(job_id, pipeline, error)
             except Exception as exc:  # a registry outage must not kill the heartbeat thread
                 log.warning("heartbeat failed: %s", exc)
 

@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from services.quantizer.allocation import Binding, Claim, claim_binding
 from services.quantizer.config import QuantizerConfig
-from services.quantizer.errors import AccuracyBudgetExceeded
+from services.quantizer.errors import AccuracyBudgetExceeded, JobCancelled
 from services.quantizer.evaluate import (
     EvalWindows,
     Fp16PerplexityCache,
@@ -32,7 +33,6 @@ from shared.formats.artifact import sha256_file
 from shared.formats.manifest import MANIFEST_NAME, Evaluation, Manifest
 from shared.formats.spec import format_spec
 from shared.model.checkpoint import HfCheckpoint
-from shared.model.tokenizer import Tokenizer
 from shared.quant.quantize_model import QuantizeSettings, check_group_divisibility, quantize_checkpoint
 from shared.registry import ArtifactState, Registry, find_ready_by_digest, get_artifact, mark_artifact_failed, mark_artifact_ready
 from shared.storage import ObjectStore
@@ -84,7 +84,8 @@ class Pipeline:
         self.device = resolve_device(services.config.device)
         self.claim: Claim | None = None
         self.evaluation: EvaluationView | None = None
-        self.details: ArtifactDetails | None = None  # set once READY
+        self.details: ArtifactDetails | None = None  # set once evaluated; the size once uploaded
+        self._abandoned = False  # quantization failed: a side thread measuring fp16 stops
 
     @property
     def owned_artifact(self) -> str | None:
@@ -94,7 +95,7 @@ class Pipeline:
     def run(self, finish: Callable[[Session, str], None]) -> str:
         """Publishes; `finish(session, artifact_id)` runs in the transaction that marks the artifact READY."""
         registry = self.services.registry
-        folder, checkpoint, model_version = self._load()
+        folder, checkpoint, model_version, windows = self._load()
         self.claim = claim_binding(
             registry, self.job_id,
             Binding(self.spec.model_name, model_version, self.spec.version_label, self.spec.format, self.spec.gpu_target),
@@ -108,9 +109,8 @@ class Pipeline:
             with registry.transaction() as session:
                 finish(session, self.claim.artifact_id)
             return self.claim.artifact_id
-        artifact_dir = self._quantize(folder, checkpoint.config.num_layers)
-        windows = self._eval_windows(folder)
-        ppl_fp16, ppl_quantized = self._evaluate(checkpoint, model_version, artifact_dir, windows)
+        artifact_dir, ppl_fp16 = self._quantize_and_fp16_eval(folder, checkpoint, model_version, windows)
+        ppl_quantized = self._quantized_perplexity(artifact_dir, windows, ppl_fp16)
         self._gate(ppl_fp16, ppl_quantized, windows)
         manifest = self._write_manifest(artifact_dir, windows, ppl_fp16, ppl_quantized)
         digest = content_digest(manifest)
@@ -130,15 +130,15 @@ class Pipeline:
 
     # ---- stages ----
 
-    def _load(self) -> tuple[Path, HfCheckpoint, str]:
+    def _load(self) -> tuple[Path, HfCheckpoint, str, EvalWindows]:
         self.reporter.progress(Stage.LOAD, message=f"reading {self.spec.source}")
         folder = local_folder(self.spec.source, self.work_dir / "source", self.services.config.store)
         checkpoint = HfCheckpoint(folder)  # config.json, a Llama-family model, every tensor present
         check_group_divisibility(checkpoint.config, format_spec(self.spec.format))
-        Tokenizer(folder)  # the eval needs it: fail now rather than after quantizing
+        windows = self._eval_windows(folder)  # a bad eval text fails now rather than after quantizing
         model_version = checkpoint.content_hash()
         self.reporter.progress(Stage.LOAD, message=f"model version {model_version[:12]}")
-        return folder, checkpoint, model_version
+        return folder, checkpoint, model_version, windows
 
     def _quantize(self, folder: Path, num_layers: int) -> Path:
         spec = self.spec
@@ -173,21 +173,48 @@ class Pipeline:
         text = local_file(spec.eval_data, self.work_dir / "eval", self.services.config.store)
         return eval_windows(text, spec.eval_name, folder, spec.eval_seq_len, spec.eval_max_windows)
 
-    def _evaluate(self, checkpoint: HfCheckpoint, model_version: str, artifact_dir: Path,
-                  windows: EvalWindows) -> tuple[float, float]:
+    def _quantize_and_fp16_eval(self, folder: Path, checkpoint: HfCheckpoint, model_version: str,
+                                windows: EvalWindows) -> tuple[Path, float]:
+        """The fp16 perplexity needs only the checkpoint: with config.overlap_eval it is measured on a
+        second thread while quantizing, which keeps a second core busy through the quantizer's serial
+        stretches. Otherwise it is measured after (or read from the cache)."""
         cache = self.services.fp16_cache
         key = cache.key(model_version, windows)
         ppl_fp16 = cache.get(key)
-        if ppl_fp16 is None:
-            ppl_fp16 = checkpoint_perplexity(checkpoint, windows, self.device, self._window_progress("fp16", windows))
-            cache.put(key, ppl_fp16)
-        else:
-            self.reporter.progress(Stage.EVAL, message=f"fp16 perplexity {ppl_fp16:.4f} (cached)")
+        if ppl_fp16 is not None or not self.services.config.overlap_eval:
+            artifact_dir = self._quantize(folder, checkpoint.config.num_layers)
+            if ppl_fp16 is not None:
+                self.reporter.progress(Stage.EVAL, message=f"fp16 perplexity {ppl_fp16:.4f} (cached)")
+            else:
+                ppl_fp16 = checkpoint_perplexity(checkpoint, windows, self.device,
+                                                 self._window_progress("fp16", windows))
+                cache.put(key, ppl_fp16)
+            return artifact_dir, ppl_fp16
+
+        def alongside(done: int, total: int) -> None:  # silent: the job's stage is the quantizer's
+            self.reporter.check()
+            if self._abandoned:
+                raise JobCancelled("quantization failed: the fp16 perplexity is not needed")
+
+        with ThreadPoolExecutor(1, thread_name_prefix="fp16-eval") as side:
+            future = side.submit(checkpoint_perplexity, checkpoint, windows, self.device, alongside)
+            try:
+                artifact_dir = self._quantize(folder, checkpoint.config.num_layers)
+            except BaseException:
+                self._abandoned = True
+                raise
+            if not future.done():
+                self.reporter.progress(Stage.EVAL, message=f"fp16 perplexity on {windows.name}: finishing "
+                                                            f"{windows.count} windows of {windows.seq_len} tokens")
+            ppl_fp16 = future.result()
+        cache.put(key, ppl_fp16)
+        self.reporter.progress(Stage.EVAL, message=f"fp16 perplexity {ppl_fp16:.4f} (measured while quantizing)")
+        return artifact_dir, ppl_fp16
+
+    def _quantized_perplexity(self, artifact_dir: Path, windows: EvalWindows, ppl_fp16: float) -> float:
         if self.spec.format == "fp16":  # the artifact is the checkpoint's own weights
-            return ppl_fp16, ppl_fp16
-        ppl_quantized = artifact_perplexity(artifact_dir, windows, self.device,
-                                            self._window_progress(self.spec.format, windows))
-        return ppl_fp16, ppl_quantized
+            return ppl_fp16
+        return artifact_perplexity(artifact_dir, windows, self.device, self._window_progress(self.spec.format, windows))
 
     def _window_progress(self, what: str, windows: EvalWindows) -> Callable[[int, int], None]:
         started = time.monotonic()
@@ -203,6 +230,7 @@ class Pipeline:
     def _gate(self, ppl_fp16: float, ppl_quantized: float, windows: EvalWindows) -> None:
         budget = self.spec.budget
         self.evaluation = EvaluationView(windows.name, ppl_fp16, ppl_quantized, windows.seq_len, windows.count, budget)
+        self.details = ArtifactDetails(0, self.evaluation)
         increase = ppl_quantized / ppl_fp16 - 1
         numbers = (f"quantized perplexity {ppl_quantized:.4f} vs fp16 {ppl_fp16:.4f} on {windows.name} "
                    f"({windows.count} windows of {windows.seq_len} tokens): {increase:+.2%}")

@@ -83,8 +83,13 @@ async def start(config: QuantizerConfig) -> RunningQuantizer:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(config.listen)
-    await server.start()
+    try:
+        port = server.add_insecure_port(config.listen)
+        await server.start()
+    except BaseException:  # e.g. the port is taken
+        await asyncio.to_thread(runner.stop)
+        registry.close()
+        raise
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("quantizer %s serving on port %d (store %s)", config.owner, port, store.uri())

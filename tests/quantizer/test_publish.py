@@ -185,3 +185,29 @@ def test_local_folder_store(tmp_path, start_quantizer, registry_url, small_model
     assert job.state == Q.JOB_STATE_SUCCEEDED, job.error
     assert (tmp_path / "objects" / job.artifact.object_key_prefix / "manifest.json").is_file()
 
+
+
+def test_fp16_perplexity_measured_while_quantizing_then_cached(bucket_store, start_quantizer, registry_url,
+                                                               small_model, request_for):
+    quantizer = start_quantizer(bucket_store, registry_url, overlap_eval=True)
+    first, updates = quantizer.publish(request_for(small_model))
+    assert first.state == Q.JOB_STATE_SUCCEEDED, first.error
+    assert any("(measured while quantizing)" in u.message for u in updates)
+
+    other, updates = quantizer.publish(request_for(small_model, format="w4a8kv4-chn"))
+    assert other.state == Q.JOB_STATE_SUCCEEDED, other.error
+    assert any(f"fp16 perplexity {first.artifact.evaluation.perplexity_fp16:.4f} (cached)" in u.message
+               for u in updates)
+    assert other.artifact.evaluation.perplexity_fp16 == first.artifact.evaluation.perplexity_fp16
+
+
+def test_a_calibration_text_too_short_fails_the_job(bucket_store, start_quantizer, registry_url, small_model,
+                                                    request_for, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("def f(): pass\n")
+    quantizer = start_quantizer(bucket_store, registry_url, overlap_eval=True)
+    job, _ = quantizer.publish(request_for(small_model, calibration=Q.Calibration(data=str(short), seq_len=64)))
+    assert job.state == Q.JOB_STATE_FAILED
+    assert job.error.startswith("calibrate failed: calibration text short.txt has ")
+    assert "fewer than one window of seq_len=64" in job.error
+    assert job.artifact.state == common_pb2.ARTIFACT_STATE_FAILED
