@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +39,7 @@ from shared.storage import StorageError
 
 log = logging.getLogger(__name__)
 
+KEEP_REQUESTS = 1000  # accepted requests remembered for GetJob after their jobs end
 ORPHAN_REASON = "the quantizer running this job stopped (killed or crashed) before it ended"
 EXPECTED_ERRORS = (QuantizerError, BindingFailed, StorageError, RegistryError, ValueError, OSError)
 
@@ -58,6 +60,7 @@ class JobRunner:
         self.board = JobBoard()
         self.details: dict[str, ArtifactDetails] = {}  # artifact id -> size and full evaluation
         self._live: dict[str, _Live] = {}
+        self._requests: OrderedDict[str, PublishSpec] = OrderedDict()
         self._unsettled: dict[str, tuple[Pipeline | None, str]] = {}  # failures the registry did not take yet
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -98,6 +101,9 @@ class JobRunner:
             with self.services.registry.transaction() as session:
                 job = create_job(session, owner=self.config.owner)
                 self._live[job.id] = _Live(spec)
+                self._requests[job.id] = spec
+                while len(self._requests) > KEEP_REQUESTS:
+                    self._requests.popitem(last=False)
                 view = self._view(session, job)
             self.board.post(Update(view, "queued"))
             self._pool.submit(self._execute, job.id)
@@ -178,7 +184,7 @@ class JobRunner:
         if job.artifact_id is not None:
             artifact = ArtifactView.from_row(get_artifact(session, job.artifact_id), self.details.get(job.artifact_id))
         live = self._live.get(job.id)
-        return JobView.from_row(job, artifact, live.spec if live else None, live.remaining_s if live else None)
+        return JobView.from_row(job, artifact, self._requests.get(job.id), live.remaining_s if live else None)
 
     # ---- heartbeats and orphans ----
 

@@ -7,8 +7,8 @@ import hashlib
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -34,7 +34,14 @@ from shared.formats.manifest import MANIFEST_NAME, Evaluation, Manifest
 from shared.formats.spec import format_spec
 from shared.model.checkpoint import HfCheckpoint
 from shared.quant.quantize_model import QuantizeSettings, check_group_divisibility, quantize_checkpoint
-from shared.registry import ArtifactState, Registry, find_ready_by_digest, get_artifact, mark_artifact_failed, mark_artifact_ready
+from shared.registry import (
+    ArtifactState,
+    Registry,
+    find_ready_by_digest,
+    get_artifact,
+    mark_artifact_failed,
+    mark_artifact_ready,
+)
 from shared.storage import ObjectStore
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from sqlalchemy.exc import OperationalError
 
 from services.quantizer.board import Update
 from services.quantizer.catalog import ArtifactFilter, artifact_view, artifact_views, model_views
@@ -27,6 +28,7 @@ _CODES = (
     (MissingInput, grpc.StatusCode.NOT_FOUND),
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (OperationalError, grpc.StatusCode.UNAVAILABLE),  # the registry's database cannot be reached
 )
 
 

@@ -96,6 +96,7 @@ def test_publish_from_s3_end_to_end(moto, bucket_store, start_quantizer, registr
     assert [a.artifact_id for a in models[0].versions[0].artifacts] == [artifact.artifact_id]
     final = quantizer.stub.GetJob(Q.GetJobRequest(job_id=job.job_id))
     assert final.state == Q.JOB_STATE_SUCCEEDED and final.elapsed.ToTimedelta().total_seconds() > 0
+    assert final.request.eval.max_windows == 2 and final.request.calibration.num_samples == 2
 
 
 def test_identical_content_is_stored_once(moto, bucket_store, start_quantizer, registry_url, small_model, request_for):
