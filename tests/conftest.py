@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 import torch
 from safetensors.torch import save_file
 
@@ -15,6 +20,34 @@ FIXTURES = REPO.parent / "shared"
 TINY_LLAMA = FIXTURES / "models" / "tiny-llama-pystdlib"
 EVAL_TEXT = FIXTURES / "data" / "pystdlib-eval.txt"
 CALIB_TEXT = FIXTURES / "data" / "pystdlib-calib.txt"
+
+
+POSTGRES_URL = os.environ.get("QSERVE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+@contextmanager
+def fresh_postgres_schema(prefix: str) -> Iterator[str]:
+    """A URL of the test PostgreSQL whose search_path is a new schema, dropped afterwards.
+
+    An unreachable server fails the test under CI (CI=true) and skips it elsewhere.
+    """
+    schema = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    except sa.exc.OperationalError as exc:
+        admin.dispose()
+        message = f"PostgreSQL at {POSTGRES_URL} is unreachable ({exc.orig}); set QSERVE_TEST_POSTGRES_URL or start it"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    try:
+        yield f"{POSTGRES_URL}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
 
 
 def _require(path: Path) -> Path:

@@ -4,7 +4,6 @@ small random Llama checkpoints and short calibration / eval texts."""
 from __future__ import annotations
 
 import logging
-import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,7 +11,6 @@ from pathlib import Path
 import boto3
 import grpc
 import pytest
-import sqlalchemy as sa
 from moto.server import ThreadedMotoServer
 
 from services.quantizer.config import QuantizerConfig
@@ -21,11 +19,10 @@ from shared.registry import Registry, create_registry, sqlite_url
 from shared.rpc.qserve.v1 import quantizer_pb2, quantizer_pb2_grpc
 from shared.storage import StorageConfig, open_store
 from shared.storage.config import MIN_PART_BYTES
-from tests.conftest import write_random_llama
+from tests.conftest import fresh_postgres_schema, write_random_llama
 
 logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request access log
 
-PG_URL = os.environ.get("QSERVE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
 class Moto:
@@ -100,23 +97,8 @@ def any_registry_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator
     if request.param == "sqlite":
         yield sqlite_url(tmp_path / "registry.db")
         return
-    schema = f"test_quantizer_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
-    try:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    except sa.exc.OperationalError as exc:
-        admin.dispose()
-        message = f"PostgreSQL at {PG_URL} is unreachable ({exc.orig}); set QSERVE_TEST_POSTGRES_URL or start it"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    try:
-        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    with fresh_postgres_schema("test_quantizer") as url:
+        yield url
 
 
 @pytest.fixture

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from shared.registry import (
@@ -21,34 +19,15 @@ from shared.registry import (
     reserve_artifact,
     sqlite_url,
 )
-
-PG_URL = os.environ.get("QSERVE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-
+from tests.conftest import fresh_postgres_schema
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield sqlite_url(tmp_path / "registry.db")
         return
-    schema = f"test_registry_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
-    unreachable = None
-    try:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    except sa.exc.OperationalError as exc:
-        unreachable = f"PostgreSQL at {PG_URL} is unreachable ({exc.orig}); set QSERVE_TEST_POSTGRES_URL or start it"
-    if unreachable is not None:
-        admin.dispose()
-        if os.environ.get("CI") == "true":
-            pytest.fail(unreachable)
-        pytest.skip(unreachable)
-    try:
-        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    with fresh_postgres_schema("test_registry") as url:
+        yield url
 
 
 @pytest.fixture
