@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench.machine import gpu_machine  # noqa: E402
 
 BLOCK_SIZE = 16
 MAIN = dict(batch=64, heads=32, kv_heads=32, ctx=1536, head_dim=128)
@@ -51,13 +52,9 @@ class Bench:
 
         self.torch, self.triton, self.args = torch, triton, args
         self.dev = torch.device("cuda")
-        props = torch.cuda.get_device_properties(self.dev)
         self.result = {
             "command": " ".join(["python3"] + sys.argv),
-            "machine": {
-                "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-                "triton": triton.__version__, "cuda": torch.version.cuda, "platform": platform.platform(),
-            },
+            "machine": gpu_machine(self.dev),
             "timing": f"triton.testing.do_bench median, warmup {args.warmup} ms, rep {args.rep} ms, L2 cleared before each call",
             "bytes": "KV rows read (KV4: D/2 code bytes + 4 scale/zero bytes per token per KV head; fp16: 2D) + query + output",
             "copy_bandwidth_GBps": None, "correctness": [], "decode": [], "sdpa": [], "writes": [], "prefill": [],

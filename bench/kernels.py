@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench.machine import gpu_machine  # noqa: E402
 
 SHAPES = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]  # qkv, o, gate_up, down
 MS = [1, 16, 64, 256, 1024, 4096]
@@ -61,13 +62,9 @@ class Bench:
         self.torch, self.triton = torch, triton
         self.args = args
         self.dev = torch.device("cuda")
-        props = torch.cuda.get_device_properties(self.dev)
         self.result = {
             "command": " ".join(["python3"] + sys.argv),
-            "machine": {
-                "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-                "triton": triton.__version__, "cuda": torch.version.cuda, "platform": platform.platform(),
-            },
+            "machine": gpu_machine(self.dev),
             "timing": "per call: triton.testing.do_bench median (warmup %d ms, rep %d ms, L2 cleared before each"
             " replay) of a CUDA graph of %d calls on distinct weight/activation sets, divided by %d"
             % (args.warmup, args.rep, ROTATE, ROTATE),
