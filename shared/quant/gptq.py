@@ -21,7 +21,14 @@ from shared.formats.weights import (
     W8Weight,
     pack_codes,
 )
-from shared.quant.weights import UINT4_MAX, progressive_safe_code_range
+from shared.quant.weights import (
+    UINT4_MAX,
+    asymmetric_uint4_params,
+    int8_channel_scale,
+    progressive_group_params,
+    progressive_level1,
+    progressive_safe_code_range,
+)
 
 DAMPING = 0.01  # of the mean Hessian diagonal, keeps the Cholesky factorization stable
 
@@ -35,21 +42,17 @@ class _Grid:
         self.clip = clip
         self.codes = torch.zeros(n, k, dtype=torch.uint8, device=w.device)
         if kind == "w4g128p":
-            self.s1 = (w.abs().amax(dim=1) / PROTECTIVE_RANGE).clamp_min(1e-8).half()
+            self.s1 = progressive_level1(w)[1]
             self.s2 = torch.zeros(n, k // GROUP_SIZE, dtype=torch.uint8, device=w.device)
             self.zero = torch.zeros_like(self.s2)
         elif kind == "w4g128":
             self.scale = torch.zeros(n, k // GROUP_SIZE, dtype=torch.float16, device=w.device)
             self.zero = torch.zeros(n, k // GROUP_SIZE, dtype=torch.uint8, device=w.device)
         elif kind == "w4chn":
-            ratio = clip if clip is not None else torch.ones(n, device=w.device)
-            lo = w.amin(dim=1).clamp(max=0) * ratio
-            hi = w.amax(dim=1).clamp(min=0) * ratio
-            self.scale = ((hi - lo) / UINT4_MAX).clamp_min(1e-8).half()
-            self.zero = torch.round(-lo / self.scale.float()).clamp_(0, UINT4_MAX).half()
+            self.scale, zero = asymmetric_uint4_params(w, clip if clip is not None else 1.0)
+            self.zero = zero.half()
         elif kind == "w8":
-            ratio = clip if clip is not None else torch.ones(n, device=w.device)
-            self.scale = (w.abs().amax(dim=1) * ratio / 127).clamp_min(1e-8).half()
+            self.scale = int8_channel_scale(w, clip if clip is not None else 1.0)
         else:
             raise ValueError(f"GPTQ has no grid for weight kind {kind!r}")
 
@@ -58,15 +61,11 @@ class _Grid:
         ratio = self.clip[:, g] if self.clip is not None else 1.0
         if self.kind == "w4g128p":
             w8 = torch.round(wg / self.s1.float()[:, None]).clamp_(-PROTECTIVE_RANGE, PROTECTIVE_RANGE)
-            lo, hi = w8.amin(dim=1).clamp(max=0) * ratio, w8.amax(dim=1).clamp(min=0) * ratio
-            s2 = torch.round((hi - lo) / UINT4_MAX).clamp_(1, 16)
-            self.s2[:, g] = s2.to(torch.uint8)
-            self.zero[:, g] = torch.round(-lo / s2).clamp_(0, UINT4_MAX).to(torch.uint8)
+            s2, zero = progressive_group_params(w8, ratio)
+            self.s2[:, g], self.zero[:, g] = s2.to(torch.uint8), zero.to(torch.uint8)
         elif self.kind == "w4g128":
-            lo, hi = wg.amin(dim=1).clamp(max=0) * ratio, wg.amax(dim=1).clamp(min=0) * ratio
-            scale = ((hi - lo) / UINT4_MAX).clamp_min(1e-8).half()
-            self.scale[:, g] = scale
-            self.zero[:, g] = torch.round(-lo / scale.float()).clamp_(0, UINT4_MAX).to(torch.uint8)
+            scale, zero = asymmetric_uint4_params(wg, ratio)
+            self.scale[:, g], self.zero[:, g] = scale, zero.to(torch.uint8)
 
     def round_column(self, j: int, w: torch.Tensor) -> torch.Tensor:
         """Rounds column j (N,) onto the grid, records its codes, returns the dequantized column."""

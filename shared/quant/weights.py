@@ -35,10 +35,33 @@ def quantize_fp16(w: torch.Tensor, clip=None) -> Fp16Weight:
 def quantize_w8(w: torch.Tensor, clip: torch.Tensor | None = None) -> W8Weight:
     """Per-channel symmetric int8. clip: (N,) ratios."""
     w = w.float()
-    amax = w.abs().amax(dim=1) * _ratio(clip, (w.shape[0],), w.device)
-    scale = (amax / 127).clamp_min(1e-8).half()
+    scale = int8_channel_scale(w, _ratio(clip, (w.shape[0],), w.device))
     q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
     return W8Weight(qweight=q, scale=scale)
+
+
+def int8_channel_scale(w: torch.Tensor, ratio) -> torch.Tensor:
+    """(N,) fp16 symmetric int8 scale of each row of w (N, K), its range shrunk by ratio."""
+    return (w.abs().amax(dim=1) * ratio / 127).clamp_min(1e-8).half()
+
+
+def progressive_group_params(groups: torch.Tensor, ratio) -> tuple[torch.Tensor, torch.Tensor]:
+    """groups (..., 128) of int8 values (as fp32) -> integer s2 in [1, 16] and zero in [0, 15] (fp32).
+
+    The range is widened to include 0 so the zero point is a valid code.
+    """
+    lo = groups.amin(dim=-1).clamp(max=0) * ratio
+    hi = groups.amax(dim=-1).clamp(min=0) * ratio
+    s2 = torch.round((hi - lo) / UINT4_MAX).clamp_(1, 16)
+    return s2, torch.round(-lo / s2).clamp_(0, UINT4_MAX)
+
+
+def asymmetric_uint4_params(groups: torch.Tensor, ratio) -> tuple[torch.Tensor, torch.Tensor]:
+    """groups (..., n) fp32 -> fp16 scale and integer zero in [0, 15] (fp32), 0 inside the range."""
+    lo = groups.amin(dim=-1).clamp(max=0) * ratio
+    hi = groups.amax(dim=-1).clamp(min=0) * ratio
+    scale = ((hi - lo) / UINT4_MAX).clamp_min(1e-8).half()
+    return scale, torch.round(-lo / scale.float()).clamp_(0, UINT4_MAX)
 
 
 def progressive_level1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,18 +78,14 @@ def progressive_level1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def progressive_level2(w8: torch.Tensor, clip: torch.Tensor | None = None):
     """Level 2: groups of 128 of the int8 tensor -> uint4 codes with integer scale s2 and zero.
 
-    The range is widened to include 0 so the zero point is a valid code. With |w8| <= 119 the
+    With |w8| <= 119 the
     group range is <= 238, so s2 = round(range / 15) <= 16 and a produced code dequantizes to
     round(w8 / s2) * s2, which is within s2 / 2 <= 8 of w8: inside [-127, 127].
     Returns codes (N, K) uint8, s2 (N, G) uint8, zero (N, G) uint8.
     """
     n, k = w8.shape
     groups = w8.float().unflatten(1, (-1, GROUP_SIZE))  # (N, G, 128)
-    ratio = _ratio(clip, (n, k // GROUP_SIZE), w8.device)
-    lo = (groups.amin(dim=-1).clamp(max=0) * ratio)
-    hi = (groups.amax(dim=-1).clamp(min=0) * ratio)
-    s2 = torch.round((hi - lo) / UINT4_MAX).clamp_(1, 16)
-    zero = torch.round(-lo / s2).clamp_(0, UINT4_MAX)
+    s2, zero = progressive_group_params(groups, _ratio(clip, (n, k // GROUP_SIZE), w8.device))
     q = (torch.round(groups / s2[..., None]) + zero[..., None]).clamp_(0, UINT4_MAX)
     return q.flatten(1).to(torch.uint8), s2.to(torch.uint8), zero.to(torch.uint8)
 
@@ -92,10 +111,7 @@ def quantize_w4_g128_progressive(w: torch.Tensor, clip: torch.Tensor | None = No
 
 def _asymmetric_uint4(groups: torch.Tensor, ratio: torch.Tensor):
     """groups (..., n) fp32, ratio broadcastable to (...) -> codes, scale fp16, integer zero (fp32)."""
-    lo = groups.amin(dim=-1).clamp(max=0) * ratio
-    hi = groups.amax(dim=-1).clamp(min=0) * ratio
-    scale = ((hi - lo) / UINT4_MAX).clamp_min(1e-8).half()
-    zero = torch.round(-lo / scale.float()).clamp_(0, UINT4_MAX)
+    scale, zero = asymmetric_uint4_params(groups, ratio)
     q = (torch.round(groups / scale.float()[..., None]) + zero[..., None]).clamp_(0, UINT4_MAX)
     return q.to(torch.uint8), scale, zero
 
