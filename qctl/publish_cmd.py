@@ -77,11 +77,17 @@ def publish(
     smoothing: bool = typer.Option(None, "--smoothing/--no-smoothing", help="smoothing of block outputs"),
     reorder: bool = typer.Option(None, "--reorder/--no-reorder", help="activation-aware channel reordering"),
     clipping: bool = typer.Option(None, "--clipping/--no-clipping", help="weight clip-ratio search"),
+    gptq: bool = typer.Option(None, "--gptq/--no-gptq", help="GPTQ error-compensated rounding"),
+    rotate_values: bool = typer.Option(None, "--rotate-values/--no-rotate-values", help="per-head rotation of V"),
+    rtn: bool = typer.Option(False, "--rtn", help="every QoQ step off: plain round-to-nearest (fast; for tests "
+                             "and smoke runs). A step switched on explicitly stays on."),
 ):
     """Publish a checkpoint as an evaluated artifact; prints its id. Exit 1 when the job fails."""
-    qoq = {name: value for name, value in (("smooth_attention", smooth_attention), ("rotation", rotation),
-                                            ("smoothing", smoothing), ("reorder", reorder), ("clipping", clipping))
-           if value is not None}
+    steps = {"smooth_attention": smooth_attention, "rotation": rotation, "smoothing": smoothing,
+             "reorder": reorder, "clipping": clipping, "gptq": gptq, "rotate_values": rotate_values}
+    if rtn and format.value != "fp16":
+        steps = {name: False if value is None else value for name, value in steps.items()}
+    qoq = {name: value for name, value in steps.items() if value is not None}
     request = Q.PublishRequest(
         source=_location(source), model_name=model_name, version_label=version_label, format=format.value,
         gpu_target=gpu_target.value,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
 from qctl.main import app
+from shared.storage import open_store
 
 runner = CliRunner()
 
@@ -62,3 +65,16 @@ def test_an_unreachable_quantizer_is_named(small_texts, tmp_path):
 def test_ls_with_no_models(quantizer):
     code, out, _ = _run("ls", "--quantizer", quantizer.address)
     assert code == 0 and "no models registered" in out
+
+
+def test_publish_rtn_switches_every_qoq_step_off(quantizer, bucket_store, small_model, small_texts):
+    code, out, err = _publish(quantizer, small_model, small_texts, "--rtn", "--clipping")
+    assert code == 0, err
+    artifact_id = out.strip()
+    store = open_store(bucket_store)
+    manifest_key = next(o.key for o in store.list() if o.key.endswith(f"{artifact_id}/manifest.json"))
+    options = json.loads(store.get_bytes(manifest_key))["options"]
+    # --rtn turns off everything not named; --clipping, named explicitly, stays on.
+    assert options["clipping"] is True
+    for step in ("smooth_attention", "rotation", "rotate_values", "smoothing", "reorder", "gptq"):
+        assert options[step] is False, step
