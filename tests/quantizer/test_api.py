@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from shared.rpc import probe
 from shared.rpc.qserve.v1 import common_pb2, quantizer_pb2
 from tests.conftest import REPO
 
@@ -113,6 +114,13 @@ def test_health_and_reflection(quantizer):
     answers = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
     names = {s.name for answer in answers for s in answer.list_services_response.service}
     assert {"qserve.v1.Quantizer", "grpc.health.v1.Health"} <= names
+
+
+def test_the_container_health_probe_reads_the_health_service(quantizer, capsys):
+    assert probe.main([quantizer.address]) == 0
+    assert probe.main([quantizer.address, "qserve.v1.Quantizer"]) == 0
+    assert probe.main([quantizer.address, "qserve.v1.NoSuchService"]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
 
 
 def test_a_full_queue_is_resource_exhausted_and_the_jobs_run(bucket_store, start_quantizer, registry_url, small_model,
