@@ -1,0 +1,59 @@
+"""Bearer tokens: scoped admin tokens for the Admin service, plain API keys for Generate.
+
+Checked per call (not in an interceptor) because the scope depends on the rpc and the token's name
+becomes the actor of the events the call records."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable, Mapping
+
+from services.gateway.config import AdminToken
+from services.gateway.errors import Forbidden, Unauthenticated
+
+WORKER_RPCS = frozenset({"RegisterWorker", "Heartbeat", "DeregisterWorker"})
+_SCHEME = "bearer "
+
+
+def bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The token of an `authorization: Bearer <token>` header; None when absent or malformed."""
+    for key, value in metadata or ():
+        if key.lower() == "authorization" and isinstance(value, str) and value[:len(_SCHEME)].lower() == _SCHEME:
+            return value[len(_SCHEME):].strip() or None
+    return None
+
+
+class AdminAuth:
+    def __init__(self, tokens: Mapping[str, AdminToken]):
+        self._tokens = dict(tokens)
+
+    def actor(self, metadata, rpc: str) -> str:
+        """The token's name when it may call `rpc`; raises Unauthenticated or Forbidden otherwise."""
+        token = bearer(metadata)
+        if token is None:
+            raise Unauthenticated(f"Admin.{rpc} needs metadata `authorization: Bearer <token>` with an admin "
+                                  f"or worker token")
+        # Every entry is compared (constant time) so the reply time does not reveal a near match.
+        matches = [(name, entry.scope) for name, entry in self._tokens.items()
+                   if hmac.compare_digest(entry.token.encode(), token.encode())]
+        if not matches:
+            raise Unauthenticated(f"Admin.{rpc}: the bearer token is not one this gateway knows")
+        name, scope = matches[0]
+        if scope == "admin" or (scope == "worker" and rpc in WORKER_RPCS):
+            return name
+        raise Forbidden(f"Admin.{rpc}: token {name!r} has scope {scope!r}, which allows only "
+                        f"{', '.join(sorted(WORKER_RPCS))}; use an admin token")
+
+
+class ApiKeys:
+    def __init__(self, keys: Iterable[str]):
+        self._keys = [k.encode() for k in keys]
+
+    def check(self, metadata) -> None:
+        if not self._keys:
+            return
+        key = bearer(metadata)
+        if key is None:
+            raise Unauthenticated("Generate needs an API key: metadata `authorization: Bearer <key>`")
+        if not any(hmac.compare_digest(k, key.encode()) for k in self._keys):
+            raise Unauthenticated("Generate: the API key is not one this gateway accepts")

@@ -1,0 +1,165 @@
+"""The gateway's settings, parsed once (command line plus secrets from the environment) and passed down."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+DEFAULT_LISTEN = "127.0.0.1:50051"
+SCOPES = ("admin", "worker")
+
+
+class ConfigError(ValueError):
+    """A gateway setting that cannot work; the message names it and what is accepted."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdminToken:
+    token: str
+    scope: str  # "admin": every Admin rpc; "worker": RegisterWorker, Heartbeat, DeregisterWorker
+
+
+@dataclass(frozen=True, slots=True)
+class FallbackBudget:
+    """When the quantized path of a deployment breaks one of these over the last window_s seconds
+    (and at least min_requests finished there), the gateway turns fallback on by itself."""
+
+    max_error_rate: float = 0.05  # server-side failures / finished requests
+    max_tpot_p95_s: float = 0.5  # 95th percentile of time per output token, seconds
+    window_s: float = 30.0
+    min_requests: int = 20  # fewer requests than this in the window: too little evidence to act on
+    enabled: bool = True
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    registry_url: str  # sqlite:///path/registry.db or postgresql+psycopg://user@host/db
+    listen: str = DEFAULT_LISTEN  # host:port; port 0 picks a free one
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP; 0 = a free port; None = off
+    metrics_host: str = "0.0.0.0"
+    # name -> token and scope; the name is the actor recorded in the event log.
+    admin_tokens: Mapping[str, AdminToken] = field(default_factory=dict)
+    # Keys a Generate call must present as `authorization: Bearer <key>`; empty = no key needed.
+    api_keys: frozenset[str] = frozenset()
+    max_concurrent_streams: int = 256
+    heartbeat_interval_s: float = 2.0  # told to workers at registration
+    heartbeat_timeout_s: float = 6.0  # a worker silent this long is marked unhealthy
+    deployment_cache_s: float = 0.25  # how stale a deployment read from the registry may be
+    worker_info_timeout_s: float = 5.0  # RegisterWorker's call to the worker's Info
+    budget: FallbackBudget = field(default_factory=FallbackBudget)
+    fallback_check_s: float = 0.5  # how often the automatic fallback looks at the windows
+    grace_s: float = 5.0  # graceful stop: in-flight streams get this long
+
+    def __post_init__(self) -> None:
+        if not self.registry_url:
+            raise ConfigError("registry_url is required: sqlite:///path/registry.db or postgresql+psycopg://...")
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"listen address {self.listen!r} is not host:port (e.g. {DEFAULT_LISTEN}, or port 0)")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics port {self.metrics_port} must be 0..65535 (0 = a free port) or unset (off)")
+        seen_tokens: set[str] = set()
+        for name, entry in self.admin_tokens.items():
+            if not name or not entry.token:
+                raise ConfigError(f"admin token {name!r}: both a name and a non-empty token are required")
+            if entry.scope not in SCOPES:
+                raise ConfigError(f"admin token {name!r} has scope {entry.scope!r}; accepted scopes: {', '.join(SCOPES)}")
+            if entry.token in seen_tokens:
+                raise ConfigError(f"admin token {name!r} reuses another name's token; every name needs its own")
+            seen_tokens.add(entry.token)
+        if any(not key for key in self.api_keys):
+            raise ConfigError("an API key is empty; give non-empty keys or none (no key needed)")
+        if self.max_concurrent_streams < 1:
+            raise ConfigError(f"max_concurrent_streams={self.max_concurrent_streams} must be at least 1")
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "worker_info_timeout_s", "fallback_check_s",
+                     "grace_s"):
+            if not _positive(getattr(self, name)):
+                raise ConfigError(f"{name}={getattr(self, name)} must be a positive number of seconds")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed heartbeat_interval_s="
+                              f"{self.heartbeat_interval_s}, or every worker would be marked unhealthy between beats")
+        if not (_positive(self.deployment_cache_s) or self.deployment_cache_s == 0) or self.deployment_cache_s > 1.0:
+            raise ConfigError(f"deployment_cache_s={self.deployment_cache_s} must be 0..1 s: a fallback switch "
+                              f"must take effect within a second")
+        b = self.budget
+        if not (0 <= b.max_error_rate <= 1):
+            raise ConfigError(f"max error rate {b.max_error_rate} must be in [0, 1] (0.05 = 5% of requests)")
+        if not _positive(b.max_tpot_p95_s):
+            raise ConfigError(f"max TPOT p95 {b.max_tpot_p95_s} must be a positive number of seconds")
+        if not _positive(b.window_s):
+            raise ConfigError(f"fallback window {b.window_s} must be a positive number of seconds")
+        if b.min_requests < 1:
+            raise ConfigError(f"fallback min_requests={b.min_requests} must be at least 1")
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> GatewayConfig:
+        """Settings from the command line; tokens and API keys from the environment (read here, once:
+        secrets never go on a command line):
+            QSERVE_ADMIN_TOKENS  name=token:scope[,name=token:scope...]   e.g. ops=s3cret:admin,w=abc:worker
+            QSERVE_API_KEYS      key[,key...]"""
+        env = os.environ if environ is None else environ
+        args = _parser().parse_args(argv)
+        return cls(
+            registry_url=args.registry_url,
+            listen=args.listen,
+            metrics_port=args.metrics_port,
+            admin_tokens=parse_admin_tokens(env.get("QSERVE_ADMIN_TOKENS", "")),
+            api_keys=frozenset(k.strip() for k in env.get("QSERVE_API_KEYS", "").split(",") if k.strip()),
+            max_concurrent_streams=args.max_concurrent_streams,
+            heartbeat_interval_s=args.heartbeat_interval_s,
+            heartbeat_timeout_s=args.heartbeat_timeout_s,
+            budget=FallbackBudget(
+                max_error_rate=args.max_error_rate, max_tpot_p95_s=args.max_tpot_p95_ms / 1000.0,
+                window_s=args.fallback_window_s, min_requests=args.fallback_min_requests,
+                enabled=args.auto_fallback,
+            ),
+            grace_s=args.grace_s,
+        )
+
+
+def parse_admin_tokens(text: str) -> dict[str, AdminToken]:
+    """`name=token:scope,...` -> {name: AdminToken}; the error names the entry that does not parse."""
+    tokens: dict[str, AdminToken] = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        name, eq, rest = entry.partition("=")
+        token, colon, scope = rest.rpartition(":")
+        if not eq or not colon or not name or not token:
+            shown = f"{name}=...:{scope}" if eq else "(no '=')"
+            raise ConfigError(f"admin token entry {shown} is not name=token:scope (scope one of {', '.join(SCOPES)})")
+        if name in tokens:
+            raise ConfigError(f"admin token name {name!r} appears twice")
+        tokens[name] = AdminToken(token=token, scope=scope)
+    return tokens
+
+
+def _positive(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m services.gateway.server",
+        description="The gateway: routes client generations to workers (canary rollouts, fallback switch). "
+                    "Admin tokens come from QSERVE_ADMIN_TOKENS=name=token:scope,..., API keys from QSERVE_API_KEYS.",
+    )
+    p.add_argument("--registry-url", required=True, help="sqlite:///path/registry.db or postgresql+psycopg://user@host/db")
+    p.add_argument("--listen", default=DEFAULT_LISTEN, help="host:port to serve gRPC on (port 0: a free one)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0: free)")
+    p.add_argument("--max-concurrent-streams", type=int, default=256,
+                   help="open Generate streams beyond which new ones get RESOURCE_EXHAUSTED")
+    p.add_argument("--heartbeat-interval-s", type=float, default=2.0)
+    p.add_argument("--heartbeat-timeout-s", type=float, default=6.0,
+                   help="a worker with no heartbeat for this long gets no new requests")
+    p.add_argument("--auto-fallback", action=argparse.BooleanOptionalAction, default=True,
+                   help="turn fallback on (and abort a canary) when the quantized path breaks its budget")
+    p.add_argument("--max-error-rate", type=float, default=0.05, help="error-rate budget of the quantized path")
+    p.add_argument("--max-tpot-p95-ms", type=float, default=500.0,
+                   help="time-per-output-token p95 budget of the quantized path, milliseconds")
+    p.add_argument("--fallback-window-s", type=float, default=30.0, help="window the budgets are measured over")
+    p.add_argument("--fallback-min-requests", type=int, default=20,
+                   help="finished requests in the window below which the budgets are not judged")
+    p.add_argument("--grace-s", type=float, default=5.0, help="graceful-stop time for in-flight streams")
+    return p

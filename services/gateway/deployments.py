@@ -1,0 +1,143 @@
+"""Deployments as the gateway sees them: frozen snapshots read from the registry, cached for a short
+time so that a change made anywhere (another gateway, `qctl` through another process) takes effect
+within deployment_cache_s, while Generate does not query the database per request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+import sqlalchemy as sa
+from google.protobuf.timestamp_pb2 import Timestamp
+from sqlalchemy.orm import Session
+
+from shared.registry import Artifact, Deployment, Event, EventKind, NotFound, Registry, get_artifact
+from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
+
+FALLBACK_KINDS = (EventKind.FALLBACK_ON.value, EventKind.FALLBACK_OFF.value)
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactRefView:
+    artifact_id: str
+    model_name: str
+    model_version: str
+    format: str
+    gpu_target: str
+
+    @classmethod
+    def of(cls, artifact: Artifact) -> ArtifactRefView:
+        version = artifact.model_version
+        return cls(artifact.id, version.model.name, version.content_hash, artifact.format, artifact.gpu)
+
+    def to_pb(self) -> common_pb2.ArtifactRef:
+        return common_pb2.ArtifactRef(artifact_id=self.artifact_id, model_name=self.model_name,
+                                      model_version=self.model_version, format=self.format,
+                                      gpu_target=self.gpu_target)
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentView:
+    name: str
+    stable: ArtifactRefView
+    canary: ArtifactRefView | None
+    canary_percent: int
+    baseline: ArtifactRefView | None
+    fallback: bool
+    fallback_reason: str
+    revision: int
+    created_at: datetime
+    updated_at: datetime
+    rollout_started_at: datetime | None  # when the canary's rollout started; None without a rollout
+
+    def to_pb(self) -> gateway_pb2.Deployment:
+        pb = gateway_pb2.Deployment(name=self.name, stable=self.stable.to_pb(), canary_percent=self.canary_percent,
+                                    fallback=self.fallback, fallback_reason=self.fallback_reason,
+                                    created_at=timestamp(self.created_at), updated_at=timestamp(self.updated_at))
+        if self.canary is not None:
+            pb.canary.CopyFrom(self.canary.to_pb())
+        if self.baseline is not None:
+            pb.baseline.CopyFrom(self.baseline.to_pb())
+        return pb
+
+
+def timestamp(at: datetime) -> Timestamp:
+    ts = Timestamp()
+    ts.FromDatetime(at)
+    return ts
+
+
+def view_of(session: Session, deployment: Deployment) -> DeploymentView:
+    def ref(artifact_id: str | None) -> ArtifactRefView | None:
+        return None if artifact_id is None else ArtifactRefView.of(get_artifact(session, artifact_id))
+
+    last_switch = _last_event(session, deployment, FALLBACK_KINDS)
+    rollout_started_at = None
+    if deployment.canary_artifact_id is not None:
+        started = _last_event(session, deployment, (EventKind.ROLLOUT_START.value,))
+        rollout_started_at = None if started is None else started.at
+    reason = ""
+    if last_switch is not None:  # the detail column is the text of a JSON object
+        reason = str(json.loads(last_switch.detail).get("reason", ""))
+    return DeploymentView(
+        name=deployment.name, stable=ref(deployment.stable_artifact_id), canary=ref(deployment.canary_artifact_id),
+        canary_percent=deployment.canary_percent, baseline=ref(deployment.baseline_artifact_id),
+        fallback=deployment.fallback, fallback_reason=reason, revision=deployment.revision,
+        created_at=deployment.created_at, updated_at=deployment.updated_at, rollout_started_at=rollout_started_at,
+    )
+
+
+def _last_event(session: Session, deployment: Deployment, kinds: tuple[str, ...]) -> Event | None:
+    return session.scalars(
+        sa.select(Event).where(Event.deployment_id == deployment.id, Event.kind.in_(kinds))
+        .order_by(Event.id.desc()).limit(1)
+    ).first()
+
+
+def read_deployment(registry: Registry, name: str) -> DeploymentView | None:
+    with registry.transaction() as session:
+        row = session.scalars(sa.select(Deployment).where(Deployment.name == name)).one_or_none()
+        return None if row is None else view_of(session, row)
+
+
+class DeploymentCache:
+    """name -> (snapshot or None for "no such deployment", time read). One registry read per name per
+    max_age_s however many requests arrive; a change made through this gateway is put in at once."""
+
+    def __init__(self, registry: Registry, max_age_s: float):
+        self.registry = registry
+        self.max_age_s = max_age_s
+        self._entries: dict[str, tuple[DeploymentView | None, float]] = {}
+        self._reads: dict[str, asyncio.Task] = {}
+
+    async def get(self, name: str) -> DeploymentView:
+        entry = self._entries.get(name)
+        if entry is None or time.monotonic() - entry[1] > self.max_age_s:
+            read = self._reads.get(name)
+            if read is None:  # concurrent callers share one read
+                read = asyncio.ensure_future(self._read(name))
+                self._reads[name] = read
+            view = await asyncio.shield(read)
+        else:
+            view = entry[0]
+        if view is None:
+            raise NotFound(f"deployment {name!r} does not exist; `qctl deploy create` creates one")
+        return view
+
+    def put(self, view: DeploymentView) -> None:
+        self._entries[view.name] = (view, time.monotonic())
+
+    def names(self) -> list[str]:
+        return [name for name, (view, _) in self._entries.items() if view is not None]
+
+    async def _read(self, name: str) -> DeploymentView | None:
+        try:
+            started = time.monotonic()
+            view = await asyncio.to_thread(read_deployment, self.registry, name)
+            self._entries[name] = (view, started)
+            return view
+        finally:
+            self._reads.pop(name, None)

@@ -1,0 +1,94 @@
+"""What the gateway measures per request: Prometheus series per artifact (and arm, deployment), and
+a windowed record per (deployment, artifact) that RolloutStatus and the automatic fallback read."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+RECORDS_KEPT = 20_000  # per (deployment, artifact): the newest requests; older ones fall out of every window
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One finished request as the gateway saw it."""
+
+    at: float  # wall-clock seconds (time.time()) when it finished
+    server_error: bool  # ended non-OK because of the serving side (not the client's input or cancel)
+    ttft_s: float | None  # None when no token was delivered
+    tpot_s: float | None  # None when fewer than two tokens were delivered
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ArmStats:
+    requests: int = 0
+    errors: int = 0
+    ttft_p50_s: float = 0.0
+    ttft_p95_s: float = 0.0
+    tpot_p50_s: float = 0.0
+    tpot_p95_s: float = 0.0
+    generated_tokens: int = 0
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.requests if self.requests else 0.0
+
+
+def quantile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank quantile; 0 for no values."""
+    if not sorted_values:
+        return 0.0
+    rank = max(1, math.ceil(q * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()  # one per gateway, so that gateways in one process do not clash
+        labels = ("deployment", "arm", "artifact")
+        self.requests = Counter("qserve_gateway_requests", "Finished Generate requests", labels, registry=self.registry)
+        self.errors = Counter("qserve_gateway_errors", "Requests that failed on the serving side", labels,
+                              registry=self.registry)
+        self.ttft = Histogram("qserve_gateway_time_to_first_token_seconds", "Arrival to first token sent", labels,
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("qserve_gateway_time_per_output_token_seconds", "Mean gap between tokens after the "
+                              "first, per request", labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tokens = Counter("qserve_gateway_generated_tokens", "Tokens delivered to clients", labels,
+                              registry=self.registry)
+        self.open_streams = Gauge("qserve_gateway_open_streams", "Generate streams open now", registry=self.registry)
+        self._windows: dict[tuple[str, str], deque[Outcome]] = {}
+
+    def record(self, deployment: str, arm: str, artifact_id: str, outcome: Outcome) -> None:
+        labels = (deployment, arm, artifact_id)
+        self.requests.labels(*labels).inc()
+        if outcome.server_error:
+            self.errors.labels(*labels).inc()
+        if outcome.ttft_s is not None:
+            self.ttft.labels(*labels).observe(outcome.ttft_s)
+        if outcome.tpot_s is not None:
+            self.tpot.labels(*labels).observe(outcome.tpot_s)
+        self.tokens.labels(*labels).inc(outcome.tokens)
+        window = self._windows.setdefault((deployment, artifact_id), deque(maxlen=RECORDS_KEPT))
+        window.append(outcome)
+
+    def stats(self, deployment: str, artifact_id: str, since: float, until: float | None = None) -> ArmStats:
+        """Requests of this deployment served by this artifact that finished in [since, until]."""
+        until = time.time() if until is None else until
+        outcomes = [o for o in self._windows.get((deployment, artifact_id), ()) if since <= o.at <= until]
+        if not outcomes:
+            return ArmStats()
+        ok = [o for o in outcomes if not o.server_error]
+        ttfts = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
+        tpots = sorted(o.tpot_s for o in ok if o.tpot_s is not None)
+        return ArmStats(
+            requests=len(outcomes), errors=len(outcomes) - len(ok),
+            ttft_p50_s=quantile(ttfts, 0.5), ttft_p95_s=quantile(ttfts, 0.95),
+            tpot_p50_s=quantile(tpots, 0.5), tpot_p95_s=quantile(tpots, 0.95),
+            generated_tokens=sum(o.tokens for o in outcomes),
+        )

@@ -1,0 +1,144 @@
+"""The worker pool: workers announced through Admin.RegisterWorker, their health (heartbeats, failed
+requests) and the gateway's own count of open streams on each, which routing balances."""
+
+from __future__ import annotations
+
+import enum
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import grpc
+
+from services.gateway.deployments import ArtifactRefView, timestamp
+from services.gateway.errors import AdmissionFull, NoWorker, UnknownName
+from shared.rpc.qserve.v1 import gateway_pb2, worker_pb2_grpc
+
+
+class Health(enum.Enum):
+    HEALTHY = gateway_pb2.WORKER_HEALTH_HEALTHY
+    UNHEALTHY = gateway_pb2.WORKER_HEALTH_UNHEALTHY
+    DRAINING = gateway_pb2.WORKER_HEALTH_DRAINING
+
+
+@dataclass(slots=True, eq=False)
+class PooledWorker:
+    worker_id: str
+    address: str
+    artifact: ArtifactRefView
+    capacity: int
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    registered_at: datetime
+    last_heartbeat: datetime
+    last_heartbeat_mono: float
+    health: Health = Health.HEALTHY
+    failed_reason: str = ""  # why it was marked unhealthy by a failed request; cleared by a heartbeat
+    in_flight: int = 0
+    running_requests: int = 0
+    waiting_requests: int = 0
+    kv_blocks_free: int = 0
+
+    def to_pb(self) -> gateway_pb2.WorkerStatus:
+        return gateway_pb2.WorkerStatus(
+            worker_id=self.worker_id, address=self.address, artifact=self.artifact.to_pb(), capacity=self.capacity,
+            health=self.health.value, in_flight=self.in_flight, running_requests=self.running_requests,
+            waiting_requests=self.waiting_requests, kv_blocks_free=self.kv_blocks_free,
+            last_heartbeat=timestamp(self.last_heartbeat), registered_at=timestamp(self.registered_at),
+        )
+
+
+@dataclass(slots=True)
+class WorkerPool:
+    heartbeat_timeout_s: float
+    workers: dict[str, PooledWorker] = field(default_factory=dict)  # by worker_id
+
+    async def add(self, address: str, artifact: ArtifactRefView, capacity: int) -> PooledWorker:
+        """Registers a worker, or refreshes the one already at this address (keeping its worker_id)."""
+        now, mono = datetime.now(timezone.utc), time.monotonic()
+        existing = self.by_address(address)
+        if existing is not None and existing.artifact.artifact_id == artifact.artifact_id:
+            existing.capacity, existing.health, existing.failed_reason = capacity, Health.HEALTHY, ""
+            existing.last_heartbeat, existing.last_heartbeat_mono = now, mono
+            return existing
+        if existing is not None:  # the address now serves another artifact: a new worker behind it
+            await self.remove(existing.worker_id)
+        channel = grpc.aio.insecure_channel(address)
+        worker = PooledWorker(
+            worker_id=uuid.uuid4().hex[:16], address=address, artifact=artifact, capacity=capacity, channel=channel,
+            stub=worker_pb2_grpc.WorkerStub(channel), registered_at=now, last_heartbeat=now, last_heartbeat_mono=mono,
+        )
+        self.workers[worker.worker_id] = worker
+        return worker
+
+    def by_address(self, address: str) -> PooledWorker | None:
+        return next((w for w in self.workers.values() if w.address == address), None)
+
+    def get(self, worker_id: str) -> PooledWorker:
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            raise UnknownName(f"worker {worker_id!r} is not registered (the gateway may have restarted): "
+                              f"register again with RegisterWorker")
+        return worker
+
+    def heartbeat(self, worker_id: str, running: int, waiting: int, kv_blocks_free: int, draining: bool) -> None:
+        worker = self.get(worker_id)
+        worker.running_requests, worker.waiting_requests, worker.kv_blocks_free = running, waiting, kv_blocks_free
+        worker.last_heartbeat, worker.last_heartbeat_mono = datetime.now(timezone.utc), time.monotonic()
+        worker.health = Health.DRAINING if draining else Health.HEALTHY
+        worker.failed_reason = ""
+
+    async def remove(self, worker_id: str) -> PooledWorker:
+        """No new requests; the channel stays open while streams are in flight (release closes it)."""
+        worker = self.workers.pop(worker_id, None)
+        if worker is None:
+            raise UnknownName(f"worker {worker_id!r} is not registered; ListWorkers shows the registered ones")
+        if worker.in_flight == 0:
+            await worker.channel.close()
+        return worker
+
+    def acquire(self, worker: PooledWorker) -> None:
+        worker.in_flight += 1
+
+    async def release(self, worker: PooledWorker) -> None:
+        worker.in_flight -= 1
+        if worker.in_flight == 0 and self.workers.get(worker.worker_id) is not worker:
+            await worker.channel.close()  # removed while streams were open: the last one closes it
+
+    def mark_failed(self, worker: PooledWorker, reason: str) -> None:
+        if worker.health is Health.HEALTHY:
+            worker.health, worker.failed_reason = Health.UNHEALTHY, reason
+
+    def expire(self) -> list[PooledWorker]:
+        """Marks unhealthy every worker whose heartbeat is overdue; returns those newly marked."""
+        now = time.monotonic()
+        expired = [w for w in self.workers.values()
+                   if w.health is not Health.UNHEALTHY and now - w.last_heartbeat_mono > self.heartbeat_timeout_s]
+        for worker in expired:
+            worker.health = Health.UNHEALTHY
+            worker.failed_reason = f"no heartbeat for {now - worker.last_heartbeat_mono:.1f} s"
+        return expired
+
+    def healthy(self, artifact_id: str) -> list[PooledWorker]:
+        return [w for w in self.workers.values() if w.artifact.artifact_id == artifact_id and w.health is Health.HEALTHY]
+
+    def pick(self, artifact_id: str, exclude: set[str] = frozenset()) -> PooledWorker:
+        """The least-loaded healthy worker that holds the artifact (open streams over capacity, then its
+        last reported queue), ties broken at random so equal workers share the load."""
+        candidates = [w for w in self.healthy(artifact_id) if w.worker_id not in exclude]
+        if not candidates:
+            raise NoWorker(f"no healthy worker serves artifact {artifact_id}")
+        open_ = [w for w in candidates if w.in_flight < w.capacity]
+        if not open_:
+            raise AdmissionFull(f"every worker serving artifact {artifact_id} is at capacity "
+                                f"({', '.join(f'{w.address} {w.in_flight}/{w.capacity}' for w in candidates)}); "
+                                f"retry later")
+        return min(open_, key=lambda w: (w.in_flight / w.capacity, w.waiting_requests + w.running_requests,
+                                         random.random()))
+
+    async def close(self) -> None:
+        for worker in list(self.workers.values()):
+            await worker.channel.close()
+        self.workers.clear()

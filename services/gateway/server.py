@@ -1,0 +1,151 @@
+"""The gateway's grpc.aio server: Gateway and Admin on one port, the standard health service,
+reflection, and Prometheus metrics on their own HTTP port.
+
+    QSERVE_ADMIN_TOKENS=ops=s3cret:admin,workers=w0rk:worker \\
+    python -m services.gateway.server --registry-url sqlite:///var/qserve/registry.db --listen 0.0.0.0:50051 \\
+        --metrics-port 9100
+
+Embedded (`qctl up`, tests): `gateway = GatewayServer(config); port = await gateway.start(); ...;
+await gateway.stop(grace)` on a running event loop. SIGTERM or SIGINT stops the CLI gracefully."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from datetime import datetime, timezone
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+from sqlalchemy.exc import SQLAlchemyError
+
+from services.gateway.auth import AdminAuth, ApiKeys
+from services.gateway.config import ConfigError, GatewayConfig
+from services.gateway.deployments import DeploymentCache
+from services.gateway.fallback import AutoFallback
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.pool import WorkerPool
+from services.gateway.servicer_admin import AdminServicer
+from services.gateway.servicer_gateway import GatewayServicer
+from shared.registry import Registry, RegistryError, create_registry
+from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name  # qserve.v1.Gateway
+ADMIN_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Admin"].full_name  # qserve.v1.Admin
+
+
+class GatewayServer:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.metrics = GatewayMetrics()
+        self.pool = WorkerPool(heartbeat_timeout_s=config.heartbeat_timeout_s)
+        self.registry: Registry | None = None
+        self.deployments: DeploymentCache | None = None
+        self.fallback: AutoFallback | None = None
+        self.gateway: GatewayServicer | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._metrics_http = None
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> int:
+        """Opens the registry (migrating it to head), starts serving; returns the gRPC port."""
+        config = self.config
+        self.registry = await asyncio.to_thread(create_registry, config.registry_url)
+        self.deployments = DeploymentCache(self.registry, config.deployment_cache_s)
+        self.fallback = AutoFallback(self.registry, self.deployments, self.metrics, config.budget)
+        self.gateway = GatewayServicer(self.pool, self.deployments, self.metrics, ApiKeys(config.api_keys),
+                                       config.max_concurrent_streams)
+        admin = AdminServicer(self.registry, self.pool, self.deployments, self.metrics, AdminAuth(config.admin_tokens),
+                              config.heartbeat_interval_s, config.worker_info_timeout_s, datetime.now(timezone.utc))
+        server = grpc.aio.server()
+        gateway_pb2_grpc.add_GatewayServicer_to_server(self.gateway, server)
+        gateway_pb2_grpc.add_AdminServicer_to_server(admin, server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection((GATEWAY_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME,
+                                             reflection.SERVICE_NAME), server)
+        try:
+            self.port = server.add_insecure_port(config.listen)
+            await server.start()
+            if config.metrics_port is not None:
+                self._metrics_http, _ = start_http_server(config.metrics_port, addr=config.metrics_host,
+                                                          registry=self.metrics.registry)
+                self.metrics_port = self._metrics_http.server_port
+        except BaseException:  # e.g. a port is taken
+            await server.stop(None)
+            self.registry.close()
+            raise
+        self._server = server
+        for name in ("", GATEWAY_SERVICE, ADMIN_SERVICE):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._tasks = [asyncio.create_task(self._expire_workers(), name="gateway-heartbeats")]
+        if config.budget.enabled:
+            self._tasks.append(asyncio.create_task(self.fallback.run(config.fallback_check_s), name="gateway-fallback"))
+        log.info("gateway serving on port %d%s", self.port,
+                 f", metrics on port {self.metrics_port}" if self.metrics_port is not None else "")
+        return self.port
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Health turns NOT_SERVING, new calls are refused, open streams get `grace_s` to finish."""
+        if self._server is None:
+            return
+        await self._health.enter_graceful_shutdown()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
+        self._server = None
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+        await self.pool.close()
+        self.registry.close()
+
+    async def _expire_workers(self) -> None:
+        interval = min(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            for worker in self.pool.expire():
+                log.warning("worker %s (%s) marked unhealthy: %s", worker.worker_id, worker.address,
+                            worker.failed_reason)
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Runs until SIGTERM or SIGINT, then stops gracefully."""
+    gateway = GatewayServer(config)
+    await gateway.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping (grace %.0f s)", config.grace_s)
+    await gateway.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = GatewayConfig.from_args(argv)
+        asyncio.run(serve(config))
+    except (ConfigError, RegistryError, SQLAlchemyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

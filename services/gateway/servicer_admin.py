@@ -1,0 +1,266 @@
+"""The Admin service: worker announcements and deployment changes. Thin: auth -> from_pb -> a
+registry transaction on a thread (the registry blocks) -> to_pb; every change goes into the
+deployment cache at once so this gateway acts on it without waiting for the cache to age."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+from datetime import datetime, timezone
+
+import grpc
+import sqlalchemy as sa
+from google.protobuf.duration_pb2 import Duration
+
+from services.gateway.auth import AdminAuth
+from services.gateway.deployments import ArtifactRefView, DeploymentCache, DeploymentView, timestamp, view_of
+from services.gateway.errors import MAPPED, InvalidRequest, NoWorker, Precondition, status_of
+from services.gateway.metrics import ArmStats, GatewayMetrics
+from services.gateway.pool import WorkerPool
+from shared import registry as reg
+from shared.registry import ArtifactState, Deployment, Event, Registry
+from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+_NAME = re.compile(r"[a-z0-9._-]{1,64}")
+_ADDRESS = re.compile(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:]+\]:\d{1,5}")
+DEFAULT_EVENTS, MAX_EVENTS = 100, 1000
+
+
+def _admin(method):
+    """Checks the bearer token for this rpc, passes its name as the actor, maps errors to statuses."""
+
+    @functools.wraps(method)
+    async def wrapper(self: AdminServicer, request, context: grpc.aio.ServicerContext):
+        try:
+            actor = self.auth.actor(context.invocation_metadata(), method.__name__)
+            return await method(self, request, actor)
+        except MAPPED as exc:
+            await context.abort(status_of(exc), str(exc))
+
+    return wrapper
+
+
+def _required(field: str, value: str) -> str:
+    if not value:
+        raise InvalidRequest(f"{field} is required")
+    return value
+
+
+def _seconds(value: float) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(int(value * 1e9))
+    return d
+
+
+class AdminServicer(gateway_pb2_grpc.AdminServicer):
+    def __init__(self, registry: Registry, pool: WorkerPool, deployments: DeploymentCache, metrics: GatewayMetrics,
+                 auth: AdminAuth, heartbeat_interval_s: float, worker_info_timeout_s: float, started_at: datetime):
+        self.registry = registry
+        self.pool = pool
+        self.deployments = deployments
+        self.metrics = metrics
+        self.auth = auth
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.worker_info_timeout_s = worker_info_timeout_s
+        self.started_at = started_at
+
+    # ---------------------------------------------------------------- workers
+
+    @_admin
+    async def RegisterWorker(self, request: gateway_pb2.RegisterWorkerRequest, actor: str):
+        if not _ADDRESS.fullmatch(request.address) or int(request.address.rpartition(":")[2]) > 65535:
+            raise InvalidRequest(f"worker address {request.address!r} is not host:port (e.g. 10.0.0.7:50071)")
+        artifact_id = _required("artifact_id", request.artifact_id)
+        artifact = await asyncio.to_thread(self._servable_artifact, artifact_id)
+        info = await self._worker_info(request.address)
+        if info.artifact.artifact_id != artifact_id:
+            raise Precondition(f"the worker at {request.address} serves artifact {info.artifact.artifact_id!r}, "
+                               f"not {artifact_id!r}: register it with the artifact it loaded")
+        capacity = request.capacity or max(1, info.max_running_sequences + info.max_waiting_requests)
+        worker = await self.pool.add(request.address, artifact, capacity)
+        return gateway_pb2.RegisterWorkerResponse(worker_id=worker.worker_id,
+                                                  heartbeat_interval=_seconds(self.heartbeat_interval_s))
+
+    def _servable_artifact(self, artifact_id: str) -> ArtifactRefView:
+        with self.registry.transaction() as session:
+            artifact = reg.get_artifact(session, artifact_id)
+            if artifact.state != ArtifactState.READY:
+                raise Precondition(f"artifact {artifact_id} is {artifact.state.value}: only a READY artifact "
+                                   f"can be served")
+            return ArtifactRefView.of(artifact)
+
+    async def _worker_info(self, address: str) -> worker_pb2.WorkerInfo:
+        async with grpc.aio.insecure_channel(address) as channel:
+            try:
+                return await worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(),
+                                                                      timeout=self.worker_info_timeout_s)
+            except grpc.aio.AioRpcError as err:
+                raise NoWorker(f"cannot reach the worker at {address}: Info failed with {err.code().name} "
+                               f"({err.details()})") from None
+
+    @_admin
+    async def Heartbeat(self, request: gateway_pb2.HeartbeatRequest, actor: str):
+        self.pool.heartbeat(request.worker_id, request.running_requests, request.waiting_requests,
+                            request.kv_blocks_free, request.draining)
+        return gateway_pb2.HeartbeatResponse()
+
+    @_admin
+    async def DeregisterWorker(self, request: gateway_pb2.DeregisterWorkerRequest, actor: str):
+        await self.pool.remove(request.worker_id)
+        return gateway_pb2.DeregisterWorkerResponse()
+
+    @_admin
+    async def ListWorkers(self, request: gateway_pb2.ListWorkersRequest, actor: str):
+        workers = sorted(self.pool.workers.values(), key=lambda w: w.worker_id)
+        return gateway_pb2.ListWorkersResponse(workers=[
+            w.to_pb() for w in workers if not request.artifact_id or w.artifact.artifact_id == request.artifact_id
+        ])
+
+    # ---------------------------------------------------------------- deployments
+
+    @_admin
+    async def CreateDeployment(self, request: gateway_pb2.CreateDeploymentRequest, actor: str):
+        if not _NAME.fullmatch(request.name):
+            raise InvalidRequest(f"deployment name {request.name!r} is not accepted: use 1-64 characters of "
+                                 f"a-z, 0-9, '.', '_' and '-'")
+        stable = _required("stable_artifact_id", request.stable_artifact_id)
+        baseline = _required("baseline_artifact_id", request.baseline_artifact_id)
+
+        def create(session):
+            stable_ref = ArtifactRefView.of(reg.get_artifact(session, stable))
+            baseline_ref = ArtifactRefView.of(reg.get_artifact(session, baseline))
+            if baseline_ref.format != "fp16":
+                raise Precondition(f"baseline artifact {baseline} has format {baseline_ref.format!r}; the "
+                                   f"baseline must be an \"fp16\" artifact (the unquantized fallback)")
+            if baseline_ref.model_name != stable_ref.model_name:
+                raise Precondition(f"stable artifact {stable} is of model {stable_ref.model_name!r} but baseline "
+                                   f"{baseline} is of {baseline_ref.model_name!r}: both must be of one model")
+            return reg.create_deployment(session, request.name, stable_artifact_id=stable,
+                                         baseline_artifact_id=baseline, actor=actor)
+
+        return (await self._change(create)).to_pb()
+
+    @_admin
+    async def GetDeployment(self, request: gateway_pb2.GetDeploymentRequest, actor: str):
+        return (await self._read(_required("deployment", request.deployment))).to_pb()
+
+    @_admin
+    async def ListDeployments(self, request: gateway_pb2.ListDeploymentsRequest, actor: str):
+        def read():
+            with self.registry.transaction() as session:
+                return [view_of(session, d) for d in reg.list_deployments(session)]
+
+        views = await asyncio.to_thread(read)
+        for view in views:
+            self.deployments.put(view)
+        return gateway_pb2.ListDeploymentsResponse(deployments=[v.to_pb() for v in views])
+
+    @_admin
+    async def StartRollout(self, request: gateway_pb2.StartRolloutRequest, actor: str):
+        name = _required("deployment", request.deployment)
+        canary = _required("canary_artifact_id", request.canary_artifact_id)
+        percent = request.canary_percent
+        if not 1 <= percent <= 100:
+            raise InvalidRequest(f"canary_percent {percent} is not accepted: use 1..100")
+
+        def start(session):
+            deployment = reg.get_deployment(session, name)
+            if deployment.canary_artifact_id == canary:  # the same canary again: a new percentage
+                return reg.set_canary_percent(session, name, percent, actor=actor)
+            canary_model = reg.get_artifact(session, canary).model_version.model.name
+            stable_model = reg.get_artifact(session, deployment.stable_artifact_id).model_version.model.name
+            if canary_model != stable_model:
+                raise Precondition(f"canary {canary} is of model {canary_model!r}, the stable of deployment "
+                                   f"{name!r} is of {stable_model!r}: a canary must be of the stable's model")
+            return reg.start_rollout(session, name, canary_artifact_id=canary, percent=percent, actor=actor)
+
+        return (await self._change(start)).to_pb()
+
+    @_admin
+    async def PromoteRollout(self, request: gateway_pb2.PromoteRolloutRequest, actor: str):
+        name = _required("deployment", request.deployment)
+        return (await self._change(lambda session: reg.promote(session, name, actor=actor))).to_pb()
+
+    @_admin
+    async def AbortRollout(self, request: gateway_pb2.AbortRolloutRequest, actor: str):
+        name = _required("deployment", request.deployment)
+        return (await self._change(
+            lambda session: reg.abort_rollout(session, name, actor=actor, reason=request.reason))).to_pb()
+
+    @_admin
+    async def SetFallback(self, request: gateway_pb2.SetFallbackRequest, actor: str):
+        name = _required("deployment", request.deployment)
+        return (await self._change(lambda session: reg.set_fallback(
+            session, name, request.enabled, actor=actor, reason=request.reason))).to_pb()
+
+    @_admin
+    async def RolloutStatus(self, request: gateway_pb2.RolloutStatusRequest, actor: str):
+        view = await self._read(_required("deployment", request.deployment))
+        since = self._window_start(view)
+        response = gateway_pb2.RolloutStatusResponse(deployment=view.to_pb(), window_start=timestamp(since))
+        arms = (("stable", view.stable), ("canary", view.canary), ("baseline", view.baseline))
+        for field, ref in arms:
+            if ref is None:
+                continue
+            stats = self.metrics.stats(view.name, ref.artifact_id, since.timestamp())
+            getattr(response, field).CopyFrom(self._arm_pb(ref, stats))
+        return response
+
+    def _window_start(self, view: DeploymentView) -> datetime:
+        if view.canary is not None and view.rollout_started_at is not None:
+            return view.rollout_started_at
+        return max(self.started_at, view.updated_at)
+
+    def _arm_pb(self, ref: ArtifactRefView, stats: ArmStats) -> gateway_pb2.ArmMetrics:
+        return gateway_pb2.ArmMetrics(
+            artifact=ref.to_pb(), healthy_workers=len(self.pool.healthy(ref.artifact_id)), requests=stats.requests,
+            errors=stats.errors, error_rate=stats.error_rate, ttft_p50=_seconds(stats.ttft_p50_s),
+            ttft_p95=_seconds(stats.ttft_p95_s), tpot_p50=_seconds(stats.tpot_p50_s),
+            tpot_p95=_seconds(stats.tpot_p95_s), generated_tokens=stats.generated_tokens,
+        )
+
+    # ---------------------------------------------------------------- events
+
+    @_admin
+    async def ListEvents(self, request: gateway_pb2.ListEventsRequest, actor: str):
+        limit = request.limit or DEFAULT_EVENTS
+        if limit > MAX_EVENTS:
+            raise InvalidRequest(f"limit {limit} is not accepted: use 1..{MAX_EVENTS} (0 = {DEFAULT_EVENTS})")
+        since = request.since.ToDatetime(tzinfo=timezone.utc) if request.HasField("since") else None
+
+        def read():
+            stmt = (sa.select(Event, Deployment.name).outerjoin(Deployment, Event.deployment_id == Deployment.id)
+                    .order_by(Event.id.desc()).limit(limit))
+            if request.deployment:
+                stmt = stmt.where(Deployment.name == request.deployment)
+            if since is not None:
+                stmt = stmt.where(Event.at >= since)
+            with self.registry.transaction() as session:
+                return [gateway_pb2.Event(event_id=e.id, time=timestamp(e.at), deployment=name or "", kind=e.kind,
+                                          detail=e.detail, actor=e.actor, artifact_id=e.artifact_id or "")
+                        for e, name in session.execute(stmt)]
+
+        return gateway_pb2.ListEventsResponse(events=await asyncio.to_thread(read))
+
+    # ---------------------------------------------------------------- helpers
+
+    async def _change(self, change) -> DeploymentView:
+        """Runs change(session) -> Deployment in one transaction; the new snapshot goes into the cache."""
+
+        def run() -> DeploymentView:
+            with self.registry.transaction() as session:
+                return view_of(session, change(session))
+
+        view = await asyncio.to_thread(run)
+        self.deployments.put(view)
+        return view
+
+    async def _read(self, name: str) -> DeploymentView:
+        def run() -> DeploymentView:
+            with self.registry.transaction() as session:
+                return view_of(session, reg.get_deployment(session, name))
+
+        view = await asyncio.to_thread(run)
+        self.deployments.put(view)
+        return view

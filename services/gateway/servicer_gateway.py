@@ -1,0 +1,258 @@
+"""The Gateway service: Generate picks the arm and the least-loaded worker, relays the worker's
+stream and rewrites the final timings as the gateway saw them.
+
+Failure rules: a worker that fails before any token reached the client is marked unhealthy and the
+request moves to another worker (same artifact, else the baseline); once tokens were delivered the
+stream ends UNAVAILABLE with the count, because replaying on another worker would repeat them. A
+client that cancels has its worker call cancelled and an explicit Worker.Abort sent, so the worker
+frees the KV blocks even if the cancellation is lost on the way."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.duration_pb2 import Duration
+
+from services.gateway import router
+from services.gateway.auth import ApiKeys
+from services.gateway.deployments import DeploymentCache, DeploymentView
+from services.gateway.errors import MAPPED, AdmissionFull, InvalidRequest, NoWorker, status_of
+from services.gateway.metrics import GatewayMetrics, Outcome
+from services.gateway.pool import PooledWorker, WorkerPool
+from services.gateway.router import Arm, Route
+from shared.rpc.qserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2
+
+log = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 2.0
+# Worker answers that are about the request itself: the client gets them as they are, no retry.
+_CLIENT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                           grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS})
+
+
+class WorkerRejected(Exception):
+    """The worker refused the request for a reason that is the client's (passed through as it is)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code = code
+
+
+@dataclass(slots=True)
+class Attempt:
+    worker: PooledWorker
+    finished: bool = False  # the worker ended the request (a final message, or a refusal for the client)
+    failure: str = ""  # why the worker failed it, naming the worker
+
+
+@dataclass(slots=True)
+class Trace:
+    """One request's progress, for timings and metrics."""
+
+    arrival: float
+    route: Route
+    worker_started: float | None = None
+    first_token_at: float | None = None
+    delivered: int = 0  # tokens sent to the client
+    generated: int | None = None  # from the worker's final message
+    server_error: bool = False
+
+    def outcome(self) -> Outcome:
+        now = time.monotonic()
+        ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
+        tokens = self.delivered if self.generated is None else self.generated
+        tpot = (now - self.first_token_at) / (tokens - 1) if ttft is not None and tokens > 1 else None
+        return Outcome(at=time.time(), server_error=self.server_error, ttft_s=ttft, tpot_s=tpot, tokens=self.delivered)
+
+
+def _duration(seconds: float) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(max(0, int(seconds * 1e9)))
+    return d
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, pool: WorkerPool, deployments: DeploymentCache, metrics: GatewayMetrics, api_keys: ApiKeys,
+                 max_concurrent_streams: int):
+        self.pool = pool
+        self.deployments = deployments
+        self.metrics = metrics
+        self.api_keys = api_keys
+        self.max_concurrent_streams = max_concurrent_streams
+        self.open_streams = 0
+        self._aborts: set[asyncio.Task] = set()  # Worker.Abort calls in flight (kept so they are not collected)
+
+    async def Generate(self, request: gateway_pb2.GatewayGenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[gateway_pb2.GatewayGenerateResponse]:
+        arrival = time.monotonic()
+        try:
+            self.api_keys.check(context.invocation_metadata())
+            _validate(request)
+            if self.open_streams >= self.max_concurrent_streams:
+                raise AdmissionFull(f"the gateway has {self.open_streams} streams open, its limit "
+                                    f"(max_concurrent_streams) is {self.max_concurrent_streams}; retry later")
+        except MAPPED as exc:
+            await context.abort(status_of(exc), str(exc))
+        self.open_streams += 1
+        self.metrics.open_streams.inc()
+        try:
+            async for reply in self._generate(request, arrival):
+                yield reply
+        except WorkerRejected as exc:
+            await context.abort(exc.code, str(exc))
+        except MAPPED as exc:
+            await context.abort(status_of(exc), str(exc))
+        finally:
+            self.open_streams -= 1
+            self.metrics.open_streams.dec()
+
+    async def _generate(self, request: gateway_pb2.GatewayGenerateRequest, arrival: float
+                        ) -> AsyncIterator[gateway_pb2.GatewayGenerateResponse]:
+        request_id = request.request_id or uuid.uuid4().hex
+        deployment = await self.deployments.get(request.deployment)
+        trace = Trace(arrival=arrival, route=router.choose(deployment, request.session_key))
+        tried: set[str] = set()
+        failures: list[str] = []
+        counted = True  # a request turned away by admission before any worker saw it is not counted
+        try:
+            while True:
+                attempt = Attempt(self._pick(deployment, trace, tried, failures))
+                tried.add(attempt.worker.worker_id)
+                worker_request = _worker_request(request, f"{request_id}.{len(tried)}")
+                async for reply in self._relay(attempt, worker_request, request_id, trace):
+                    yield reply
+                if attempt.finished:
+                    return
+                failures.append(attempt.failure)
+                if trace.delivered:
+                    raise NoWorker(
+                        f"worker {attempt.worker.address} failed after {trace.delivered} tokens were delivered "
+                        f"({attempt.failure}); the stream ends here because another worker would repeat them: "
+                        f"retry the request, or continue from the tokens received"
+                    )
+        except NoWorker:
+            trace.server_error = True
+            raise
+        except AdmissionFull:
+            counted = trace.worker_started is not None
+            raise
+        finally:
+            if counted:
+                self.metrics.record(deployment.name, trace.route.arm.label, trace.route.artifact.artifact_id,
+                                    trace.outcome())
+
+    def _pick(self, deployment: DeploymentView, trace: Trace, tried: set[str], failures: list[str]) -> PooledWorker:
+        """A worker for the request's arm, or for the baseline when the arm has none left."""
+        try:
+            return self.pool.pick(trace.route.artifact.artifact_id, exclude=tried)
+        except NoWorker:
+            baseline = router.baseline_route(deployment)
+            if baseline is None or trace.route.arm is Arm.BASELINE:
+                raise NoWorker(self._unavailable(deployment, trace.route, failures, baseline)) from None
+            log.warning("deployment %s: no healthy worker for the %s arm (%s), sending to the baseline",
+                        deployment.name, trace.route.arm.label, trace.route.artifact.artifact_id)
+            trace.route = baseline
+            try:
+                return self.pool.pick(baseline.artifact.artifact_id, exclude=tried)
+            except NoWorker:
+                raise NoWorker(self._unavailable(deployment, trace.route, failures, baseline)) from None
+
+    @staticmethod
+    def _unavailable(deployment: DeploymentView, route: Route, failures: list[str], baseline: Route | None) -> str:
+        where = f"artifact {route.artifact.artifact_id} ({route.arm.label} arm)"
+        if baseline is not None and route.arm is not Arm.BASELINE:
+            where += f" nor the baseline {baseline.artifact.artifact_id}"
+        elif baseline is not None:
+            where += " (the fallback target)"
+        tried = f"; tried: {'; '.join(failures)}" if failures else ""
+        return f"deployment {deployment.name!r}: no healthy worker serves {where}{tried}; retry later"
+
+    async def _relay(self, attempt: Attempt, worker_request: worker_pb2.GenerateRequest, request_id: str,
+                     trace: Trace) -> AsyncIterator[gateway_pb2.GatewayGenerateResponse]:
+        """Streams one attempt; sets attempt.finished, or attempt.failure when the worker failed. Raises
+        WorkerRejected for a refusal that is the client's to fix."""
+        worker = attempt.worker
+        self.pool.acquire(worker)
+        trace.worker_started = time.monotonic()
+        artifact_id, arm = trace.route.artifact.artifact_id, trace.route.arm.value
+        call = worker.stub.Generate(worker_request)
+        try:
+            async for reply in call:
+                if reply.token_ids and trace.first_token_at is None:
+                    trace.first_token_at = time.monotonic()
+                trace.delivered += len(reply.token_ids)
+                out = gateway_pb2.GatewayGenerateResponse(request_id=request_id, token_ids=reply.token_ids,
+                                                          text=reply.text, artifact_id=artifact_id, arm=arm)
+                if reply.HasField("finish"):
+                    attempt.finished = True
+                    trace.generated = reply.finish.generated_tokens
+                    out.finish.CopyFrom(self._finish(reply.finish, trace))
+                    yield out
+                    return
+                yield out
+            attempt.failure = f"{worker.address}: the stream ended without a final message"
+        except grpc.aio.AioRpcError as err:
+            code = err.code()
+            if code in _CLIENT_CODES:
+                attempt.finished = True
+                raise WorkerRejected(code, err.details() or code.name) from None
+            attempt.failure = f"{worker.address}: {code.name}: {err.details()}"
+        finally:
+            if not attempt.finished and not attempt.failure:
+                # The client went away (or the gateway is stopping): stop the worker's work now.
+                call.cancel()
+                self._send_abort(worker, worker_request.request_id)
+            await self.pool.release(worker)
+        # a full worker is busy, not broken: it stays eligible for other requests
+        if not attempt.failure.startswith(f"{worker.address}: RESOURCE_EXHAUSTED"):
+            self.pool.mark_failed(worker, attempt.failure)
+        log.warning("request %s on worker %s failed after %d tokens: %s", request_id, worker.address,
+                    trace.delivered, attempt.failure)
+
+    def _send_abort(self, worker: PooledWorker, worker_request_id: str) -> None:
+        async def abort() -> None:
+            try:
+                await worker.stub.Abort(worker_pb2.AbortRequest(request_id=worker_request_id), timeout=ABORT_TIMEOUT_S)
+            except grpc.aio.AioRpcError as err:  # the cancelled call alone still frees the blocks
+                log.info("Abort of %s on %s failed: %s", worker_request_id, worker.address, err.code().name)
+
+        task = asyncio.ensure_future(abort())
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    def _finish(self, finish: common_pb2.Finish, trace: Trace) -> common_pb2.Finish:
+        now = time.monotonic()
+        total = now - trace.arrival
+        routed = (trace.worker_started or now) - trace.arrival
+        ttft = (trace.first_token_at - trace.arrival) if trace.first_token_at is not None else 0.0
+        generated = finish.generated_tokens
+        tpot = (total - ttft) / (generated - 1) if generated > 1 and trace.first_token_at is not None else 0.0
+        queue = routed + finish.timings.queue.ToTimedelta().total_seconds()
+        return common_pb2.Finish(
+            reason=finish.reason, prompt_tokens=finish.prompt_tokens, generated_tokens=generated,
+            timings=common_pb2.Timings(queue=_duration(queue), time_to_first_token=_duration(ttft),
+                                       time_per_output_token=_duration(tpot), total=_duration(total)),
+        )
+
+
+def _validate(request: gateway_pb2.GatewayGenerateRequest) -> None:
+    if not request.deployment:
+        raise InvalidRequest("deployment is required: the name of a deployment (`qctl deploy create` makes one)")
+    which = request.WhichOneof("prompt")
+    if which is None or (which == "text" and not request.text) or (which == "token_ids" and not request.token_ids.ids):
+        raise InvalidRequest("prompt is required: give a non-empty text or a non-empty token_ids list")
+
+
+def _worker_request(request: gateway_pb2.GatewayGenerateRequest, worker_request_id: str) -> worker_pb2.GenerateRequest:
+    out = worker_pb2.GenerateRequest(request_id=worker_request_id, sampling=request.sampling)
+    if request.WhichOneof("prompt") == "text":
+        out.text = request.text
+    else:
+        out.token_ids.CopyFrom(request.token_ids)
+    return out
