@@ -149,29 +149,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def _pick(self, deployment: DeploymentView, trace: Trace, tried: set[str], failures: list[str]) -> PooledWorker:
         """A worker for the request's arm, or for the baseline when the arm has none left."""
+        chosen = trace.route
         try:
-            return self.pool.pick(trace.route.artifact.artifact_id, exclude=tried)
+            return self.pool.pick(chosen.artifact.artifact_id, exclude=tried)
         except NoWorker:
             baseline = router.baseline_route(deployment)
-            if baseline is None or trace.route.arm is Arm.BASELINE:
-                raise NoWorker(self._unavailable(deployment, trace.route, failures, baseline)) from None
-            log.warning("deployment %s: no healthy worker for the %s arm (%s), sending to the baseline",
-                        deployment.name, trace.route.arm.label, trace.route.artifact.artifact_id)
+            if baseline is None or chosen.arm is Arm.BASELINE:
+                raise NoWorker(_unavailable(deployment, chosen, None, failures)) from None
             trace.route = baseline
             try:
-                return self.pool.pick(baseline.artifact.artifact_id, exclude=tried)
+                worker = self.pool.pick(baseline.artifact.artifact_id, exclude=tried)
             except NoWorker:
-                raise NoWorker(self._unavailable(deployment, trace.route, failures, baseline)) from None
-
-    @staticmethod
-    def _unavailable(deployment: DeploymentView, route: Route, failures: list[str], baseline: Route | None) -> str:
-        where = f"artifact {route.artifact.artifact_id} ({route.arm.label} arm)"
-        if baseline is not None and route.arm is not Arm.BASELINE:
-            where += f" nor the baseline {baseline.artifact.artifact_id}"
-        elif baseline is not None:
-            where += " (the fallback target)"
-        tried = f"; tried: {'; '.join(failures)}" if failures else ""
-        return f"deployment {deployment.name!r}: no healthy worker serves {where}{tried}; retry later"
+                raise NoWorker(_unavailable(deployment, chosen, baseline, failures)) from None
+            log.warning("deployment %s: no healthy worker for the %s arm (%s), sending to the baseline",
+                        deployment.name, chosen.arm.label, chosen.artifact.artifact_id)
+            return worker
 
     async def _relay(self, attempt: Attempt, worker_request: worker_pb2.GenerateRequest, request_id: str,
                      trace: Trace) -> AsyncIterator[gateway_pb2.GatewayGenerateResponse]:
@@ -239,6 +231,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             timings=common_pb2.Timings(queue=_duration(queue), time_to_first_token=_duration(ttft),
                                        time_per_output_token=_duration(tpot), total=_duration(total)),
         )
+
+
+def _unavailable(deployment: DeploymentView, chosen: Route, baseline: Route | None, failures: list[str]) -> str:
+    where = f"artifact {chosen.artifact.artifact_id} ({chosen.arm.label} arm)"
+    if baseline is not None:
+        where += f" nor its baseline {baseline.artifact.artifact_id}"
+    tried = f"; tried: {'; '.join(failures)}" if failures else ""
+    return f"deployment {deployment.name!r}: no healthy worker serves {where}{tried}; retry later"
 
 
 def _validate(request: gateway_pb2.GatewayGenerateRequest) -> None:

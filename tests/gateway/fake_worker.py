@@ -1,0 +1,103 @@
+"""A small Worker service for gateway tests: deterministic tokens at a set pace, and switches that
+make it fail before or after the first token; it records what the gateway asked of it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from shared.rpc.qserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+VOCAB = 4096
+
+
+def expected_tokens(prompt_ids: list[int], count: int) -> list[int]:
+    """The tokens FakeWorker generates for this prompt: a pure function, so tests can check the
+    gateway delivered each exactly once, in order."""
+    base = sum(prompt_ids) % VOCAB
+    return [(base + 7 * i + 1) % VOCAB for i in range(count)]
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, artifact_id: str, *, tokens: int = 4, delay_s: float = 0.0, max_running: int = 8,
+                 max_waiting: int = 8):
+        self.artifact_id = artifact_id
+        self.tokens = tokens  # generated when the request's max_new_tokens is 0
+        self.delay_s = delay_s  # before each token
+        self.max_running, self.max_waiting = max_running, max_waiting
+        self.fail_before_first = False  # every Generate fails UNAVAILABLE before any token
+        self.fail_after: int | None = None  # every Generate fails UNAVAILABLE after this many tokens
+        self.started: list[str] = []  # request ids of Generate calls, in arrival order
+        self.finished: list[str] = []
+        self.cancelled: list[str] = []  # Generate calls whose caller went away
+        self.aborts: list[str] = []  # request ids of Abort calls
+        self.running = 0
+
+    async def Generate(self, request: worker_pb2.GenerateRequest, context) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        self.started.append(request.request_id)
+        if self.fail_before_first:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker failing before the first token")
+        if request.WhichOneof("prompt") == "text":
+            prompt = list(request.text.encode())
+        else:
+            prompt = list(request.token_ids.ids)
+        if any(t >= VOCAB for t in prompt):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token id outside the vocabulary of {VOCAB}")
+        count = request.sampling.max_new_tokens or self.tokens
+        ids = expected_tokens(prompt, count)
+        self.running += 1
+        try:
+            for i, token in enumerate(ids):
+                if self.fail_after is not None and i == self.fail_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"fake worker failing after {i} tokens")
+                await asyncio.sleep(self.delay_s)
+                reply = worker_pb2.GenerateResponse(request_id=request.request_id, token_ids=[token], text=f"<{token}>")
+                if i == count - 1:
+                    reply.finish.CopyFrom(common_pb2.Finish(reason=common_pb2.FINISH_REASON_LENGTH,
+                                                            prompt_tokens=len(prompt), generated_tokens=count))
+                yield reply
+            self.finished.append(request.request_id)
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+        finally:
+            self.running -= 1
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
+        self.aborts.append(request.request_id)
+        return worker_pb2.AbortResponse(found=request.request_id in self.started)
+
+    async def Info(self, request: worker_pb2.InfoRequest, context) -> worker_pb2.WorkerInfo:
+        return worker_pb2.WorkerInfo(
+            artifact=common_pb2.ArtifactInfo(artifact_id=self.artifact_id, state=common_pb2.ARTIFACT_STATE_READY),
+            gpu_name="cpu", gpu_target="cpu", max_running_sequences=self.max_running,
+            max_waiting_requests=self.max_waiting, max_context_tokens=2048, running_requests=self.running,
+        )
+
+
+class FakeWorkerServer:
+    """A FakeWorker on a loopback port of the running event loop."""
+
+    def __init__(self, worker: FakeWorker):
+        self.worker = worker
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> FakeWorkerServer:
+        self.server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.worker, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return self
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """grace_s=0 ends open streams at once, like a killed worker process."""
+        if self.server is not None:
+            await self.server.stop(grace_s)
+            self.server = None

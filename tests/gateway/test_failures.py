@@ -1,0 +1,110 @@
+"""Worker failures before and after the first token, client cancellation, admission."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import grpc
+import pytest
+
+from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
+from tests.gateway.conftest import ADMIN, gateway_stack, run, tokens_of
+from tests.gateway.fake_worker import expected_tokens
+
+
+def test_a_worker_failing_before_the_first_token_is_retried_on_another(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            broken = await stack.add_worker(artifacts.stable, tokens=3)
+            healthy = await stack.add_worker(artifacts.stable, tokens=3)
+            broken.worker.fail_before_first = True
+            for i in range(4):
+                replies = await stack.generate(f"p{i}")
+                assert tokens_of(replies) == expected_tokens(list(f"p{i}".encode()), 3)
+            # the broken worker was tried at most once, then marked unhealthy
+            assert len(broken.worker.started) <= 1 and len(healthy.worker.started) == 4
+            listed = {w.worker_id: w for w in
+                      (await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)).workers}
+            if broken.worker.started:
+                assert listed[broken.worker_id].health == gateway_pb2.WORKER_HEALTH_UNHEALTHY
+
+    run(scenario())
+
+
+def test_the_last_worker_failing_before_the_first_token_sends_the_request_to_the_baseline(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            broken = await stack.add_worker(artifacts.stable, tokens=2)
+            broken.worker.fail_before_first = True
+            await stack.add_worker(artifacts.baseline, tokens=2)
+            replies = await stack.generate()
+            assert replies[-1].artifact_id == artifacts.baseline and replies[-1].arm == gateway_pb2.ARM_BASELINE
+            assert len(broken.worker.started) == 1
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("how", ["error", "killed"])
+def test_a_worker_failing_after_tokens_ends_the_stream_unavailable_with_the_count(artifacts, how):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            failing = await stack.add_worker(artifacts.stable, tokens=10, delay_s=0.05)
+            spare = await stack.add_worker(artifacts.stable, tokens=10)
+            failing.worker.fail_after = 3 if how == "error" else None
+            await stack.admin.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=spare.worker_id, running_requests=5),
+                                        metadata=ADMIN)  # loaded: the first request goes to `failing`
+            request = gateway_pb2.GatewayGenerateRequest(deployment="chat", text="abc")
+            received = []
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                async for reply in stack.gw.Generate(request):
+                    received.extend(reply.token_ids)
+                    if how == "killed" and len(received) == 3:
+                        await failing.stop(0)  # the worker process dies mid-stream
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert received == expected_tokens(list(b"abc"), 10)[:3]  # no duplicate, no gap
+            assert re.search(r"after 3 tokens were delivered", raised.value.details()), raised.value.details()
+            assert spare.worker.started == []  # never replayed elsewhere
+
+    run(scenario())
+
+
+def test_a_client_that_cancels_aborts_the_request_on_the_worker(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            worker = (await stack.add_worker(artifacts.stable, tokens=50, delay_s=0.05)).worker
+            call = stack.gw.Generate(gateway_pb2.GatewayGenerateRequest(deployment="chat", text="long"))
+            seen = 0
+            async for reply in call:
+                seen += len(reply.token_ids)
+                if seen == 2:
+                    call.cancel()
+                    break
+            for _ in range(50):
+                if worker.aborts and worker.cancelled:
+                    break
+                await asyncio.sleep(0.02)
+            assert worker.aborts == worker.started  # Worker.Abort named the request the worker was running
+            assert worker.cancelled == worker.started and worker.finished == []
+            assert worker.running == 0
+            listed = await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)
+            assert listed.workers[0].in_flight == 0
+
+    run(scenario())
+
+
+def test_streams_beyond_the_gateway_limit_are_resource_exhausted(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts, max_concurrent_streams=2) as stack:
+            await stack.add_worker(artifacts.stable, tokens=3, delay_s=0.3)
+            open_streams = [asyncio.create_task(stack.generate(f"p{i}")) for i in range(2)]
+            await asyncio.sleep(0.15)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.generate("third")
+            assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_concurrent_streams" in raised.value.details() and "2" in raised.value.details()
+            for replies in await asyncio.gather(*open_streams):
+                assert replies[-1].finish.reason == common_pb2.FINISH_REASON_LENGTH
+            assert len(await stack.generate("now there is room")) == 3
+
+    run(scenario())

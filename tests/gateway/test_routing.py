@@ -1,0 +1,181 @@
+"""Worker pool and routing: registration checks, least-loaded choice, heartbeats, baseline when an
+arm has no worker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from shared.rpc.qserve.v1 import gateway_pb2
+from tests.gateway.conftest import ADMIN, WORKER, arm_of, gateway_stack, run, tokens_of
+from tests.gateway.fake_worker import FakeWorker, FakeWorkerServer, expected_tokens
+
+
+def test_stream_relays_the_workers_tokens_once_and_in_order(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            await stack.add_worker(artifacts.stable, tokens=5)
+            replies = await stack.generate("hi")
+            assert tokens_of(replies) == expected_tokens(list(b"hi"), 5)
+            assert "".join(r.text for r in replies) == "".join(f"<{t}>" for t in expected_tokens(list(b"hi"), 5))
+            assert {r.artifact_id for r in replies} == {artifacts.stable}
+            assert arm_of(replies) == gateway_pb2.ARM_STABLE
+            final = replies[-1].finish
+            assert final.generated_tokens == 5 and final.prompt_tokens == 2
+            assert final.timings.total.ToNanoseconds() >= final.timings.time_to_first_token.ToNanoseconds() > 0
+            assert all(not r.HasField("finish") for r in replies[:-1])
+            assert len({r.request_id for r in replies}) == 1 and replies[0].request_id
+
+    run(scenario())
+
+
+def test_requests_go_to_the_least_loaded_healthy_worker(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            a = await stack.add_worker(artifacts.stable, tokens=3, delay_s=0.3)
+            b = await stack.add_worker(artifacts.stable, tokens=3, delay_s=0.3)
+            streams = [asyncio.create_task(stack.generate(f"p{i}")) for i in range(6)]
+            await asyncio.sleep(0.15)
+            listed = await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)
+            assert sorted(w.in_flight for w in listed.workers) == [3, 3]
+            await asyncio.gather(*streams)
+            assert len(a.worker.started) == len(b.worker.started) == 3
+            # b is now busy with one slow stream: the next request goes to a
+            slow = asyncio.create_task(stack.generate("slow", max_new_tokens=3))
+            await asyncio.sleep(0.1)
+            busy = a if len(a.worker.started) == 4 else b
+            idle = b if busy is a else a
+            await stack.generate("quick", max_new_tokens=1)
+            assert len(idle.worker.started) == 4
+            await slow
+
+    run(scenario())
+
+
+def test_a_worker_at_capacity_gets_no_more_and_a_full_pool_is_resource_exhausted(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            await stack.add_worker(artifacts.stable, capacity=2, tokens=2, delay_s=0.4)
+            streams = [asyncio.create_task(stack.generate(f"p{i}")) for i in range(2)]
+            await asyncio.sleep(0.1)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.generate("third")
+            assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "capacity" in raised.value.details()
+            await asyncio.gather(*streams)
+            assert len(await stack.generate("after")) >= 1
+
+    run(scenario())
+
+
+def test_register_checks_the_address_the_artifact_and_the_worker(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            fake = await FakeWorkerServer(FakeWorker(artifacts.stable)).start()
+            stack.workers.append(fake)
+
+            async def register(address, artifact_id):
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await stack.admin.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
+                        address=address, artifact_id=artifact_id), metadata=WORKER)
+                return raised.value
+
+            bad = await register("no-port", artifacts.stable)
+            assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "'no-port'" in bad.details()
+            assert (await register(fake.address, "")).code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (await register(fake.address, "f" * 32)).code() == grpc.StatusCode.NOT_FOUND
+            pending = await register(fake.address, artifacts.pending)
+            assert pending.code() == grpc.StatusCode.FAILED_PRECONDITION and "PENDING" in pending.details()
+            other = await register(fake.address, artifacts.baseline)  # the worker loaded the stable
+            assert other.code() == grpc.StatusCode.FAILED_PRECONDITION and artifacts.stable in other.details()
+            down = await register("127.0.0.1:1", artifacts.stable)
+            assert down.code() == grpc.StatusCode.UNAVAILABLE and "127.0.0.1:1" in down.details()
+            first = await stack.admin.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
+                address=fake.address, artifact_id=artifacts.stable), metadata=WORKER)
+            again = await stack.admin.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
+                address=fake.address, artifact_id=artifacts.stable), metadata=WORKER)
+            assert first.worker_id == again.worker_id
+            listed = (await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)).workers
+            assert [(w.address, w.capacity, w.artifact.format) for w in listed] == [(fake.address, 16, "w4a8kv4-g128")]
+
+    run(scenario())
+
+
+def test_missed_heartbeats_mark_a_worker_unhealthy_and_a_heartbeat_restores_it(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.3) as stack:
+            silent = await stack.add_worker(artifacts.stable)
+            beating = await stack.add_worker(artifacts.stable)
+            for _ in range(6):
+                await stack.admin.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=beating.worker_id,
+                                                                         running_requests=1), metadata=WORKER)
+                await asyncio.sleep(0.1)
+            health = {w.worker_id: w.health for w in
+                      (await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)).workers}
+            assert health == {silent.worker_id: gateway_pb2.WORKER_HEALTH_UNHEALTHY,
+                              beating.worker_id: gateway_pb2.WORKER_HEALTH_HEALTHY}
+            for i in range(4):
+                await stack.generate(f"p{i}", max_new_tokens=1)
+            assert len(silent.worker.started) == 0 and len(beating.worker.started) == 4
+            await stack.admin.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=silent.worker_id), metadata=WORKER)
+            listed = await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)
+            assert {w.health for w in listed.workers} == {gateway_pb2.WORKER_HEALTH_HEALTHY}
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.admin.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id="nope"), metadata=WORKER)
+            assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+
+    run(scenario())
+
+
+def test_draining_and_deregistered_workers_get_no_new_requests(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            draining = await stack.add_worker(artifacts.stable)
+            gone = await stack.add_worker(artifacts.stable)
+            serving = await stack.add_worker(artifacts.stable)
+            await stack.admin.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=draining.worker_id, draining=True),
+                                        metadata=WORKER)
+            await stack.admin.DeregisterWorker(gateway_pb2.DeregisterWorkerRequest(worker_id=gone.worker_id),
+                                               metadata=WORKER)
+            for i in range(4):
+                await stack.generate(f"p{i}", max_new_tokens=1)
+            assert (len(draining.worker.started), len(gone.worker.started), len(serving.worker.started)) == (0, 0, 4)
+
+    run(scenario())
+
+
+def test_an_arm_without_workers_goes_to_the_baseline_and_none_at_all_is_unavailable(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.generate()
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert artifacts.stable in raised.value.details() and artifacts.baseline in raised.value.details()
+            await stack.add_worker(artifacts.baseline)
+            replies = await stack.generate()
+            assert arm_of(replies) == gateway_pb2.ARM_BASELINE and replies[0].artifact_id == artifacts.baseline
+
+    run(scenario())
+
+
+def test_generate_rejects_bad_requests(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            await stack.add_worker(artifacts.stable)
+            for deployment, prompt, code in (("", "x", grpc.StatusCode.INVALID_ARGUMENT),
+                                             ("chat", "", grpc.StatusCode.INVALID_ARGUMENT),
+                                             ("nope", "x", grpc.StatusCode.NOT_FOUND)):
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await stack.generate(prompt, deployment=deployment)
+                assert raised.value.code() == code, raised.value.details()
+            # the worker's own INVALID_ARGUMENT reaches the client as it is, without a retry elsewhere
+            request = gateway_pb2.GatewayGenerateRequest(deployment="chat", token_ids={"ids": [1, 99999]})
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                async for _ in stack.gw.Generate(request):
+                    pass
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in raised.value.details()
+            assert len(stack.workers[0].worker.started) == 1
+
+    run(scenario())
