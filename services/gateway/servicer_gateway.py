@@ -156,11 +156,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             baseline = router.baseline_route(deployment)
             if baseline is None or chosen.arm is Arm.BASELINE:
                 raise NoWorker(_unavailable(deployment, chosen, None, failures)) from None
-            trace.route = baseline
             try:
                 worker = self.pool.pick(baseline.artifact.artifact_id, exclude=tried)
-            except NoWorker:
+            except NoWorker:  # counted against the arm that was chosen: it is the one without workers
                 raise NoWorker(_unavailable(deployment, chosen, baseline, failures)) from None
+            trace.route = baseline
             log.warning("deployment %s: no healthy worker for the %s arm (%s), sending to the baseline",
                         deployment.name, chosen.arm.label, chosen.artifact.artifact_id)
             return worker
