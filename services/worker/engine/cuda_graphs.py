@@ -1,0 +1,107 @@
+"""CUDA graphs of the decode step at bucketed batch sizes, over static input buffers.
+
+A decode step launches ~10 kernels per layer; replaying a captured graph removes the host's
+launch cost (hundreds of microseconds of Python per step) from the critical path. A batch of n
+decode tokens runs the graph of the smallest bucket >= n; the padding rows have slot -1 (no cache
+write) and context 0 (zero attention output), and their logits are dropped.
+
+Every graph bakes in the addresses it saw at capture: the KV cache, the weights, the static
+buffers and the W4A8 split-K workspace. The runner drops the graphs when the cache is
+re-allocated, and `replay` re-captures if the shared workspace was re-allocated since.
+Graphs share one memory pool: they never run concurrently and their outputs stay allocated.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from services.worker.engine.step_inputs import HostStep, StepTensors
+from services.worker.kernels import w4a8_gemm
+
+Forward = Callable[[StepTensors], torch.Tensor]  # -> (rows, vocab) fp32 logits
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Forward, buckets: tuple[int, ...], max_blocks: int, max_model_len: int,
+                 device: torch.device):
+        self.forward = forward
+        self.buckets = tuple(sorted(set(buckets)))
+        self.max_model_len = max_model_len
+        self.device = device
+        b = self.buckets[-1]
+        self.tokens = torch.zeros(b, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(b, dtype=torch.int32, device=device)
+        self.slots = torch.full((b,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros((b, max_blocks), dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(b, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.workspace_ptr = None
+
+    def bucket_for(self, n: int) -> int | None:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return None
+
+    def _inputs(self, b: int) -> StepTensors:
+        # max_context = max_model_len: the decode kernel's partition grid is fixed at capture.
+        return StepTensors(
+            tokens=self.tokens[:b], positions=self.positions[:b], slots=self.slots[:b],
+            prefill_rows=None, cu_seqlens=None, max_seqlen=0,
+            paged_rows=None, block_tables=self.block_tables[:b], context_lens=self.context_lens[:b],
+            max_context=self.max_model_len, logit_rows=None,
+        )
+
+    def _workspace_ptr(self) -> int | None:
+        ws = w4a8_gemm.WORKSPACE._by_device.get(self.device)
+        return None if ws is None else ws.data_ptr()
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.pool = None
+
+    def capture(self, b: int) -> None:
+        if self._workspace_ptr() != self.workspace_ptr:
+            self.clear()  # captured graphs point at a freed workspace
+        # Padding inputs: no cache writes, zero-length contexts.
+        self.slots[:b].fill_(-1)
+        self.context_lens[:b].zero_()
+        inputs = self._inputs(b)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up: compiles kernels and sizes the workspace outside capture
+            self.forward(inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        if self._workspace_ptr() != self.workspace_ptr:
+            self.clear()
+            self.workspace_ptr = self._workspace_ptr()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.forward(inputs)
+        self.pool = graph.pool()
+        self.graphs[b] = (graph, logits)
+
+    def replay(self, host: HostStep) -> torch.Tensor:
+        """host: a decode-only step of n <= the largest bucket rows -> (n, vocab) fp32 logits (a copy)."""
+        n = len(host.tokens)
+        b = self.bucket_for(n)
+        if b not in self.graphs or self._workspace_ptr() != self.workspace_ptr:
+            self.capture(b)
+        pad = b - n
+        tables = host.block_tables
+        if tables.shape[1] != self.block_tables.shape[1]:
+            raise ValueError(f"block tables of width {tables.shape[1]}, the graphs take {self.block_tables.shape[1]}")
+        put = lambda dst, a, fill: dst[:b].copy_(torch.from_numpy(np.concatenate([a, np.full(pad, fill, a.dtype)])))  # noqa: E731
+        put(self.tokens, host.tokens, 0)
+        put(self.positions, host.positions, 0)
+        put(self.slots, host.slots, -1)
+        put(self.context_lens, host.context_lens, 0)
+        self.block_tables[:n].copy_(torch.from_numpy(tables))
+        graph, logits = self.graphs[b]
+        graph.replay()
+        return logits[:n].clone()

@@ -1,0 +1,106 @@
+"""The per-format pieces of a decoder block on the GPU: what feeds a linear layer and the linear.
+
+Both classes turn the fp16 residual stream into each GEMM's input and run the GEMM:
+
+* `W4A8Ops` (w4a8kv4-g128 / -chn): RMSNorm / SiLU*mul / plain quantization fused into one
+  kernel each (services/worker/kernels/act_quant.py) give (x8, scale, rowsum); the W4A8 GEMM
+  variant per shape comes from the artifact's kernel policy.
+* `Fp16Ops` (fp16, the baseline engine): fp16 RMSNorm and SiLU*mul in one Triton kernel each
+  (below), cuBLAS fp16 GEMMs (torch.nn.functional.linear).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from services.worker.engine.kernel_policy import GemmPolicy
+from services.worker.kernels import act_quant, w4a8_gemm
+
+
+@triton.jit
+def _rmsnorm_fp16_kernel(x_ptr, w_ptr, out_ptr, K, eps, stride_xm, stride_om, BLOCK: tl.constexpr):
+    """One row per program: out = fp16(x * rsqrt(mean(x^2) + eps) * w), fp32 math (the reference's)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs, (x * inv_rms * w).to(tl.float16), mask=mask)
+
+
+@triton.jit
+def _silu_mul_fp16_kernel(gu_ptr, out_ptr, F_SIZE, stride_gm, stride_om, BLOCK: tl.constexpr):
+    """gate_up (M, 2F) = [gate | up] -> fp16 silu(gate) * up, BLOCK columns per program."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < F_SIZE
+    gate = tl.load(gu_ptr + row * stride_gm + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * stride_gm + F_SIZE + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs, (gate / (1.0 + tl.exp(-gate)) * up).to(tl.float16), mask=mask)
+
+
+def rmsnorm_fp16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (M, K) fp16, weight (K,) -> (M, K) fp16."""
+    assert x.dim() == 2 and x.stride(1) == 1, f"x: expected (M, K) with contiguous rows, got {tuple(x.shape)}"
+    m, k = x.shape
+    assert weight.shape == (k,) and weight.stride(0) == 1
+    out = torch.empty((m, k), dtype=torch.float16, device=x.device)
+    if m:
+        block = triton.next_power_of_2(k)
+        _rmsnorm_fp16_kernel[(m,)](x, weight, out, k, eps, x.stride(0), out.stride(0), BLOCK=block,
+                                   num_warps=max(1, min(8, block // 512)))
+    return out
+
+
+def silu_mul_fp16(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (M, 2F) fp16 -> (M, F) fp16 silu(gate) * up."""
+    assert gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0
+    m, f = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((m, f), dtype=torch.float16, device=gate_up.device)
+    if m:
+        block = 1024
+        _silu_mul_fp16_kernel[(m, triton.cdiv(f, block))](gate_up, out, f, gate_up.stride(0), out.stride(0),
+                                                          BLOCK=block, num_warps=4)
+    return out
+
+
+class W4A8Ops:
+    """Quantized activations (x8 (M, K) int8, scale (M,) fp32, rowsum (M,) int32) into W4A8 GEMMs."""
+
+    def __init__(self, policy: GemmPolicy):
+        self.policy = policy
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float):
+        return act_quant.rmsnorm_quant(x, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor):
+        return act_quant.silu_mul_quant(gate_up)
+
+    def plain(self, x: torch.Tensor):
+        return act_quant.quantize(x)
+
+    def linear(self, act, weight) -> torch.Tensor:
+        x8, sx, rowsum = act
+        n, k = weight.qweight.shape[0], weight.qweight.shape[1] * 2
+        variant = self.policy.variant(weight.kind, n, k, x8.shape[0])
+        return w4a8_gemm.w4a8_gemm(x8, sx, weight, rowsum if weight.kind == "w4chn" else None, variant=variant)
+
+
+class Fp16Ops:
+    """fp16 activations into cuBLAS fp16 GEMMs (weights (N, K) fp16)."""
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rmsnorm_fp16(x, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul_fp16(gate_up)
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def linear(self, act: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(act, weight)

@@ -1,0 +1,131 @@
+"""A StepBatch turned into the index tensors one forward step needs (built on the host, copied once).
+
+Rows are the batch's tokens in batch order. Attention splits them two ways:
+
+* chunks starting at position 0 attend only to themselves: causal varlen prefill attention over
+  the chunk's own fp16 K/V (`cu_seqlens`);
+* every other row (a decode token, or a prompt chunk continuing a cached prefix) attends through
+  the paged cache, as one paged-decode query per row whose context is its position + 1: the cache
+  already holds this step's K/V when attention runs, so causality within the chunk comes from the
+  per-row context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.worker.engine.runner import StepBatch
+
+
+@dataclass(slots=True)
+class HostStep:
+    """numpy arrays of one step, before the copy to the device."""
+
+    tokens: np.ndarray  # (T,) int64
+    positions: np.ndarray  # (T,) int32
+    slots: np.ndarray  # (T,) int64, block * block_size + offset
+    prefill_rows: np.ndarray  # (Tp,) int64 rows of chunks starting at position 0
+    cu_seqlens: np.ndarray  # (Bp + 1,) int32 over those rows
+    max_seqlen: int
+    paged_rows: np.ndarray  # (Tq,) int64 rows attending through the cache
+    block_tables: np.ndarray  # (Tq, max_blocks) int32
+    context_lens: np.ndarray  # (Tq,) int32 = position + 1
+    max_context: int
+    logit_rows: np.ndarray  # (n,) int64 rows whose logits are returned
+
+
+@dataclass(slots=True)
+class StepTensors:
+    """The same on the device; None marks "all rows" / "no rows" to skip gathers."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    prefill_rows: torch.Tensor | None  # None with cu_seqlens set: every row is a prefill row
+    cu_seqlens: torch.Tensor | None  # None: no prefill rows
+    max_seqlen: int
+    paged_rows: torch.Tensor | None  # None with block_tables set: every row is paged
+    block_tables: torch.Tensor | None  # None: no paged rows
+    context_lens: torch.Tensor | None
+    max_context: int
+    logit_rows: torch.Tensor | None  # None: every row
+
+
+def build_host_step(batch: StepBatch, block_size: int, max_blocks: int, max_model_len: int) -> HostStep:
+    tokens, positions, slots, logit_rows = [], [], [], []
+    prefill_rows, cu, paged_rows, tables, ctx = [], [0], [], [], []
+    max_seqlen = max_context = 0
+    row = 0
+    for chunk in batch.chunks:
+        n, start = len(chunk.token_ids), chunk.start_position
+        if n == 0:
+            raise ValueError(f"sequence {chunk.seq_id}: empty chunk")
+        if start < 0 or start + n > max_model_len:
+            raise ValueError(
+                f"sequence {chunk.seq_id}: positions [{start}, {start + n}) are outside [0, {max_model_len}), "
+                "the runner's max_model_len"
+            )
+        need = -(-(start + n) // block_size)
+        if len(chunk.block_table) < need:
+            raise ValueError(
+                f"sequence {chunk.seq_id}: block table has {len(chunk.block_table)} blocks, positions up to "
+                f"{start + n} need {need} of {block_size} slots"
+            )
+        table = np.asarray(chunk.block_table[:need], dtype=np.int64)
+        pos = np.arange(start, start + n, dtype=np.int64)
+        tokens.append(np.asarray(chunk.token_ids, dtype=np.int64))
+        positions.append(pos)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        rows = np.arange(row, row + n, dtype=np.int64)
+        if start == 0:
+            prefill_rows.append(rows)
+            cu.append(cu[-1] + n)
+            max_seqlen = max(max_seqlen, n)
+        else:
+            paged_rows.append(rows)
+            tables.extend([table] * n)
+            ctx.append(pos + 1)
+            max_context = max(max_context, start + n)
+        if chunk.want_logits:
+            logit_rows.append(row + n - 1)
+        row += n
+    block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
+    for i, table in enumerate(tables):
+        block_tables[i, : len(table)] = table
+    cat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
+    return HostStep(
+        tokens=cat(tokens, np.int64),
+        positions=cat(positions, np.int32),
+        slots=cat(slots, np.int64),
+        prefill_rows=cat(prefill_rows, np.int64),
+        cu_seqlens=np.asarray(cu, dtype=np.int32),
+        max_seqlen=max_seqlen,
+        paged_rows=cat(paged_rows, np.int64),
+        block_tables=block_tables,
+        context_lens=cat(ctx, np.int32),
+        max_context=max_context,
+        logit_rows=np.asarray(logit_rows, dtype=np.int64),
+    )
+
+
+def to_device(host: HostStep, device: torch.device) -> StepTensors:
+    t = lambda a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731
+    total = len(host.tokens)
+    has_prefill, has_paged = len(host.prefill_rows) > 0, len(host.paged_rows) > 0
+    mixed = has_prefill and has_paged
+    return StepTensors(
+        tokens=t(host.tokens),
+        positions=t(host.positions),
+        slots=t(host.slots),
+        prefill_rows=t(host.prefill_rows) if mixed else None,
+        cu_seqlens=t(host.cu_seqlens) if has_prefill else None,
+        max_seqlen=host.max_seqlen,
+        paged_rows=t(host.paged_rows) if mixed else None,
+        block_tables=t(host.block_tables) if has_paged else None,
+        context_lens=t(host.context_lens) if has_paged else None,
+        max_context=host.max_context,
+        logit_rows=None if len(host.logit_rows) == total and (host.logit_rows == np.arange(total)).all() else t(host.logit_rows),
+    )

@@ -1,0 +1,243 @@
+"""TritonRunner: the ModelRunner contract (runner.py) on an NVIDIA GPU with our Triton kernels.
+
+Per layer, on the fp16 residual stream x (T, H):
+
+    rmsnorm_quant -> W4A8 GEMM qkv -> RoPE + KV4 cache write (q rotated in the same launch)
+      -> attention: varlen prefill over the chunk's own K/V (chunks at position 0), or paged
+         decode attention over the cache (decode tokens, chunks continuing a cached prefix)
+      -> quantize -> W4A8 GEMM o -> x += ; rmsnorm_quant -> W4A8 GEMM gate_up
+      -> silu_mul_quant -> W4A8 GEMM down -> x +=
+
+The fp16 format (the baseline engine) runs the same graph with fp16 RMSNorm / SiLU*mul kernels,
+cuBLAS fp16 GEMMs and an fp16 paged cache. GEMM variants come from the artifact's
+`kernel_policy` (schema in kernel_policy.py), else the kernels' defaults. Decode-only steps
+replay CUDA graphs at bucketed batch sizes (cuda_graphs.py); prefill runs eagerly.
+
+Numerics against the reference (shared/model, the artifact's full-sequence forward): the GEMMs
+are bit-exact given the same input; the differences are the fp16 residual stream (the reference
+keeps fp32), fp16 attention outputs, and prefill attention at position 0 reading the chunk's
+unquantized K/V where the reference reads KV4-rounded K/V (later tokens read the KV4 cache, as
+the reference does).
+
+Constructed with `TritonRunner(reader, device="cuda", settings=TritonRunnerSettings(...))`;
+device "cpu" works only under the Triton interpreter (TRITON_INTERPRET=1, the CPU tests).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from services.worker.engine.cuda_graphs import DecodeGraphs
+from services.worker.engine.gpu_layers import Fp16Ops, W4A8Ops, rmsnorm_fp16
+from services.worker.engine.gpu_weights import LayerWeights, load_weights
+from services.worker.engine.kernel_policy import GemmPolicy
+from services.worker.engine.runner import StepBatch
+from services.worker.engine.step_inputs import StepTensors, build_host_step, to_device
+from services.worker.kernels import kv4_cache, paged_attention, prefill_attention, w4a8_gemm
+from services.worker.kernels.attention_reference import build_rope_cache
+from shared.formats.kv4 import page_row_bytes
+from shared.model.config import LlamaConfig
+from shared.model.rope import inverse_frequencies
+
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+@dataclass(slots=True, frozen=True)
+class TritonRunnerSettings:
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_batch_tokens: int = 8192  # largest step (tokens) the activation estimate and workspace cover
+    cuda_graphs: bool = True
+    graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size {self.block_size} must be a power of two")
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens {self.max_batch_tokens} must be positive")
+        if not self.graph_batch_sizes or min(self.graph_batch_sizes) < 1:
+            raise ValueError(f"graph_batch_sizes {self.graph_batch_sizes} must be positive batch sizes")
+
+
+class TritonRunner:
+    def __init__(self, reader, device: str | torch.device = "cuda", settings: TritonRunnerSettings | None = None):
+        self.settings = settings or TritonRunnerSettings()
+        self.device = torch.device(device)
+        if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("TritonRunner on device 'cpu' needs the Triton interpreter (TRITON_INTERPRET=1); "
+                             "serve on the CPU with the reference runner")
+        if self.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"TritonRunner runs on an NVIDIA GPU ('cuda'), not {self.device}")
+        self.format = reader.spec.name
+        self.kv4 = reader.spec.kv_bits == 4
+        if reader.spec.weight_kind != "fp16" and (reader.spec.activation_bits != 8 or not self.kv4):
+            raise ValueError(f"the Triton runner serves w4a8kv4-g128, w4a8kv4-chn and fp16, not {self.format}")
+        self.config = LlamaConfig.from_dict(reader.manifest.model_config)
+        self.block_size = self.settings.block_size
+        self.max_model_len = self.settings.max_model_len or self.config.max_position_embeddings
+        self.max_blocks = triton.cdiv(self.max_model_len, self.block_size)
+        self.weights = load_weights(reader, self.device)
+        if reader.spec.weight_kind == "fp16":
+            self.ops = Fp16Ops()
+        else:
+            self.ops = W4A8Ops(GemmPolicy.from_manifest(reader.manifest.kernel_policy))
+        inv_freq = inverse_frequencies(self.config.rope, self.config.head_dim).to(self.device)
+        self.rope_cache = build_rope_cache(inv_freq, self.max_model_len)  # (P, D) fp32 [cos | sin]
+        self.k_cache = self.v_cache = None  # (layers, blocks, kv_heads, block_size, row)
+        use_graphs = self.settings.cuda_graphs and self.device.type == "cuda"
+        self.graphs = (
+            DecodeGraphs(self._forward, self.settings.graph_batch_sizes, self.max_blocks, self.max_model_len, self.device)
+            if use_graphs else None
+        )
+        self._reserve_workspace()
+
+    # ------------------------------------------------------------------ memory
+
+    def weight_bytes(self) -> int:
+        return self.weights.nbytes() + self.rope_cache.numel() * 4
+
+    def _row_bytes(self) -> int:
+        d = self.config.head_dim
+        return page_row_bytes(d) if self.kv4 else 2 * d
+
+    def kv_block_bytes(self) -> int:
+        c = self.config
+        return 2 * c.num_layers * c.num_kv_heads * self.block_size * self._row_bytes()
+
+    def _workspace_elements(self, max_tokens: int) -> int:
+        """The largest split-K workspace (int32 elements) any GEMM of up to max_tokens rows asks for."""
+        if not isinstance(self.ops, W4A8Ops):
+            return 0
+        layer = self.weights.layers[0]
+        most = 1
+        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            n, k = w.qweight.shape[0], w.qweight.shape[1] * 2
+            for m in range(1, max_tokens + 1):
+                variant = w4a8_gemm.get_variant(self.ops.policy.variant(w.kind, n, k, m))
+                if variant.split_k:
+                    split = w4a8_gemm.split_factor(variant, m, n, k, self.device)
+                    per = triton.cdiv(k // w4a8_gemm.GROUP_SIZE, split)
+                    split = triton.cdiv(k // w4a8_gemm.GROUP_SIZE, per)
+                    if split > 1:
+                        most = max(most, split * m * n)
+        return most
+
+    def _reserve_workspace(self) -> None:
+        # Sized once for every step up to max_batch_tokens, so an eager prefill never re-allocates
+        # the workspace under captured graphs.
+        elements = self._workspace_elements(max(self.settings.max_batch_tokens, max(self.settings.graph_batch_sizes)))
+        self.workspace_bytes = 4 * elements if elements > 1 else 0
+        if elements > 1:
+            w4a8_gemm.WORKSPACE.get(self.device, elements)
+
+    def activation_bytes(self, max_batch_tokens: int) -> int:
+        """An upper bound of one step's transient memory (buffers that can be live at once)."""
+        c = self.config
+        t = max_batch_tokens
+        h, q, kv, f, v = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size, c.vocab_size
+        per_token = 2 * (
+            h  # residual stream
+            + (q + 2 * kv)  # qkv
+            + (q + kv)  # rotated q and k
+            + 2 * q  # attention output (+ a gathered copy in mixed steps)
+            + 2 * f  # gate_up
+            + h  # GEMM output before the residual add
+        ) + max(h, f) + 8  # int8 activations + scale + rowsum (fp16: the normed input, 2 * h <= max(h, f) + h)
+        parts = triton.cdiv(self.max_model_len, 256)  # decode partials: the smallest tuned partition
+        partials = t * c.num_heads * parts * (c.head_dim + 2) * 4
+        logits = t * v * (4 + 2)  # fp16 GEMM output, fp32 copy
+        return t * per_token + partials + logits + self.workspace_bytes
+
+    def allocate_cache(self, num_blocks: int) -> None:
+        c = self.config
+        self.k_cache = self.v_cache = None
+        if self.graphs is not None:
+            self.graphs.clear()  # graphs hold the old cache's addresses
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        shape = (c.num_layers, num_blocks, c.num_kv_heads, self.block_size, self._row_bytes() if self.kv4 else c.head_dim)
+        dtype = torch.uint8 if self.kv4 else torch.float16
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.num_blocks = num_blocks
+
+    def capture_graphs(self, batch_sizes: tuple[int, ...] | None = None) -> None:
+        """Captures the decode graphs now (else each is captured at its first use)."""
+        if self.graphs is None or self.k_cache is None:
+            return
+        for b in sorted(batch_sizes or self.graphs.buckets, reverse=True):
+            if self.graphs.bucket_for(b) == b:
+                self.graphs.capture(b)
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, batch: StepBatch) -> torch.Tensor:
+        if self.k_cache is None:
+            raise RuntimeError("allocate_cache(num_blocks) must run before step()")
+        if not batch.chunks:
+            return torch.zeros((0, self.config.vocab_size), dtype=torch.float32, device=self.device)
+        host = build_host_step(batch, self.block_size, self.max_blocks, self.max_model_len)
+        if self.graphs is not None and batch.is_decode_only and self.graphs.bucket_for(len(host.tokens)):
+            logits = self.graphs.replay(host)
+            if len(host.logit_rows) != len(host.tokens):
+                logits = logits[torch.from_numpy(host.logit_rows).to(self.device)]
+            return logits
+        if len(host.tokens) > self.settings.max_batch_tokens:
+            raise ValueError(f"a step of {len(host.tokens)} tokens exceeds max_batch_tokens={self.settings.max_batch_tokens}")
+        return self._forward(to_device(host, self.device))
+
+    def _forward(self, st: StepTensors) -> torch.Tensor:
+        """-> (rows, vocab) fp32 logits of st.logit_rows (all rows when None)."""
+        c = self.config
+        x = F.embedding(st.tokens, self.weights.embed)  # (T, H) fp16 residual stream
+        for i, layer in enumerate(self.weights.layers):
+            self._layer(i, layer, x, st)
+        if st.logit_rows is not None:
+            x = x.index_select(0, st.logit_rows)
+        h = rmsnorm_fp16(x, self.weights.final_norm, c.rms_norm_eps)  # (n, H) fp16
+        return F.linear(h, self.weights.lm_head).float()  # (n, V)
+
+    def _layer(self, i: int, w: LayerWeights, x: torch.Tensor, st: StepTensors) -> None:
+        """One decoder block, in place on x (T, H) fp16."""
+        eps, ops = self.config.rms_norm_eps, self.ops
+        qkv = ops.linear(ops.norm(x, w.attn_norm, eps), w.qkv)  # (T, q + 2kv) fp16
+        attn = self._attention(i, qkv, st)  # (T, q) fp16
+        x += ops.linear(ops.plain(attn), w.o)
+        gate_up = ops.linear(ops.norm(x, w.mlp_norm, eps), w.gate_up)  # (T, 2F) fp16
+        x += ops.linear(ops.silu_mul(gate_up), w.down)
+
+    def _attention(self, i: int, qkv: torch.Tensor, st: StepTensors) -> torch.Tensor:
+        c = self.config
+        t, heads, kvh, d = qkv.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, kvh, d)  # (T, kv_heads, D), pre-RoPE
+        v = qkv[:, c.q_size + c.kv_size :].view(t, kvh, d)
+        # Prefill attention needs the rotated key too: passing q and k as one (T, heads + kv_heads, D)
+        # "query" makes the cache-write kernel rotate both (every head shares the token's angles).
+        needs_key = st.cu_seqlens is not None
+        query = qkv[:, : c.q_size + c.kv_size].view(t, heads + kvh, d) if needs_key else qkv[:, : c.q_size].view(t, heads, d)
+        write = kv4_cache.write_kv4_cache if self.kv4 else kv4_cache.write_fp16_cache
+        rotated = write(k, v, st.positions, st.slots, self.rope_cache, self.k_cache[i], self.v_cache[i], query=query)
+        q_rot = rotated[:, :heads]  # (T, heads, D) fp16
+        if st.block_tables is None:  # every row is a prefill row
+            out = prefill_attention.prefill_attention(q_rot, rotated[:, heads:], v, st.cu_seqlens, max_seqlen=st.max_seqlen)
+        elif st.cu_seqlens is None:  # every row attends through the cache
+            out = self._paged(i, q_rot, st)
+        else:
+            out = torch.empty((t, heads, d), dtype=torch.float16, device=qkv.device)
+            pre, paged = st.prefill_rows, st.paged_rows
+            out[pre] = prefill_attention.prefill_attention(
+                q_rot[pre], rotated[pre, heads:], v[pre], st.cu_seqlens, max_seqlen=st.max_seqlen
+            )
+            out[paged] = self._paged(i, q_rot[paged], st)
+        return out.reshape(t, c.q_size)
+
+    def _paged(self, i: int, q: torch.Tensor, st: StepTensors) -> torch.Tensor:
+        return paged_attention.paged_decode_attention(
+            q, self.k_cache[i], self.v_cache[i], st.block_tables, st.context_lens, max_context_len=st.max_context
+        )
