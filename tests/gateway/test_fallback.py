@@ -1,0 +1,143 @@
+"""The fallback switch: by hand (within a second, also through another gateway process sharing the
+registry) and automatic on the error-rate and time-per-output-token budgets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import grpc
+
+from services.gateway.config import FallbackBudget
+from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.gateway.conftest import ADMIN, DEPLOYMENT, arm_of, gateway_stack, run
+
+KEYS = [f"k{i}" for i in range(30)]
+
+
+async def set_fallback(stack, enabled: bool, reason: str) -> gateway_pb2.Deployment:
+    return await stack.admin.SetFallback(gateway_pb2.SetFallbackRequest(
+        deployment=DEPLOYMENT, enabled=enabled, reason=reason), metadata=ADMIN)
+
+
+async def events(stack) -> list[gateway_pb2.Event]:
+    return list((await stack.admin.ListEvents(gateway_pb2.ListEventsRequest(deployment=DEPLOYMENT),
+                                              metadata=ADMIN)).events)
+
+
+def test_fallback_switch_moves_all_traffic_to_the_baseline_and_back(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            await stack.add_worker(artifacts.stable, tokens=1, max_running=64)
+            await stack.add_worker(artifacts.canary, tokens=1, max_running=64)
+            await stack.add_worker(artifacts.baseline, tokens=1, max_running=64)
+            await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=50), metadata=ADMIN)
+            on = await set_fallback(stack, True, "incident 42")
+            assert on.fallback and on.fallback_reason == "incident 42"
+            results = await asyncio.gather(*(stack.generate("q", session_key=k, max_new_tokens=1) for k in KEYS))
+            assert {arm_of(r) for r in results} == {gateway_pb2.ARM_BASELINE}
+            assert {r[0].artifact_id for r in results} == {artifacts.baseline}
+            again = await set_fallback(stack, True, "said twice")  # idempotent: logs nothing new
+            assert again.fallback_reason == "incident 42"
+            off = await set_fallback(stack, False, "resolved")
+            assert not off.fallback and off.fallback_reason == "resolved"
+            results = await asyncio.gather(*(stack.generate("q", session_key=k, max_new_tokens=1) for k in KEYS))
+            assert {arm_of(r) for r in results} == {gateway_pb2.ARM_STABLE, gateway_pb2.ARM_CANARY}
+            log = [(e.kind, e.actor, json.loads(e.detail).get("reason")) for e in await events(stack)][:2]
+            assert log == [("fallback_off", "ops", "resolved"), ("fallback_on", "ops", "incident 42")]
+
+    run(scenario())
+
+
+def test_a_switch_made_through_another_gateway_takes_effect_within_a_second(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as serving, gateway_stack(artifacts, create_deployment=False) as other:
+            await serving.add_worker(artifacts.stable, tokens=1)
+            await serving.add_worker(artifacts.baseline, tokens=1)
+            assert arm_of(await serving.generate(max_new_tokens=1)) == gateway_pb2.ARM_STABLE
+            switched = time.monotonic()
+            await set_fallback(other, True, "from the other gateway")
+            while arm_of(await serving.generate(max_new_tokens=1)) != gateway_pb2.ARM_BASELINE:
+                assert time.monotonic() - switched < 1.0, "fallback did not take effect within a second"
+                await asyncio.sleep(0.02)
+            await set_fallback(other, False, "back")
+            while arm_of(await serving.generate(max_new_tokens=1)) != gateway_pb2.ARM_STABLE:
+                assert time.monotonic() - switched < 2.0, "fallback off did not take effect within a second"
+                await asyncio.sleep(0.02)
+
+    run(scenario())
+
+
+def test_a_canary_breaking_the_error_budget_triggers_fallback_and_aborts_it(artifacts):
+    budget = FallbackBudget(max_error_rate=0.2, max_tpot_p95_s=10.0, window_s=30.0, min_requests=10)
+
+    async def scenario():
+        async with gateway_stack(artifacts, budget=budget, fallback_check_s=0.05) as stack:
+            await stack.add_worker(artifacts.stable, tokens=2, max_running=64)
+            await stack.add_worker(artifacts.baseline, tokens=2, max_running=64)
+            failing = await stack.add_worker(artifacts.canary, tokens=2, max_running=64)
+            failing.worker.fail_after = 1
+            await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=100), metadata=ADMIN)
+            for i in range(12):  # each keeps the canary worker healthy so every request reaches it
+                await stack.admin.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=failing.worker_id), metadata=ADMIN)
+                try:
+                    await stack.generate(f"p{i}")
+                except grpc.aio.AioRpcError:
+                    pass
+            deployment = await stack.deployment()
+            for _ in range(40):
+                if deployment.fallback:
+                    break
+                await asyncio.sleep(0.05)
+                deployment = await stack.deployment()
+            assert deployment.fallback and not deployment.HasField("canary")
+            assert "error rate" in deployment.fallback_reason and artifacts.canary in deployment.fallback_reason
+            newest = await events(stack)
+            assert [(e.kind, e.actor) for e in newest[:2]] == [("fallback_on", "auto"), ("abort", "auto")]
+            assert arm_of(await stack.generate()) == gateway_pb2.ARM_BASELINE
+
+    run(scenario())
+
+
+def test_a_stable_breaking_the_tpot_budget_triggers_fallback_once(artifacts):
+    budget = FallbackBudget(max_error_rate=0.5, max_tpot_p95_s=0.02, window_s=30.0, min_requests=5)
+
+    async def scenario():
+        async with gateway_stack(artifacts, budget=budget, fallback_check_s=0.05) as stack:
+            await stack.add_worker(artifacts.stable, tokens=3, delay_s=0.05, max_running=64)
+            await stack.add_worker(artifacts.baseline, tokens=3, max_running=64)
+            await asyncio.gather(*(stack.generate(f"p{i}") for i in range(4)))
+            await asyncio.sleep(0.3)
+            assert not (await stack.deployment()).fallback  # 4 requests: below min_requests, no verdict yet
+            await stack.generate("p5")
+            for _ in range(40):
+                if (await stack.deployment()).fallback:
+                    break
+                await asyncio.sleep(0.05)
+            deployment = await stack.deployment()
+            assert deployment.fallback and "time per output token p95" in deployment.fallback_reason
+            # an operator turns it off: what was measured before does not trip it again
+            await set_fallback(stack, False, "checked, fine")
+            await asyncio.sleep(0.3)
+            assert not (await stack.deployment()).fallback
+            kinds = [(e.kind, e.actor) for e in await events(stack)]
+            assert kinds[:2] == [("fallback_off", "ops"), ("fallback_on", "auto")]
+
+    run(scenario())
+
+
+def test_healthy_traffic_within_budget_never_falls_back(artifacts):
+    budget = FallbackBudget(max_error_rate=0.1, max_tpot_p95_s=1.0, window_s=30.0, min_requests=5)
+
+    async def scenario():
+        async with gateway_stack(artifacts, budget=budget, fallback_check_s=0.05) as stack:
+            await stack.add_worker(artifacts.stable, tokens=3, max_running=64)
+            await stack.add_worker(artifacts.baseline, tokens=3, max_running=64)
+            await asyncio.gather(*(stack.generate(f"p{i}") for i in range(20)))
+            await asyncio.sleep(0.3)
+            assert not (await stack.deployment()).fallback
+
+    run(scenario())
