@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import typer
 
+from qctl import deploy_cmd, rollout_cmd
 from qctl.demo_cmd import demo
 from qctl.eval_cmd import evaluate
+from qctl.fallback_cmd import fallback
+from qctl.generate_cmd import generate
+from qctl.inspect_cmd import events, workers
 from qctl.ls_cmd import ls
 from qctl.publish_cmd import publish
 from qctl.quantize_cmd import quantize
@@ -16,6 +20,12 @@ app.command("eval")(evaluate)
 app.command("demo")(demo)
 app.command("publish")(publish)
 app.command("ls")(ls)
+app.add_typer(deploy_cmd.app, name="deploy")
+app.add_typer(rollout_cmd.app, name="rollout")
+app.command("fallback")(fallback)
+app.command("workers")(workers)
+app.command("events")(events)
+app.command("generate")(generate)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ reflection, and Prometheus metrics on their own HTTP port.
         --metrics-port 9100
 
 Embedded (`qctl up`, tests): `gateway = GatewayServer(config); port = await gateway.start(); ...;
-await gateway.stop(grace)` on a running event loop. SIGTERM or SIGINT stops the CLI gracefully."""
+await gateway.stop(grace)` on a running event loop, or BackgroundGateway(config) from synchronous code. SIGTERM or SIGINT stops the CLI gracefully."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import asyncio
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
@@ -121,6 +122,38 @@ class GatewayServer:
             for worker in self.pool.expire():
                 log.warning("worker %s (%s) marked unhealthy: %s", worker.worker_id, worker.address,
                             worker.failed_reason)
+
+
+class BackgroundGateway:
+    """A gateway on its own event loop in a daemon thread, for synchronous embedders (`qctl up`, CLI
+    tests): BackgroundGateway(config).address ... .stop()."""
+
+    def __init__(self, config: GatewayConfig, timeout_s: float = 60.0):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="gateway-loop", daemon=True)
+        self._thread.start()
+        self.server = GatewayServer(config)
+        try:
+            self.port = self.call(self.server.start(), timeout_s)
+        except BaseException:
+            self._close()
+            raise
+        self.address = self.server.address
+
+    def call(self, coro, timeout_s: float = 60.0):
+        """Runs a coroutine on the gateway's loop (e.g. to start fake workers beside it)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def stop(self, grace_s: float | None = None, timeout_s: float = 60.0) -> None:
+        try:
+            self.call(self.server.stop(grace_s), timeout_s)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
 
 async def serve(config: GatewayConfig) -> None:

@@ -1,0 +1,30 @@
+"""`qctl fallback on|off`: the switch that sends all of a deployment's traffic to its fp16 baseline."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import typer
+
+from qctl.deploy_cmd import show_deployment
+from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, rpc_errors
+from shared.rpc.qserve.v1 import gateway_pb2
+
+
+class Switch(str, Enum):
+    on = "on"
+    off = "off"
+
+
+@rpc_errors
+def fallback(
+    switch: Switch = typer.Argument(..., help="on: all traffic to the baseline; off: back to stable/canary"),
+    deployment: str = typer.Argument(..., help="deployment name"),
+    reason: str = typer.Option("", "--reason", help="recorded in the event log"),
+    gateway: str = GATEWAY_OPTION,
+    token: str = TOKEN_OPTION,
+):
+    """Turn a deployment's fallback switch on or off (takes effect within a second)."""
+    with admin_client(gateway, token) as admin:
+        show_deployment(admin.SetFallback(gateway_pb2.SetFallbackRequest(
+            deployment=deployment, enabled=switch is Switch.on, reason=reason)))

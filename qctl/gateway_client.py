@@ -1,0 +1,68 @@
+"""What the gateway commands share: the address and token options (with env-var fallbacks), the
+stubs with the bearer token attached, and gRPC errors as one line with exit code 2."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import grpc
+import typer
+from google.protobuf.duration_pb2 import Duration
+
+from shared.rpc.qserve.v1 import gateway_pb2_grpc
+
+DEFAULT_GATEWAY = "127.0.0.1:50051"
+GATEWAY_OPTION = typer.Option(DEFAULT_GATEWAY, "--gateway", envvar="QCTL_GATEWAY", help="host:port of the gateway")
+TOKEN_OPTION = typer.Option(..., "--token", envvar="QCTL_TOKEN", show_default=False,
+                            help="admin bearer token (scope admin)")
+RPC_TIMEOUT_S = 30.0
+
+
+def rpc_errors(fn):
+    """gRPC failures as one line and exit code 2, naming the gateway."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except grpc.RpcError as exc:
+            print(f"error: gateway {kwargs.get('gateway', '')}: {exc.details()} ({exc.code().name})", file=sys.stderr)
+            raise typer.Exit(code=2) from None
+
+    return wrapper
+
+
+@dataclass
+class Admin:
+    """The Admin stub with the bearer token on every call."""
+
+    stub: gateway_pb2_grpc.AdminStub
+    metadata: tuple[tuple[str, str], ...]
+
+    def __getattr__(self, rpc: str):
+        method = getattr(self.stub, rpc)
+        return functools.partial(method, metadata=self.metadata, timeout=RPC_TIMEOUT_S)
+
+
+@contextmanager
+def admin_client(address: str, token: str) -> Iterator[Admin]:
+    with grpc.insecure_channel(address) as channel:
+        yield Admin(gateway_pb2_grpc.AdminStub(channel), (("authorization", f"Bearer {token}"),))
+
+
+@contextmanager
+def gateway_client(address: str) -> Iterator[gateway_pb2_grpc.GatewayStub]:
+    with grpc.insecure_channel(address) as channel:
+        yield gateway_pb2_grpc.GatewayStub(channel)
+
+
+def ms(duration: Duration) -> str:
+    return f"{duration.ToNanoseconds() / 1e6:.1f} ms"
+
+
+def short(artifact_id: str) -> str:
+    return artifact_id[:12]

@@ -1,0 +1,61 @@
+"""`qctl generate`: stream a generation through the gateway to the terminal."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from qctl.gateway_client import GATEWAY_OPTION, gateway_client, ms, rpc_errors, short
+from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a list of token ids; use e.g. '1,15043,29892'") from None
+    if not ids or any(i < 0 for i in ids):
+        raise typer.BadParameter(f"{text!r}: give one or more non-negative token ids")
+    return ids
+
+
+@rpc_errors
+def generate(
+    prompt: str = typer.Argument(None, help="prompt text (tokenized by the worker); or use --token-ids"),
+    deployment: str = typer.Option(..., "--deployment", "-d", help="deployment name"),
+    token_ids: str = typer.Option(None, "--token-ids", help="prompt as token ids, e.g. '1,15043,29892'"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=0, help="0 = until EOS or the context is full"),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy"),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="0 = no limit"),
+    top_p: float = typer.Option(0.0, "--top-p", min=0.0, max=1.0, help="0 = no limit"),
+    seed: int = typer.Option(None, "--seed", min=0, help="for reproducible sampling"),
+    session_key: str = typer.Option("", "--session-key", help="same key, same version during a rollout"),
+    gateway: str = GATEWAY_OPTION,
+    api_key: str = typer.Option(None, "--api-key", envvar="QCTL_API_KEY", help="when the gateway requires one"),
+):
+    """Stream the generated text to stdout; the finish line (reason, artifact, timings) goes to stderr."""
+    if (prompt is None) == (token_ids is None):
+        raise typer.BadParameter("give either a PROMPT or --token-ids (exactly one)")
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                         max_new_tokens=max_new_tokens)
+    if seed is not None:
+        sampling.seed = seed
+    request = gateway_pb2.GatewayGenerateRequest(deployment=deployment, sampling=sampling, session_key=session_key)
+    if prompt is not None:
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(_token_ids(token_ids))
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+    with gateway_client(gateway) as stub:
+        for reply in stub.Generate(request, metadata=metadata):
+            sys.stdout.write(reply.text)
+            sys.stdout.flush()
+            if reply.HasField("finish"):
+                f = reply.finish
+                arm = gateway_pb2.Arm.Name(reply.arm).removeprefix("ARM_").lower()
+                reason = common_pb2.FinishReason.Name(f.reason).removeprefix("FINISH_REASON_").lower()
+                print(file=sys.stdout)
+                print(f"[{reason}] {f.generated_tokens} tokens from {arm} {short(reply.artifact_id)}; "
+                      f"ttft {ms(f.timings.time_to_first_token)}, tpot {ms(f.timings.time_per_output_token)}, "
+                      f"total {ms(f.timings.total)}", file=sys.stderr)

@@ -1,0 +1,75 @@
+"""`qctl rollout start|promote|abort|status`: canary rollouts of a deployment."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from qctl.deploy_cmd import show_deployment
+from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, ms, rpc_errors, short
+from shared.rpc.qserve.v1 import gateway_pb2
+
+app = typer.Typer(no_args_is_help=True, help="Canary rollouts: start, promote, abort, status.")
+DEPLOYMENT_ARG = typer.Argument(..., help="deployment name")
+
+
+@app.command("start")
+@rpc_errors
+def start(
+    deployment: str = DEPLOYMENT_ARG,
+    canary: str = typer.Option(..., "--canary", help="artifact id of the canary"),
+    percent: int = typer.Option(..., "--percent", min=1, max=100, help="share of traffic for the canary, 1-100"),
+    gateway: str = GATEWAY_OPTION,
+    token: str = TOKEN_OPTION,
+):
+    """Send PERCENT of traffic to CANARY (sticky per session key). Again with the same canary: new percent."""
+    with admin_client(gateway, token) as admin:
+        show_deployment(admin.StartRollout(gateway_pb2.StartRolloutRequest(
+            deployment=deployment, canary_artifact_id=canary, canary_percent=percent)))
+
+
+@app.command("promote")
+@rpc_errors
+def promote(deployment: str = DEPLOYMENT_ARG, gateway: str = GATEWAY_OPTION, token: str = TOKEN_OPTION):
+    """Make the canary the stable artifact (instant)."""
+    with admin_client(gateway, token) as admin:
+        show_deployment(admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(deployment=deployment)))
+
+
+@app.command("abort")
+@rpc_errors
+def abort(
+    deployment: str = DEPLOYMENT_ARG,
+    reason: str = typer.Option("", "--reason", help="recorded in the event log"),
+    gateway: str = GATEWAY_OPTION,
+    token: str = TOKEN_OPTION,
+):
+    """Send all traffic back to the stable artifact (instant)."""
+    with admin_client(gateway, token) as admin:
+        show_deployment(admin.AbortRollout(gateway_pb2.AbortRolloutRequest(deployment=deployment, reason=reason)))
+
+
+@app.command("status")
+@rpc_errors
+def status(deployment: str = DEPLOYMENT_ARG, gateway: str = GATEWAY_OPTION, token: str = TOKEN_OPTION):
+    """The deployment and its arms' metrics side by side."""
+    with admin_client(gateway, token) as admin:
+        reply = admin.RolloutStatus(gateway_pb2.RolloutStatusRequest(deployment=deployment))
+    console = Console()
+    show_deployment(reply.deployment, console)
+    arms = [(name, getattr(reply, name)) for name in ("stable", "canary", "baseline") if reply.HasField(name)]
+    window = reply.window_start.ToDatetime().strftime("%Y-%m-%d %H:%M:%S UTC")
+    table = Table("", *(name for name, _ in arms), title=f"since {window}")
+    rows = (
+        ("artifact", lambda m: f"{short(m.artifact.artifact_id)} {m.artifact.format}"),
+        ("healthy workers", lambda m: str(m.healthy_workers)),
+        ("requests", lambda m: str(m.requests)),
+        ("errors", lambda m: f"{m.errors} ({m.error_rate:.1%})"),
+        ("ttft p50 / p95", lambda m: f"{ms(m.ttft_p50)} / {ms(m.ttft_p95)}"),
+        ("tpot p50 / p95", lambda m: f"{ms(m.tpot_p50)} / {ms(m.tpot_p95)}"),
+        ("generated tokens", lambda m: str(m.generated_tokens)),
+    )
+    for label, cell in rows:
+        table.add_row(label, *(cell(metrics) for _, metrics in arms))
+    console.print(table)
