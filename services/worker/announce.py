@@ -1,0 +1,118 @@
+"""Announces the worker to a gateway: RegisterWorker, Heartbeat at the interval the gateway returns,
+register again when the gateway forgot it (NOT_FOUND), DeregisterWorker on drain or stop.
+
+An unreachable or failing gateway is logged and retried with exponential backoff; it never stops
+the worker (which keeps serving direct callers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from services.worker.engine.outputs import EngineStats
+from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 10.0
+DEREGISTER_TIMEOUT_S = 5.0
+
+
+class GatewayAnnouncer:
+    def __init__(
+        self,
+        gateway_address: str,
+        token: str,
+        worker_address: str,
+        artifact_id: str,
+        load: Callable[[], tuple[EngineStats, bool]],  # (engine stats, draining) now
+        *,
+        min_backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+    ):
+        self.gateway_address = gateway_address
+        self.worker_address = worker_address
+        self.artifact_id = artifact_id
+        self._load = load
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._min_backoff_s = min_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self.worker_id: str | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._task: asyncio.Task | None = None
+        self._stop = asyncio.Event()
+
+    def start(self) -> None:
+        self._channel = grpc.aio.insecure_channel(self.gateway_address)
+        self._stub = gateway_pb2_grpc.AdminStub(self._channel)
+        self._task = asyncio.create_task(self._run(), name="gateway-announcer")
+
+    async def stop(self) -> None:
+        """Stops heartbeating and deregisters (best effort: the gateway may be gone)."""
+        if self._task is None:
+            return
+        self._stop.set()
+        await self._task
+        self._task = None
+        if self.worker_id is not None:
+            try:
+                await self._stub.DeregisterWorker(
+                    gateway_pb2.DeregisterWorkerRequest(worker_id=self.worker_id),
+                    metadata=self._metadata, timeout=DEREGISTER_TIMEOUT_S,
+                )
+                log.info("deregistered worker %s from gateway %s", self.worker_id, self.gateway_address)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("could not deregister from gateway %s: %s %s", self.gateway_address,
+                            exc.code().name, exc.details())
+            self.worker_id = None
+        await self._channel.close()
+
+    async def _run(self) -> None:
+        backoff = self._min_backoff_s
+        interval = 0.0
+        while not self._stop.is_set():
+            try:
+                if self.worker_id is None:
+                    interval = await self._register()
+                else:
+                    await self._heartbeat()
+                backoff = self._min_backoff_s
+                wait = interval
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND and self.worker_id is not None:
+                    log.info("gateway %s no longer knows worker %s; registering again", self.gateway_address,
+                             self.worker_id)
+                    self.worker_id = None
+                    continue
+                log.warning("gateway %s: %s %s; retrying in %.1f s", self.gateway_address, exc.code().name,
+                            exc.details(), backoff)
+                wait, backoff = backoff, min(backoff * 2, self._max_backoff_s)
+            try:
+                await asyncio.wait_for(self._stop.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _register(self) -> float:
+        response = await self._stub.RegisterWorker(
+            gateway_pb2.RegisterWorkerRequest(address=self.worker_address, artifact_id=self.artifact_id),
+            metadata=self._metadata, timeout=RPC_TIMEOUT_S,
+        )
+        self.worker_id = response.worker_id
+        interval = response.heartbeat_interval.ToTimedelta().total_seconds() or self._max_backoff_s
+        log.info("registered with gateway %s as %s (heartbeat every %.1f s)", self.gateway_address,
+                 self.worker_id, interval)
+        return interval
+
+    async def _heartbeat(self) -> None:
+        stats, draining = self._load()
+        await self._stub.Heartbeat(
+            gateway_pb2.HeartbeatRequest(
+                worker_id=self.worker_id, running_requests=stats.running, waiting_requests=stats.waiting,
+                kv_blocks_free=stats.kv_blocks_free, draining=draining,
+            ),
+            metadata=self._metadata, timeout=RPC_TIMEOUT_S,
+        )

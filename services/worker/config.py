@@ -1,0 +1,179 @@
+"""The worker's settings, parsed once (command line plus an explicit token variable) and passed down."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.formats.spec import FORMATS
+from shared.storage import StorageConfig
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 50071
+DEFAULT_METRICS_PORT = 9471
+DEVICES = ("cpu", "cuda")
+CPU_DEFAULT_BUDGET = 2 * 2**30  # a CPU host's RAM is shared with everything else: a modest default
+GPU_DEFAULT_FRACTION = 0.9  # of the device's memory, when no budget is given
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """A worker setting that cannot work; the message names it and what is accepted."""
+
+
+def parse_bytes(text: str) -> int:
+    """'48GiB', '512MiB', '2.5GB', '1000000' -> bytes."""
+    m = _SIZE_RE.match(text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ConfigError(f"memory size {text!r} is not understood; write e.g. 48GiB, 512MiB, 2GB or a byte count")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    artifact: str  # a local artifact folder, or an artifact id to fetch from `store`
+    store: StorageConfig | None = None  # where artifact ids are fetched from
+    registry_url: str | None = None  # optional: the registry gives an artifact id's object prefix
+    cache_dir: Path = Path("/tmp/qserve-worker")  # downloaded artifacts, one folder per id
+    device: str = "cpu"  # cpu, cuda or cuda:N
+    format: str | None = None  # the format this worker must serve; None = whatever the artifact is
+    gpu_memory_budget: int | None = None  # bytes for weights + activations + KV; None = device default
+    kv_blocks: int | None = None  # a fixed KV block count instead of the budget's
+    block_size: int = 16  # token slots per KV block
+    max_running_sequences: int = 32
+    max_waiting_requests: int = 128
+    max_batch_tokens: int = 512  # tokens per step: the chunked-prefill budget
+    max_context_tokens: int | None = None  # None = the model's max_position_embeddings
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT  # 0 picks a free port
+    advertise_address: str | None = None  # host:port the gateway dials; default host:<bound port>
+    metrics_port: int | None = DEFAULT_METRICS_PORT  # Prometheus /metrics; 0 picks a free port; None = off
+    drain_grace_s: float = 30.0  # on SIGTERM / stop: how long in-flight requests may finish
+    gateway_address: str | None = None  # announce to this gateway's Admin service when set
+    gateway_token: str | None = field(default=None, repr=False)
+    torch_threads: int = 0  # 0 = torch's default
+
+    def __post_init__(self) -> None:
+        self.cache_dir = Path(self.cache_dir)
+        if not self.artifact:
+            raise ConfigError("artifact is required: a local artifact folder or an artifact id")
+        if self.device not in DEVICES and not re.fullmatch(r"cuda:[0-9]+", self.device):
+            raise ConfigError(f"device {self.device!r} is not supported; accepted: cpu, cuda, cuda:N")
+        if self.format is not None and self.format not in FORMATS:
+            raise ConfigError(f"format {self.format!r} is unknown; accepted: {', '.join(FORMATS)}")
+        if self.gpu_memory_budget is not None and self.gpu_memory_budget <= 0:
+            raise ConfigError(f"gpu_memory_budget={self.gpu_memory_budget} must be a positive number of bytes")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ConfigError(f"kv_blocks={self.kv_blocks} must be at least 1")
+        for name in ("block_size", "max_running_sequences", "max_waiting_requests", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.max_context_tokens is not None and self.max_context_tokens < 2:
+            raise ConfigError(f"max_context_tokens={self.max_context_tokens} must be at least 2")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ConfigError(f"{name}={value} must be a port number 0-65535 (0 picks a free one)")
+        if not (math.isfinite(self.drain_grace_s) and self.drain_grace_s >= 0):
+            raise ConfigError(f"drain_grace_s={self.drain_grace_s} must be a finite number of seconds >= 0")
+        for name in ("advertise_address", "gateway_address"):
+            value = getattr(self, name)
+            if value is not None and not _is_host_port(value):
+                raise ConfigError(f"{name} {value!r} is not host:port")
+        if self.gateway_address is not None and not self.gateway_token:
+            raise ConfigError("a gateway address needs a gateway token (--gateway-token or QSERVE_GATEWAY_TOKEN)")
+        if self.torch_threads < 0:
+            raise ConfigError(f"torch_threads={self.torch_threads} must be >= 0 (0 = torch's default)")
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> WorkerConfig:
+        """Settings from the command line; S3 credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and
+        the gateway token from --gateway-token or QSERVE_GATEWAY_TOKEN (read here, once)."""
+        env = os.environ if environ is None else environ
+        args = _parser().parse_args(argv)
+        store = None
+        if args.store:
+            store = StorageConfig.from_url(
+                args.store,
+                endpoint_url=args.store_endpoint,
+                region=args.store_region,
+                access_key=env.get("AWS_ACCESS_KEY_ID"),
+                secret_key=env.get("AWS_SECRET_ACCESS_KEY"),
+                session_token=env.get("AWS_SESSION_TOKEN"),
+            )
+        return cls(
+            artifact=args.artifact,
+            store=store,
+            registry_url=args.registry_url,
+            cache_dir=args.cache_dir,
+            device=args.device,
+            format=args.format,
+            gpu_memory_budget=parse_bytes(args.gpu_memory_budget) if args.gpu_memory_budget else None,
+            kv_blocks=args.kv_blocks,
+            block_size=args.block_size,
+            max_running_sequences=args.max_running_sequences,
+            max_waiting_requests=args.max_waiting_requests,
+            max_batch_tokens=args.max_batch_tokens,
+            max_context_tokens=args.max_context_tokens,
+            host=args.host,
+            port=args.port,
+            advertise_address=args.advertise_address,
+            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+            drain_grace_s=args.drain_grace_seconds,
+            gateway_address=args.gateway_address,
+            gateway_token=args.gateway_token or env.get("QSERVE_GATEWAY_TOKEN"),
+            torch_threads=args.torch_threads,
+        )
+
+
+def _is_host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) <= 65535)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m services.worker.server",
+        description="The worker: serves one artifact (quantized or the fp16 baseline) with continuous batching.",
+    )
+    p.add_argument("--artifact", required=True, help="a local artifact folder, or an artifact id to fetch from --store")
+    p.add_argument("--store", default=None,
+                   help="artifact store: s3://bucket/prefix?endpoint=http://host:9000&region=r, file:///path or a path")
+    p.add_argument("--store-endpoint", default=None, help="S3 endpoint URL when not in --store")
+    p.add_argument("--store-region", default="us-east-1")
+    p.add_argument("--registry-url", default=None,
+                   help="registry (sqlite:///... or postgresql+psycopg://...) to look an artifact id's prefix up in; "
+                        "without it the store is searched")
+    p.add_argument("--cache-dir", type=Path, default=Path("/tmp/qserve-worker"), help="where fetched artifacts are kept")
+    p.add_argument("--device", default="cpu", help="cpu (torch reference backend), cuda or cuda:N (Triton kernels)")
+    p.add_argument("--format", default=None, help=f"refuse artifacts of any other format ({', '.join(FORMATS)})")
+    p.add_argument("--gpu-memory-budget", default=None,
+                   help=f"memory for weights, activations and the KV cache, e.g. 48GiB "
+                        f"[default: {GPU_DEFAULT_FRACTION:.0%} of the GPU; 2GiB on cpu]")
+    p.add_argument("--kv-blocks", type=int, default=None, help="a fixed number of KV blocks instead of the budget's")
+    p.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
+    p.add_argument("--max-running-sequences", type=int, default=32, help="most sequences in one step")
+    p.add_argument("--max-waiting-requests", type=int, default=128,
+                   help="waiting requests before Generate answers RESOURCE_EXHAUSTED")
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (chunked-prefill budget)")
+    p.add_argument("--max-context-tokens", type=int, default=None,
+                   help="prompt + generated tokens of one sequence [default: the model's context window]")
+    p.add_argument("--host", default=DEFAULT_HOST, help="address to serve gRPC on")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0 picks a free one)")
+    p.add_argument("--advertise-address", default=None, help="host:port the gateway should dial [default: host:port]")
+    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                   help="Prometheus /metrics HTTP port (0 picks a free one, -1 turns it off)")
+    p.add_argument("--drain-grace-seconds", type=float, default=30.0,
+                   help="on SIGTERM: how long in-flight requests may finish before they are aborted")
+    p.add_argument("--gateway-address", default=None, help="gateway Admin host:port to register with")
+    p.add_argument("--gateway-token", default=None, help="admin token for the gateway [default: $QSERVE_GATEWAY_TOKEN]")
+    p.add_argument("--torch-threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
+    return p

@@ -1,0 +1,83 @@
+"""Incremental detokenization of one sequence's output, with stop strings.
+
+Text is decoded from the output token ids only (never from the prompt). A token can end inside a
+multi-byte character (the decoder then yields U+FFFD): that text is held back until the character
+completes. Text that could be the start of a stop string is held back until it is known not to
+be; when a stop string matches, the text up to it is released and the rest is dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+# Tokens decoded together with the newest ones so that decoders that look at neighbours
+# (byte-level merges, leading-space rules) give the same text as decoding everything at once.
+_CONTEXT_TOKENS = 6
+_INCOMPLETE = "\ufffd"
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, decoder: Decoder, stop: tuple[str, ...] = ()):
+        self.decoder = decoder
+        self.stop = tuple(stop)
+        self.ids: list[int] = []
+        self.text = ""  # all text decoded so far (complete characters only)
+        self.sent = 0  # characters of self.text already released
+        self.stopped = False  # a stop string matched; nothing more is released
+        self._prefix = 0  # ids[_prefix:_read] decode to the tail of self.text
+        self._read = 0
+
+    def add(self, token_ids: list[int]) -> str:
+        """Feeds new tokens; returns the text that may be released now."""
+        if self.stopped:
+            return ""
+        self.ids.extend(token_ids)
+        before = self.decoder.decode(self.ids[self._prefix : self._read])
+        after = self.decoder.decode(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith(_INCOMPLETE):
+            self.text += after[len(before) :]
+            self._read = len(self.ids)
+            self._prefix = max(0, self._read - _CONTEXT_TOKENS)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """At the end of the generation: whatever is left (an incomplete character included)."""
+        if self.stopped:
+            return ""
+        tail = self.decoder.decode(self.ids[self._prefix :])
+        head = self.decoder.decode(self.ids[self._prefix : self._read])
+        if len(tail) > len(head):
+            self.text += tail[len(head) :]
+            self._read = len(self.ids)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stop:
+            # Text that could start a match is never released (see _held_back), so a match
+            # always starts at or after `sent`.
+            matches = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
+            if matches:
+                end = min(matches)
+                out = self.text[self.sent : end]
+                self.sent = end
+                self.stopped = True
+                return out
+        end = len(self.text) if final else len(self.text) - self._held_back()
+        out = self.text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest unreleased tail of the text that is a proper prefix of a stop string."""
+        pending = self.text[self.sent :]
+        longest = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(pending)), longest, -1):
+                if pending.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest

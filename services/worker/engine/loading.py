@@ -1,0 +1,206 @@
+"""From an artifact reference (a local folder, or an artifact id in the object store) to a verified
+ArtifactReader bound to this worker, and from the reader to a model runner for the device.
+
+Refusals happen here, before anything is served: an artifact for another GPU target or of a
+format the runner cannot run (ArtifactMismatch, FAILED_PRECONDITION, naming both sides), and a
+missing, partial or corrupt one (every file's size and sha256 are checked against the manifest).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.worker.errors import ArtifactCorrupt, ArtifactMismatch, ArtifactNotFound, RunnerUnavailable
+from shared.formats.artifact import ArtifactError, ArtifactReader
+from shared.formats.manifest import MANIFEST_NAME
+from shared.formats.spec import FORMATS
+from shared.storage import ObjectNotFound, StorageConfig, StorageError, open_store
+
+log = logging.getLogger(__name__)
+
+ARTIFACT_ID_RE = re.compile(r"^[0-9a-f]{32}$")  # uuid4 hex, as the quantizer assigns
+TRITON_RUNNER_MODULE = "services.worker.engine.triton_runner"
+
+
+@dataclass(slots=True)
+class LoadedArtifact:
+    reader: ArtifactReader
+    folder: Path
+    object_prefix: str = ""  # where it came from in the store; empty for a local folder
+    version_label: str = ""  # from the registry when one was given
+    registry_state: str = ""  # the registry's state name (e.g. "READY") when one was given
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.size for f in self.reader.manifest.files)
+
+
+def worker_gpu_target(device: torch.device) -> tuple[str, str]:
+    """(gpu_target, gpu_name) of the device: ("cpu", "cpu") or e.g. ("sm90", "NVIDIA H200")."""
+    if device.type != "cuda":
+        return "cpu", "cpu"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}", torch.cuda.get_device_name(device)
+
+
+def runner_class(device: torch.device) -> type:
+    """TritonRunner on a CUDA device (imported only then: it needs triton and a GPU), else ReferenceRunner."""
+    if device.type == "cuda":
+        try:
+            module = importlib.import_module(TRITON_RUNNER_MODULE)
+        except ModuleNotFoundError as exc:
+            if exc.name != TRITON_RUNNER_MODULE:
+                raise
+            raise RunnerUnavailable(
+                f"device {device} needs the GPU runner ({TRITON_RUNNER_MODULE}), which this build lacks; "
+                "use --device cpu for the torch reference backend"
+            ) from None
+        return module.TritonRunner
+    from services.worker.engine.reference_runner import ReferenceRunner
+
+    return ReferenceRunner
+
+
+def load_runner(
+    reader: ArtifactReader,
+    device: torch.device | str,
+    block_size: int,
+    *,
+    max_batch_tokens: int | None = None,
+    max_model_len: int | None = None,
+):
+    """The ModelRunner (services/worker/engine/runner.py) for the device, weights loaded.
+
+    max_batch_tokens and max_model_len size the GPU runner's workspace; the reference runner
+    allocates per step and ignores them.
+    """
+    device = torch.device(device)
+    cls = runner_class(device)
+    if device.type != "cuda":
+        return cls(reader, device, block_size)
+    settings_cls = importlib.import_module(TRITON_RUNNER_MODULE).TritonRunnerSettings
+    options = {"block_size": block_size, "max_model_len": max_model_len}
+    if max_batch_tokens is not None:
+        options["max_batch_tokens"] = max_batch_tokens
+    try:
+        return cls(reader, device, block_size, settings_cls(**options))
+    except ValueError as exc:  # the runner names the format it cannot run and those it can
+        m = reader.manifest
+        raise ArtifactMismatch(f"artifact {m.artifact_id} (format {m.format!r}) is refused by the GPU runner: {exc}") from exc
+
+
+def runner_formats(device: torch.device) -> tuple[str, ...]:
+    """Formats the device's runner runs; a runner that does not list them is asked at load time."""
+    return tuple(getattr(runner_class(device), "SUPPORTED_FORMATS", FORMATS))
+
+
+def check_binding(reader: ArtifactReader, gpu_target: str, formats: tuple[str, ...], expected_format: str | None) -> None:
+    """Raises ArtifactMismatch unless the artifact's GPU target and format are this worker's."""
+    m = reader.manifest
+    if m.gpu_target != gpu_target:
+        raise ArtifactMismatch(
+            f"artifact {m.artifact_id} is built for GPU target {m.gpu_target!r}, but this worker's target is "
+            f"{gpu_target!r}; serve an artifact quantized for {gpu_target!r}"
+        )
+    if expected_format is not None and m.format != expected_format:
+        raise ArtifactMismatch(
+            f"artifact {m.artifact_id} has format {m.format!r}, but this worker is configured for format "
+            f"{expected_format!r}"
+        )
+    if m.format not in formats:
+        raise ArtifactMismatch(
+            f"artifact {m.artifact_id} has format {m.format!r}, which this worker's runner does not run; "
+            f"it runs: {', '.join(formats)}"
+        )
+
+
+def open_artifact(
+    ref: str,
+    *,
+    gpu_target: str,
+    formats: tuple[str, ...] = tuple(FORMATS),
+    expected_format: str | None = None,
+    store: StorageConfig | None = None,
+    registry_url: str | None = None,
+    cache_dir: Path | None = None,
+) -> LoadedArtifact:
+    """A verified artifact bound to this worker. `ref` is a local artifact folder or an artifact id
+    (downloaded from `store` into `cache_dir`; its prefix from the registry, or found in the store)."""
+    if Path(ref).is_dir():
+        loaded = LoadedArtifact(_read(Path(ref), gpu_target, formats, expected_format), Path(ref))
+        return loaded
+    if not ARTIFACT_ID_RE.match(ref):
+        raise ArtifactNotFound(
+            f"artifact {ref!r} is neither a local artifact folder nor an artifact id (32 hex characters)"
+        )
+    if store is None:
+        raise ArtifactNotFound(f"artifact id {ref!r} given without --store to fetch it from")
+    if cache_dir is None:
+        raise ArtifactNotFound(f"artifact id {ref!r} given without a cache folder to download it into")
+    prefix, label, state = _registry_lookup(ref, registry_url) if registry_url else ("", "", "")
+    try:
+        object_store = open_store(store)
+        if not prefix:
+            prefix = _find_prefix(object_store, ref)
+        folder = Path(cache_dir) / ref
+        if folder.exists():
+            try:
+                reader = _read(folder, gpu_target, formats, expected_format)
+                return LoadedArtifact(reader, folder, prefix, label, state)
+            except ArtifactCorrupt as exc:
+                log.warning("cached copy of %s is unusable (%s); downloading it again", ref, exc)
+                shutil.rmtree(folder)
+        log.info("downloading artifact %s from %s", ref, object_store.uri(prefix))
+        object_store.download_folder(prefix, folder)
+    except ObjectNotFound as exc:
+        raise ArtifactNotFound(f"artifact {ref}: {exc}") from exc
+    except StorageError as exc:
+        raise ArtifactCorrupt(f"artifact {ref} could not be downloaded intact: {exc}") from exc
+    reader = _read(folder, gpu_target, formats, expected_format)
+    if reader.manifest.artifact_id != ref:
+        raise ArtifactCorrupt(f"the files under {prefix!r} are artifact {reader.manifest.artifact_id}, not {ref}")
+    return LoadedArtifact(reader, folder, prefix, label, state)
+
+
+def _read(folder: Path, gpu_target: str, formats: tuple[str, ...], expected_format: str | None) -> ArtifactReader:
+    try:
+        reader = ArtifactReader(folder, verify=False)
+    except (ArtifactError, ValueError) as exc:
+        raise ArtifactCorrupt(f"artifact folder {folder} cannot be read: {exc}") from exc
+    check_binding(reader, gpu_target, formats, expected_format)  # cheap, so before hashing every file
+    try:
+        reader.verify()
+    except ArtifactError as exc:
+        raise ArtifactCorrupt(str(exc)) from exc
+    return reader
+
+
+def _find_prefix(store, artifact_id: str) -> str:
+    """The artifact's folder in the store (`<model>/<version>/<format>/<gpu>/<id>/`), from a listing."""
+    for info in store.list(""):
+        parts = info.key.split("/")
+        if len(parts) >= 2 and parts[-1] == MANIFEST_NAME and parts[-2] == artifact_id:
+            return info.key[: -len(MANIFEST_NAME)]
+    raise ArtifactNotFound(f"artifact {artifact_id} is not in the store {store.uri()}")
+
+
+def _registry_lookup(artifact_id: str, registry_url: str) -> tuple[str, str, str]:
+    """(object prefix, version label, state name) of the artifact's registry record."""
+    from shared.registry import NotFound, create_registry, get_artifact
+
+    registry = create_registry(registry_url, migrate_to_head=False)
+    try:
+        with registry.transaction() as session:
+            row = get_artifact(session, artifact_id)
+            return row.object_prefix, row.model_version.label, row.state.name
+    except NotFound as exc:
+        raise ArtifactNotFound(str(exc)) from exc
+    finally:
+        registry.close()

@@ -1,0 +1,133 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+Each step has a token budget (max_batch_tokens, the chunked-prefill budget). Running sequences
+go first, decodes (one token each) before prefill chunks so a long prompt cannot stall the tokens
+of sequences already generating; then waiting sequences are admitted in arrival order while the
+budget, the running limit and the free blocks allow. Order is by arrival everywhere (first come,
+first served): a waiting request is never overtaken by a later one, and when blocks run out the
+latest-arrived running sequence is preempted (its blocks freed, its tokens recomputed later).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.sequence import Sequence, SeqState
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position this step computes (== seq.num_computed)
+    num_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """True when the chunk reaches the sequence's last token, so its next token is due."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class Schedule:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_running: int, max_batch_tokens: int):
+        if max_running < 1 or max_batch_tokens < 1:
+            raise ValueError(f"max_running={max_running} and max_batch_tokens={max_batch_tokens} must be >= 1")
+        self.blocks = blocks
+        self.max_running = max_running
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: list[Sequence] = []  # by arrival
+        self.running: list[Sequence] = []  # by admission
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.state = SeqState.WAITING
+        self._enqueue(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Takes seq out of the queues and frees its blocks at once (finished, aborted or cancelled)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq.block_table)
+        seq.state = SeqState.FINISHED
+
+    def schedule(self) -> Schedule:
+        out = Schedule()
+        budget = self.max_batch_tokens
+        scheduled: set[int] = set()
+        decodes = [s for s in self.running if s.num_uncomputed == 1]
+        prefills = [s for s in self.running if s.num_uncomputed > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.state is not SeqState.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if not self._make_room(seq, n, scheduled, out):
+                continue
+            self.blocks.grow(seq.block_table, seq.num_computed + n)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        # After a preemption the cache is full: admitting now would only preempt again.
+        while not out.preempted and self.waiting and len(self.running) < self.max_running and budget > 0:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            # Keep one spare block per running sequence so that admitting does not force the
+            # running ones to preempt each other on their next block boundary.
+            reserve = len(self.running)
+            if self.blocks.extra_blocks(seq.block_table, n) + reserve > self.blocks.num_free:
+                break  # first come, first served: later arrivals wait behind it
+            self.waiting.pop(0)
+            seq.state = SeqState.RUNNING
+            self.running.append(seq)
+            self.blocks.grow(seq.block_table, n)
+            out.chunks.append(ScheduledChunk(seq, 0, n))
+            budget -= n
+        return out
+
+    def on_computed(self, chunk: ScheduledChunk) -> None:
+        """Records that the step wrote the chunk's K/V (unless the sequence left in the meantime)."""
+        if chunk.seq.state is SeqState.RUNNING and chunk.seq.num_computed == chunk.start:
+            chunk.seq.num_computed += chunk.num_tokens
+
+    def _make_room(self, seq: Sequence, n: int, scheduled: set[int], out: Schedule) -> bool:
+        """Preempts the latest arrivals not yet scheduled this step until seq can grow by n tokens;
+        False when seq itself is the latest and was preempted."""
+        while not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
+            candidates = [s for s in self.running if s.seq_id not in scheduled]
+            victim = max(candidates, key=lambda s: (s.arrival, s.seq_id))
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq.block_table)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.state = SeqState.WAITING
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        key = (seq.arrival, seq.seq_id)
+        i = len(self.waiting)
+        while i > 0 and (self.waiting[i - 1].arrival, self.waiting[i - 1].seq_id) > key:
+            i -= 1
+        self.waiting.insert(i, seq)

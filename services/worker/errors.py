@@ -1,0 +1,53 @@
+"""Errors of the worker. Each carries the gRPC status the proto promises for it."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class WorkerError(Exception):
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidRequest(WorkerError, ValueError):
+    """A Generate or Abort field is missing or out of range; the message names it."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class DuplicateRequest(WorkerError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class QueueFull(WorkerError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Draining(WorkerError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class ArtifactRefused(WorkerError):
+    """The artifact cannot be served by this worker (refused at start-up, before serving)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ArtifactMismatch(ArtifactRefused):
+    """Built for another GPU target, or of a format this worker does not run."""
+
+
+class ArtifactCorrupt(ArtifactRefused):
+    """Files missing, truncated or not matching the manifest's sha256."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class ArtifactNotFound(ArtifactRefused):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class RunnerUnavailable(WorkerError):
+    """The runner for the requested device is not part of this build."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION

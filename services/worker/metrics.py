@@ -1,0 +1,59 @@
+"""Prometheus metrics of one worker, on their own registry (several workers may share a process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from services.worker.engine.outputs import EngineStats, FinishInfo
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class WorkerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("qserve_worker_time_to_first_token_seconds", "Arrival to the first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("qserve_worker_time_per_output_token_seconds", "Mean gap between generated tokens.",
+                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.queue = Histogram("qserve_worker_queue_time_seconds", "Arrival to the first scheduling step.",
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.finished = Counter("qserve_worker_requests", "Finished requests by finish reason.", ["reason"], registry=r)
+        self.rejected = Counter("qserve_worker_rejected_requests", "Generate calls refused, by status code.",
+                                ["code"], registry=r)
+        self.generated = Counter("qserve_worker_generated_tokens", "Tokens generated.", registry=r)
+        gauges = {
+            "qserve_worker_running_requests": ("Sequences in the running batch.", lambda s: s.running),
+            "qserve_worker_waiting_requests": ("Requests waiting for admission.", lambda s: s.waiting),
+            "qserve_worker_kv_blocks_used": ("KV cache blocks in use.", lambda s: s.kv_blocks_used),
+            "qserve_worker_kv_blocks_free": ("KV cache blocks free.", lambda s: s.kv_blocks_free),
+            "qserve_worker_kv_usage_ratio": ("Used fraction of the KV cache.",
+                                             lambda s: s.kv_blocks_used / s.kv_blocks_total),
+        }
+        for name, (doc, read) in gauges.items():
+            Gauge(name, doc, registry=r).set_function(lambda read=read: read(stats()))
+        self._server = None
+
+    def observe_finish(self, finish: FinishInfo) -> None:
+        self.finished.labels(finish.reason.name.lower()).inc()
+        self.generated.inc(finish.generated_tokens)
+        self.queue.observe(finish.queue_s)
+        if finish.generated_tokens:
+            self.ttft.observe(finish.time_to_first_token_s)
+        if finish.generated_tokens >= 2:
+            self.tpot.observe(finish.time_per_output_token_s)
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts the /metrics HTTP server (a daemon thread); returns its port."""
+        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

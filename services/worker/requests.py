@@ -1,0 +1,87 @@
+"""From a GenerateRequest to the engine's inputs, refusing what cannot be served (INVALID_ARGUMENT)."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+from services.worker.engine.sequence import SamplingOptions
+from services.worker.errors import InvalidRequest
+from shared.rpc.qserve.v1 import common_pb2, worker_pb2
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+@dataclass(slots=True, frozen=True)
+class PromptLimits:
+    vocab_size: int
+    max_context: int  # prompt + generated tokens
+    add_bos: bool
+    bos_token_id: int | None
+
+
+@dataclass(slots=True, frozen=True)
+class Generation:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingOptions
+
+
+def generation_from_pb(request: worker_pb2.GenerateRequest, limits: PromptLimits, encode) -> Generation:
+    """`encode(text) -> ids` is the artifact's tokenizer (no special tokens; BOS is added here)."""
+    request_id = request.request_id or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequest("no prompt: set text or token_ids")
+    if kind == "text":
+        if not request.text:
+            raise InvalidRequest("the prompt text is empty")
+        ids = list(encode(request.text))
+        if limits.add_bos and limits.bos_token_id is not None:
+            ids = [limits.bos_token_id] + ids
+    else:
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise InvalidRequest("the prompt token_ids are empty")
+        _check_vocab("prompt token id", ids, limits.vocab_size)
+    if len(ids) >= limits.max_context:
+        raise InvalidRequest(
+            f"the prompt has {len(ids)} tokens; this worker's context window is {limits.max_context} tokens "
+            f"(prompt + generated), so a prompt may have at most {limits.max_context - 1}"
+        )
+    return Generation(request_id, ids, sampling_from_pb(request.sampling, limits.vocab_size))
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParams, vocab_size: int) -> SamplingOptions:
+    if not math.isfinite(pb.temperature) or pb.temperature < 0:
+        raise InvalidRequest(f"temperature={pb.temperature} must be a finite number >= 0 (0 = greedy)")
+    if not math.isfinite(pb.top_p) or not 0 <= pb.top_p <= 1:
+        raise InvalidRequest(f"top_p={pb.top_p} must be in (0, 1], or 0 for no limit")
+    stop_ids = tuple(pb.stop_token_ids)
+    _check_vocab("stop token id", stop_ids, vocab_size)
+    if len(pb.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"{len(pb.stop)} stop strings given; at most {MAX_STOP_STRINGS}")
+    for s in pb.stop:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise InvalidRequest(f"stop string {s!r} must have 1 to {MAX_STOP_CHARS} characters")
+    return SamplingOptions(
+        temperature=float(pb.temperature),
+        top_k=pb.top_k,
+        top_p=float(pb.top_p) if pb.top_p > 0 else 1.0,
+        seed=pb.seed if pb.HasField("seed") else None,
+        max_new_tokens=pb.max_new_tokens,
+        stop_token_ids=stop_ids,
+        stop=tuple(pb.stop),
+        ignore_eos=pb.ignore_eos,
+    )
+
+
+def _check_vocab(what: str, ids, vocab_size: int) -> None:
+    bad = [i for i in ids if i >= vocab_size]
+    if bad:
+        raise InvalidRequest(f"{what} {bad[0]} is outside the vocabulary: ids are 0..{vocab_size - 1}")

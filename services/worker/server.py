@@ -1,0 +1,193 @@
+"""The worker's grpc.aio server: the Worker service, the standard health service, reflection,
+Prometheus metrics, and the gateway announcement.
+
+    python -m services.worker.server --artifact /artifacts/tiny-w4a8 --device cpu --port 50071
+    python -m services.worker.server --artifact 3f2c... --store 's3://artifacts?endpoint=http://minio:9000' \\
+        --device cuda --gpu-memory-budget 48GiB --gateway-address gateway:50051
+
+SIGTERM or SIGINT drains it: health turns NOT_SERVING, new Generate calls get UNAVAILABLE, the
+gateway is told (DeregisterWorker), in-flight requests get --drain-grace-seconds to finish and are
+aborted after that.
+
+Embedding (`qctl up`, tests): `server = WorkerServer(config); port = await server.start(); ...;
+await server.stop()`, or BackgroundWorker(config) from synchronous code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.worker.announce import GatewayAnnouncer
+from services.worker.config import ConfigError, WorkerConfig
+from services.worker.engine.capacity import CapacityError
+from services.worker.errors import WorkerError
+from services.worker.metrics import WorkerMetrics
+from services.worker.servicer import WorkerServicer
+from services.worker.serving import ServedModel, load_served_model
+from shared.rpc.qserve.v1 import worker_pb2, worker_pb2_grpc
+from shared.storage import StorageError
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name  # qserve.v1.Worker
+DRAIN_POLL_S = 0.02
+
+
+class WorkerServer:
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.served: ServedModel | None = None
+        self.servicer: WorkerServicer | None = None
+        self.announcer: GatewayAnnouncer | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._metrics: WorkerMetrics | None = None
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> int:
+        """Loads and checks the artifact (raises ArtifactRefused and friends), starts the engine and
+        serves; returns the bound gRPC port."""
+        if self.config.torch_threads:
+            torch.set_num_threads(self.config.torch_threads)
+        served = await asyncio.to_thread(load_served_model, self.config)
+        served.engine.start()
+        metrics = WorkerMetrics(served.engine.stats)
+        server = grpc.aio.server()
+        servicer = WorkerServicer(served, metrics)
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        try:
+            port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+            if self.config.metrics_port is not None:
+                self.metrics_port = metrics.serve(self.config.host, self.config.metrics_port)
+            await server.start()
+        except BaseException:  # e.g. a port is taken
+            metrics.close()
+            await asyncio.to_thread(served.engine.stop)
+            raise
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.served, self.servicer, self._server, self._health, self._metrics = (
+            served, servicer, server, health_servicer, metrics)
+        self.port = port
+        if self.config.gateway_address:
+            self.announcer = GatewayAnnouncer(
+                self.config.gateway_address, self.config.gateway_token, self.config.advertise_address or self.address,
+                served.artifact.reader.manifest.artifact_id, self._load,
+            )
+            self.announcer.start()
+        log.info("worker serving %s on port %d (metrics port %s)", served.artifact.reader.manifest.artifact_id,
+                 port, self.metrics_port)
+        return port
+
+    def _load(self):
+        return self.served.engine.stats(), self.servicer.draining
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Stops taking work (UNAVAILABLE, health NOT_SERVING, deregistered), lets in-flight requests
+        finish for grace_s, then aborts what is left."""
+        grace = self.config.drain_grace_s if grace_s is None else grace_s
+        self.servicer.draining = True
+        await self._health.enter_graceful_shutdown()
+        if self.announcer is not None:
+            await self.announcer.stop()
+        engine = self.served.engine
+        deadline = time.monotonic() + grace
+        while engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = engine.in_flight()
+        if left:
+            log.warning("drain grace of %.1f s is over; aborting %d request(s)", grace, len(left))
+            for request_id in left:
+                engine.abort(request_id)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drains (see drain), then stops the server, the engine and the metrics endpoint."""
+        if self._stopped or self._server is None:
+            return
+        self._stopped = True
+        await self.drain(grace_s)
+        await self._server.stop(1.0)  # every stream has ended; let the last messages go out
+        await asyncio.to_thread(self.served.engine.stop)
+        self._metrics.close()
+
+
+async def serve(config: WorkerConfig) -> None:
+    """Runs until SIGTERM or SIGINT, then drains and stops."""
+    server = WorkerServer(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining (grace %.0f s)", config.drain_grace_s)
+    await server.stop()
+
+
+class BackgroundWorker:
+    """A WorkerServer on its own event loop in a daemon thread, for synchronous embedders and tests:
+    BackgroundWorker(config).address ... .stop()."""
+
+    def __init__(self, config: WorkerConfig, timeout_s: float = 300.0):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="worker-loop", daemon=True)
+        self._thread.start()
+        self.server = WorkerServer(config)
+        try:
+            self.port = self.call(self.server.start(), timeout_s)
+        except BaseException:
+            self._close()
+            raise
+        self.address = self.server.address
+
+    def call(self, coro, timeout_s: float = 300.0):
+        """Runs a coroutine on the worker's loop and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def stop(self, grace_s: float | None = None, timeout_s: float = 300.0) -> None:
+        try:
+            self.call(self.server.stop(grace_s), timeout_s)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = WorkerConfig.from_args(argv)
+        asyncio.run(serve(config))
+    except (ConfigError, CapacityError, StorageError, WorkerError) as exc:
+        code = getattr(exc, "code", None)
+        prefix = f"error ({code.name}): " if isinstance(code, grpc.StatusCode) else "error: "
+        print(prefix + str(exc), file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Start-up: the artifact, its runner and tokenizer, and an engine sized to the memory budget."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.config import CPU_DEFAULT_BUDGET, GPU_DEFAULT_FRACTION, WorkerConfig
+from services.worker.engine.capacity import plan_kv_blocks
+from services.worker.engine.engine import Engine, EngineLimits
+from services.worker.engine.loading import LoadedArtifact, load_runner, open_artifact, runner_formats, worker_gpu_target
+from shared.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ServedModel:
+    artifact: LoadedArtifact
+    engine: Engine
+    tokenizer: Tokenizer
+    add_bos: bool  # prepend bos_token_id to text prompts (the tokenizer config's add_bos_token)
+    bos_token_id: int | None
+    vocab_size: int
+    gpu_target: str
+    gpu_name: str
+
+    @property
+    def format(self) -> str:
+        return self.artifact.reader.manifest.format
+
+
+def load_served_model(config: WorkerConfig) -> ServedModel:
+    """Blocking (downloads, hashes every file, loads weights): run it off the event loop."""
+    device = torch.device(config.device)
+    gpu_target, gpu_name = worker_gpu_target(device)
+    artifact = open_artifact(
+        config.artifact, gpu_target=gpu_target, formats=runner_formats(device), expected_format=config.format,
+        store=config.store, registry_url=config.registry_url, cache_dir=config.cache_dir,
+    )
+    reader = artifact.reader
+    runner = load_runner(reader, device, config.block_size, max_batch_tokens=config.max_batch_tokens,
+                         max_model_len=config.max_context_tokens)
+    model_config = runner.config
+    num_blocks = config.kv_blocks or plan_kv_blocks(
+        _budget(config, device), runner.weight_bytes(), runner.activation_bytes(config.max_batch_tokens),
+        runner.kv_block_bytes(),
+    )
+    # One sequence must always fit in the cache on its own, or preemption could never make room.
+    max_context = min(model_config.max_position_embeddings, num_blocks * config.block_size,
+                      config.max_context_tokens or model_config.max_position_embeddings)
+    limits = EngineLimits(
+        num_blocks=num_blocks,
+        max_running=config.max_running_sequences,
+        max_waiting=config.max_waiting_requests,
+        max_batch_tokens=config.max_batch_tokens,
+        max_context=max_context,
+    )
+    tokenizer = Tokenizer(reader.tokenizer_dir)
+    engine = Engine(runner, tokenizer, limits, model_config.eos_token_ids)
+    log.info("artifact %s (%s, %s) on %s: %d KV blocks of %d tokens, context %d",
+             reader.manifest.artifact_id, reader.manifest.format, reader.manifest.gpu_target, gpu_name,
+             num_blocks, config.block_size, max_context)
+    return ServedModel(
+        artifact=artifact, engine=engine, tokenizer=tokenizer, add_bos=_adds_bos(reader.tokenizer_dir),
+        bos_token_id=model_config.bos_token_id, vocab_size=model_config.vocab_size,
+        gpu_target=gpu_target, gpu_name=gpu_name,
+    )
+
+
+def _budget(config: WorkerConfig, device: torch.device) -> int:
+    if config.gpu_memory_budget is not None:
+        return config.gpu_memory_budget
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory * GPU_DEFAULT_FRACTION)
+    return CPU_DEFAULT_BUDGET
+
+
+def _adds_bos(tokenizer_dir) -> bool:
+    path = tokenizer_dir / "tokenizer_config.json"
+    if not path.is_file():
+        return False
+    return bool(json.loads(path.read_text()).get("add_bos_token", False))
