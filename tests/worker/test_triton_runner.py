@@ -60,7 +60,7 @@ def _steps(tokens: dict[int, list[int]]) -> list[list[tuple[int, int, int, bool]
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
+def tiny_artifacts(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton-runner")
     model = write_random_llama(root / "model", hidden=256, ffn=384, layers=2, heads=4, kv_heads=2, vocab=512,
                                tokenizer_from=None)
@@ -73,9 +73,9 @@ def artifacts(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt", list(TOLERANCE))
-def test_chunked_prefill_and_decode_match_reference(artifacts, fmt):
-    reader = ArtifactReader(artifacts[fmt])
-    runner = TritonRunner(reader, "cpu", TritonRunnerSettings(block_size=BLOCK, max_model_len=32, cuda_graphs=False))
+def test_chunked_prefill_and_decode_match_reference(tiny_artifacts, fmt):
+    reader = ArtifactReader(tiny_artifacts[fmt])
+    runner = TritonRunner(reader, "cpu", BLOCK, TritonRunnerSettings(max_model_len=32, cuda_graphs=False))
     runner.allocate_cache(16)
     g = torch.Generator().manual_seed(3)
     tokens = {s: torch.randint(0, 512, (n + DECODE_STEPS,), generator=g).tolist() for s, (n, _, _) in SEQS.items()}
@@ -102,7 +102,7 @@ def test_chunked_prefill_and_decode_match_reference(artifacts, fmt):
             assert err < TOLERANCE[fmt], f"{fmt} seq {s} position {pos}: relative error {err:.2e}"
 
 
-def test_cpu_needs_the_interpreter(artifacts, monkeypatch):
+def test_cpu_needs_the_interpreter(tiny_artifacts, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        TritonRunner(ArtifactReader(artifacts["fp16"]), "cpu")
+        TritonRunner(ArtifactReader(tiny_artifacts["fp16"]), "cpu")

@@ -19,14 +19,15 @@ keeps fp32), fp16 attention outputs, and prefill attention at position 0 reading
 unquantized K/V where the reference reads KV4-rounded K/V (later tokens read the KV4 cache, as
 the reference does).
 
-Constructed with `TritonRunner(reader, device="cuda", settings=TritonRunnerSettings(...))`;
+Constructed with `TritonRunner(reader, device="cuda", block_size=None, settings=TritonRunnerSettings(...))`
+(block_size, when given, overrides the settings' one: the engine's loader passes it positionally);
 device "cpu" works only under the Triton interpreter (TRITON_INTERPRET=1, the CPU tests).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -65,8 +66,17 @@ class TritonRunnerSettings:
 
 
 class TritonRunner:
-    def __init__(self, reader, device: str | torch.device = "cuda", settings: TritonRunnerSettings | None = None):
-        self.settings = settings or TritonRunnerSettings()
+    def __init__(
+        self,
+        reader,
+        device: str | torch.device = "cuda",
+        block_size: int | None = None,
+        settings: TritonRunnerSettings | None = None,
+    ):
+        settings = settings or TritonRunnerSettings()
+        if block_size is not None and block_size != settings.block_size:
+            settings = replace(settings, block_size=block_size)
+        self.settings = settings
         self.device = torch.device(device)
         if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("TritonRunner on device 'cpu' needs the Triton interpreter (TRITON_INTERPRET=1); "

@@ -1,0 +1,306 @@
+"""End-to-end generation throughput on a Llama-2-7B-shaped model (random weights), GPU only.
+
+    python3 bench/e2e.py --parts check,chn,fp16 --out $OUT/e2e_a.json
+    python3 bench/e2e.py --parts g128,hf --out $OUT/e2e_b.json
+    python3 bench/e2e.py --merge e2e_a.json e2e_b.json --out bench/results/h200/e2e.json
+
+Parts: `check` (TritonRunner against the reference on a small model, every policy GEMM variant
+bit-exact on the 7B shapes), `chn` / `g128` (W4A8KV4 per-channel / g128), `fp16` (our fp16
+baseline engine: cuBLAS GEMMs, fp16 paged cache), `hf` (transformers `generate`, fp16, static
+batch). Input 1024 / output 512 tokens per sequence. Our engines run at batch sizes up to what
+fits a 48 GB and an 80 GB budget (sized with the runner's weight/KV/activation bytes); every run
+records its peak allocated memory. Each part writes the JSON after every run, so a timeout keeps
+what finished. `--merge` combines part files and evaluates the issue's checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+GiB = 1 << 30
+FORMATS = {"chn": "w4a8kv4-chn", "g128": "w4a8kv4-g128", "fp16": "fp16"}
+BUDGETS_GB = (48, 80)
+HF_BATCHES = (1, 64, 80)
+
+
+def copy_bandwidth_GBps(torch) -> float:
+    from triton.testing import do_bench
+
+    src = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    del src, dst
+    return 2 * 2 * GiB / (ms * 1e-3) / 1e9
+
+
+def kernel_policy() -> dict:
+    from services.worker.engine.kernel_policy import from_best_variant
+
+    best = json.loads((REPO / "bench/results/h200/kernels.json").read_text())["best_variant"]
+    return from_best_variant(best)
+
+
+class Bench:
+    def __init__(self, args):
+        import torch
+
+        from bench.machine import gpu_machine
+
+        self.torch = torch
+        self.args = args
+        self.t_start = time.perf_counter()
+        self.result = {
+            "command": " ".join(["python3"] + sys.argv),
+            "machine": gpu_machine(torch.device("cuda")),
+            "model": "Llama-2-7B shape (32 layers, hidden 4096, 32 heads, FFN 11008, vocab 32000), random weights, "
+                     "RTN-packed on the GPU (bench/random_model.py)",
+            "lengths": {"input": args.prompt, "output": args.output},
+            "driver": "static batch on the runner (bench/e2e_driver.py): the engine was not committed at run time",
+            "runs": [], "errors": [],
+        }
+        self.result["copy_bandwidth_GBps"] = copy_bandwidth_GBps(torch)
+
+    def save(self) -> None:
+        self.result["seconds"] = round(time.perf_counter() - self.t_start, 1)
+        Path(self.args.out).write_text(json.dumps(self.result, indent=1))
+
+    def time_left(self) -> float:
+        return self.args.time_limit - (time.perf_counter() - self.t_start)
+
+    def part_check(self) -> None:
+        from bench.e2e_check import check_format, check_policy_gemms
+
+        dev = self.torch.device("cuda")
+        policy = kernel_policy()
+        self.result["check"] = {"runner": [check_format(f, dev, policy) for f in FORMATS.values()],
+                                "policy_gemms": check_policy_gemms(policy, dev)}
+        print("check:", json.dumps(self.result["check"]["runner"]), flush=True)
+        bad = [g for g in self.result["check"]["policy_gemms"] if not g["bit_exact"]]
+        print("policy gemms not bit-exact:", bad, flush=True)
+        self.save()
+
+    def part_engine(self, key: str) -> None:
+        from bench.e2e_driver import generate, max_batch_for_budget, warm_up
+        from bench.random_model import LLAMA2_7B, RandomArtifact
+        from services.worker.engine.triton_runner import TritonRunner, TritonRunnerSettings
+
+        torch, a = self.torch, self.args
+        fmt = FORMATS[key]
+        t0 = time.perf_counter()
+        reader = RandomArtifact(LLAMA2_7B, fmt, torch.device("cuda"), kernel_policy=kernel_policy() if key != "fp16" else None)
+        total = a.prompt + a.output
+        runner = TritonRunner(reader, "cuda", 16, TritonRunnerSettings(max_model_len=total, max_batch_tokens=a.prefill_tokens))
+        gc.collect()
+        torch.cuda.empty_cache()
+        build_s = time.perf_counter() - t0
+        sizing = {str(b): max_batch_for_budget(runner, b * 10**9, total, a.prefill_tokens) for b in BUDGETS_GB}
+        info = {"format": fmt, "build_s": round(build_s, 1), "weight_bytes": runner.weight_bytes(),
+                "weight_bytes_read_per_step": runner.weights.bytes_read_per_step(),
+                "kv_block_bytes": runner.kv_block_bytes(), "block_size": runner.block_size, "sizing": sizing}
+        self.result.setdefault("engines", {})[key] = info
+        print(key, json.dumps(info), flush=True)
+        self.save()
+        caps = sorted({int(s["max_batch"]) for s in sizing.values()})
+        batches = sorted({b for b in (1, 16, 64, 128, 256) if b <= caps[-1]} | set(caps))
+        for batch in batches:
+            if self.time_left() < 20 + batch * 0.06:
+                self.result["errors"].append(f"{key} batch {batch}: skipped, time limit")
+                continue
+            try:
+                runner.allocate_cache(batch * -(-total // runner.block_size))
+                warm_up(runner, batch, a.prompt, a.prefill_tokens)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                t = generate(runner, batch, a.prompt, a.output, a.prefill_tokens)
+                run = self.run_record(key, fmt, runner, t, base)
+                self.result["runs"].append(run)
+                print(json.dumps(run), flush=True)
+            except Exception as e:  # a failed size is recorded and the sweep goes on
+                self.result["errors"].append(f"{key} batch {batch}: {type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+                print(self.result["errors"][-1], flush=True)
+                if isinstance(e, torch.cuda.OutOfMemoryError):
+                    break
+            finally:
+                self.save()
+        runner.k_cache = runner.v_cache = None
+        del runner, reader
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def run_record(self, key, fmt, runner, t, base) -> dict:
+        a = self.args
+        torch = self.torch
+        c = runner.config
+        mean_ctx = a.prompt + (a.output - 1) / 2  # mean context of the decode steps
+        kv_per_token = 2 * c.num_layers * c.num_kv_heads * runner._row_bytes()
+        step_s = t.decode_s / t.decode_steps
+        step_bytes = runner.weights.bytes_read_per_step() + t.batch * mean_ctx * kv_per_token
+        copy = self.result.get("copy_bandwidth_GBps")
+        peak = torch.cuda.max_memory_allocated()
+        return {
+            "engine": key, "format": fmt, "batch": t.batch, "prefill_s": round(t.prefill_s, 4),
+            "decode_s": round(t.decode_s, 4), "total_s": round(t.prefill_s + t.decode_s, 4),
+            "output_tokens": t.output_tokens,
+            "tokens_per_s": t.output_tokens / (t.prefill_s + t.decode_s),
+            "decode_tokens_per_s": t.batch * t.decode_steps / t.decode_s,
+            "ttft_s": t.prefill_s, "tpot_s": step_s,
+            "decode_step_bytes": int(step_bytes), "decode_GBps": step_bytes / step_s / 1e9,
+            "roofline_fraction": (step_bytes / step_s / 1e9) / copy if copy else None,
+            "peak_allocated_GiB": peak / GiB, "allocated_before_GiB": base / GiB,
+            "peak_with_context_reserve_GB": (peak + GiB) / 1e9,
+        }
+
+    def part_hf(self) -> None:
+        import torch
+        from transformers import LlamaConfig as HfConfig
+        from transformers import LlamaForCausalLM
+
+        a = self.args
+        cfg = HfConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)
+        torch.set_default_dtype(torch.float16)
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg)
+        torch.set_default_dtype(torch.float32)
+        model.eval()
+        self.result["hf"] = {"transformers": __import__("transformers").__version__,
+                             "attn_implementation": getattr(model.config, "_attn_implementation", None),
+                             "cache": "default (DynamicCache)"}
+        kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+        with torch.no_grad():
+            model.generate(torch.randint(0, 32000, (1, 16), device="cuda"), max_new_tokens=4, min_new_tokens=4, **kw)
+        for batch in HF_BATCHES:
+            if self.time_left() < 60:
+                self.result["errors"].append(f"hf batch {batch}: skipped, time limit")
+                continue
+            try:
+                ids = torch.randint(0, 32000, (batch, a.prompt), device="cuda")
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+                    torch.cuda.synchronize()
+                    ttft = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    out = model.generate(ids, max_new_tokens=a.output, min_new_tokens=a.output, **kw)
+                    torch.cuda.synchronize()
+                    total = time.perf_counter() - t0
+                n_out = (out.shape[1] - a.prompt) * batch
+                run = {"engine": "hf", "format": "fp16", "batch": batch, "total_s": total, "ttft_s": ttft,
+                       "output_tokens": n_out, "tokens_per_s": n_out / total,
+                       "decode_s": total - ttft, "decode_tokens_per_s": batch * (a.output - 1) / (total - ttft),
+                       "tpot_s": (total - ttft) / (a.output - 1),
+                       "peak_allocated_GiB": torch.cuda.max_memory_allocated() / GiB}
+                self.result["runs"].append(run)
+                print(json.dumps(run), flush=True)
+                del out
+            except torch.cuda.OutOfMemoryError as e:
+                self.result["errors"].append(f"hf batch {batch}: OOM {e}")
+                break
+            except Exception as e:
+                self.result["errors"].append(f"hf batch {batch}: {type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+            finally:
+                torch.cuda.empty_cache()
+                self.save()
+
+
+def best(runs, engine, budget_gb=None, sizing=None):
+    """The run of `engine` with the most tokens/s among batches that fit the budget."""
+    cap = None
+    if budget_gb is not None and sizing is not None:
+        cap = sizing[str(budget_gb)]["max_batch"]
+    ok = [r for r in runs if r["engine"] == engine and (cap is None or r["batch"] <= cap)]
+    return max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
+
+
+def merge(paths: list[str], out: str, command: str) -> dict:
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    result = {"command": command, "part_commands": [p["command"] for p in parts], "machine": parts[0]["machine"]}
+    for key in ("model", "lengths", "driver"):
+        result[key] = parts[0].get(key)
+    result["runs"], result["errors"], result["engines"] = [], [], {}
+    for p in parts:
+        result["runs"] += p.get("runs", [])
+        result["errors"] += p.get("errors", [])
+        result["engines"].update(p.get("engines", {}))
+        for key in ("check", "hf", "copy_bandwidth_GBps"):
+            if key in p:
+                result[key] = p[key]
+    runs, engines = result["runs"], result["engines"]
+    summary, checks = {}, []
+    for budget, target in ((48, 3.0), (80, 2.0)):
+        row = {}
+        for key in ("chn", "g128", "fp16"):
+            if key in engines:
+                b = best(runs, key, budget, engines[key]["sizing"])
+                row[key] = b and {"batch": b["batch"], "tokens_per_s": b["tokens_per_s"]}
+        q = [row.get(k) for k in ("chn", "g128") if row.get(k)]
+        qbest = max(q, key=lambda r: r["tokens_per_s"]) if q else None
+        ratio = qbest["tokens_per_s"] / row["fp16"]["tokens_per_s"] if qbest and row.get("fp16") else None
+        row["w4a8kv4_over_fp16"] = ratio
+        for key in ("chn", "g128"):
+            if row.get(key) and row.get("fp16"):
+                row[f"{key}_over_fp16"] = row[key]["tokens_per_s"] / row["fp16"]["tokens_per_s"]
+        summary[f"{budget}GB"] = row
+        checks.append({"name": f"W4A8KV4 tokens/s over our fp16 engine, best batch of each under {budget} GB",
+                       "value": ratio, "target": target, "op": ">=", "met": ratio is not None and ratio >= target})
+    q_all = [r for r in runs if r["engine"] in ("chn", "g128")]
+    top = max(q_all, key=lambda r: r["tokens_per_s"]) if q_all else None
+    checks.append({"name": "W4A8KV4 tokens/s at the best batch on the H200 (output tokens / wall time, prefill included)",
+                   "value": top and top["tokens_per_s"], "target": 10000, "op": ">=",
+                   "met": bool(top and top["tokens_per_s"] >= 10000),
+                   "at": top and {"engine": top["engine"], "batch": top["batch"]}})
+    frac = top and top.get("roofline_fraction")
+    checks.append({"name": "W4A8KV4 decode step bytes (weights + batch KV at mean context) / step time over copy bandwidth, at that run",
+                   "value": frac, "target": 0.5, "op": ">=", "met": bool(frac and frac >= 0.5)})
+    hf = best(runs, "hf")
+    summary["hf_best"] = hf and {"batch": hf["batch"], "tokens_per_s": hf["tokens_per_s"]}
+    latency = {}
+    for r in runs:
+        if r["batch"] in (1, 64):
+            latency[f"{r['engine']}@{r['batch']}"] = {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"]}
+    result["summary"], result["latency"], result["checks"] = summary, latency, checks
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--parts", default="check,chn,fp16,g128,hf")
+    p.add_argument("--merge", nargs="*")
+    p.add_argument("--prompt", type=int, default=1024)
+    p.add_argument("--output", type=int, default=512)
+    p.add_argument("--prefill-tokens", type=int, default=8192, help="tokens per prefill step")
+    p.add_argument("--time-limit", type=float, default=540.0, help="seconds; later runs are skipped past it")
+    args = p.parse_args()
+    if args.merge:
+        r = merge(args.merge, args.out, " ".join(["python3"] + sys.argv))
+        print(json.dumps({"summary": r["summary"], "checks": r["checks"]}, indent=1))
+        return
+    bench = Bench(args)
+    for part in args.parts.split(","):
+        try:
+            bench.part_check() if part == "check" else bench.part_hf() if part == "hf" else bench.part_engine(part)
+        except Exception as e:
+            bench.result["errors"].append(f"part {part}: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
+            print(bench.result["errors"][-1], flush=True)
+        bench.save()
+    for r in bench.result["runs"]:
+        print(f"{r['engine']:5s} B={r['batch']:4d} tok/s={r['tokens_per_s']:9.1f} decode tok/s={r['decode_tokens_per_s']:9.1f} "
+              f"ttft={r['ttft_s']:.3f} tpot={r['tpot_s'] * 1e3:.2f}ms roof={r.get('roofline_fraction')}")
+
+
+if __name__ == "__main__":
+    main()
