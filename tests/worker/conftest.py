@@ -36,16 +36,6 @@ def reference_models(artifacts) -> dict[str, object]:
     return {fmt: artifact_model(ArtifactReader(path)) for fmt, path in artifacts.items()}
 
 
-def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    """LlamaModel.forward re-run on the growing sequence: the tokens and each step's logits (V,)."""
-    ids, logits = list(prompt), []
-    for _ in range(max_new_tokens):
-        row = model.forward(torch.tensor([ids]))[0, -1]
-        logits.append(row)
-        ids.append(int(row.argmax()))
-    return ids[len(prompt):], logits
-
-
 # How far (in logits) the reference may rate a worker's token below its own best before the token
 # counts as wrong. The worker computes each token's logits from a paged cache, chunk by chunk, so
 # its fp32 sums run in another order than one forward over the whole sequence (~1e-7 relative).
@@ -57,24 +47,27 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> tuple[lis
 NEAR_TIE_LOGITS = 0.25
 
 
-def check_greedy(model, prompt: list[int], got: list[int], max_new_tokens: int) -> bool:
-    """True when got is exactly the reference's greedy continuation. Otherwise every worker token
-    must be a near tie, checked teacher-forced on the worker's own sequence (the reference rates it
-    within NEAR_TIE_LOGITS of its best), and False is returned so callers can bound how often that
-    happens."""
-    want, _ = greedy_reference(model, prompt, max_new_tokens)
-    if got == want:
+def check_greedy(model, prompt: list[int], got: list[int]) -> bool:
+    """True when got is exactly the reference's greedy continuation of prompt.
+
+    One LlamaModel.forward over prompt + got, teacher-forced: row len(prompt) - 1 + i holds the
+    reference's logits for token i given the worker's tokens before it. If every worker token is
+    that row's argmax, got is the reference's greedy continuation (each step of the reference,
+    re-run on the growing sequence, sees the same prefix and picks the same token; causal
+    attention makes the row of a longer forward the last row of the shorter one). Otherwise every
+    worker token must be a near tie (within NEAR_TIE_LOGITS of the reference's best) and False is
+    returned so callers can bound how often that happens.
+    """
+    rows = model.forward(torch.tensor([prompt + got]))[0, len(prompt) - 1 : -1]  # (len(got), V)
+    best = rows.argmax(dim=-1).tolist()
+    if best == got:
         return True
-    assert len(got) == len(want), f"worker gave {len(got)} tokens, reference {len(want)}"
-    ids = list(prompt)
     for step, token in enumerate(got):
-        row = model.forward(torch.tensor([ids]))[0, -1]
-        margin = float(row.max() - row[token])
+        margin = float(rows[step].max() - rows[step, token])
         assert margin <= NEAR_TIE_LOGITS, (
-            f"token {step}: worker chose {token}, reference's best is {int(row.argmax())} by a margin of "
-            f"{margin:.4f} logits (more than a near tie); worker {got}, reference {want}"
+            f"token {step}: worker chose {token}, reference's best is {best[step]} by a margin of "
+            f"{margin:.4f} logits (more than a near tie); worker {got}, reference argmax {best}"
         )
-        ids.append(token)
     return False
 
 
