@@ -1,0 +1,63 @@
+"""Incremental detokenization: incomplete UTF-8 held back, stop strings matched across tokens and
+kept out of the text, text that could start a stop string held until it cannot."""
+
+from services.worker.engine.detokenizer import IncrementalDetokenizer
+
+
+class ByteDecoder:
+    """Token i is PIECES[i] (bytes); decoding joins them, broken UTF-8 as U+FFFD (like byte-level BPE)."""
+
+    def __init__(self, pieces: list[bytes]):
+        self.pieces = pieces
+
+    def decode(self, ids: list[int]) -> str:
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def _feed(pieces: list[bytes], stop=()) -> tuple[list[str], IncrementalDetokenizer]:
+    detok = IncrementalDetokenizer(ByteDecoder(pieces), stop)
+    deltas = []
+    for i in range(len(pieces)):
+        deltas.append(detok.add([i]))
+        if detok.stopped:
+            break
+    deltas.append(detok.flush())
+    return deltas, detok
+
+
+def test_deltas_concatenate_to_the_text_and_never_split_a_character():
+    text = "héllo wörld ✓ 日本"
+    raw = text.encode()
+    pieces = [raw[i : i + 2] for i in range(0, len(raw), 2)]  # cuts through multi-byte characters
+    deltas, _ = _feed(pieces)
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_stop_string_across_token_boundaries_is_not_in_the_text():
+    pieces = [b"def f", b"(x):\n  re", b"tu", b"rn x\n", b"def g"]
+    deltas, detok = _feed(pieces, stop=("return",))
+    assert detok.stopped
+    assert "".join(deltas) == "def f(x):\n  "
+    assert "re" not in "".join(deltas[:2])  # the possible start of "return" was held back
+
+
+def test_held_back_text_is_released_when_it_is_not_a_stop_string():
+    pieces = [b"ab", b"c", b"d", b"e"]
+    deltas, detok = _feed(pieces, stop=("cx", "bcq"))
+    assert deltas[0] == "a"  # "b" could start "bcq"
+    assert deltas[1] == ""  # "bc" could still become "bcq"
+    assert deltas[2] == "bcd"
+    assert "".join(deltas) == "abcde" and not detok.stopped
+
+
+def test_earliest_of_several_stop_strings_wins_and_text_after_it_is_dropped():
+    pieces = [b"one two three"]
+    deltas, _ = _feed(pieces, stop=("three", "two"))
+    assert "".join(deltas) == "one "
+
+
+def test_an_incomplete_character_at_the_end_is_flushed():
+    pieces = ["é".encode()[:1]]
+    deltas, _ = _feed(pieces)
+    assert deltas[0] == "" and deltas[-1] == "\ufffd"
