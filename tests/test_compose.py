@@ -1,0 +1,76 @@
+"""docker-compose.yml: valid for docker-compose, and every service's command is one its code accepts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from services.gateway.config import GatewayConfig
+from services.quantizer.config import QuantizerConfig
+from services.worker.config import WorkerConfig
+from tests.conftest import REPO
+
+CONFIGS = {
+    "services.quantizer.server": QuantizerConfig,
+    "services.gateway.server": GatewayConfig,
+    "services.worker.server": WorkerConfig,
+}
+IDS = {"QSERVE_ARTIFACT_ID": "0123456789abcdef0123456789abcdef",
+       "QSERVE_BASELINE_ARTIFACT_ID": "fedcba9876543210fedcba9876543210"}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    """The file as docker-compose resolves it (anchors merged, variables interpolated)."""
+    binary = shutil.which("docker-compose")
+    assert binary, "docker-compose is not installed (Debian package docker-compose; scripts/test.sh installs it)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("QSERVE_", "MINIO_", "POSTGRES_"))} | IDS
+    result = subprocess.run([binary, "-f", str(REPO / "docker-compose.yml"), "config"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+def _python_module(service: dict) -> str | None:
+    command = service.get("command") or []
+    return command[2] if command[:2] == ["python", "-m"] else None
+
+
+def test_the_stack_has_every_part(compose):
+    services = compose["services"]
+    assert {"minio", "minio-init", "postgres", "quantizer", "gateway", "worker", "worker-baseline"} <= set(services)
+    assert "mc mb --ignore-existing local/qserve-artifacts" in " ".join(services["minio-init"]["command"])
+    for name in ("worker", "worker-baseline"):
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+
+
+@pytest.mark.parametrize("name", ["quantizer", "gateway", "worker", "worker-baseline"])
+def test_each_service_command_parses_with_the_services_own_config(compose, name):
+    service = compose["services"][name]
+    module = _python_module(service)
+    config = CONFIGS[module].from_args(service["command"][3:], environ=service.get("environment") or {})
+    # The health check asks the port the service listens on.
+    probe = service["healthcheck"]["test"]
+    assert probe[:4] == ["CMD", "python", "-m", "shared.rpc.probe"]
+    port = str(config.port) if isinstance(config, WorkerConfig) else config.listen.rpartition(":")[2]
+    assert probe[4] == f"127.0.0.1:{port}"
+    if isinstance(config, WorkerConfig):
+        assert config.artifact in IDS.values() and config.device == "cuda"
+        assert config.gateway_address == "gateway:50051" and config.gateway_token
+        assert config.advertise_address == f"{name}:{port}"
+    if isinstance(config, GatewayConfig):
+        scopes = {token.scope for token in config.admin_tokens.values()}
+        assert scopes == {"admin", "worker"}
+
+
+def test_the_worker_token_is_one_the_gateway_accepts_for_workers(compose):
+    gateway = compose["services"]["gateway"]
+    tokens = GatewayConfig.from_args(gateway["command"][3:], environ=gateway["environment"]).admin_tokens
+    worker_tokens = {t.token for t in tokens.values() if t.scope == "worker"}
+    for name in ("worker", "worker-baseline"):
+        assert compose["services"][name]["environment"]["QSERVE_GATEWAY_TOKEN"] in worker_tokens
