@@ -1,0 +1,97 @@
+"""Artifact refusal before serving: another GPU target or format (FAILED_PRECONDITION naming both),
+corrupt or partial files; and loading an artifact id from the object store."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.worker.config import WorkerConfig
+from services.worker.engine.loading import open_artifact
+from services.worker.errors import ArtifactCorrupt, ArtifactMismatch, ArtifactNotFound
+from services.worker.server import BackgroundWorker, main
+from shared.formats.artifact import ArtifactReader
+from shared.storage import LocalStore, StorageConfig
+
+
+@pytest.fixture
+def artifact_copy(artifacts, tmp_path) -> Path:
+    return Path(shutil.copytree(artifacts["w4a8kv4-g128"], tmp_path / "artifact"))
+
+
+def _set_manifest(folder: Path, **fields) -> None:
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest.update(fields)
+    path.write_text(json.dumps(manifest))
+
+
+def test_another_gpu_target_is_failed_precondition_naming_both(artifact_copy, capsys):
+    _set_manifest(artifact_copy, gpu_target="sm90")
+    with pytest.raises(ArtifactMismatch) as err:
+        open_artifact(str(artifact_copy), gpu_target="cpu")
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "'sm90'" in str(err.value) and "'cpu'" in str(err.value)
+    # The command line says the same and exits 2 without serving.
+    assert main(["--artifact", str(artifact_copy), "--port", "0", "--metrics-port", "-1"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("error (FAILED_PRECONDITION):") and "'sm90'" in line and "'cpu'" in line
+
+
+def test_another_format_is_failed_precondition_naming_both(artifacts):
+    with pytest.raises(ArtifactMismatch) as err:
+        BackgroundWorker(WorkerConfig(artifact=str(artifacts["w4a8kv4-g128"]), format="fp16", port=0,
+                                      metrics_port=None, kv_blocks=8))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "'w4a8kv4-g128'" in str(err.value) and "'fp16'" in str(err.value)
+    with pytest.raises(ArtifactMismatch) as err:  # a runner that does not run the format
+        open_artifact(str(artifacts["w4a8kv4-g128"]), gpu_target="cpu", formats=("fp16", "w8a8"))
+    assert "'w4a8kv4-g128'" in str(err.value) and "fp16, w8a8" in str(err.value)
+
+
+def test_a_corrupted_file_is_refused(artifact_copy):
+    path = artifact_copy / "weights" / "block_000.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArtifactCorrupt) as err:
+        open_artifact(str(artifact_copy), gpu_target="cpu")
+    assert "weights/block_000.safetensors" in str(err.value) and "sha256" in str(err.value)
+
+
+def test_a_partial_artifact_is_refused(artifact_copy):
+    (artifact_copy / "weights" / "head.safetensors").unlink()
+    with pytest.raises(ArtifactCorrupt) as err:
+        open_artifact(str(artifact_copy), gpu_target="cpu")
+    assert "weights/head.safetensors is missing" in str(err.value)
+    (artifact_copy / "manifest.json").unlink()
+    with pytest.raises(ArtifactCorrupt, match="manifest.json"):
+        open_artifact(str(artifact_copy), gpu_target="cpu")
+
+
+def test_neither_a_folder_nor_an_id(tmp_path):
+    with pytest.raises(ArtifactNotFound, match="neither a local artifact folder nor an artifact id"):
+        open_artifact(str(tmp_path / "nope"), gpu_target="cpu")
+
+
+def test_an_artifact_id_is_fetched_from_the_store_and_cached(artifacts, tmp_path):
+    manifest = ArtifactReader(artifacts["w4a8kv4-g128"], verify=False).manifest
+    store_root = tmp_path / "store"
+    prefix = f"{manifest.model_name}/{manifest.model_version}/{manifest.format}/cpu/{manifest.artifact_id}/"
+    LocalStore(store_root, create=True).publish_folder(artifacts["w4a8kv4-g128"], prefix)
+    store = StorageConfig(kind="local", root=store_root)
+    cache = tmp_path / "cache"
+    loaded = open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
+    assert loaded.object_prefix == prefix and loaded.folder == cache / manifest.artifact_id
+    assert loaded.reader.manifest.artifact_id == manifest.artifact_id
+    # A damaged cached copy is fetched again rather than served.
+    block = cache / manifest.artifact_id / "weights" / "block_001.safetensors"
+    block.write_bytes(b"x" + block.read_bytes()[1:])
+    again = open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
+    again.reader.verify()
+    with pytest.raises(ArtifactNotFound, match="not in the store"):
+        open_artifact("0" * 32, gpu_target="cpu", store=store, cache_dir=cache)
