@@ -1,0 +1,123 @@
+"""The gateway announcement against a fake Admin service: register, heartbeat with the load,
+register again on NOT_FOUND, retry an unreachable gateway with backoff, deregister on stop/drain."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+from google.protobuf import duration_pb2
+
+from services.worker.announce import GatewayAnnouncer
+from services.worker.config import WorkerConfig
+from services.worker.engine.outputs import EngineStats
+from services.worker.server import WorkerServer
+from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+TOKEN = "admin-token"
+
+
+class FakeAdmin(gateway_pb2_grpc.AdminServicer):
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.known: set[str] = set()
+        self.auth: set[str | None] = set()
+        self._n = 0
+
+    async def RegisterWorker(self, request, context):
+        self.auth.add(dict(context.invocation_metadata()).get("authorization"))
+        self._n += 1
+        worker_id = f"w{self._n}"
+        self.known.add(worker_id)
+        self.calls.append(("register", request.address, request.artifact_id))
+        return gateway_pb2.RegisterWorkerResponse(worker_id=worker_id,
+                                                  heartbeat_interval=duration_pb2.Duration(nanos=50_000_000))
+
+    async def Heartbeat(self, request, context):
+        self.auth.add(dict(context.invocation_metadata()).get("authorization"))
+        if request.worker_id not in self.known:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown worker {request.worker_id}")
+        self.calls.append(("heartbeat", request.worker_id, request.running_requests, request.kv_blocks_free,
+                           request.draining))
+        return gateway_pb2.HeartbeatResponse()
+
+    async def DeregisterWorker(self, request, context):
+        self.known.discard(request.worker_id)
+        self.calls.append(("deregister", request.worker_id))
+        return gateway_pb2.DeregisterWorkerResponse()
+
+
+async def _fake_gateway(port: int = 0) -> tuple[grpc.aio.Server, FakeAdmin, int]:
+    admin = FakeAdmin()
+    server = grpc.aio.server()
+    gateway_pb2_grpc.add_AdminServicer_to_server(admin, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, admin, port
+
+
+async def _until(predicate, timeout_s=10.0):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def _load():
+    return EngineStats(running=3, waiting=1, kv_blocks_total=10, kv_blocks_free=7, kv_blocks_used=3, preemptions=0), False
+
+
+def test_register_heartbeat_reregister_and_deregister():
+    async def scenario():
+        server, admin, port = await _fake_gateway()
+        announcer = GatewayAnnouncer(f"127.0.0.1:{port}", TOKEN, "127.0.0.1:1234", "a" * 32, _load)
+        announcer.start()
+        await _until(lambda: sum(c[0] == "heartbeat" for c in admin.calls) >= 2)
+        assert admin.calls[0] == ("register", "127.0.0.1:1234", "a" * 32)
+        assert ("heartbeat", "w1", 3, 7, False) in admin.calls
+        admin.known.clear()  # the gateway restarted and forgot the worker
+        await _until(lambda: ("heartbeat", "w2", 3, 7, False) in admin.calls)
+        await announcer.stop()
+        assert admin.calls[-1] == ("deregister", "w2")
+        assert admin.auth == {f"Bearer {TOKEN}"}
+        await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_an_unreachable_gateway_is_retried_until_it_answers():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def scenario():
+        announcer = GatewayAnnouncer(f"127.0.0.1:{port}", TOKEN, "127.0.0.1:1234", "b" * 32, _load,
+                                     min_backoff_s=0.05, max_backoff_s=0.2)
+        announcer.start()
+        await asyncio.sleep(0.5)  # several failed attempts, logged, nothing raised
+        assert announcer.worker_id is None and not announcer._task.done()
+        server, admin, _ = await _fake_gateway(port)
+        await _until(lambda: any(c[0] == "heartbeat" for c in admin.calls))
+        await announcer.stop()
+        assert admin.calls[-1][0] == "deregister"
+        await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_announces_itself_and_deregisters_when_draining(artifacts):
+    async def scenario():
+        server, admin, port = await _fake_gateway()
+        worker = WorkerServer(WorkerConfig(artifact=str(artifacts["fp16"]), port=0, metrics_port=None, kv_blocks=16,
+                                           gateway_address=f"127.0.0.1:{port}", gateway_token=TOKEN))
+        worker_port = await worker.start()
+        await _until(lambda: any(c[0] == "heartbeat" for c in admin.calls))
+        manifest = worker.served.artifact.reader.manifest
+        assert admin.calls[0] == ("register", f"127.0.0.1:{worker_port}", manifest.artifact_id)
+        assert ("heartbeat", "w1", 0, 16, False) in admin.calls
+        await worker.stop(grace_s=0)
+        assert admin.calls[-1] == ("deregister", "w1")
+        await server.stop(0)
+
+    asyncio.run(scenario())

@@ -1,0 +1,50 @@
+"""WorkerConfig: parsed once from the command line, every bad setting named with what is accepted."""
+
+import pytest
+
+from services.worker.config import ConfigError, WorkerConfig, parse_bytes
+
+
+def test_command_line_flags():
+    cfg = WorkerConfig.from_args(
+        ["--artifact", "0123", "--store", "/srv/store", "--device", "cuda:1", "--gpu-memory-budget", "48GiB",
+         "--max-running-sequences", "64", "--max-waiting-requests", "9", "--max-batch-tokens", "1024",
+         "--block-size", "32", "--port", "0", "--metrics-port", "-1", "--drain-grace-seconds", "2.5",
+         "--gateway-address", "gw:50051"],
+        environ={"QSERVE_GATEWAY_TOKEN": "secret"},
+    )
+    assert cfg.gpu_memory_budget == 48 * 2**30 and cfg.device == "cuda:1" and cfg.block_size == 32
+    assert (cfg.max_running_sequences, cfg.max_waiting_requests, cfg.max_batch_tokens) == (64, 9, 1024)
+    assert cfg.metrics_port is None and cfg.port == 0 and cfg.drain_grace_s == 2.5
+    assert cfg.store.kind == "local" and str(cfg.store.root) == "/srv/store"
+    assert cfg.gateway_token == "secret" and "secret" not in repr(cfg)
+
+
+@pytest.mark.parametrize("text, value", [("48GiB", 48 * 2**30), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9),
+                                         ("1.5GiB", int(1.5 * 2**30)), ("1000", 1000)])
+def test_memory_sizes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"device": "tpu"}, ["'tpu'", "cpu, cuda, cuda:N"]),
+        ({"format": "int3"}, ["'int3'", "w4a8kv4-g128"]),
+        ({"block_size": 0}, ["block_size=0", "at least 1"]),
+        ({"port": 70000}, ["port=70000", "0-65535"]),
+        ({"gateway_address": "gw:1"}, ["gateway token"]),
+        ({"gateway_address": "nohostport", "gateway_token": "t"}, ["'nohostport'", "host:port"]),
+        ({"drain_grace_s": -1.0}, ["drain_grace_s=-1.0"]),
+    ],
+)
+def test_bad_settings_are_named(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        WorkerConfig(artifact="a", **overrides)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_bad_memory_size():
+    with pytest.raises(ConfigError, match="'48 parsecs'"):
+        parse_bytes("48 parsecs")
