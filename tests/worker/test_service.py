@@ -204,3 +204,34 @@ def test_drain_aborts_what_outlives_the_grace(start_worker):
     assert time.monotonic() - started < 10
     assert list(stream)[-1].finish.reason == common_pb2.FINISH_REASON_ABORT
     channel.close()
+
+
+def test_a_seed_reproduces_sampled_tokens(client):
+    params = dict(temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=8, ignore_eos=True)
+    first = [t for m in generate(client, PROMPT, seed=7, **params) for t in m.token_ids]
+    again = [t for m in generate(client, PROMPT, seed=7, **params) for t in m.token_ids]
+    other = [t for m in generate(client, PROMPT, seed=8, **params) for t in m.token_ids]
+    assert first == again and len(first) == 8
+    assert other != first
+
+
+def test_stop_string_across_tokens_and_stop_token_ids(client, worker):
+    tokenizer = worker.server.served.tokenizer
+    prompt = tokenizer.encode("import os\nimport sys\n\n\ndef main(")
+    full = [t for m in generate(client, prompt, max_new_tokens=12, ignore_eos=True) for t in m.token_ids]
+    ends = [len(tokenizer.decode(full[: i + 1])) for i in range(len(full))]  # text length after token i
+    text = tokenizer.decode(full)
+    # A stop string made of the last character of one token and the first of the next.
+    i = next(i for i in range(1, len(full) - 1) if ends[i] - ends[i - 1] >= 1 and ends[i + 1] - ends[i] >= 1)
+    stop = text[ends[i] - 1 : ends[i] + 1]
+    at = text.find(stop)
+    last_token = next(j for j in range(len(full)) if ends[j] >= at + len(stop))
+    messages = generate(client, prompt, max_new_tokens=12, ignore_eos=True, stop=[stop])
+    assert messages[-1].finish.reason == common_pb2.FINISH_REASON_STOP
+    assert "".join(m.text for m in messages) == text[:at]
+    assert [t for m in messages for t in m.token_ids] == full[: last_token + 1]
+    # A stop token id: generation ends right after it, its id included.
+    messages = generate(client, prompt, max_new_tokens=12, ignore_eos=True, stop_token_ids=[full[3]])
+    got = [t for m in messages for t in m.token_ids]
+    assert got == full[: full.index(full[3]) + 1]
+    assert messages[-1].finish.reason == common_pb2.FINISH_REASON_STOP

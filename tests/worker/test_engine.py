@@ -1,0 +1,105 @@
+"""The engine with a scripted runner (no model): finish reasons, context limit, abort, step failures."""
+
+from __future__ import annotations
+
+import torch
+
+from services.worker.engine.engine import Engine, EngineLimits
+from services.worker.engine.runner import StepBatch
+from services.worker.engine.sequence import FinishReason, SamplingOptions
+from shared.model.config import LlamaConfig
+
+VOCAB = 16
+EOS = 0
+
+
+class ScriptedRunner:
+    """The next token after position p is script[p % len(script)]; records each step's chunks."""
+
+    config = LlamaConfig(hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                         head_dim=8, vocab_size=VOCAB)
+    format = "fp16"
+    device = torch.device("cpu")
+    block_size = 4
+
+    def __init__(self, script: list[int], fail: bool = False):
+        self.script = script
+        self.fail = fail
+        self.steps: list[StepBatch] = []
+
+    def allocate_cache(self, num_blocks):
+        self.num_blocks = num_blocks
+
+    def step(self, batch: StepBatch) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("device lost")
+        self.steps.append(batch)
+        rows = []
+        for ch in batch.chunks:
+            if ch.want_logits:
+                row = torch.zeros(VOCAB)
+                row[self.script[(ch.start_position + len(ch.token_ids) - 1) % len(self.script)]] = 10.0
+                rows.append(row)
+        return torch.stack(rows) if rows else torch.empty(0, VOCAB)
+
+
+class Text:
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def _engine(script, max_context=64, fail=False):
+    limits = EngineLimits(num_blocks=32, max_running=4, max_waiting=4, max_batch_tokens=16, max_context=max_context)
+    return Engine(ScriptedRunner(script, fail), Text(), limits, eos_token_ids=(EOS,))
+
+
+def _run(engine, prompt, **sampling):
+    outs = []
+    engine.add_request("r", prompt, SamplingOptions(**sampling), outs.append)
+    while engine.step():
+        pass
+    return outs
+
+
+def test_eos_ends_the_generation_and_its_text_is_not_output():
+    outs = _run(_engine([3, 4, EOS, 5]), [1])  # positions 0.. -> after prompt token at 0: script[0] = 3
+    assert [t for o in outs for t in o.token_ids] == [3, 4, EOS]
+    assert "".join(o.text for o in outs) == "de"
+    assert outs[-1].finish.reason is FinishReason.EOS and outs[-1].finish.generated_tokens == 3
+
+
+def test_ignore_eos_runs_to_max_new_tokens():
+    outs = _run(_engine([3, 4, EOS, 5]), [1], ignore_eos=True, max_new_tokens=6)
+    assert len([t for o in outs for t in o.token_ids]) == 6 and outs[-1].finish.reason is FinishReason.LENGTH
+
+
+def test_the_context_window_ends_an_unlimited_generation():
+    outs = _run(_engine([3], max_context=10), [1, 2, 3])
+    assert outs[-1].finish.reason is FinishReason.LENGTH and outs[-1].finish.generated_tokens == 7
+
+
+def test_abort_frees_blocks_at_once_and_reports_abort():
+    engine = _engine([3])
+    outs = []
+    engine.add_request("r", list(range(1, 10)), SamplingOptions(), outs.append)
+    engine.step()
+    assert engine.stats().kv_blocks_used == 3
+    assert engine.abort("r") and engine.stats().kv_blocks_used == 0
+    assert outs[-1].finish.reason is FinishReason.ABORT
+    assert not engine.abort("r") and not engine.step()
+
+
+def test_a_failing_step_ends_its_requests_with_an_error_and_frees_blocks():
+    engine = _engine([3], fail=True)
+    outs = _run(engine, [1, 2])
+    assert outs[-1].error and "device lost" in outs[-1].error and outs[-1].finish is None
+    assert engine.stats().kv_blocks_used == 0 and engine.num_in_flight == 0
+
+
+def test_chunks_given_to_the_runner_cover_the_prompt_then_one_token():
+    engine = _engine([3])
+    _run(engine, list(range(1, 21)), max_new_tokens=2)
+    chunks = [(c.start_position, len(c.token_ids), c.want_logits) for s in engine.runner.steps for c in s.chunks]
+    assert chunks == [(0, 16, False), (16, 4, True), (20, 1, True)]
+    blocks = engine.runner.steps[1].chunks[0].block_table
+    assert len(blocks) == 5  # 20 positions of 4 per block
