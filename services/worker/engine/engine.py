@@ -131,16 +131,22 @@ class Engine:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
-                while not self._stopping and not self.scheduler.has_work:
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                schedule = self._schedule()
-            if not schedule.chunks:  # cannot happen with a cache that holds one full context; be safe
-                time.sleep(0.001)
-                continue
-            self.step_once(schedule)
+            try:
+                with self._cond:
+                    while not self._stopping and not self.scheduler.has_work:
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    schedule = self._schedule()
+                if not schedule.chunks:  # cannot happen with a cache that holds one full context; be safe
+                    time.sleep(0.001)
+                    continue
+                self.step_once(schedule)
+            except Exception as exc:  # an engine bug: end what is in flight, keep the loop (and worker) alive
+                log.exception("engine loop error")
+                with self._cond:
+                    seqs = [live.seq for live in self._live.values()]
+                self._fail(seqs, f"engine error: {type(exc).__name__}: {exc}")
 
     def step(self) -> bool:
         """One scheduling step on the caller's thread (tests drive the engine without its thread)."""
