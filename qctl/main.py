@@ -13,6 +13,7 @@ from qctl.inspect_cmd import events, workers
 from qctl.ls_cmd import ls
 from qctl.publish_cmd import publish
 from qctl.quantize_cmd import quantize
+from qctl.up_cmd import up
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Quantize, publish, roll out and serve W4A8KV4 LLMs.")
 app.command("quantize")(quantize)
@@ -26,6 +27,7 @@ app.command("fallback")(fallback)
 app.command("workers")(workers)
 app.command("events")(events)
 app.command("generate")(generate)
+app.command("up")(up)
 
 
 if __name__ == "__main__":

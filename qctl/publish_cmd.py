@@ -102,7 +102,7 @@ def publish(
     with channel:
         job = stub.Publish(request)
         console.print(f"job {job.job_id} queued at {quantizer}")
-        job = _follow(stub, job.job_id, console)
+        job = follow_job(stub, job.job_id, console)
     if job.state != Q.JOB_STATE_SUCCEEDED:
         print(f"error: job {job.job_id} failed: {job.error}", file=sys.stderr)
         raise typer.Exit(code=1)
@@ -115,7 +115,7 @@ def publish(
     print(job.artifact.artifact_id)
 
 
-def _follow(stub: quantizer_pb2_grpc.QuantizerStub, job_id: str, console: Console) -> Q.Job:
+def follow_job(stub: quantizer_pb2_grpc.QuantizerStub, job_id: str, console: Console) -> Q.Job:
     """Shows stage and block i of n until the job ends; returns its last snapshot."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[note]}", style="dim"))

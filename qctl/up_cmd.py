@@ -1,0 +1,234 @@
+"""`qctl up`: the whole stack in one process on loopback, and the product's path through it.
+
+Starts a quantizer, the gateway and two workers (SQLite registry and a local-folder store under
+--workdir; the CPU reference backend when there is no GPU), then: publishes the model as the fp16
+baseline and as a quantized artifact (QoQ, evaluated against fp16), deploys the baseline, rolls the
+quantized artifact out as a canary and shows where sticky sessions land, promotes it, and streams a
+generation through the gateway. Then it keeps serving (Ctrl-C stops it) unless --once is given.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from qctl.devices import resolve_device, resolve_gpu_target
+from qctl.errors import user_errors
+from qctl.gateway_client import admin_client, gateway_client
+from qctl.publish_cmd import FormatName, follow_job, quantizer_stub
+from qctl.stack import LocalStack
+from shared.model.demo import write_demo_checkpoint
+from shared.quant.calibration import default_calibration_text
+from shared.rpc.qserve.v1 import common_pb2, gateway_pb2, quantizer_pb2
+
+Q, G = quantizer_pb2, gateway_pb2
+SESSIONS = 20  # session keys sent during the canary, to show the split and its stickiness
+WORKER_WAIT_S = 60.0
+
+
+def stack_errors(fn):
+    """A service refusing a step of the demo path (a gRPC error) or a step failing (a job, a worker
+    that never registers) ends `qctl up` with one line instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except grpc.RpcError as exc:
+            print(f"error: {exc.details()} ({exc.code().name})", file=sys.stderr)
+            raise typer.Exit(code=2) from None
+        except StackError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise typer.Exit(code=1) from None
+
+    return wrapper
+
+
+class StackError(RuntimeError):
+    """A step of the demo path failed; the message says which and why."""
+
+
+@stack_errors
+@user_errors
+def up(
+    model: Path = typer.Option(None, "--model", help="checkpoint folder [default: make a small random demo model]"),
+    workdir: Path = typer.Option(Path(".qserve-up"), "--workdir", help="registry, store and caches go here"),
+    format: FormatName = typer.Option("w4a8kv4-g128", "--format", help="the quantized format to roll out"),
+    device: str = typer.Option("auto", "--device", help="auto (a GPU when there is one), cpu or cuda"),
+    eval_data: Path = typer.Option(None, "--eval-data",
+                                   help="held-out text for the accuracy check [default: Python stdlib sources]"),
+    eval_windows: int = typer.Option(8, "--eval-windows", min=1, help="eval windows of 256 tokens to score"),
+    canary_percent: int = typer.Option(20, "--canary-percent", min=1, max=100, help="canary share during rollout"),
+    prompt: str = typer.Option("def fibonacci(n):", "--prompt", help="prompt streamed at the end"),
+    new_tokens: int = typer.Option(32, "--new-tokens", min=1, help="tokens to generate for the prompt"),
+    once: bool = typer.Option(False, "--once", help="stop after the demo instead of serving until Ctrl-C"),
+):
+    """Quantizer + gateway + workers on loopback: publish, roll out, stream tokens; then keep serving."""
+    console = Console(stderr=True)
+    workdir = workdir.resolve()
+    device = resolve_device(device)
+    gpu_target = "cpu" if device == "cpu" else resolve_gpu_target("auto")
+    model, demo = _model(model, workdir, console)
+    eval_path = eval_data.resolve() if eval_data else _builtin_eval_text(workdir)
+    name = _deployment_name(model.name if not demo else "demo")
+
+    stack = LocalStack(workdir, device)
+    try:
+        console.print(f"[bold]starting[/] the stack in {workdir} on {device} (gpu target {gpu_target})")
+        quantizer = stack.start_quantizer(eval_path)
+        gateway = stack.start_gateway()
+        console.print(f"  quantizer {quantizer}, gateway {gateway}")
+
+        small = dict(num_samples=8, seq_len=256) if demo else {}  # the random demo model learns nothing more
+        baseline_id = _publish(quantizer, model, name, "fp16", gpu_target, eval_windows, {}, console)
+        quantized_id = _publish(quantizer, model, name, format.value, gpu_target, eval_windows, small, console)
+
+        for artifact_id in (baseline_id, quantized_id):
+            console.print(f"starting a worker for {artifact_id[:12]}")
+            stack.start_worker(artifact_id)
+        with admin_client(gateway, stack.admin_token) as admin:
+            _wait_for_workers(admin, {baseline_id, quantized_id})
+            admin.CreateDeployment(G.CreateDeploymentRequest(
+                name=name, stable_artifact_id=baseline_id, baseline_artifact_id=baseline_id))
+            console.print(f"deployment [bold]{name}[/]: stable = fp16 {baseline_id[:12]}")
+            admin.StartRollout(G.StartRolloutRequest(
+                deployment=name, canary_artifact_id=quantized_id, canary_percent=canary_percent))
+            console.print(f"rollout: {format.value} {quantized_id[:12]} takes {canary_percent}% as the canary")
+            _show_canary_split(gateway, name, console)
+            admin.PromoteRollout(G.PromoteRolloutRequest(deployment=name))
+            console.print(f"promoted: {format.value} {quantized_id[:12]} is now stable (fp16 stays the baseline)")
+        _stream(gateway, name, prompt, new_tokens, console)
+
+        if once:
+            return
+        console.print(
+            f"\n[bold]serving[/]; in another shell:\n"
+            f"  export QCTL_GATEWAY={gateway} QCTL_TOKEN={stack.admin_token}\n"
+            f"  qctl generate -d {name} 'def main():'    qctl rollout status {name}    qctl fallback on {name}\n"
+            f"Ctrl-C stops the stack."
+        )
+        _wait_for_interrupt()
+    finally:
+        console.print("stopping the stack")
+        stack.stop()
+
+
+def _model(model: Path | None, workdir: Path, console: Console) -> tuple[Path, bool]:
+    if model is not None:
+        if not (model / "config.json").is_file():
+            raise FileNotFoundError(f"--model {model} has no config.json: give a Hugging Face Llama checkpoint folder")
+        return model.resolve(), False
+    model = workdir / "demo-model"
+    if not (model / "config.json").is_file():
+        console.print(f"no --model given: writing a small random-weight Llama to {model} (no download); "
+                      "its text is noise, give --model for a trained checkpoint")
+        write_demo_checkpoint(model, "tiny")
+    return model, True
+
+
+def _builtin_eval_text(workdir: Path) -> Path:
+    """Held-out text for the accuracy check: the tail of the built-in text (calibration reads its head)."""
+    path = workdir / "eval.txt"
+    if not path.is_file():
+        _, text = default_calibration_text(max_bytes=400_000)
+        workdir.mkdir(parents=True, exist_ok=True)
+        path.write_text(text[-60_000:], encoding="utf-8")
+    return path
+
+
+def _deployment_name(text: str) -> str:
+    name = re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-._")[:64]
+    return name or "model"
+
+
+def _publish(quantizer: str, model: Path, name: str, fmt: str, gpu_target: str, eval_windows: int,
+             calibration: dict, console: Console) -> str:
+    request = Q.PublishRequest(
+        source=str(model), model_name=name, format=fmt, gpu_target=gpu_target,
+        calibration=Q.Calibration(**calibration), eval=Q.EvalData(seq_len=256, max_windows=eval_windows),
+    )
+    console.print(f"[bold]publishing[/] {model.name} as {fmt}")
+    channel, stub = quantizer_stub(quantizer)
+    with channel:
+        job = follow_job(stub, stub.Publish(request).job_id, console)
+    if job.state != Q.JOB_STATE_SUCCEEDED:
+        raise StackError(f"publishing {fmt} failed: {job.error}")
+    e = job.artifact.evaluation
+    console.print(f"  {fmt} artifact {job.artifact.artifact_id[:12]} READY: perplexity {e.perplexity_quantized:.3f} "
+                  f"vs fp16 {e.perplexity_fp16:.3f} ({e.perplexity_quantized / e.perplexity_fp16 - 1:+.2%})")
+    return job.artifact.artifact_id
+
+
+def _wait_for_workers(admin, artifact_ids: set[str]) -> None:
+    deadline = time.monotonic() + WORKER_WAIT_S
+    while time.monotonic() < deadline:
+        workers = admin.ListWorkers(G.ListWorkersRequest()).workers
+        healthy = {w.artifact.artifact_id for w in workers if w.health == G.WORKER_HEALTH_HEALTHY}
+        if artifact_ids <= healthy:
+            return
+        time.sleep(0.2)
+    raise StackError(f"workers for {sorted(artifact_ids)} did not register with the gateway in {WORKER_WAIT_S:.0f} s")
+
+
+def _show_canary_split(gateway: str, name: str, console: Console) -> None:
+    """A few short requests under distinct session keys, each sent twice: where they land, and that
+    a key always lands on the same arm."""
+    arms: dict[str, set[str]] = {}
+    sampling = common_pb2.SamplingParams(max_new_tokens=4)
+    with gateway_client(gateway) as stub:
+        for round_ in range(2):
+            for i in range(SESSIONS):
+                key = f"user-{i}"
+                request = G.GatewayGenerateRequest(deployment=name, text="import ", sampling=sampling, session_key=key)
+                last = list(stub.Generate(request))[-1]
+                arms.setdefault(key, set()).add(G.Arm.Name(last.arm).removeprefix("ARM_").lower())
+    counts = Counter(next(iter(a)) for a in arms.values() if len(a) == 1)
+    table = Table("arm", "session keys", title=f"{SESSIONS} session keys, each sent twice")
+    for arm, count in sorted(counts.items()):
+        table.add_row(arm, str(count))
+    console.print(table)
+    moved = [key for key, a in arms.items() if len(a) > 1]
+    if moved:
+        raise StackError(f"session keys {moved} reached both arms: stickiness is broken")
+    console.print("every key reached the same arm both times (sticky)")
+
+
+def _stream(gateway: str, name: str, prompt: str, new_tokens: int, console: Console) -> None:
+    console.print(f"[bold]streaming[/] through the gateway: {prompt!r}")
+    request = G.GatewayGenerateRequest(deployment=name, text=prompt,
+                                       sampling=common_pb2.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    with gateway_client(gateway) as stub:
+        sys.stdout.write(prompt)
+        for reply in stub.Generate(request):
+            sys.stdout.write(reply.text)
+            sys.stdout.flush()
+            if reply.HasField("finish"):
+                f = reply.finish
+                print()
+                ttft = f.timings.time_to_first_token.ToTimedelta().total_seconds() * 1000
+                tpot = f.timings.time_per_output_token.ToTimedelta().total_seconds() * 1000
+                console.print(f"  {f.generated_tokens} tokens from {G.Arm.Name(reply.arm).removeprefix('ARM_').lower()} "
+                              f"{reply.artifact_id[:12]}; ttft {ttft:.0f} ms, {tpot:.1f} ms/token")
+
+
+def _wait_for_interrupt() -> None:
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)

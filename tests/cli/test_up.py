@@ -1,0 +1,34 @@
+"""`qctl up --once`: the README's main job, end to end on loopback (quantizer, gateway, two CPU workers)."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from qctl.main import app
+from shared.registry import create_registry, list_events, sqlite_url
+
+
+def test_up_publishes_rolls_out_and_streams_through_the_gateway(tmp_path):
+    workdir = tmp_path / "stack"
+    result = CliRunner().invoke(app, ["up", "--workdir", str(workdir), "--once", "--new-tokens", "12",
+                                      "--eval-windows", "2"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.stderr
+    err = result.stderr
+    assert "no --model given: writing a small random-weight Llama" in err
+    assert "fp16 artifact" in err and "w4a8kv4-g128 artifact" in err and "READY" in err
+    assert "takes 20% as the canary" in err and "every key reached the same arm both times" in err
+    assert "tokens from stable" in err and "12 tokens" in err
+    assert result.stdout.startswith("def fibonacci(n):") and len(result.stdout) > len("def fibonacci(n):\n")
+
+    # The rollout went through the registry: its events are there, in order.
+    registry = create_registry(sqlite_url(workdir / "registry.db"))
+    with registry.sessions() as session:
+        kinds = [e.kind.value for e in list_events(session, deployment="demo")]
+    assert kinds[:3] == ["deployment_create", "rollout_start", "promote"], kinds
+    registry.close()
+
+
+def test_up_names_a_model_folder_that_is_not_a_checkpoint(tmp_path):
+    result = CliRunner().invoke(app, ["up", "--workdir", str(tmp_path / "s"), "--model", str(tmp_path), "--once"])
+    assert result.exit_code == 2
+    assert f"--model {tmp_path} has no config.json" in result.stderr
