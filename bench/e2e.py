@@ -123,6 +123,7 @@ class Bench:
                 base = torch.cuda.memory_allocated()
                 t = generate(runner, batch, a.prompt, a.output, a.prefill_tokens)
                 run = self.run_record(key, fmt, runner, t, base)
+                run.update(self.graph_step(runner, batch))
                 self.result["runs"].append(run)
                 print(json.dumps(run), flush=True)
             except Exception as e:  # a failed size is recorded and the sweep goes on
@@ -159,6 +160,22 @@ class Bench:
             "peak_allocated_GiB": peak / GiB, "allocated_before_GiB": base / GiB,
             "peak_with_context_reserve_GB": (peak + GiB) / 1e9,
         }
+
+    def graph_step(self, runner, batch: int) -> dict:
+        """GPU time of one decode step alone: the last step's graph replayed (context = prompt + output - 1),
+        against the driver's step wall time this shows the host's share (input building, sync, sampling)."""
+        torch = self.torch
+        if runner.graphs is None or runner.graphs.bucket_for(batch) not in runner.graphs.graphs:
+            return {}
+        graph, _ = runner.graphs.graphs[runner.graphs.bucket_for(batch)]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return {"graph_replay_step_s_at_final_context": start.elapsed_time(end) / 10 / 1e3}
 
     def part_hf(self) -> None:
         import torch

@@ -13,6 +13,7 @@ Rows are the batch's tokens in batch order. Attention splits them two ways:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -55,6 +56,8 @@ class StepTensors:
 
 
 def build_host_step(batch: StepBatch, block_size: int, max_blocks: int, max_model_len: int) -> HostStep:
+    if batch.is_decode_only:
+        return _build_decode_step(batch, block_size, max_blocks, max_model_len)
     tokens, positions, slots, logit_rows = [], [], [], []
     prefill_rows, cu, paged_rows, tables, ctx = [], [0], [], [], []
     max_seqlen = max_context = 0
@@ -128,4 +131,43 @@ def to_device(host: HostStep, device: torch.device) -> StepTensors:
         context_lens=t(host.context_lens) if has_paged else None,
         max_context=host.max_context,
         logit_rows=None if len(host.logit_rows) == total and (host.logit_rows == np.arange(total)).all() else t(host.logit_rows),
+    )
+
+
+def _build_decode_step(batch: StepBatch, block_size: int, max_blocks: int, max_model_len: int) -> HostStep:
+    """The decode-only fast path (one token per chunk), vectorized over rows: a few hundred rows cost
+    about a millisecond here, where the general path's per-chunk numpy calls cost several (and a
+    decode step is only ~10-30 ms of GPU time)."""
+    chunks = batch.chunks
+    n = len(chunks)
+    tokens = np.fromiter((c.token_ids[0] for c in chunks), np.int64, n)
+    positions = np.fromiter((c.start_position for c in chunks), np.int64, n)
+    need = positions // block_size + 1
+    bad = [c for c, k in zip(chunks, need.tolist()) if c.start_position >= max_model_len or len(c.block_table) < k]
+    if bad:
+        c = bad[0]
+        raise ValueError(
+            f"sequence {c.seq_id}: position {c.start_position} must be < max_model_len {max_model_len} and needs "
+            f"{c.start_position // block_size + 1} blocks of {block_size} slots; its block table has {len(c.block_table)}"
+        )
+    # One flat read of every row's first `need` blocks, scattered row-major under a mask.
+    flat = np.fromiter(chain.from_iterable(c.block_table[:k] for c, k in zip(chunks, need.tolist())), np.int32,
+                       int(need.sum()))
+    block_tables = np.zeros((n, max_blocks), dtype=np.int32)
+    block_tables[np.arange(max_blocks)[None, :] < need[:, None]] = flat
+    rows = np.arange(n, dtype=np.int64)
+    slots = block_tables[rows, need - 1].astype(np.int64) * block_size + positions % block_size
+    want = np.fromiter((c.want_logits for c in chunks), bool, n)
+    return HostStep(
+        tokens=tokens,
+        positions=positions.astype(np.int32),
+        slots=slots,
+        prefill_rows=np.zeros(0, np.int64),
+        cu_seqlens=np.zeros(1, np.int32),
+        max_seqlen=0,
+        paged_rows=rows,
+        block_tables=block_tables,
+        context_lens=(positions + 1).astype(np.int32),
+        max_context=int(positions.max()) + 1,
+        logit_rows=rows[want],
     )
