@@ -95,3 +95,21 @@ def test_an_artifact_id_is_fetched_from_the_store_and_cached(artifacts, tmp_path
     again.reader.verify()
     with pytest.raises(ArtifactNotFound, match="not in the store"):
         open_artifact("0" * 32, gpu_target="cpu", store=store, cache_dir=cache)
+
+
+def test_the_runner_is_chosen_by_device(artifacts, monkeypatch):
+    import sys
+
+    import torch
+
+    from services.worker.engine.loading import TRITON_RUNNER_MODULE, load_runner, runner_class
+    from services.worker.engine.reference_runner import ReferenceRunner
+    from services.worker.errors import RunnerUnavailable
+
+    reader = ArtifactReader(artifacts["fp16"], verify=False)
+    runner = load_runner(reader, "cpu", 8)
+    assert isinstance(runner, ReferenceRunner) and runner.block_size == 8 and runner.format == "fp16"
+    # A build without the GPU runner says so instead of failing on an import deep inside.
+    monkeypatch.setitem(sys.modules, TRITON_RUNNER_MODULE, None)
+    with pytest.raises(RunnerUnavailable, match="--device cpu"):
+        runner_class(torch.device("cuda"))
