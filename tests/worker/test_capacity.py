@@ -1,0 +1,35 @@
+"""The KV cache is sized from the memory budget after the weights and one step's activations."""
+
+import pytest
+
+from services.worker.config import WorkerConfig
+from services.worker.engine.capacity import CapacityError, plan_kv_blocks
+from services.worker.engine.reference_runner import ReferenceRunner
+from services.worker.server import BackgroundWorker
+from shared.formats.artifact import ArtifactReader
+from shared.rpc.qserve.v1 import worker_pb2
+from tests.worker.conftest import stub
+
+
+def test_plan_kv_blocks():
+    assert plan_kv_blocks(budget_bytes=1000, weight_bytes=300, activation_bytes=200, block_bytes=50) == 10
+    with pytest.raises(CapacityError, match="weights take .* activations .* one KV block 50 bytes"):
+        plan_kv_blocks(budget_bytes=520, weight_bytes=300, activation_bytes=200, block_bytes=50)
+
+
+def test_the_worker_sizes_its_cache_from_the_budget(artifacts):
+    reader = ArtifactReader(artifacts["w4a8kv4-g128"], verify=False)
+    runner = ReferenceRunner(reader, "cpu", block_size=8)
+    # KV4 pages: 6 layers x K and V x 2 heads x 8 tokens x (64 code bytes + fp16 scale and zero).
+    assert runner.kv_block_bytes() == 6 * 2 * 2 * 8 * (128 // 2 + 4)
+    budget = runner.weight_bytes() + runner.activation_bytes(64) + 37 * runner.kv_block_bytes() + 5
+    worker = BackgroundWorker(WorkerConfig(artifact=str(artifacts["w4a8kv4-g128"]), port=0, metrics_port=None,
+                                           gpu_memory_budget=budget, block_size=8, max_batch_tokens=64))
+    try:
+        channel, client = stub(worker)
+        info = client.Info(worker_pb2.InfoRequest(), timeout=10)
+        assert (info.kv_blocks_total, info.kv_blocks_free, info.kv_block_size) == (37, 37, 8)
+        assert info.max_context_tokens == 37 * 8  # one sequence must fit in the cache alone
+        channel.close()
+    finally:
+        worker.stop(grace_s=0)
