@@ -44,6 +44,8 @@ def generation_from_pb(request: worker_pb2.GenerateRequest, limits: PromptLimits
         ids = list(encode(request.text))
         if limits.add_bos and limits.bos_token_id is not None:
             ids = [limits.bos_token_id] + ids
+        if not ids:
+            raise InvalidRequest(f"the prompt text {request.text[:40]!r} encodes to no tokens")
     else:
         ids = list(request.token_ids.ids)
         if not ids:
