@@ -92,10 +92,10 @@ class WorkerServer:
         if self.config.gateway_address:
             self.announcer = GatewayAnnouncer(
                 self.config.gateway_address, self.config.gateway_token, self.config.advertise_address or self.address,
-                served.artifact.reader.manifest.artifact_id, self._load,
+                served.artifact.artifact_id, self._load,
             )
             self.announcer.start()
-        log.info("worker serving %s on port %d (metrics port %s)", served.artifact.reader.manifest.artifact_id,
+        log.info("worker serving %s on port %d (metrics port %s)", served.artifact.artifact_id,
                  port, self.metrics_port)
         return port
 

@@ -120,7 +120,7 @@ def _artifact_pb(served: ServedModel) -> common_pb2.ArtifactInfo:
     a = served.artifact
     m = a.reader.manifest
     pb = common_pb2.ArtifactInfo(
-        artifact_id=m.artifact_id,
+        artifact_id=a.artifact_id,
         model_name=m.model_name,
         model_version=m.model_version,
         version_label=a.version_label,

@@ -113,3 +113,37 @@ def test_the_runner_is_chosen_by_device(artifacts, monkeypatch):
     monkeypatch.setitem(sys.modules, TRITON_RUNNER_MODULE, None)
     with pytest.raises(RunnerUnavailable, match="--device cpu"):
         runner_class(torch.device("cuda"))
+
+
+def test_an_artifact_id_through_the_registry_including_reused_objects(artifacts, tmp_path):
+    from shared.formats.artifact import sha256_file
+    from shared.registry import create_registry, mark_artifact_ready, register_model_version, reserve_artifact
+
+    source = ArtifactReader(artifacts["w4a8kv4-g128"], verify=False).manifest
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    registry = create_registry(url)
+    with registry.transaction() as session:
+        version = register_model_version(session, "tiny", source.model_version, label="rc1")
+        first = reserve_artifact(session, version, "w4a8kv4-g128", "cpu").artifact
+        first_id, first_prefix = first.id, first.object_prefix
+    folder = Path(shutil.copytree(artifacts["w4a8kv4-g128"], tmp_path / "published"))
+    _set_manifest(folder, artifact_id=first_id)
+    LocalStore(tmp_path / "store", create=True).publish_folder(folder, first_prefix)
+    manifest_sha = sha256_file(folder / "manifest.json")
+    with registry.transaction() as session:
+        mark_artifact_ready(session, first_id, manifest_sha256=manifest_sha, content_digest="d" * 64)
+        # Another binding with identical content points at the first one's objects instead of a new upload.
+        other_version = register_model_version(session, "tiny", "f" * 64, label="rc2")
+        twin_id = reserve_artifact(session, other_version, "w4a8kv4-g128", "cpu").artifact.id
+        mark_artifact_ready(session, twin_id, manifest_sha256=manifest_sha, content_digest="d" * 64,
+                            reuse_prefix_of=first_id)
+    registry.close()
+    store = StorageConfig(kind="local", root=tmp_path / "store")
+    loaded = open_artifact(first_id, gpu_target="cpu", store=store, registry_url=url, cache_dir=tmp_path / "cache")
+    assert (loaded.artifact_id, loaded.object_prefix, loaded.version_label, loaded.registry_state) == (
+        first_id, first_prefix, "rc1", "READY")
+    twin = open_artifact(twin_id, gpu_target="cpu", store=store, registry_url=url, cache_dir=tmp_path / "cache")
+    assert (twin.artifact_id, twin.reader.manifest.artifact_id, twin.object_prefix) == (twin_id, first_id, first_prefix)
+    # Without the registry, the fetched files must be the artifact asked for.
+    with pytest.raises(ArtifactNotFound, match="--registry-url"):
+        open_artifact(twin_id, gpu_target="cpu", store=store, cache_dir=tmp_path / "cache2")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from services.worker.errors import ArtifactCorrupt, ArtifactMismatch, ArtifactNotFound, RunnerUnavailable
-from shared.formats.artifact import ArtifactError, ArtifactReader
+from shared.formats.artifact import ArtifactError, ArtifactReader, sha256_file
 from shared.formats.manifest import MANIFEST_NAME
 from shared.formats.spec import FORMATS
 from shared.storage import ObjectNotFound, StorageConfig, StorageError, open_store
@@ -33,6 +33,9 @@ TRITON_RUNNER_MODULE = "services.worker.engine.triton_runner"
 class LoadedArtifact:
     reader: ArtifactReader
     folder: Path
+    # The id this worker serves (Info, gateway registration). It differs from the manifest's id only
+    # for an artifact the registry points at the objects of an identical READY twin.
+    artifact_id: str
     object_prefix: str = ""  # where it came from in the store; empty for a local folder
     version_label: str = ""  # from the registry when one was given
     registry_state: str = ""  # the registry's state name (e.g. "READY") when one was given
@@ -40,6 +43,14 @@ class LoadedArtifact:
     @property
     def size_bytes(self) -> int:
         return sum(f.size for f in self.reader.manifest.files)
+
+
+@dataclass(slots=True, frozen=True)
+class RegistryRecord:
+    object_prefix: str
+    version_label: str
+    state: str
+    manifest_sha256: str | None  # the registry's digest of manifest.json (the manifest is not in its own file list)
 
 
 def worker_gpu_target(device: torch.device) -> tuple[str, str]:
@@ -134,8 +145,8 @@ def open_artifact(
     """A verified artifact bound to this worker. `ref` is a local artifact folder or an artifact id
     (downloaded from `store` into `cache_dir`; its prefix from the registry, or found in the store)."""
     if Path(ref).is_dir():
-        loaded = LoadedArtifact(_read(Path(ref), gpu_target, formats, expected_format), Path(ref))
-        return loaded
+        reader = _read(Path(ref), gpu_target, formats, expected_format)
+        return LoadedArtifact(reader, Path(ref), reader.manifest.artifact_id)
     if not ARTIFACT_ID_RE.match(ref):
         raise ArtifactNotFound(
             f"artifact {ref!r} is neither a local artifact folder nor an artifact id (32 hex characters)"
@@ -144,16 +155,16 @@ def open_artifact(
         raise ArtifactNotFound(f"artifact id {ref!r} given without --store to fetch it from")
     if cache_dir is None:
         raise ArtifactNotFound(f"artifact id {ref!r} given without a cache folder to download it into")
-    prefix, label, state = _registry_lookup(ref, registry_url) if registry_url else ("", "", "")
+    record = _registry_lookup(ref, registry_url) if registry_url else None
+    folder = Path(cache_dir) / ref
     try:
         object_store = open_store(store)
-        if not prefix:
-            prefix = _find_prefix(object_store, ref)
-        folder = Path(cache_dir) / ref
+        prefix = record.object_prefix if record else _find_prefix(object_store, ref)
         if folder.exists():
             try:
                 reader = _read(folder, gpu_target, formats, expected_format)
-                return LoadedArtifact(reader, folder, prefix, label, state)
+                _check_identity(reader, ref, record, folder)
+                return _loaded(reader, folder, ref, prefix, record)
             except ArtifactCorrupt as exc:
                 log.warning("cached copy of %s is unusable (%s); downloading it again", ref, exc)
                 shutil.rmtree(folder)
@@ -164,9 +175,27 @@ def open_artifact(
     except StorageError as exc:
         raise ArtifactCorrupt(f"artifact {ref} could not be downloaded intact: {exc}") from exc
     reader = _read(folder, gpu_target, formats, expected_format)
+    _check_identity(reader, ref, record, folder)
+    return _loaded(reader, folder, ref, prefix, record)
+
+
+def _loaded(reader: ArtifactReader, folder: Path, ref: str, prefix: str, record: RegistryRecord | None) -> LoadedArtifact:
+    if record is None:
+        return LoadedArtifact(reader, folder, ref, prefix)
+    return LoadedArtifact(reader, folder, ref, prefix, record.version_label, record.state)
+
+
+def _check_identity(reader: ArtifactReader, ref: str, record: RegistryRecord | None, folder: Path) -> None:
+    """The files must be the artifact asked for: its own manifest, or (with a registry record) the
+    manifest the registry recorded, which may be an identical twin's."""
+    if record is not None and record.manifest_sha256 is not None:
+        if sha256_file(folder / MANIFEST_NAME) != record.manifest_sha256:
+            raise ArtifactCorrupt(f"artifact {ref}: manifest.json does not match the registry's sha256")
+        if reader.manifest.artifact_id != ref:
+            log.info("artifact %s shares the stored objects of identical artifact %s", ref, reader.manifest.artifact_id)
+        return
     if reader.manifest.artifact_id != ref:
-        raise ArtifactCorrupt(f"the files under {prefix!r} are artifact {reader.manifest.artifact_id}, not {ref}")
-    return LoadedArtifact(reader, folder, prefix, label, state)
+        raise ArtifactCorrupt(f"the files fetched for artifact {ref} are artifact {reader.manifest.artifact_id}")
 
 
 def _read(folder: Path, gpu_target: str, formats: tuple[str, ...], expected_format: str | None) -> ArtifactReader:
@@ -188,18 +217,20 @@ def _find_prefix(store, artifact_id: str) -> str:
         parts = info.key.split("/")
         if len(parts) >= 2 and parts[-1] == MANIFEST_NAME and parts[-2] == artifact_id:
             return info.key[: -len(MANIFEST_NAME)]
-    raise ArtifactNotFound(f"artifact {artifact_id} is not in the store {store.uri()}")
+    raise ArtifactNotFound(
+        f"artifact {artifact_id} is not in the store {store.uri()}; an artifact that reuses another's "
+        "objects is found only through the registry (--registry-url)"
+    )
 
 
-def _registry_lookup(artifact_id: str, registry_url: str) -> tuple[str, str, str]:
-    """(object prefix, version label, state name) of the artifact's registry record."""
+def _registry_lookup(artifact_id: str, registry_url: str) -> RegistryRecord:
     from shared.registry import NotFound, create_registry, get_artifact
 
     registry = create_registry(registry_url, migrate_to_head=False)
     try:
         with registry.transaction() as session:
             row = get_artifact(session, artifact_id)
-            return row.object_prefix, row.model_version.label, row.state.name
+            return RegistryRecord(row.object_prefix, row.model_version.label, row.state.name, row.manifest_sha256)
     except NotFound as exc:
         raise ArtifactNotFound(str(exc)) from exc
     finally:
