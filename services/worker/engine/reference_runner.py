@@ -2,15 +2,17 @@
 
 The weights and linears are shared.model.load.artifact_model's, and every step repeats
 LlamaModel.forward's arithmetic per token (fp32 residual stream, the format's reference linears,
-RoPE from shared.model.rope), so a sequence run chunk by chunk gives the logits of the full
-forward up to fp32 summation order. The cache is the contract's paged layout:
+RoPE from shared.model.rope, the same SDPA call). A whole prompt in one chunk gives the forward's
+logits; a decode token or a later prompt chunk attends over the cached prefix, whose fp32 sums run
+in another order (~1e-7 relative), which a quantized format can turn into one int8 activation or
+4-bit K/V code on the other side of a rounding boundary. The cache is the contract's paged layout:
 
     KV4 formats       k_cache[l], v_cache[l]  (num_blocks, kv_heads, block_size, D/2 + 4) uint8,
                       rows as shared.formats.kv4.encode_rows (codes, fp16 scale, fp16 zero); the
                       same per-token per-head 4-bit values LlamaModel's fake_quantize_kv4 produces
     16-bit-KV formats k_cache[l], v_cache[l]  (num_blocks, kv_heads, block_size, D) fp16, as the
-                      GPU runner stores them (LlamaModel keeps K/V in fp32: this rounding is the
-                      one difference from the full forward on those formats)
+                      GPU runner stores them (LlamaModel keeps K/V in fp32: a rounding of ~5e-4
+                      relative that the full forward does not have)
 """
 
 from __future__ import annotations
