@@ -1,7 +1,7 @@
 """A static-batch generation driver on a ModelRunner, and the memory sizing the e2e bench uses.
 
-The engine (services/worker/engine/engine.py) was not committed when this benchmark ran, so the
-benchmark drives the runner directly, the way the engine's steps look for a static batch: every
+The static driver (`--driver static`; e2e_engine.py drives the worker's engine instead) runs the
+runner directly, the way the engine's steps look for a static batch: every
 prompt is prefilled whole (several prompts per step, up to a token budget), the first token is
 sampled from the prefill logits, then one decode step per output token for the whole batch,
 greedy sampling on the GPU with one device->host transfer of the token ids per step (what an
@@ -36,11 +36,12 @@ def blocks_per_seq(runner, total_len: int) -> int:
     return -(-total_len // runner.block_size)
 
 
-def max_batch_for_budget(runner, budget_bytes: int, total_len: int, prefill_tokens: int) -> dict:
-    """The most sequences of total_len tokens whose KV cache fits beside weights and activations."""
+def max_batch_for_budget(runner, budget_bytes: int, total_len: int, prefill_tokens: int, spare_blocks: int = 0) -> dict:
+    """The most sequences of total_len tokens whose KV cache fits beside weights and activations
+    (spare_blocks: extra blocks per sequence the driver's allocator keeps, 1 for the engine's scheduler)."""
     graph_pool = runner.activation_bytes(512)  # the largest decode graph's private pool
     free = budget_bytes - CONTEXT_RESERVE - runner.weight_bytes() - runner.activation_bytes(prefill_tokens) - graph_pool
-    per_seq = blocks_per_seq(runner, total_len) * runner.kv_block_bytes()
+    per_seq = (blocks_per_seq(runner, total_len) + spare_blocks) * runner.kv_block_bytes()
     return {"budget_GiB": budget_bytes / GiB, "weights_GiB": runner.weight_bytes() / GiB,
             "activations_GiB": (runner.activation_bytes(prefill_tokens) + graph_pool) / GiB,
             "context_reserve_GiB": CONTEXT_RESERVE / GiB, "kv_per_seq_MiB": per_seq / (1 << 20),
