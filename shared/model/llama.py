@@ -42,8 +42,13 @@ def attention(
     sin: torch.Tensor,
     kv_bits: int,
     capture: dict | None = None,
+    attention_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """qkv (B, T, q+2kv) fp32 -> causal attention output (B, T, heads*D) fp32."""
+    """qkv (B, T, q+2kv) fp32 -> causal attention output (B, T, heads*D) fp32.
+
+    attention_dtype float64 makes the result independent of summation order (to fp32 precision), so
+    a forward over the whole sequence and a KV-cached decode of it agree bit for bit; see
+    services/worker/engine/reference_runner.py."""
     c = config
     b, t, _ = qkv.shape
     q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -58,7 +63,8 @@ def attention(
     if c.group_size > 1:
         k = k.repeat_interleave(c.group_size, dim=1)
         v = v.repeat_interleave(c.group_size, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, D)
+    a = attention_dtype
+    out = F.scaled_dot_product_attention(q.to(a), k.to(a), v.to(a), is_causal=True).float()  # (B, heads, T, D)
     return out.transpose(1, 2).reshape(b, t, c.q_size)
 
 
@@ -70,10 +76,11 @@ def block_forward(
     sin: torch.Tensor,
     kv_bits: int = 16,
     capture: dict | None = None,
+    attention_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """x (B, T, H) fp32 residual stream -> (B, T, H). `capture` receives each GEMM's input."""
     h = rms_norm(x, block.attn_norm, config.rms_norm_eps)
-    attn = attention(config, block.qkv(h), cos, sin, kv_bits, capture)
+    attn = attention(config, block.qkv(h), cos, sin, kv_bits, capture, attention_dtype)
     x = x + block.o(attn)
     h2 = rms_norm(x, block.mlp_norm, config.rms_norm_eps)
     gate, up = block.gate_up(h2).chunk(2, dim=-1)
@@ -94,6 +101,7 @@ class LlamaModel:
         final_norm: torch.Tensor,
         lm_head: Linear,
         kv_bits: int = 16,
+        attention_dtype: torch.dtype = torch.float32,
     ):
         self.config = config
         self.embed = embed  # (V, H)
@@ -101,6 +109,7 @@ class LlamaModel:
         self.final_norm = final_norm.float()
         self.lm_head = lm_head
         self.kv_bits = kv_bits
+        self.attention_dtype = attention_dtype  # float64: order-independent sums (the worker's CPU backend)
         self.inv_freq = inverse_frequencies(config.rope, config.head_dim)
 
     @property
@@ -113,5 +122,5 @@ class LlamaModel:
         cos, sin = cos_sin(positions, self.inv_freq)
         x = self.embed[tokens].float()
         for block in self.blocks:
-            x = block_forward(self.config, block, x, cos, sin, self.kv_bits)
+            x = block_forward(self.config, block, x, cos, sin, self.kv_bits, attention_dtype=self.attention_dtype)
         return self.lm_head(rms_norm(x, self.final_norm, self.config.rms_norm_eps))

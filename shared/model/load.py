@@ -38,8 +38,11 @@ def fp_model(ckpt: HfCheckpoint, device: str | torch.device = "cpu", dtype: torc
     )
 
 
-def artifact_model(reader: ArtifactReader, device: str | torch.device = "cpu") -> LlamaModel:
-    """The model exactly as the artifact's format computes it (integer GEMMs, KV4 when the format says)."""
+def artifact_model(
+    reader: ArtifactReader, device: str | torch.device = "cpu", attention_dtype: torch.dtype = torch.float32
+) -> LlamaModel:
+    """The model exactly as the artifact's format computes it (integer GEMMs, KV4 when the format says).
+    attention_dtype: see shared.model.llama.attention."""
     config = LlamaConfig.from_dict(reader.manifest.model_config)
     blocks = []
     for i in range(config.num_layers):
@@ -63,6 +66,7 @@ def artifact_model(reader: ArtifactReader, device: str | torch.device = "cpu") -
         final_norm=final_norm.to(device),
         lm_head=FpLinear(lm_head.weight.to(device)),
         kv_bits=reader.spec.kv_bits,
+        attention_dtype=attention_dtype,
     )
 
 

@@ -45,16 +45,13 @@ def test_concurrent_greedy_equals_reference_forward(fmt, start_worker, reference
     channel.close()
     model = reference_models[fmt]
     tokenizer = worker.server.served.tokenizer
-    exact = 0
     for (length, new, _), prompt, messages in zip(REQUESTS, prompts, results):
         tokens = [t for m in messages for t in m.token_ids]
         finish = messages[-1].finish
         assert finish.reason == 1 and finish.prompt_tokens == length and finish.generated_tokens == new
         assert all(not m.HasField("finish") for m in messages[:-1])
         assert "".join(m.text for m in messages) == tokenizer.decode(tokens)
-        exact += check_greedy(model, prompt, tokens)
-    # Near ties are rare: most continuations must be the reference's token for token.
-    assert exact >= len(REQUESTS) - 2, f"only {exact} of {len(REQUESTS)} continuations equal the reference's"
+        check_greedy(model, prompt, tokens)
     stats = worker.server.served.engine.stats()
     assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.waiting == 0
 
@@ -71,9 +68,16 @@ def test_preemption_gives_the_tokens_of_an_uninterrupted_run(start_worker, refer
     stats = worker.server.served.engine.stats()
     assert stats.preemptions > 0, "the tiny cache was expected to force a preemption"
     assert stats.kv_blocks_used == 0
-    exact = 0
     for (_, new, _), prompt, messages in zip(requests, prompts, results):
         tokens = [t for m in messages for t in m.token_ids]
         assert messages[-1].finish.generated_tokens == new
-        exact += check_greedy(reference_models["w4a8kv4-g128"], prompt, tokens)
-    assert exact >= len(requests) - 1, f"only {exact} of {len(requests)} continuations equal the reference's"
+        check_greedy(reference_models["w4a8kv4-g128"], prompt, tokens)
+
+    # The same requests one at a time on a worker whose cache never runs out: the same tokens.
+    roomy = start_worker("w4a8kv4-g128", kv_blocks=64, block_size=4, max_batch_tokens=16)
+    channel, roomy_stub = stub(roomy)
+    for (_, new, _), prompt, messages in zip(requests, prompts, results):
+        alone = generate(roomy_stub, prompt, max_new_tokens=new, ignore_eos=True)
+        assert [t for m in alone for t in m.token_ids] == [t for m in messages for t in m.token_ids]
+    channel.close()
+    assert roomy.server.served.engine.stats().preemptions == 0

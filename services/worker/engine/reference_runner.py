@@ -2,10 +2,12 @@
 
 The weights and linears are shared.model.load.artifact_model's, and every step repeats
 LlamaModel.forward's arithmetic per token (fp32 residual stream, the format's reference linears,
-RoPE from shared.model.rope, the same SDPA call). A whole prompt in one chunk gives the forward's
-logits; a decode token or a later prompt chunk attends over the cached prefix, whose fp32 sums run
-in another order (~1e-7 relative), which a quantized format can turn into one int8 activation or
-4-bit K/V code on the other side of a rounding boundary. The cache is the contract's paged layout:
+RoPE from shared.model.rope, SDPA). Attention runs in float64: a decode token or a later prompt
+chunk attends over the cached prefix in another summation order than one forward over the whole
+sequence, and in fp32 that difference (~1e-7 relative) can push a per-token int8 activation or a
+4-bit K/V code across a rounding boundary and flip a near-tied greedy token. In float64 the order
+no longer shows after rounding to fp32, so this backend's greedy tokens equal those of
+LlamaModel(attention_dtype=float64).forward re-run on the growing sequence (tests/worker). The cache is the contract's paged layout:
 
     KV4 formats       k_cache[l], v_cache[l]  (num_blocks, kv_heads, block_size, D/2 + 4) uint8,
                       rows as shared.formats.kv4.encode_rows (codes, fp16 scale, fp16 zero); the
@@ -139,19 +141,17 @@ class ReferenceRunner:
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """q (heads, t, D) at positions [start, start + t); k, v (heads, start + t, D) -> (heads, t, D) fp32.
-
-    The same SDPA call LlamaModel makes, so that a whole-prompt chunk (start 0) gives its logits
-    bit for bit, and a decode row sums like the full forward's last row does.
-    """
+    """q (heads, t, D) at positions [start, start + t); k, v (heads, start + t, D) -> (heads, t, D) fp32,
+    summed in float64 (see the module docstring)."""
     t, length = q.shape[1], k.shape[1]
+    q, k, v = q.double(), k.double(), v.double()
     if start == 0:
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0].float()
     if t == 1:
-        return F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+        return F.scaled_dot_product_attention(q[None], k[None], v[None])[0].float()
     # Query i sits at position start + i and sees keys [0, start + i].
     visible = torch.ones(t, length, dtype=torch.bool, device=q.device).tril(start)
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible)[0]
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible)[0].float()
 
 
 def _positions(ch: SequenceChunk, device: torch.device) -> torch.Tensor:
