@@ -279,7 +279,8 @@ def budget_table(runs, engines, driver) -> dict:
 
 def merge(paths: list[str], out: str, command: str) -> dict:
     parts = [json.loads(Path(p).read_text()) for p in paths]
-    result = {"command": command, "part_commands": [p["command"] for p in parts], "machine": parts[0]["machine"]}
+    result = {"command": command, "part_commands": [p["command"] for p in parts], "machine": parts[0]["machine"],
+              "part_machines": [p["machine"] for p in parts]}
     for key in ("model", "lengths"):
         result[key] = parts[0].get(key)
     result["runs"], result["errors"], result["engines"] = [], [], {}
@@ -324,6 +325,15 @@ def merge(paths: list[str], out: str, command: str) -> dict:
                            "time, over the measured copy bandwidth (static-driver decode steps at the best batch)",
                    "value": frac, "target": 0.5, "op": ">=", "met": bool(frac and frac >= 0.5),
                    "at": static[0]["engine"] + f"@{static[0]['batch']}" if static else None})
+    memory = []
+    for r in runs:
+        for budget in BUDGETS_GB:
+            info = engines.get(f"{r['engine']}/{r['driver']}")
+            if info and r["batch"] == info["sizing"][str(budget)]["max_batch"]:
+                memory.append({"run": f"{r['engine']}/{r['driver']}@{r['batch']}", "budget_GB": budget,
+                               "peak_allocated_plus_1GiB_context_GB": r["peak_with_context_reserve_GB"],
+                               "within": r["peak_with_context_reserve_GB"] <= budget})
+    result["memory_at_budget_caps"] = memory
     hf = best(runs, "hf", "hf")
     summary["hf_best"] = hf and {"batch": hf["batch"], "tokens_per_s": hf["tokens_per_s"]}
     latency = {}

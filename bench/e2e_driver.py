@@ -19,7 +19,7 @@ from services.worker.engine.runner import SequenceChunk, StepBatch
 
 GiB = 1 << 30
 # Device memory outside torch's caching allocator (CUDA context, cuBLAS workspace, Triton's
-# loaded modules) that a budget must also hold; measured at about 0.6-0.8 GiB on the H200.
+# loaded modules) that a budget must also hold: an allowance, not measured by the benchmark.
 CONTEXT_RESERVE = 1 * GiB
 
 
