@@ -162,7 +162,7 @@ class Bench:
         torch = self.torch
         c = runner.config
         mean_ctx = a.prompt + (a.output - 1) / 2  # mean context of the decode steps
-        kv_per_token = 2 * c.num_layers * c.num_kv_heads * runner._row_bytes()
+        kv_per_token = 2 * c.num_layers * c.num_kv_heads * runner.kv_row_bytes()
         step_s = t.decode_s / t.decode_steps
         step_bytes = runner.weights.bytes_read_per_step() + t.batch * mean_ctx * kv_per_token
         copy = self.result.get("copy_bandwidth_GBps")

@@ -111,13 +111,14 @@ class TritonRunner:
     def weight_bytes(self) -> int:
         return self.weights.nbytes() + self.rope_cache.numel() * 4
 
-    def _row_bytes(self) -> int:
+    def kv_row_bytes(self) -> int:
+        """Bytes of one token of one KV head in one of K or V (KV4: D/2 codes + scale + zero; fp16: 2D)."""
         d = self.config.head_dim
         return page_row_bytes(d) if self.kv4 else 2 * d
 
     def kv_block_bytes(self) -> int:
         c = self.config
-        return 2 * c.num_layers * c.num_kv_heads * self.block_size * self._row_bytes()
+        return 2 * c.num_layers * c.num_kv_heads * self.block_size * self.kv_row_bytes()
 
     def _workspace_elements(self, max_tokens: int) -> int:
         """The largest split-K workspace (int32 elements) any GEMM of up to max_tokens rows asks for."""
@@ -170,7 +171,7 @@ class TritonRunner:
             self.graphs.clear()  # graphs hold the old cache's addresses
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        shape = (c.num_layers, num_blocks, c.num_kv_heads, self.block_size, self._row_bytes() if self.kv4 else c.head_dim)
+        shape = (c.num_layers, num_blocks, c.num_kv_heads, self.block_size, self.kv_row_bytes() if self.kv4 else c.head_dim)
         dtype = torch.uint8 if self.kv4 else torch.float16
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
