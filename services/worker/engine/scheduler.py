@@ -69,17 +69,21 @@ class Scheduler:
         out = Schedule()
         budget = self.max_batch_tokens
         scheduled: set[int] = set()
-        decodes = [s for s in self.running if s.num_uncomputed == 1]
-        prefills = [s for s in self.running if s.num_uncomputed > 1]
+        decodes, prefills = [], []
+        for s in self.running:
+            (decodes if s.num_uncomputed == 1 else prefills).append(s)
+        slots_per_block = self.blocks.block_size
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.state is not SeqState.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(seq.num_uncomputed, budget)
-            if not self._make_room(seq, n, scheduled, out):
-                continue
-            self.blocks.grow(seq.block_table, seq.num_computed + n)
+            end = seq.num_computed + n
+            if end > len(seq.block_table) * slots_per_block:  # needs a new block (most steps do not)
+                if not self._make_room(seq, n, scheduled, out):
+                    continue
+                self.blocks.grow(seq.block_table, end)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             scheduled.add(seq.seq_id)
             budget -= n

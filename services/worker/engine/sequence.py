@@ -70,7 +70,9 @@ class Sequence:
         p = len(self.prompt_ids)
         if start + count <= p:
             return self.prompt_ids[start : start + count]
-        return (self.prompt_ids + self.output_ids)[start : start + count]
+        if start >= p:  # decode steps: no copy of the whole sequence per token
+            return self.output_ids[start - p : start - p + count]
+        return self.prompt_ids[start:] + self.output_ids[: start + count - p]
 
     @property
     def num_uncomputed(self) -> int:
