@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 2.0
 # Worker answers that are about the request itself: the client gets them as they are, no retry.
+_FULL = "admission full: "  # marks the failure of a worker that answered RESOURCE_EXHAUSTED
 _CLIENT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS})
 
@@ -119,10 +120,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         trace = Trace(arrival=arrival, route=router.choose(deployment, request.session_key))
         tried: set[str] = set()
         failures: list[str] = []
-        counted = True  # a request turned away by admission before any worker saw it is not counted
+        counted = True  # a request turned away by admission (load shedding, not a failure) is not counted
         try:
             while True:
-                attempt = Attempt(self._pick(deployment, trace, tried, failures))
+                try:
+                    attempt = Attempt(self._pick(deployment, trace, tried, failures))
+                except NoWorker as exc:
+                    if failures and all(f.startswith(_FULL) for f in failures):  # alive, only busy
+                        raise AdmissionFull(f"every worker tried is at its admission limit; retry later "
+                                            f"({'; '.join(f.removeprefix(_FULL) for f in failures)})") from exc
+                    raise
                 tried.add(attempt.worker.worker_id)
                 worker_request = _worker_request(request, f"{request_id}.{len(tried)}")
                 async for reply in self._relay(attempt, worker_request, request_id, trace):
@@ -140,7 +147,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             trace.server_error = True
             raise
         except AdmissionFull:
-            counted = trace.worker_started is not None
+            counted = False
             raise
         finally:
             if counted:
@@ -194,7 +201,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if code in _CLIENT_CODES:
                 attempt.finished = True
                 raise WorkerRejected(code, err.details() or code.name) from None
-            attempt.failure = f"{worker.address}: {code.name}: {err.details()}"
+            attempt.failure = (_FULL if code is grpc.StatusCode.RESOURCE_EXHAUSTED else "") + \
+                f"{worker.address}: {code.name}: {err.details()}"
         finally:
             if not attempt.finished and not attempt.failure:
                 # The client went away (or the gateway is stopping): stop the worker's work now.
@@ -202,7 +210,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 self._send_abort(worker, worker_request.request_id)
             await self.pool.release(worker)
         # a full worker is busy, not broken: it stays eligible for other requests
-        if not attempt.failure.startswith(f"{worker.address}: RESOURCE_EXHAUSTED"):
+        if not attempt.failure.startswith(_FULL):
             self.pool.mark_failed(worker, attempt.failure)
         log.warning("request %s on worker %s failed after %d tokens: %s", request_id, worker.address,
                     trace.delivered, attempt.failure)

@@ -29,6 +29,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.max_running, self.max_waiting = max_running, max_waiting
         self.fail_before_first = False  # every Generate fails UNAVAILABLE before any token
         self.fail_after: int | None = None  # every Generate fails UNAVAILABLE after this many tokens
+        self.full = False  # every Generate answers RESOURCE_EXHAUSTED (its admission queue is full)
         self.started: list[str] = []  # request ids of Generate calls, in arrival order
         self.finished: list[str] = []
         self.cancelled: list[str] = []  # Generate calls whose caller went away
@@ -37,6 +38,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context) -> AsyncIterator[worker_pb2.GenerateResponse]:
         self.started.append(request.request_id)
+        if self.full:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake worker's waiting queue is full")
         if self.fail_before_first:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker failing before the first token")
         if request.WhichOneof("prompt") == "text":

@@ -108,3 +108,23 @@ def test_streams_beyond_the_gateway_limit_are_resource_exhausted(artifacts):
             assert len(await stack.generate("now there is room")) == 3
 
     run(scenario())
+
+
+def test_workers_that_answer_full_are_tried_in_turn_and_stay_healthy(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            full = await stack.add_worker(artifacts.stable, tokens=2)
+            spare = await stack.add_worker(artifacts.stable, tokens=2)
+            full.worker.full = True
+            for i in range(3):
+                assert len(await stack.generate(f"p{i}")) == 2
+            assert len(spare.worker.finished) == 3
+            spare.worker.full = True
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.generate("both full")
+            assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "admission limit" in raised.value.details()
+            listed = await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)
+            assert {w.health for w in listed.workers} == {gateway_pb2.WORKER_HEALTH_HEALTHY}
+
+    run(scenario())
