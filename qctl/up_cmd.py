@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
+import torch
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -35,6 +36,7 @@ from shared.rpc.qserve.v1 import common_pb2, gateway_pb2, quantizer_pb2
 Q, G = quantizer_pb2, gateway_pb2
 SESSIONS = 20  # session keys sent during the canary, to show the split and its stickiness
 WORKER_WAIT_S = 60.0
+WORKER_GPU_SHARE = 0.45
 
 
 def stack_errors(fn):
@@ -94,9 +96,10 @@ def up(
         baseline_id = _publish(quantizer, model, name, "fp16", gpu_target, eval_windows, {}, console)
         quantized_id = _publish(quantizer, model, name, format.value, gpu_target, eval_windows, small, console)
 
+        budget = _worker_budget(device)
         for artifact_id in (baseline_id, quantized_id):
             console.print(f"starting a worker for {artifact_id[:12]}")
-            stack.start_worker(artifact_id)
+            stack.start_worker(artifact_id, budget)
         with admin_client(gateway, stack.admin_token) as admin:
             _wait_for_workers(admin, {baseline_id, quantized_id})
             admin.CreateDeployment(G.CreateDeploymentRequest(
@@ -135,6 +138,15 @@ def _model(model: Path | None, workdir: Path, console: Console) -> tuple[Path, b
                       "its text is noise, give --model for a trained checkpoint")
         write_demo_checkpoint(model, "tiny")
     return model, True
+
+
+def _worker_budget(device: str) -> int | None:
+    """Two workers share the GPU: each may take WORKER_GPU_SHARE of the memory free now (a worker
+    left to its default would take most of the GPU for itself). None on the CPU: the default."""
+    if device == "cpu":
+        return None
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return int(free * WORKER_GPU_SHARE)
 
 
 def _builtin_eval_text(workdir: Path) -> Path:

@@ -18,7 +18,7 @@ DEFAULT_PORT = 50071
 DEFAULT_METRICS_PORT = 9471
 DEVICES = ("cpu", "cuda")
 CPU_DEFAULT_BUDGET = 2 * 2**30  # a CPU host's RAM is shared with everything else: a modest default
-GPU_DEFAULT_FRACTION = 0.9  # of the device's memory, when no budget is given
+GPU_DEFAULT_FRACTION = 0.9  # of the device's free memory at start-up, when no budget is given
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
@@ -157,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default=None, help=f"refuse artifacts of any other format ({', '.join(FORMATS)})")
     p.add_argument("--gpu-memory-budget", default=None,
                    help=f"memory for weights, activations and the KV cache, e.g. 48GiB "
-                        f"[default: {GPU_DEFAULT_FRACTION:.0%} of the GPU; 2GiB on cpu]")
+                        f"[default: {GPU_DEFAULT_FRACTION:.0%} of the GPU memory free at start-up; 2GiB on cpu]")
     p.add_argument("--kv-blocks", type=int, default=None, help="a fixed number of KV blocks instead of the budget's")
     p.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
     p.add_argument("--max-running-sequences", type=int, default=32, help="most sequences in one step")

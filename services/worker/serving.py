@@ -42,12 +42,13 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
         store=config.store, registry_url=config.registry_url, cache_dir=config.cache_dir,
     )
     reader = artifact.reader
+    budget = _budget(config, device)  # before loading: the default is a share of what is free now
     runner = load_runner(reader, device, config.block_size, max_batch_tokens=config.max_batch_tokens,
                          max_model_len=config.max_context_tokens)
     model_config = runner.config
     num_blocks = config.kv_blocks or plan_kv_blocks(
-        _budget(config, device), runner.weight_bytes(), runner.activation_bytes(config.max_batch_tokens),
-        runner.kv_block_bytes(),
+        budget, runner.weight_bytes(), runner.activation_bytes(config.max_batch_tokens), runner.kv_block_bytes(),
+        max_useful_blocks=_max_useful_blocks(config, model_config.max_position_embeddings),
     )
     # One sequence must always fit in the cache on its own, or preemption could never make room.
     max_context = min(model_config.max_position_embeddings, num_blocks * config.block_size,
@@ -75,8 +76,17 @@ def _budget(config: WorkerConfig, device: torch.device) -> int:
     if config.gpu_memory_budget is not None:
         return config.gpu_memory_budget
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory * GPU_DEFAULT_FRACTION)
+        free, _ = torch.cuda.mem_get_info(device)  # other processes and workers on this GPU keep theirs
+        return int(free * GPU_DEFAULT_FRACTION)
     return CPU_DEFAULT_BUDGET
+
+
+def _max_useful_blocks(config: WorkerConfig, model_context: int) -> int:
+    """Every running sequence at its full context, plus the scheduler's spare block each: a cache
+    beyond this is never used, so a small model does not take a whole GPU's budget."""
+    context = min(model_context, config.max_context_tokens or model_context)
+    per_sequence = -(-context // config.block_size) + 1
+    return config.max_running_sequences * per_sequence
 
 
 def _adds_bos(tokenizer_dir) -> bool:

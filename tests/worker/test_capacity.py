@@ -15,6 +15,21 @@ def test_plan_kv_blocks():
     assert plan_kv_blocks(budget_bytes=1000, weight_bytes=300, activation_bytes=200, block_bytes=50) == 10
     with pytest.raises(CapacityError, match="weights take .* activations .* one KV block 50 bytes"):
         plan_kv_blocks(budget_bytes=520, weight_bytes=300, activation_bytes=200, block_bytes=50)
+    # A cache beyond what the running sequences can use is not allocated.
+    assert plan_kv_blocks(1000, 300, 200, 50, max_useful_blocks=7) == 7
+
+
+def test_a_small_model_takes_only_the_cache_its_sequences_can_use(artifacts):
+    # 2 sequences of at most 64 tokens in blocks of 8: 2 x (8 + 1 spare) blocks, whatever the budget.
+    worker = BackgroundWorker(WorkerConfig(artifact=str(artifacts["w4a8kv4-g128"]), port=0, metrics_port=None,
+                                           gpu_memory_budget=2**30, block_size=8, max_running_sequences=2,
+                                           max_context_tokens=64))
+    try:
+        channel, client = stub(worker)
+        assert client.Info(worker_pb2.InfoRequest(), timeout=10).kv_blocks_total == 18
+        channel.close()
+    finally:
+        worker.stop(grace_s=0)
 
 
 def test_the_worker_sizes_its_cache_from_the_budget(artifacts):
