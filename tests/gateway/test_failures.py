@@ -98,7 +98,8 @@ def test_streams_beyond_the_gateway_limit_are_resource_exhausted(artifacts):
         async with gateway_stack(artifacts, max_concurrent_streams=2) as stack:
             await stack.add_worker(artifacts.stable, tokens=3, delay_s=0.3)
             open_streams = [asyncio.create_task(stack.generate(f"p{i}")) for i in range(2)]
-            await asyncio.sleep(0.15)
+            while stack.gateway.gateway.open_streams < 2:
+                await asyncio.sleep(0.01)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await stack.generate("third")
             assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -34,17 +34,21 @@ def test_stream_relays_the_workers_tokens_once_and_in_order(artifacts):
 def test_requests_go_to_the_least_loaded_healthy_worker(artifacts):
     async def scenario():
         async with gateway_stack(artifacts) as stack:
-            a = await stack.add_worker(artifacts.stable, tokens=3, delay_s=0.3)
-            b = await stack.add_worker(artifacts.stable, tokens=3, delay_s=0.3)
+            a = await stack.add_worker(artifacts.stable, tokens=3, delay_s=0.5)
+            b = await stack.add_worker(artifacts.stable, tokens=3, delay_s=0.5)
             streams = [asyncio.create_task(stack.generate(f"p{i}")) for i in range(6)]
-            await asyncio.sleep(0.15)
-            listed = await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)
+            for _ in range(50):  # until all six reached a worker (each stays open at least 1.5 s)
+                listed = await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)
+                if sum(w.in_flight for w in listed.workers) == 6:
+                    break
+                await asyncio.sleep(0.02)
             assert sorted(w.in_flight for w in listed.workers) == [3, 3]
             await asyncio.gather(*streams)
             assert len(a.worker.started) == len(b.worker.started) == 3
-            # b is now busy with one slow stream: the next request goes to a
+            # one worker is now busy with a slow stream: the next request goes to the other
             slow = asyncio.create_task(stack.generate("slow", max_new_tokens=3))
-            await asyncio.sleep(0.1)
+            while len(a.worker.started) + len(b.worker.started) < 7:
+                await asyncio.sleep(0.01)
             busy = a if len(a.worker.started) == 4 else b
             idle = b if busy is a else a
             await stack.generate("quick", max_new_tokens=1)
@@ -57,9 +61,10 @@ def test_requests_go_to_the_least_loaded_healthy_worker(artifacts):
 def test_a_worker_at_capacity_gets_no_more_and_a_full_pool_is_resource_exhausted(artifacts):
     async def scenario():
         async with gateway_stack(artifacts) as stack:
-            await stack.add_worker(artifacts.stable, capacity=2, tokens=2, delay_s=0.4)
+            worker = await stack.add_worker(artifacts.stable, capacity=2, tokens=2, delay_s=0.5)
             streams = [asyncio.create_task(stack.generate(f"p{i}")) for i in range(2)]
-            await asyncio.sleep(0.1)
+            while len(worker.worker.started) < 2:
+                await asyncio.sleep(0.01)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await stack.generate("third")
             assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
