@@ -74,14 +74,7 @@ class QuantizerConfig:
         (read here, once: credentials never go on a command line)."""
         env = os.environ if environ is None else environ
         args = _parser().parse_args(argv)
-        store = StorageConfig.from_url(
-            args.store,
-            endpoint_url=args.store_endpoint,
-            region=args.store_region,
-            access_key=env.get("AWS_ACCESS_KEY_ID"),
-            secret_key=env.get("AWS_SECRET_ACCESS_KEY"),
-            session_token=env.get("AWS_SESSION_TOKEN"),
-        )
+        store = StorageConfig.from_command_line(args.store, args.store_endpoint, args.store_region, env)
         return cls(
             registry_url=args.registry_url,
             store=store,

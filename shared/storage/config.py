@@ -105,6 +105,20 @@ class StorageConfig:
         return cls(**{**values, "kind": "s3", "bucket": parts.netloc, "prefix": prefix, "root": None})
 
     @classmethod
+    def from_command_line(cls, url: str, endpoint_url: str | None, region: str,
+                          environ: Mapping[str, str]) -> StorageConfig:
+        """A service's --store, --store-endpoint and --store-region, with the credentials from
+        AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN (never on a command line)."""
+        return cls.from_url(
+            url,
+            endpoint_url=endpoint_url,
+            region=region,
+            access_key=environ.get("AWS_ACCESS_KEY_ID"),
+            secret_key=environ.get("AWS_SECRET_ACCESS_KEY"),
+            session_token=environ.get("AWS_SESSION_TOKEN"),
+        )
+
+    @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StorageConfig:
         """QSERVE_STORE_URL plus the usual AWS_* variables; call it explicitly (e.g. from a CLI)."""
         env = os.environ if environ is None else environ
