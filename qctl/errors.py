@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 
+import grpc
 import typer
 
 from shared.formats.artifact import ArtifactError
@@ -26,3 +27,36 @@ def user_errors(fn):
             raise typer.Exit(code=2) from None
 
     return wrapper
+
+
+def rpc_errors(service: str):
+    """A gRPC failure of a call to `service` (the keyword argument of that name holds its address)
+    as one line and exit code 2: the service's status and message, and, when the service cannot be
+    reached at all, that it cannot be reached at that address."""
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except grpc.RpcError as exc:
+                address = kwargs.get(service, "")
+                if _unreachable(exc):
+                    print(f"error: cannot reach the {service} at {address} ({exc.code().name}): {exc.details()}",
+                          file=sys.stderr)
+                else:
+                    print(f"error: {service} {address}: {exc.details()} ({exc.code().name})", file=sys.stderr)
+                raise typer.Exit(code=2) from None
+
+        return wrapper
+
+    return decorate
+
+
+def _unreachable(exc: grpc.RpcError) -> bool:
+    """A transport failure (nothing listening, a timeout), as opposed to the service answering
+    UNAVAILABLE itself (a gateway with no healthy worker does)."""
+    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return True
+    details = (exc.details() or "").lower()
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and ("connect" in details or "dns" in details)

@@ -4,7 +4,6 @@ stubs with the bearer token attached, and gRPC errors as one line with exit code
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ import grpc
 import typer
 from google.protobuf.duration_pb2 import Duration
 
+from qctl.errors import rpc_errors as rpc_errors_of
 from shared.rpc.qserve.v1 import gateway_pb2_grpc
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
@@ -22,18 +22,8 @@ TOKEN_OPTION = typer.Option(..., "--token", envvar="QCTL_TOKEN", show_default=Fa
 RPC_TIMEOUT_S = 30.0
 
 
-def rpc_errors(fn):
-    """gRPC failures as one line and exit code 2, naming the gateway."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except grpc.RpcError as exc:
-            print(f"error: gateway {kwargs.get('gateway', '')}: {exc.details()} ({exc.code().name})", file=sys.stderr)
-            raise typer.Exit(code=2) from None
-
-    return wrapper
+# gRPC failures as one line and exit code 2, naming the gateway (qctl.errors.rpc_errors).
+rpc_errors = rpc_errors_of("gateway")
 
 
 @dataclass

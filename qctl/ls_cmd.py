@@ -6,14 +6,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from qctl.publish_cmd import QUANTIZER_OPTION, quantizer_stub, rpc_errors
+from qctl.errors import rpc_errors
+from qctl.publish_cmd import QUANTIZER_OPTION, quantizer_stub
 from shared.rpc.qserve.v1 import common_pb2, quantizer_pb2
 
 Q = quantizer_pb2
 STATE_STYLE = {"READY": "green", "PENDING": "yellow", "FAILED": "red"}
 
 
-@rpc_errors
+@rpc_errors("quantizer")
 def ls(
     quantizer: str = QUANTIZER_OPTION,
     model: str = typer.Option("", "--model", help="only this model"),

@@ -3,7 +3,6 @@ print the artifact id (stdout: the id alone, so scripts can capture it)."""
 
 from __future__ import annotations
 
-import functools
 import sys
 from enum import Enum
 from pathlib import Path
@@ -13,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from qctl.errors import rpc_errors
 from shared.formats.manifest import GPU_TARGETS
 from shared.formats.spec import FORMATS
 from shared.rpc.qserve.v1 import quantizer_pb2, quantizer_pb2_grpc
@@ -23,25 +23,6 @@ QUANTIZER_OPTION = typer.Option(DEFAULT_QUANTIZER, "--quantizer", envvar="QSERVE
 FormatName = Enum("FormatName", {name: name for name in FORMATS}, type=str)
 GpuTarget = Enum("GpuTarget", {name: name for name in GPU_TARGETS}, type=str)
 Q = quantizer_pb2
-
-
-def rpc_errors(fn):
-    """gRPC failures as one line and exit code 2, naming the quantizer when it cannot be reached."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except grpc.RpcError as exc:
-            address = kwargs.get("quantizer", "")
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                print(f"error: cannot reach the quantizer at {address} ({exc.code().name}): {exc.details()}",
-                      file=sys.stderr)
-            else:
-                print(f"error: {exc.details()} ({exc.code().name})", file=sys.stderr)
-            raise typer.Exit(code=2) from None
-
-    return wrapper
 
 
 def quantizer_stub(address: str) -> tuple[grpc.Channel, quantizer_pb2_grpc.QuantizerStub]:
@@ -56,7 +37,7 @@ def _location(value: str | None) -> str:
     return str(Path(value).expanduser().resolve())
 
 
-@rpc_errors
+@rpc_errors("quantizer")
 def publish(
     source: str = typer.Option(..., "--source", help="checkpoint folder or s3://bucket/prefix"),
     model_name: str = typer.Option(..., "--model-name", help="registry name: [a-z0-9._-], up to 64 characters"),
