@@ -43,7 +43,7 @@ def copy_bandwidth_GBps(torch) -> float:
 
 
 def kernel_policy() -> dict:
-    from services.worker.engine.kernel_policy import from_best_variant
+    from shared.formats.kernel_policy import from_best_variant
 
     best = json.loads((REPO / "bench/results/h200/kernels.json").read_text())["best_variant"]
     return from_best_variant(best)

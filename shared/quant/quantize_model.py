@@ -23,6 +23,7 @@ from shared.formats.artifact import (
     block_file,
     block_tensors,
 )
+from shared.formats.kernel_policy import POLICY_KINDS, shipped_policy
 from shared.formats.manifest import GPU_TARGETS, Manifest
 from shared.formats.spec import FormatSpec, format_spec
 from shared.formats.weights import GROUP_SIZE, Fp16Weight
@@ -147,6 +148,8 @@ def quantize_checkpoint(settings: QuantizeSettings, progress: Progress | None = 
             options=options.to_dict(),
             calibration=calibration.to_dict() if calibration else None,
             created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            # The GEMM variants measured fastest on this GPU target travel with the artifact.
+            kernel_policy=shipped_policy(settings.gpu_target) if spec.weight_kind in POLICY_KINDS else None,
         )
         writer.finish(manifest)
         report("pack", 1, 1)

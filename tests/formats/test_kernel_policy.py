@@ -1,0 +1,61 @@
+"""The kernel policy table: its schema, the table shipped for the H200, and artifacts carrying it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from services.worker.engine.kernel_policy import GemmPolicy
+from services.worker.kernels import w4a8_gemm
+from shared.formats.artifact import ArtifactReader
+from shared.formats.kernel_policy import KernelPolicyError, from_best_variant, parse_policy, shipped_policy
+from shared.quant.options import QoQOptions
+from shared.quant.quantize_model import QuantizeSettings, quantize_checkpoint
+from tests.conftest import write_random_llama
+
+
+def test_best_variants_become_rows_covering_every_m():
+    best = {"w4chn": {"4096x4096": {"16": "chn.n128m16.sk", "1": "chn.n64m16.sk", "256": "chn.n128m128"}}}
+    table = from_best_variant(best)
+    assert table["gemm"]["w4chn"]["4096x4096"] == [[1, "chn.n64m16.sk"], [16, "chn.n128m16.sk"], [None, "chn.n128m128"]]
+    policy = GemmPolicy.from_manifest(table)
+    assert [policy.variant("w4chn", 4096, 4096, m) for m in (1, 2, 16, 17, 5000)] == [
+        "chn.n64m16.sk", "chn.n128m16.sk", "chn.n128m16.sk", "chn.n128m128", "chn.n128m128"]
+    # A shape the table does not cover gets the kernels' default.
+    assert policy.variant("w4chn", 1024, 4096, 16) == w4a8_gemm.default_variant_name(16, "w4chn")
+
+
+@pytest.mark.parametrize("table, says", [
+    ({"gemm": {"w9": {}}}, "unknown weight kind 'w9'"),
+    ({"gemm": {"w4chn": {"4096by4096": []}}}, "shape key '4096by4096' is not '<N>x<K>'"),
+    ({"gemm": {"w4chn": {"64x64": [[1]]}}}, "entry [1] is not [max_M or null, variant]"),
+    ({"gemm": []}, "must be a mapping"),
+])
+def test_a_malformed_table_is_refused_naming_the_entry(table, says):
+    with pytest.raises(KernelPolicyError, match=re.escape(says)):
+        parse_policy(table)
+
+
+def test_the_worker_refuses_a_variant_of_another_weight_kind():
+    with pytest.raises(KernelPolicyError, match="reads w4g128p weights"):
+        GemmPolicy.from_manifest({"gemm": {"w4chn": {"64x64": [[None, "g128.n128m16.sk.zp"]]}}})
+
+
+def test_the_h200_table_names_only_variants_the_kernels_have():
+    table = shipped_policy("sm90")
+    assert table is not None and set(table["gemm"]) == {"w4g128p", "w4chn"}
+    policy = GemmPolicy.from_manifest(table)  # raises on an unknown variant
+    assert ("w4chn", 22016, 4096) in policy.rows and ("w4g128p", 4096, 11008) in policy.rows
+    assert shipped_policy("cpu") is None
+
+
+@pytest.mark.parametrize("target, fmt, expect_table", [("sm90", "w4a8kv4-chn", True), ("cpu", "w4a8kv4-chn", False),
+                                                        ("sm90", "fp16", False)])
+def test_the_quantizer_puts_the_targets_table_into_the_manifest(tmp_path, target, fmt, expect_table):
+    model = write_random_llama(tmp_path / "model")
+    out = tmp_path / "artifact"
+    quantize_checkpoint(QuantizeSettings(model, out, fmt, gpu_target=target, options=QoQOptions.rtn(),
+                                         calib_samples=2, calib_seq_len=32))
+    manifest = ArtifactReader(out).manifest
+    assert (manifest.kernel_policy == shipped_policy(target)) if expect_table else manifest.kernel_policy is None
