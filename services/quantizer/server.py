@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +27,7 @@ from services.quantizer.jobs import JobRunner
 from services.quantizer.pipeline import Services
 from services.quantizer.servicer import QuantizerServicer
 from shared.registry import Registry, RegistryError, create_registry
+from shared.rpc.serving import BackgroundLoop, wait_for_stop_signal
 from shared.rpc.qserve.v1 import quantizer_pb2, quantizer_pb2_grpc
 from shared.storage import StorageError, open_store
 
@@ -99,11 +98,7 @@ async def start(config: QuantizerConfig) -> RunningQuantizer:
 async def serve(config: QuantizerConfig) -> None:
     """Runs until SIGTERM or SIGINT, then stops gracefully."""
     running = await start(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_stop_signal()
     log.info("stopping (grace %.0f s)", config.grace_s)
     await running.stop()
 
@@ -113,29 +108,12 @@ class BackgroundQuantizer:
     BackgroundQuantizer(config).address ... .stop()."""
 
     def __init__(self, config: QuantizerConfig, timeout_s: float = 120.0):
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="quantizer-loop", daemon=True)
-        self._thread.start()
-        try:
-            self.running = self._call(start(config), timeout_s)
-        except BaseException:
-            self._close()
-            raise
+        self._loop = BackgroundLoop("quantizer-loop")
+        self.running = self._loop.start_server(lambda: start(config), timeout_s)
         self.address = self.running.address
 
     def stop(self, grace_s: float | None = None, timeout_s: float = 300.0) -> None:
-        try:
-            self._call(self.running.stop(grace_s), timeout_s)
-        finally:
-            self._close()
-
-    def _call(self, coro, timeout_s: float):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
-
-    def _close(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._loop.stop_server(lambda: self.running.stop(grace_s), timeout_s)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
 
@@ -36,6 +34,7 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.servicer import WorkerServicer
 from services.worker.serving import ServedModel, load_served_model
 from shared.rpc.qserve.v1 import worker_pb2, worker_pb2_grpc
+from shared.rpc.serving import BackgroundLoop, wait_for_stop_signal
 from shared.storage import StorageError
 
 log = logging.getLogger(__name__)
@@ -135,11 +134,7 @@ async def serve(config: WorkerConfig) -> None:
     """Runs until SIGTERM or SIGINT, then drains and stops."""
     server = WorkerServer(config)
     await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_stop_signal()
     log.info("draining (grace %.0f s)", config.drain_grace_s)
     await server.stop()
 
@@ -149,31 +144,17 @@ class BackgroundWorker:
     BackgroundWorker(config).address ... .stop()."""
 
     def __init__(self, config: WorkerConfig, timeout_s: float = 300.0):
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="worker-loop", daemon=True)
-        self._thread.start()
+        self._loop = BackgroundLoop("worker-loop")
         self.server = WorkerServer(config)
-        try:
-            self.port = self.call(self.server.start(), timeout_s)
-        except BaseException:
-            self._close()
-            raise
+        self.port = self._loop.start_server(self.server.start, timeout_s)
         self.address = self.server.address
 
     def call(self, coro, timeout_s: float = 300.0):
         """Runs a coroutine on the worker's loop and returns its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+        return self._loop.call(coro, timeout_s)
 
     def stop(self, grace_s: float | None = None, timeout_s: float = 300.0) -> None:
-        try:
-            self.call(self.server.stop(grace_s), timeout_s)
-        finally:
-            self._close()
-
-    def _close(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._loop.stop_server(lambda: self.server.stop(grace_s), timeout_s)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,53 @@
+"""What every one of our grpc.aio servers needs around it: waiting for SIGTERM/SIGINT in a process,
+and its own event loop on a thread when synchronous code embeds it (`qctl up`, tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+async def wait_for_stop_signal() -> None:
+    """Returns at the first SIGTERM or SIGINT (a process's cue to drain and stop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+class BackgroundLoop:
+    """An asyncio event loop running on a daemon thread; `call` runs a coroutine on it and waits."""
+
+    def __init__(self, name: str):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def start_server(self, start: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+        """Runs start() on the loop; when it fails the loop is closed before the error propagates."""
+        try:
+            return self.call(start(), timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def stop_server(self, stop: Callable[[], Awaitable[None]], timeout_s: float) -> None:
+        """Runs stop() on the loop, then closes the loop whatever stop() did."""
+        try:
+            self.call(stop(), timeout_s)
+        finally:
+            self.close()
