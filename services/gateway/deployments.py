@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -17,6 +18,7 @@ from sqlalchemy.orm import Session
 from shared.registry import Artifact, Deployment, Event, EventKind, NotFound, Registry, get_artifact
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
 
+log = logging.getLogger(__name__)
 FALLBACK_KINDS = (EventKind.FALLBACK_ON.value, EventKind.FALLBACK_OFF.value)
 
 
@@ -97,30 +99,42 @@ def _last_event(session: Session, deployment: Deployment, kinds: tuple[str, ...]
     ).first()
 
 
-def read_deployment(registry: Registry, name: str) -> DeploymentView | None:
+def read_deployments(registry: Registry, names: list[str]) -> dict[str, DeploymentView | None]:
+    """Snapshots of these deployments in one transaction; None for a name that does not exist."""
     with registry.transaction() as session:
-        row = session.scalars(sa.select(Deployment).where(Deployment.name == name)).one_or_none()
-        return None if row is None else view_of(session, row)
+        rows = session.scalars(sa.select(Deployment).where(Deployment.name.in_(names)))
+        found = {row.name: view_of(session, row) for row in rows}
+    return {name: found.get(name) for name in names}
 
 
 class DeploymentCache:
-    """name -> (snapshot or None for "no such deployment", time read). One registry read per name per
-    max_age_s however many requests arrive; a change made through this gateway is put in at once."""
+    """name -> (snapshot or None for "no such deployment", time read).
+
+    A request reads the registry only for a name it is the first to ask about (concurrent callers
+    share that read); after that, refresh() re-reads every name used in the last IDLE_S seconds
+    twice per max_age_s, so requests never wait on the database and a change made anywhere is
+    seen within max_age_s. A change made through this gateway is put in at once."""
+
+    IDLE_S = 60.0  # a deployment nobody asked for this long is no longer refreshed
 
     def __init__(self, registry: Registry, max_age_s: float):
         self.registry = registry
         self.max_age_s = max_age_s
         self._entries: dict[str, tuple[DeploymentView | None, float]] = {}
+        self._used: dict[str, float] = {}  # name -> when a request last asked for it
         self._reads: dict[str, asyncio.Task] = {}
 
     async def get(self, name: str) -> DeploymentView:
+        now = time.monotonic()
+        self._used[name] = now
         entry = self._entries.get(name)
-        if entry is None or time.monotonic() - entry[1] > self.max_age_s:
+        if entry is None or now - entry[1] > self.max_age_s:
             read = self._reads.get(name)
             if read is None:  # concurrent callers share one read
-                read = asyncio.ensure_future(self._read(name))
+                read = asyncio.ensure_future(self._read([name]))
                 self._reads[name] = read
-            view = await asyncio.shield(read)
+                read.add_done_callback(lambda _: self._reads.pop(name, None))
+            view = (await asyncio.shield(read))[name]
         else:
             view = entry[0]
         if view is None:
@@ -133,11 +147,24 @@ class DeploymentCache:
     def names(self) -> list[str]:
         return [name for name, (view, _) in self._entries.items() if view is not None]
 
-    async def _read(self, name: str) -> DeploymentView | None:
-        try:
-            started = time.monotonic()
-            view = await asyncio.to_thread(read_deployment, self.registry, name)
-            self._entries[name] = (view, started)
-            return view
-        finally:
-            self._reads.pop(name, None)
+    async def refresh(self) -> None:
+        """Runs until cancelled: keeps the entries of recently used deployments fresh."""
+        while True:
+            await asyncio.sleep(self.max_age_s / 2)
+            now = time.monotonic()
+            for name in [n for n, used in self._used.items() if now - used > self.IDLE_S]:
+                del self._used[name]
+            if self._used:
+                try:
+                    await self._read(list(self._used))
+                except Exception:  # a registry outage: requests read (and report) it themselves
+                    log.warning("refreshing deployments from the registry failed", exc_info=True)
+
+    async def _read(self, names: list[str]) -> dict[str, DeploymentView | None]:
+        started = time.monotonic()
+        views = await asyncio.to_thread(read_deployments, self.registry, names)
+        for name, view in views.items():
+            entry = self._entries.get(name)
+            if entry is None or entry[1] <= started:  # a put() made meanwhile is newer than this read
+                self._entries[name] = (view, started)
+        return views

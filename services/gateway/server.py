@@ -93,6 +93,8 @@ class GatewayServer:
         for name in ("", GATEWAY_SERVICE, ADMIN_SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._tasks = [asyncio.create_task(self._expire_workers(), name="gateway-heartbeats")]
+        if config.deployment_cache_s > 0:
+            self._tasks.append(asyncio.create_task(self.deployments.refresh(), name="gateway-deployments"))
         if config.budget.enabled:
             self._tasks.append(asyncio.create_task(self.fallback.run(config.fallback_check_s), name="gateway-fallback"))
         log.info("gateway serving on port %d%s", self.port,
