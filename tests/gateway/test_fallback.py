@@ -10,7 +10,7 @@ import time
 import grpc
 
 from services.gateway.config import FallbackBudget
-from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc
+from shared.rpc.qserve.v1 import gateway_pb2
 from tests.gateway.conftest import ADMIN, DEPLOYMENT, arm_of, gateway_stack, run
 
 KEYS = [f"k{i}" for i in range(30)]
