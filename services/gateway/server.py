@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
@@ -33,6 +31,7 @@ from services.gateway.pool import WorkerPool
 from services.gateway.servicer_admin import AdminServicer
 from services.gateway.servicer_gateway import GatewayServicer
 from shared.registry import Registry, RegistryError, create_registry
+from shared.rpc.serving import BackgroundLoop, wait_for_stop_signal
 from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -131,42 +130,24 @@ class BackgroundGateway:
     tests): BackgroundGateway(config).address ... .stop()."""
 
     def __init__(self, config: GatewayConfig, timeout_s: float = 60.0):
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="gateway-loop", daemon=True)
-        self._thread.start()
+        self._loop = BackgroundLoop("gateway-loop")
         self.server = GatewayServer(config)
-        try:
-            self.port = self.call(self.server.start(), timeout_s)
-        except BaseException:
-            self._close()
-            raise
+        self.port = self._loop.start_server(self.server.start, timeout_s)
         self.address = self.server.address
 
     def call(self, coro, timeout_s: float = 60.0):
         """Runs a coroutine on the gateway's loop (e.g. to start fake workers beside it)."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+        return self._loop.call(coro, timeout_s)
 
     def stop(self, grace_s: float | None = None, timeout_s: float = 60.0) -> None:
-        try:
-            self.call(self.server.stop(grace_s), timeout_s)
-        finally:
-            self._close()
-
-    def _close(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._loop.stop_server(lambda: self.server.stop(grace_s), timeout_s)
 
 
 async def serve(config: GatewayConfig) -> None:
     """Runs until SIGTERM or SIGINT, then stops gracefully."""
     gateway = GatewayServer(config)
     await gateway.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_stop_signal()
     log.info("stopping (grace %.0f s)", config.grace_s)
     await gateway.stop()
 
