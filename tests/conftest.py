@@ -10,10 +10,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-import sqlalchemy as sa
-import torch
-from safetensors.torch import save_file
+# Triton kernels run in Triton's interpreter in the tests (CI has no GPU). `triton.jit` reads the
+# variable when a kernel module is imported, and tests of other folders (formats, worker) import
+# kernel modules too, so it is set here, before any test module is collected.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import sqlalchemy as sa  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared"
