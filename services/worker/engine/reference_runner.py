@@ -175,8 +175,14 @@ def _logit_rows(chunks: list[SequenceChunk]) -> list[int]:
 
 
 def _tensor_bytes(obj) -> int:
-    """Bytes of the tensors an object holds (a tensor, a dataclass, or a linear's attributes)."""
+    """Bytes of the tensors an object holds: a tensor, a list of them, or an object's attributes
+    (a dataclass, a linear, the linear's prepared GEMM weights), followed one level at a time."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
-    values = [getattr(obj, f.name) for f in fields(obj)] if is_dataclass(obj) else list(vars(obj).values())
-    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    if is_dataclass(obj):
+        return sum(_tensor_bytes(getattr(obj, f.name)) for f in fields(obj))
+    if hasattr(obj, "__dict__"):
+        return sum(_tensor_bytes(v) for v in vars(obj).values())
+    return 0
