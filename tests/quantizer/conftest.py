@@ -4,6 +4,10 @@ small random Llama checkpoints and short calibration / eval texts."""
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +23,7 @@ from shared.registry import Registry, create_registry, sqlite_url
 from shared.rpc.qserve.v1 import quantizer_pb2, quantizer_pb2_grpc
 from shared.storage import StorageConfig, open_store
 from shared.storage.config import MIN_PART_BYTES
-from tests.conftest import fresh_postgres_schema, write_random_llama
+from tests.conftest import REPO, fresh_postgres_schema, write_random_llama
 
 logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request access log
 
@@ -196,3 +200,16 @@ def request_for(small_texts) -> Callable[..., quantizer_pb2.PublishRequest]:
         return quantizer_pb2.PublishRequest(**values)
 
     return make
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def quantizer_process(*args: object) -> subprocess.Popen:
+    """`python -m services.quantizer.server ARGS` in a process of its own (moto's test credentials)."""
+    return subprocess.Popen([sys.executable, "-m", "services.quantizer.server", *map(str, args)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})

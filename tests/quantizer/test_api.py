@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 
 import grpc
 import pytest
@@ -16,7 +12,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from shared.rpc import probe
 from shared.rpc.qserve.v1 import common_pb2, quantizer_pb2
-from tests.conftest import REPO
+from tests.quantizer.conftest import free_port, quantizer_process
 
 Q = quantizer_pb2
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
@@ -140,15 +136,9 @@ def test_watching_a_finished_job_gives_its_final_snapshot(quantizer, small_model
     assert len(again) == 1 and again[0].job.state == Q.JOB_STATE_SUCCEEDED
 
 
-def _server_process(*args: object) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.quantizer.server", *map(str, args)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})
-
-
 def test_the_server_process_serves_health_and_stops_on_sigterm(tmp_path, registry_url):
-    port = _free_port()
-    process = _server_process("--registry-url", registry_url, "--store", tmp_path / "objects", "--create-bucket",
+    port = free_port()
+    process = quantizer_process("--registry-url", registry_url, "--store", tmp_path / "objects", "--create-bucket",
                               "--work-dir", tmp_path / "work", "--listen", f"127.0.0.1:{port}")
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -163,13 +153,9 @@ def test_the_server_process_serves_health_and_stops_on_sigterm(tmp_path, registr
 
 
 def test_the_server_process_names_a_missing_bucket(moto, tmp_path, registry_url):
-    process = _server_process("--registry-url", registry_url, "--store", "s3://no-such-bucket",
+    process = quantizer_process("--registry-url", registry_url, "--store", "s3://no-such-bucket",
                               "--store-endpoint", moto.endpoint, "--work-dir", tmp_path / "work")
     assert process.wait(timeout=60) == 2
     assert "error: bucket 'no-such-bucket' does not exist at endpoint" in process.stdout.read()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
