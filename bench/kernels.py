@@ -4,13 +4,15 @@
 
 First every variant is checked bit-exact on an awkward shape for several M and split-K factors.
 Then for every (N, K) and M: each variant is checked against the reference linear on fresh random
-inputs with a NaN-poisoned output, then timed: ROTATE calls on distinct weight and activation sets
+inputs with a NaN-poisoned output (bit-exact; `.f16` variants within rtol 1e-3), then timed: ROTATE calls on distinct weight and activation sets
 are captured in one CUDA graph, triton.testing.do_bench times its replays (median; it clears the
 L2 before each replay) and the time per call is replay / ROTATE. So every call reads cold data from
 HBM and no host launch overhead is counted, as in a graph-captured forward. Baselines, same way: cuBLAS fp16 (torch.matmul), torch._int_mm (int8,
 M > 16), torch._scaled_mm (fp8 e4m3, per-token x per-channel scales) and
 torch._weight_int4pack_mm (W4A16 g128, bf16). The JSON holds the raw times, TOP/s, GB/s, ratios,
 the issue's checks and the best variant per (N, K, M), the seed of a kernel policy table.
+bench/tune.py measures a model's whole (N, K, M) grid and writes the policy table itself; it
+imports this module's timing and checking helpers (time_calls, check_output, ...).
 """
 
 from __future__ import annotations
@@ -54,6 +56,86 @@ def gemm_bytes(kind: str, m: int, n: int, k: int) -> int:
     raise ValueError(kind)
 
 
+def time_calls(fns, warmup: int, rep: int) -> float:
+    """Median ms per call of fns (one per input set) run back to back in a CUDA graph: do_bench
+    (warmup / rep in ms) over the graph's replays, L2 cleared before each, divided by len(fns)."""
+    import torch
+    from triton.testing import do_bench
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median") / len(fns)
+
+
+def warm_gpu(dev) -> None:
+    """Half a second of matrix products so clocks are up before the first timing."""
+    import torch
+
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.float16)
+    end = time.time() + 0.5
+    while time.time() < end:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+
+
+def w4a8_weight_set(n: int, k: int, dev) -> dict:
+    """A random (N, K) weight w (fp32, std 0.02) and its two W4A8 packings, by weight kind."""
+    import torch
+
+    from shared.quant.weights import quantize_w4_channel, quantize_w4_g128_progressive
+
+    w = torch.randn(n, k, device=dev) * 0.02
+    return {"w": w, "w4g128p": quantize_w4_g128_progressive(w), "w4chn": quantize_w4_channel(w)}
+
+
+def w4a8_act_set(m: int, k: int, dev) -> dict:
+    """Random activations x (M, K) fp32 with a few outlier channels, and their per-token int8 codes
+    x8, scales sx (M,) and row sums (M,) int32: the W4A8 GEMM's inputs."""
+    import torch
+
+    from shared.quant.activations import quantize_per_token
+
+    x = torch.randn(m, k, device=dev)
+    x[:, torch.randint(0, k, (8,), device=dev)] *= 10  # a few outlier channels
+    x8, sx = quantize_per_token(x)
+    return {"x": x, "x8": x8, "sx": sx[:, 0].contiguous(), "rowsum": x8.sum(dim=1, dtype=torch.int32)}
+
+
+def gemm_calls(gemm_fn, variant: str, kind: str, ws: list, acts: list, split=None) -> list:
+    """One call of w4a8_gemm (or a stand-in of its signature) per (weight set, activation set),
+    each into its own output: the list time_calls replays."""
+    import torch
+
+    m, n = acts[0]["x8"].shape[0], ws[0][kind].qweight.shape[0]
+    outs = [torch.empty((m, n), dtype=torch.float16, device=acts[0]["x8"].device) for _ in ws]
+    return [lambda w=w, a=a, o=o: gemm_fn(
+        a["x8"], a["sx"], w[kind], rowsum=a["rowsum"] if kind == "w4chn" else None,
+        variant=variant, split_k=split, out=o) for w, a, o in zip(ws, acts, outs)]
+
+
+def check_output(out, ref, dot_fp16: bool) -> dict:
+    """A variant's output (NaN-poisoned before the call) against the reference linear's: the int32
+    paths must equal it bit for bit, the fp16-MMA (`.f16`) ones within rtol 1e-3 of its largest value."""
+    import torch
+
+    err = (out.float() - ref).abs()
+    entry = {"all_written": bool(torch.isfinite(out).all()), "exact": bool(torch.equal(out.float(), ref)),
+             "max_rel_err": (err.max() / ref.abs().max().clamp_min(1e-30)).item()}
+    entry["correct"] = entry["all_written"] and (entry["max_rel_err"] <= 1e-3 if dot_fp16 else entry["exact"])
+    if not entry["exact"]:
+        entry["wrong_rows"] = (out.float() != ref).any(dim=1).nonzero()[:, 0].tolist()[:16]
+    return entry
+
+
 class Bench:
     def __init__(self, args):
         import torch
@@ -71,35 +153,11 @@ class Bench:
             "act_quant": [], "gemm": [], "baseline_notes": {}, "checks": [], "best_variant": {},
         }
 
-    def time_ms(self, fn) -> float:
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=self.args.warmup, rep=self.args.rep, return_mode="median")
-
     def time_calls(self, fns) -> float:
-        """Median ms per call of fns (one per input set) run back to back in a CUDA graph."""
-        torch = self.torch
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for fn in fns:
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for fn in fns:
-                fn()
-        return self.time_ms(graph.replay) / len(fns)
+        return time_calls(fns, self.args.warmup, self.args.rep)
 
     def warm_gpu(self) -> None:
-        """Half a second of matrix products so clocks are up before the first timing."""
-        torch = self.torch
-        a = torch.randn(8192, 8192, device=self.dev, dtype=torch.float16)
-        end = time.time() + 0.5
-        while time.time() < end:
-            for _ in range(10):
-                a @ a
-            torch.cuda.synchronize()
+        warm_gpu(self.dev)
 
     def note(self, key: str, text: str) -> None:
         if key not in self.result["baseline_notes"]:
@@ -201,28 +259,21 @@ class Bench:
     def weight_set(self, n: int, k: int) -> dict:
         import torch
 
-        from shared.quant.weights import quantize_w4_channel, quantize_w4_g128_progressive
-
-        w = torch.randn(n, k, device=self.dev) * 0.02
-        g128 = quantize_w4_g128_progressive(w)
+        s = w4a8_weight_set(n, k, self.dev)
+        w = s.pop("w")
         w_scale8 = (w.abs().amax(dim=1) / 448).clamp_min(1e-12)[None, :].float()  # (1, N)
         return {
-            "w4g128p": g128, "w4chn": quantize_w4_channel(w), "fp16": w.half(), "int8": g128.int8_weight(),
+            **s, "fp16": w.half(), "int8": s["w4g128p"].int8_weight(),
             "fp8": (w / w_scale8.t()).to(torch.float8_e4m3fn), "fp8_scale": w_scale8, "int4pack": self.make_int4pack(n, k),
         }
 
     def act_set(self, m: int, k: int) -> dict:
         import torch
 
-        from shared.quant.activations import quantize_per_token
-
-        x = torch.randn(m, k, device=self.dev)
-        x[:, torch.randint(0, k, (8,), device=self.dev)] *= 10  # a few outlier channels
-        x8, sx = quantize_per_token(x)
-        amax = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-8)
-        sa = (amax / 448).float()
-        return {"x": x, "x8": x8, "sx": sx[:, 0].contiguous(), "rowsum": x8.sum(dim=1, dtype=torch.int32),
-                "x16": x.half(), "xbf16": x.to(torch.bfloat16), "xf8": (x / sa).to(torch.float8_e4m3fn), "sa": sa}
+        a = w4a8_act_set(m, k, self.dev)
+        x = a["x"]
+        sa = (x.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 448).float()
+        return {**a, "x16": x.half(), "xbf16": x.to(torch.bfloat16), "xf8": (x / sa).to(torch.float8_e4m3fn), "sa": sa}
 
     def baseline_fn(self, name: str, w: dict, a: dict):
         torch = self.torch
@@ -299,10 +350,7 @@ class Bench:
         entry = {"split_k": gemm.split_factor(v, m, n, k, self.dev)}
 
         def calls(split=None):
-            outs = [torch.empty((m, n), dtype=torch.float16, device=self.dev) for _ in ws]
-            return [lambda w=w, a=a, o=o: gemm.w4a8_gemm(
-                a["x8"], a["sx"], w[kind], rowsum=a["rowsum"] if kind == "w4chn" else None,
-                variant=v.name, split_k=split, out=o) for w, a, o in zip(ws, acts, outs)]
+            return gemm_calls(gemm.w4a8_gemm, v.name, kind, ws, acts, split)
 
         try:
             out = torch.full((m, n), float("nan"), dtype=torch.float16, device=self.dev)
@@ -310,14 +358,8 @@ class Bench:
             gemm.w4a8_gemm(a["x8"], a["sx"], ws[0][kind], rowsum=a["rowsum"] if kind == "w4chn" else None,
                            variant=v.name, out=out)
             torch.cuda.synchronize()
-            err = (out.float() - ref).abs()
-            entry["all_written"] = bool(torch.isfinite(out).all())
-            entry["exact"] = bool(torch.equal(out.float(), ref))
-            entry["max_rel_err"] = (err.max() / ref.abs().max()).item()
-            entry["correct"] = entry["all_written"] and entry["max_rel_err"] <= 1e-3
-            if not entry["exact"]:
-                entry["wrong_rows"] = (out.float() != ref).any(dim=1).nonzero()[:, 0].tolist()[:16]
-            del out, err
+            entry.update(check_output(out, ref, v.dot_fp16))
+            del out
             t = self.time_calls(calls())
             entry.update(us=t * 1e3, tops=flop / t / 1e9, gbps=nbytes / t / 1e6)
             if v.split_k and m <= self.args.sweep_max_m:
