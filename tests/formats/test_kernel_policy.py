@@ -59,3 +59,18 @@ def test_the_quantizer_puts_the_targets_table_into_the_manifest(tmp_path, target
                                          calib_samples=2, calib_seq_len=32))
     manifest = ArtifactReader(out).manifest
     assert (manifest.kernel_policy == shipped_policy(target)) if expect_table else manifest.kernel_policy is None
+
+
+def test_a_shape_or_m_the_table_misses_gets_the_default_and_one_log_line(caplog):
+    table = {"gemm": {"w4chn": {"4096x4096": [[16, "chn.n64m16.sk"]]}}}
+    policy = GemmPolicy.from_manifest(table)
+    with caplog.at_level("WARNING", logger="services.worker.engine.kernel_policy"):
+        assert policy.variant("w4chn", 4096, 4096, 8) == "chn.n64m16.sk"
+        assert not caplog.records
+        assert policy.variant("w4chn", 4096, 4096, 300) == w4a8_gemm.default_variant_name(300, "w4chn")
+        assert policy.variant("w4chn", 4096, 4096, 400) == w4a8_gemm.default_variant_name(400, "w4chn")
+        assert policy.variant("w4chn", 1024, 4096, 1) == w4a8_gemm.default_variant_name(1, "w4chn")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines  # once per shape, not once per call
+    assert "4096x4096" in lines[0] and "covers no M = 300" in lines[0]
+    assert "1024x4096" in lines[1] and "has no rows" in lines[1]

@@ -3,6 +3,7 @@ GEMM variants this worker's kernels have: which variant runs each (weight kind, 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from services.worker.kernels import w4a8_gemm
@@ -10,10 +11,14 @@ from shared.formats.kernel_policy import KernelPolicyError, Rows, parse_policy
 
 __all__ = ["GemmPolicy", "KernelPolicyError"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class GemmPolicy:
     rows: dict[tuple[str, int, int], Rows] = field(default_factory=dict)  # (kind, N, K) -> [(max_M, name)]
+    # (kind, N, K) whose fallback to the default has been logged: once each, not once per step.
+    logged_misses: set[tuple[str, int, int]] = field(default_factory=set)
 
     @classmethod
     def from_manifest(cls, table: dict | None) -> "GemmPolicy":
@@ -34,4 +39,10 @@ class GemmPolicy:
                 if w4a8_gemm.get_variant(name).can_implement(m, n, k, kind)[0]:
                     return name
                 break
-        return w4a8_gemm.default_variant_name(m, kind)
+        default = w4a8_gemm.default_variant_name(m, kind)
+        if (kind, n, k) not in self.logged_misses:
+            self.logged_misses.add((kind, n, k))
+            why = "has no rows for this shape" if (kind, n, k) not in self.rows else f"covers no M = {m}"
+            log.warning("kernel policy %s %s %dx%d: the table %s; using the default %s (logged once per shape)",
+                        "gemm", kind, n, k, why, default)
+        return default

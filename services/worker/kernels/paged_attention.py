@@ -583,6 +583,50 @@ def _unpack_nibbles_f16(x, FAST_UNPACK: tl.constexpr):
 
 
 @triton.jit
+def _mma_load_tile(
+    k_ptr, v_ptr, k_words_ptr, v_words_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_h,
+    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Codes (N, HALF) uint8 and scale/zero words (N,) int32 of K and V for tokens [n0, n0 + N) below end."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
+    # Rows start on 4-byte boundaries (checked by the launcher): 4 code bytes per load.
+    rows = tl.multiple_of(page.to(tl.int64) * stride_cb + head_off + (offs_n % BLOCK_SIZE) * stride_cs, 4)
+    kb = tl.load(k_ptr + rows[:, None] + offs_h[None, :], mask=mask_n[:, None], other=0)
+    vb = tl.load(v_ptr + rows[:, None] + offs_h[None, :], mask=mask_n[:, None], other=0)
+    ksz = tl.load(k_words_ptr + rows // 4 + HALF // 4, mask=mask_n, other=0)
+    vsz = tl.load(v_words_ptr + rows // 4 + HALF // 4, mask=mask_n, other=0)
+    return kb, ksz, vb, vsz
+
+
+@triton.jit
+def _mma_tile(
+    kb, ksz, vb, vsz, n0, end, q_lo, q_hi, q_sum, qk_scale, m_i, l_i, acc_z, acc_lo, acc_hi,
+    BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
+):
+    """Online-softmax update of the transposed accumulators with one tile."""
+    mask_n = (n0 + tl.arange(0, BLOCK_N)) < end
+    k_lo, k_hi = _unpack_nibbles_f16(kb, FAST_UNPACK)
+    k_scale, k_zero = _scale_zero(ksz)
+    qk = tl.dot(k_lo, q_lo) + tl.dot(k_hi, q_hi)  # (N, G) = sum_d c_d q_d
+    s = qk * (k_scale * qk_scale)[:, None] + k_zero[:, None] * q_sum[None, :]  # log2 units
+    s = tl.where(mask_n[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])  # (N, G)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+
+    v_scale, v_zero = _scale_zero(vsz)
+    pw = (p * v_scale[:, None]).to(tl.float16)  # (N, G)
+    acc_z = acc_z * alpha + tl.sum(p * v_zero[:, None], axis=0)
+    v_lo, v_hi = _unpack_nibbles_f16(vb, FAST_UNPACK)
+    acc_lo = acc_lo * alpha[None, :] + tl.dot(tl.trans(v_lo), pw)
+    acc_hi = acc_hi * alpha[None, :] + tl.dot(tl.trans(v_hi), pw)
+    return m_new, l_i, acc_z, acc_lo, acc_hi
+
+
+@triton.jit
 def _kv4_decode_mma_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, k_words_ptr, v_words_ptr, block_tables_ptr, context_lens_ptr,
@@ -593,7 +637,7 @@ def _kv4_decode_mma_kernel(
     stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_ob, stride_oh,
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FAST_UNPACK: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FAST_UNPACK: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Transposed flash-decoding: S^T = K q^T and O^T = V^T P^T, so the unpacked KV tile is the
     MMA's first operand (Hopper's wgmma reads it from registers: the 4-bit codes never make an
@@ -628,32 +672,33 @@ def _kv4_decode_mma_kernel(
 
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     head_off = kvh.to(tl.int64) * stride_ch
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
-        # Rows start on 4-byte boundaries (checked by the launcher): 4 code bytes per load.
-        rows = tl.multiple_of(page.to(tl.int64) * stride_cb + head_off + (offs_n % BLOCK_SIZE) * stride_cs, 4)
-
-        kb = tl.load(k_ptr + rows[:, None] + offs_h[None, :], mask=mask_n[:, None], other=0)  # (N, HALF) u8
-        k_lo, k_hi = _unpack_nibbles_f16(kb, FAST_UNPACK)
-        k_scale, k_zero = _scale_zero(tl.load(k_words_ptr + rows // 4 + HALF // 4, mask=mask_n, other=0))
-        qk = tl.dot(k_lo, q_lo) + tl.dot(k_hi, q_hi)  # (N, G) = sum_d c_d q_d
-        s = qk * (k_scale * qk_scale)[:, None] + k_zero[:, None] * q_sum[None, :]  # log2 units
-        s = tl.where(mask_n[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])  # (N, G)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
-
-        vb = tl.load(v_ptr + rows[:, None] + offs_h[None, :], mask=mask_n[:, None], other=0)
-        v_scale, v_zero = _scale_zero(tl.load(v_words_ptr + rows // 4 + HALF // 4, mask=mask_n, other=0))
-        pw = (p * v_scale[:, None]).to(tl.float16)  # (N, G)
-        acc_z = acc_z * alpha + tl.sum(p * v_zero[:, None], axis=0)
-        v_lo, v_hi = _unpack_nibbles_f16(vb, FAST_UNPACK)
-        acc_lo = acc_lo * alpha[None, :] + tl.dot(tl.trans(v_lo), pw)
-        acc_hi = acc_hi * alpha[None, :] + tl.dot(tl.trans(v_hi), pw)
+    if PREFETCH:
+        # The loads of tile i + 1 are in flight while tile i is computed (past the end they are
+        # fully masked: no memory traffic).
+        kb, ksz, vb, vsz = _mma_load_tile(
+            k_ptr, v_ptr, k_words_ptr, v_words_ptr, bt_row, head_off, start, end, stride_cb, stride_cs, offs_h,
+            HALF, BLOCK_SIZE, BLOCK_N,
+        )
+        for n0 in range(start, end, BLOCK_N):
+            kb_n, ksz_n, vb_n, vsz_n = _mma_load_tile(
+                k_ptr, v_ptr, k_words_ptr, v_words_ptr, bt_row, head_off, n0 + BLOCK_N, end, stride_cb, stride_cs,
+                offs_h, HALF, BLOCK_SIZE, BLOCK_N,
+            )
+            m_i, l_i, acc_z, acc_lo, acc_hi = _mma_tile(
+                kb, ksz, vb, vsz, n0, end, q_lo, q_hi, q_sum, qk_scale, m_i, l_i, acc_z, acc_lo, acc_hi,
+                BLOCK_N, FAST_UNPACK,
+            )
+            kb, ksz, vb, vsz = kb_n, ksz_n, vb_n, vsz_n
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            kb, ksz, vb, vsz = _mma_load_tile(
+                k_ptr, v_ptr, k_words_ptr, v_words_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_h,
+                HALF, BLOCK_SIZE, BLOCK_N,
+            )
+            m_i, l_i, acc_z, acc_lo, acc_hi = _mma_tile(
+                kb, ksz, vb, vsz, n0, end, q_lo, q_hi, q_sum, qk_scale, m_i, l_i, acc_z, acc_lo, acc_hi,
+                BLOCK_N, FAST_UNPACK,
+            )
 
     out_rows, denom = _epilogue_rows(
         b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
@@ -806,7 +851,7 @@ def paged_decode_attention(
             context_lens, out, part_m, part_l, part_o, *sizes,
             query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
-            BLOCK_G=max(16, triton.next_power_of_2(group)), FAST_UNPACK=query.is_cuda, **common,
+            BLOCK_G=max(16, triton.next_power_of_2(group)), FAST_UNPACK=query.is_cuda, PREFETCH=cfg.prefetch, **common,
         )
     else:
         _kv4_decode_dot_kernel[grid](

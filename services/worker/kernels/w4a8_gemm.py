@@ -352,6 +352,11 @@ VARIANTS: tuple[GemmVariant, ...] = (
     _v("g128.n128m256", G128, 128, 256, 8, 3),
     _v("g128.n128m256.swar", G128, 128, 256, 8, 3, swar=True),
     _v("g128.n256m128", G128, 256, 128, 8, 3),
+    # Mid M (128..512) on narrow layers: the (N / 128) x (M / 128) tiles fill one wave of SMs
+    # badly; narrower tiles or split K give the scheduler more programs.
+    _v("g128.n64m128.swar", G128, 64, 128, 4, 4, swar=True),
+    _v("g128.n128m128.sk.swar", G128, 128, 128, 8, 3, split_k=True, swar=True),
+    _v("g128.n64m256.swar", G128, 64, 256, 8, 3, swar=True),
     _v("chn.n64m16.sk", CHN, 64, 16, 4, 4, split_k=True),
     _v("chn.n128m16.sk", CHN, 128, 16, 4, 4, split_k=True),
     _v("chn.n64m16.sk.f16", CHN, 64, 16, 4, 4, split_k=True, dot_fp16=True, max_m=16),
@@ -359,6 +364,9 @@ VARIANTS: tuple[GemmVariant, ...] = (
     _v("chn.n128m128", CHN, 128, 128, 8, 3),
     _v("chn.n128m256", CHN, 128, 256, 8, 3),
     _v("chn.n256m128", CHN, 256, 128, 8, 3),
+    _v("chn.n64m128", CHN, 64, 128, 4, 4),
+    _v("chn.n128m128.sk", CHN, 128, 128, 8, 3, split_k=True),
+    _v("chn.n64m256", CHN, 64, 256, 8, 3),
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 
