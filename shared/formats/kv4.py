@@ -7,16 +7,10 @@ means) rather than as a code offset: dequantization is one multiply-add, and a v
 range is tiny next to its values (min / scale beyond fp16) still round-trips.
 
 Paged layout (one tensor per layer for K and one for V):
-    cache (num_blocks, num_kv_heads, page_bytes) uint8,  page_bytes = block_size * (D/2 + 4)
-One page holds block_size tokens of one KV head in two planes:
-    bytes [0, block_size * D/2)                 codes: token t's D/2 bytes at t * D/2 (nibbles
-                                                paired (j, j + D/2) as in shared.formats.nibbles)
-    bytes [block_size * D/2, page_bytes)        tails: token t's fp16 scale and fp16 zero at
-                                                block_size * D/2 + 4 t
-Splitting the planes keeps every token's codes on a 16-byte boundary (D/2 = 64 bytes at head_dim
-128), so the decode kernels read them with 16-byte vector loads; rows of D/2 + 4 = 68 bytes would
-only be 4-byte aligned. A "row" (D/2 codes + 4 tail bytes, encode_rows) is the unit the quantizer
-and the references work in; write_page_rows / page_rows move rows in and out of pages.
+    page (num_blocks, num_kv_heads, block_size, D // 2 + 4) uint8
+Row t of a block holds token t's D/2 code bytes (nibbles paired (j, j + D/2) as in
+shared.formats.nibbles) followed by its fp16 scale and fp16 zero (4 bytes). Keeping the
+scale and zero in the same row as the data means one contiguous read per token per head.
 """
 
 from __future__ import annotations
@@ -68,54 +62,3 @@ def decode_rows(rows: torch.Tensor) -> torch.Tensor:
     q = unpack_halves(rows[..., : d // 2], d)
     scale_zero = rows[..., d // 2 :].contiguous().view(torch.float16)  # (..., 2)
     return dequantize_kv4(q, scale_zero[..., 0], scale_zero[..., 1])
-
-
-def page_bytes(head_dim: int, block_size: int) -> int:
-    return block_size * page_row_bytes(head_dim)
-
-
-def kv4_cache_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int) -> tuple[int, int, int]:
-    return (num_blocks, num_kv_heads, page_bytes(head_dim, block_size))
-
-
-def page_block_size(cache: torch.Tensor, head_dim: int) -> int:
-    """Tokens per page of a KV4 cache (num_blocks, kv_heads, page_bytes) for this head_dim."""
-    row = page_row_bytes(head_dim)
-    if cache.dim() != 3 or cache.dtype != torch.uint8 or cache.shape[-1] % row:
-        raise ValueError(
-            f"a KV4 cache is (num_blocks, kv_heads, block_size * {row}) uint8 for head_dim {head_dim}, "
-            f"got {tuple(cache.shape)} {cache.dtype}"
-        )
-    return cache.shape[-1] // row
-
-
-def page_planes(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of a KV4 cache's planes: codes (num_blocks, kv_heads, block_size, D/2) and tails
-    (num_blocks, kv_heads, block_size, 4) uint8. Writing into them writes the cache."""
-    bs = page_block_size(cache, head_dim)
-    half = head_dim // 2
-    codes = cache[..., : bs * half].unflatten(-1, (bs, half))
-    tails = cache[..., bs * half :].unflatten(-1, (bs, SCALE_ZERO_BYTES))
-    return codes, tails
-
-
-def page_rows(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """A KV4 cache as rows (num_blocks, kv_heads, block_size, D/2 + 4) uint8 (a copy)."""
-    codes, tails = page_planes(cache, head_dim)
-    return torch.cat([codes, tails], dim=-1)
-
-
-def rows_to_pages(rows: torch.Tensor) -> torch.Tensor:
-    """Rows (num_blocks, kv_heads, block_size, D/2 + 4) uint8 -> a KV4 cache (num_blocks, kv_heads, page_bytes)."""
-    half = rows.shape[-1] - SCALE_ZERO_BYTES
-    codes = rows[..., :half].flatten(-2)
-    tails = rows[..., half:].flatten(-2)
-    return torch.cat([codes, tails], dim=-1).contiguous()
-
-
-def write_page_rows(cache: torch.Tensor, head_dim: int, blocks: torch.Tensor, offsets: torch.Tensor,
-                    rows: torch.Tensor) -> None:
-    """rows (T, kv_heads, D/2 + 4) uint8 -> token slots (blocks[i], offsets[i]) of the cache, in place."""
-    codes, tails = page_planes(cache, head_dim)
-    codes[blocks, :, offsets] = rows[..., : head_dim // 2]
-    tails[blocks, :, offsets] = rows[..., head_dim // 2 :]

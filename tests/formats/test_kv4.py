@@ -25,26 +25,3 @@ def test_constant_vector_does_not_divide_by_zero():
     x = torch.full((2, 64), 3.0)
     out = decode_rows(encode_rows(x))
     assert torch.isfinite(out).all() and torch.allclose(out, x, atol=1e-2)
-
-
-def test_pages_hold_a_codes_plane_then_a_tails_plane():
-    """Rows go in and out of pages unchanged; each token's codes start on a 16-byte boundary."""
-    from shared.formats.kv4 import kv4_cache_shape, page_planes, page_rows, rows_to_pages, write_page_rows
-
-    head_dim, block_size = 128, 16
-    rows = encode_rows(torch.randn(3, 2, block_size, head_dim) * 3)  # (blocks, kv_heads, block_size, 68)
-    pages = rows_to_pages(rows)
-    assert pages.shape == kv4_cache_shape(3, 2, block_size, head_dim) == (3, 2, block_size * 68)
-    assert torch.equal(page_rows(pages, head_dim), rows)
-    codes, tails = page_planes(pages, head_dim)
-    assert codes.data_ptr() - pages.data_ptr() == 0 and codes.stride()[-2:] == (64, 1)
-    assert tails.data_ptr() - pages.data_ptr() == block_size * 64 and tails.stride()[-2:] == (4, 1)
-    assert pages.stride(1) % 16 == 0  # every page, and so every 64-byte code row, 16-byte aligned
-    # Token 5 of block 1, head 0: codes at 5 * 64, scale/zero at 16 * 64 + 5 * 4 of its page.
-    page = pages[1, 0]
-    assert torch.equal(page[5 * 64 : 6 * 64], rows[1, 0, 5, :64])
-    assert torch.equal(page[16 * 64 + 20 : 16 * 64 + 24], rows[1, 0, 5, 64:])
-    fresh = torch.zeros_like(pages)
-    write_page_rows(fresh, head_dim, torch.tensor([1, 2]), torch.tensor([5, 15]), rows[[1, 2], :, [5, 15]])
-    assert torch.equal(page_rows(fresh, head_dim)[[1, 2], :, [5, 15]], rows[[1, 2], :, [5, 15]])
-    assert torch.equal(fresh[0], torch.zeros_like(fresh[0]))

@@ -17,7 +17,7 @@ from services.worker.kernels.attention_reference import (
     write_kv4_cache_reference,
 )
 from services.worker.kernels.kv4_cache import write_fp16_cache, write_kv4_cache
-from shared.formats.kv4 import decode_rows, kv4_cache_shape, page_rows, quantize_kv4
+from shared.formats.kv4 import decode_rows, page_row_bytes, quantize_kv4
 from shared.formats.nibbles import unpack_halves
 from shared.model.config import RopeConfig
 from shared.model.rope import inverse_frequencies
@@ -65,19 +65,8 @@ def _assert_rows_match(got: torch.Tensor, ref: torch.Tensor, rotated: torch.Tens
     assert torch.allclose(decode_rows(got), decode_rows(ref), atol=scale.float().max().item() * 1.01)
 
 
-def _rows(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """A cache as rows (num_blocks, kv_heads, block_size, R): KV4 pages unpacked, fp16 as is."""
-    return page_rows(cache, head_dim) if cache.dtype == torch.uint8 else cache
-
-
-def _slot_rows(cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> torch.Tensor:
-    return _rows(cache, head_dim)[slots // BLOCK_SIZE, :, slots % BLOCK_SIZE]  # (T, kv_heads, R)
-
-
-def _token_rows(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """(num_blocks * block_size, kv_heads, R): every slot's rows in slot order."""
-    rows = _rows(cache, head_dim)
-    return rows.transpose(1, 2).reshape(-1, rows.shape[1], rows.shape[-1])
+def _slot_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    return cache[slots // BLOCK_SIZE, :, slots % BLOCK_SIZE]  # (T, kv_heads, R)
 
 
 @pytest.mark.parametrize("head_dim,kv_heads,group", [(64, 2, 2), (128, 1, 4), (128, 2, 1)])
@@ -88,7 +77,7 @@ def test_kv4_prefill_write_matches_reference(head_dim, kv_heads, group):
     k, v = _kv(len(slots), kv_heads, head_dim, seed=1)
     q = torch.randn(len(slots), kv_heads * group, head_dim).half()
     rope = _rope_cache(head_dim)
-    shape = kv4_cache_shape(num_blocks, kv_heads, BLOCK_SIZE, head_dim)
+    shape = (num_blocks, kv_heads, BLOCK_SIZE, page_row_bytes(head_dim))
     k_cache = torch.full(shape, POISON, dtype=torch.uint8)
     v_cache = k_cache.clone()
 
@@ -97,18 +86,18 @@ def test_kv4_prefill_write_matches_reference(head_dim, kv_heads, group):
     k_ref, v_ref = k_cache.clone().fill_(POISON), v_cache.clone().fill_(POISON)
     write_kv4_cache_reference(k, v, positions, slots, rope, k_ref, v_ref)
     k_rot = rope_reference(k, positions, rope)
-    _assert_rows_match(_slot_rows(k_cache, slots, head_dim), _slot_rows(k_ref, slots, head_dim), k_rot)
-    _assert_rows_match(_slot_rows(v_cache, slots, head_dim), _slot_rows(v_ref, slots, head_dim), v)
+    _assert_rows_match(_slot_rows(k_cache, slots), _slot_rows(k_ref, slots), k_rot)
+    _assert_rows_match(_slot_rows(v_cache, slots), _slot_rows(v_ref, slots), v)
     assert torch.equal(q_rot, rope_reference(q, positions, rope))
     # Written rows decode close to the rotated keys (half a step), and nothing else was touched.
     step = quantize_kv4(k_rot)[1].float()[..., None]
-    assert ((decode_rows(_slot_rows(k_cache, slots, head_dim)) - k_rot.float()).abs() <= step * 0.5 + 1e-3).all()
+    assert ((decode_rows(_slot_rows(k_cache, slots)) - k_rot.float()).abs() <= step * 0.5 + 1e-3).all()
     unused = sorted(set(range(num_blocks)) - used)
     assert (k_cache[unused] == POISON).all() and (v_cache[unused] == POISON).all()
     # Rows past each sequence's end inside its last block are untouched too.
     written = torch.zeros(num_blocks * BLOCK_SIZE, dtype=torch.bool)
     written[slots] = True
-    untouched = _token_rows(k_cache, head_dim)[~written]
+    untouched = k_cache.transpose(1, 2).reshape(num_blocks * BLOCK_SIZE, -1)[~written]
     assert (untouched == POISON).all()
 
 
@@ -116,7 +105,7 @@ def test_kv4_decode_step_writes_one_token_per_sequence():
     """Decode: one new token per sequence at its own position, next to rows written before."""
     head_dim, kv_heads, num_blocks = 128, 2, 8
     rope = _rope_cache(head_dim)
-    shape = kv4_cache_shape(num_blocks, kv_heads, BLOCK_SIZE, head_dim)
+    shape = (num_blocks, kv_heads, BLOCK_SIZE, page_row_bytes(head_dim))
     k_cache = torch.full(shape, POISON, dtype=torch.uint8)
     v_cache = k_cache.clone()
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
@@ -128,28 +117,28 @@ def test_kv4_decode_step_writes_one_token_per_sequence():
     assert write_kv4_cache(k, v, positions, slots, rope, k_cache, v_cache) is None
     write_kv4_cache_reference(k, v, positions, slots, rope, k_ref, v_ref)
 
-    _assert_rows_match(_slot_rows(k_cache, slots, head_dim), _slot_rows(k_ref, slots, head_dim), rope_reference(k, positions, rope))
-    _assert_rows_match(_slot_rows(v_cache, slots, head_dim), _slot_rows(v_ref, slots, head_dim), v)
+    _assert_rows_match(_slot_rows(k_cache, slots), _slot_rows(k_ref, slots), rope_reference(k, positions, rope))
+    _assert_rows_match(_slot_rows(v_cache, slots), _slot_rows(v_ref, slots), v)
     others = torch.ones(num_blocks * BLOCK_SIZE, dtype=torch.bool)
     others[slots] = False
-    assert (_token_rows(k_cache, head_dim)[others] == POISON).all()
+    assert (k_cache.transpose(1, 2).reshape(num_blocks * BLOCK_SIZE, -1)[others] == POISON).all()
 
 
 def test_negative_slots_are_skipped_and_constant_rows_stay_finite():
     head_dim, kv_heads, num_blocks = 64, 1, 2
     rope = _rope_cache(head_dim)
-    shape = kv4_cache_shape(num_blocks, kv_heads, BLOCK_SIZE, head_dim)
+    shape = (num_blocks, kv_heads, BLOCK_SIZE, page_row_bytes(head_dim))
     k_cache = torch.full(shape, POISON, dtype=torch.uint8)
     v_cache = k_cache.clone()
     k = torch.full((3, kv_heads, head_dim), 2.5).half()  # a constant row: scale clamps, no 0/0
     v = torch.zeros(3, kv_heads, head_dim).half()
     slots = torch.tensor([4, -1, 20], dtype=torch.int64)
     write_kv4_cache(k, v, torch.zeros(3, dtype=torch.int64), slots, rope, k_cache, v_cache)
-    rows = _token_rows(k_cache, head_dim)
+    rows = k_cache.view(-1, kv_heads, k_cache.shape[-1]).clone()
     assert (rows[[i for i in range(num_blocks * BLOCK_SIZE) if i not in (4, 20)]] == POISON).all()
     decoded = decode_rows(rows[[4, 20]])
     assert torch.isfinite(decoded).all() and torch.allclose(decoded, torch.full_like(decoded, 2.5), atol=1e-2)
-    assert torch.equal(decode_rows(_token_rows(v_cache, head_dim)[[4, 20]]), torch.zeros(2, 1, head_dim))
+    assert torch.equal(decode_rows(v_cache.view(-1, kv_heads, v_cache.shape[-1])[[4, 20]]), torch.zeros(2, 1, head_dim))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -162,8 +151,8 @@ def test_fp16_write_matches_reference(head_dim):
     k_cache, v_cache, k_ref, v_ref = nan.clone(), nan.clone(), nan.clone(), nan.clone()
     write_fp16_cache(k, v, positions, slots, rope, k_cache, v_cache)
     write_fp16_cache_reference(k, v, positions, slots, rope, k_ref, v_ref)
-    assert torch.equal(_slot_rows(k_cache, slots, head_dim), _slot_rows(k_ref, slots, head_dim))
-    assert torch.equal(_slot_rows(v_cache, slots, head_dim), v)
+    assert torch.equal(_slot_rows(k_cache, slots), _slot_rows(k_ref, slots))
+    assert torch.equal(_slot_rows(v_cache, slots), v)
     unused = sorted(set(range(num_blocks)) - used)
     assert k_cache[unused].isnan().all() and v_cache[unused].isnan().all()
 
@@ -171,7 +160,7 @@ def test_fp16_write_matches_reference(head_dim):
 def test_bad_inputs_name_the_value():
     rope = _rope_cache(64)
     k = torch.zeros(2, 1, 64, dtype=torch.float16)
-    cache = torch.zeros(kv4_cache_shape(2, 1, BLOCK_SIZE, 64), dtype=torch.uint8)
+    cache = torch.zeros(2, 1, BLOCK_SIZE, page_row_bytes(64), dtype=torch.uint8)
     slots, positions = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
     with pytest.raises(ValueError, match="float32"):
         write_kv4_cache(k.float(), k.float(), positions, slots, rope, cache, cache.clone())

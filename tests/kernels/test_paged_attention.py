@@ -12,7 +12,7 @@ import torch
 from services.worker.kernels.attention_reference import build_rope_cache, paged_decode_reference
 from services.worker.kernels.kv4_cache import write_kv4_cache
 from services.worker.kernels.paged_attention import DecodeConfig, paged_decode_attention
-from shared.formats.kv4 import encode_rows, kv4_cache_shape, rows_to_pages
+from shared.formats.kv4 import encode_rows, page_row_bytes
 from shared.model.config import LlamaConfig
 from shared.model.llama import attention as llama_attention
 from shared.model.rope import cos_sin, inverse_frequencies
@@ -35,7 +35,7 @@ def _paged_batch(lengths, kv_heads, group, head_dim, kv4, seed, spare_blocks=3):
     offsets = torch.randn(2, num_blocks, kv_heads, BLOCK_SIZE, 1, generator=g)
     x = torch.randn(2, *shape, generator=g) * torch.rand(2, *shape[:-1], 1, generator=g) * 3 + offsets
     if kv4:
-        k_cache, v_cache = encode_rows(x[0].half()), encode_rows(x[1].half())  # rows (.., block_size, D/2 + 4)
+        k_cache, v_cache = encode_rows(x[0].half()), encode_rows(x[1].half())
     else:
         k_cache, v_cache = x[0].half(), x[1].half()
     # Rows past each sequence's end (inside its last block) and unused blocks hold garbage.
@@ -44,8 +44,6 @@ def _paged_batch(lengths, kv_heads, group, head_dim, kv4, seed, spare_blocks=3):
             last = tables[b, per_seq[b] - 1]
             for cache in (k_cache, v_cache):
                 cache[last, :, n % BLOCK_SIZE :] = 0xFF if kv4 else float("nan")
-    if kv4:
-        k_cache, v_cache = rows_to_pages(k_cache), rows_to_pages(v_cache)
     query = (torch.randn(len(lengths), kv_heads * group, head_dim, generator=g) * 1.5).half()
     return query, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32)
 
@@ -67,6 +65,10 @@ CASES = [
     (True, "fma", False, 64, 2, 4, [33], 512),
     (True, "dot", False, 64, 1, 8, [15, 100, 1], 64),
     (True, "dot", False, 128, 2, 2, [33, 17], 512),
+    (True, "mma", False, 128, 2, 1, [1, 15, 17, 33, 100], 64),
+    (True, "mma", True, 64, 1, 4, [17, 100, 3], 32),
+    (True, "mma", False, 128, 1, 3, [33, 1], 512),
+    (True, "mma", False, 64, 2, 16, [100, 15], 512),
     (False, "fma", False, 128, 2, 1, [1, 15, 17, 33, 100], 64),
     (False, "fma", False, 64, 1, 4, [100, 15], 512),
 ]
@@ -76,15 +78,6 @@ CASES = [
 def test_decode_matches_reference(kv4, variant, prefetch, head_dim, kv_heads, group, lengths, partition):
     q, k_cache, v_cache, tables, lens = _paged_batch(lengths, kv_heads, group, head_dim, kv4, seed=head_dim + group)
     config = DecodeConfig(variant=variant, block_n=32, partition_size=partition, num_warps=1, prefetch=prefetch)
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config)
-    _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
-
-
-@pytest.mark.parametrize("vec,pv_rows,block_n", [(True, 8, 32), (False, 1, 32), (True, 32, 32), (False, 16, 16), (True, 2, 64)])
-def test_fma_load_and_accumulator_options_agree(vec, pv_rows, block_n):
-    """16-byte loads on or off, any number of deferred value rows: the same attention."""
-    q, k_cache, v_cache, tables, lens = _paged_batch([1, 40, 77], 2, 1, 128, True, seed=21)
-    config = DecodeConfig(block_n=block_n, partition_size=64, num_warps=1, vec=vec, pv_rows=pv_rows)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config)
     _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
 
@@ -127,7 +120,7 @@ def test_written_cache_attends_like_the_reference_model():
     v = v.reshape(t, config.num_kv_heads, config.head_dim)
     blocks = [5, 2, 7]  # physical blocks of the sequence, out of order
     slots = torch.tensor([blocks[i // BLOCK_SIZE] * BLOCK_SIZE + i % BLOCK_SIZE for i in range(t)])
-    shape = kv4_cache_shape(8, config.num_kv_heads, BLOCK_SIZE, config.head_dim)
+    shape = (8, config.num_kv_heads, BLOCK_SIZE, page_row_bytes(config.head_dim))
     k_cache = torch.full(shape, 0x77, dtype=torch.uint8)
     v_cache = k_cache.clone()
     rope = build_rope_cache(inv_freq, 64)
@@ -152,6 +145,6 @@ def test_bad_inputs_name_the_value():
         paged_decode_attention(q, k_cache[..., :-4], v_cache[..., :-4], tables, lens)
     with pytest.raises(ValueError, match="partition_size"):
         DecodeConfig(block_n=64, partition_size=96)
-    fp16_cache = torch.zeros(k_cache.shape[:2] + (BLOCK_SIZE, 64), dtype=torch.float16)
+    fp16_cache = torch.zeros(k_cache.shape[:3] + (64,), dtype=torch.float16)
     with pytest.raises(ValueError, match="only the 'fma' kernel"):
         paged_decode_attention(q, fp16_cache, fp16_cache.clone(), tables, lens, config=DecodeConfig(variant="dot"))

@@ -9,8 +9,8 @@ sequence, and in fp32 that difference (~1e-7 relative) can push a per-token int8
 no longer shows after rounding to fp32, so this backend's greedy tokens equal those of
 LlamaModel(attention_dtype=float64).forward re-run on the growing sequence (tests/worker). The cache is the contract's paged layout:
 
-    KV4 formats       k_cache[l], v_cache[l]  (num_blocks, kv_heads, page_bytes) uint8, pages of
-                      shared.formats.kv4 (a codes plane, then fp16 scale and zero per token); the
+    KV4 formats       k_cache[l], v_cache[l]  (num_blocks, kv_heads, block_size, D/2 + 4) uint8,
+                      rows as shared.formats.kv4.encode_rows (codes, fp16 scale, fp16 zero); the
                       same per-token per-head 4-bit values LlamaModel's fake_quantize_kv4 produces
     16-bit-KV formats k_cache[l], v_cache[l]  (num_blocks, kv_heads, block_size, D) fp16, as the
                       GPU runner stores them (LlamaModel keeps K/V in fp32: a rounding of ~5e-4
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from services.worker.engine.runner import SequenceChunk, StepBatch
 from services.worker.kernels.attention_reference import gather_sequence
 from shared.formats.artifact import ArtifactReader
-from shared.formats.kv4 import encode_rows, kv4_cache_shape, page_row_bytes, write_page_rows
+from shared.formats.kv4 import encode_rows, page_row_bytes
 from shared.formats.spec import FORMATS
 from shared.model.llama import rms_norm
 from shared.model.load import artifact_model
@@ -75,7 +75,7 @@ class ReferenceRunner:
     def allocate_cache(self, num_blocks: int) -> None:
         c = self.config
         if self.kv_bits == 4:
-            shape, dtype = kv4_cache_shape(num_blocks, c.num_kv_heads, self.block_size, c.head_dim), torch.uint8
+            shape, dtype = (num_blocks, c.num_kv_heads, self.block_size, page_row_bytes(c.head_dim)), torch.uint8
         else:
             shape, dtype = (num_blocks, c.num_kv_heads, self.block_size, c.head_dim), torch.float16
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.num_layers)]
@@ -117,13 +117,8 @@ class ReferenceRunner:
         else:
             k_rows, v_rows = k.half(), v.half()  # (N, kv_heads, D) fp16
         blocks, offsets = slots // self.block_size, slots % self.block_size
-        if self.kv_bits == 4:
-            d = self.config.head_dim
-            write_page_rows(self.k_cache[layer], d, blocks, offsets, k_rows)
-            write_page_rows(self.v_cache[layer], d, blocks, offsets, v_rows)
-        else:
-            self.k_cache[layer][blocks, :, offsets] = k_rows
-            self.v_cache[layer][blocks, :, offsets] = v_rows
+        self.k_cache[layer][blocks, :, offsets] = k_rows
+        self.v_cache[layer][blocks, :, offsets] = v_rows
 
     def _attend(self, layer: int, q: torch.Tensor, chunks: list[SequenceChunk]) -> torch.Tensor:
         """q (heads, N, D) fp32 -> (N, heads * D) fp32: each chunk's queries over its sequence's cache."""
@@ -134,8 +129,8 @@ class ReferenceRunner:
             t = len(ch.token_ids)
             length = ch.start_position + t
             table = torch.tensor(ch.block_table, dtype=torch.long, device=self.device)
-            k = gather_sequence(self.k_cache[layer], table, length, c.head_dim)  # (kv_heads, L, D) fp32
-            v = gather_sequence(self.v_cache[layer], table, length, c.head_dim)
+            k = gather_sequence(self.k_cache[layer], table, length)  # (kv_heads, L, D) fp32
+            v = gather_sequence(self.v_cache[layer], table, length)
             k = k.repeat_interleave(c.group_size, dim=0)  # (heads, L, D)
             v = v.repeat_interleave(c.group_size, dim=0)
             qc = q[:, start : start + t]  # (heads, t, D)

@@ -41,7 +41,7 @@ from services.worker.engine.runner import StepBatch
 from services.worker.engine.step_inputs import StepTensors, build_host_step, to_device
 from services.worker.kernels import kv4_cache, paged_attention, prefill_attention, w4a8_gemm
 from services.worker.kernels.attention_reference import build_rope_cache
-from shared.formats.kv4 import kv4_cache_shape, page_row_bytes
+from shared.formats.kv4 import page_row_bytes
 from shared.model.config import LlamaConfig
 from shared.model.rope import inverse_frequencies
 
@@ -98,7 +98,7 @@ class TritonRunner:
             self.ops = W4A8Ops(GemmPolicy.from_manifest(reader.manifest.kernel_policy))
         inv_freq = inverse_frequencies(self.config.rope, self.config.head_dim).to(self.device)
         self.rope_cache = build_rope_cache(inv_freq, self.max_model_len)  # (P, D) fp32 [cos | sin]
-        self.k_cache = self.v_cache = None  # (layers, blocks, kv_heads, page bytes) KV4 or (..., block_size, D) fp16
+        self.k_cache = self.v_cache = None  # (layers, blocks, kv_heads, block_size, row)
         use_graphs = self.settings.cuda_graphs and self.device.type == "cuda"
         self.graphs = (
             DecodeGraphs(self._forward, self.settings.graph_batch_sizes, self.max_blocks, self.max_model_len, self.device)
@@ -171,10 +171,7 @@ class TritonRunner:
             self.graphs.clear()  # graphs hold the old cache's addresses
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        if self.kv4:  # one tensor per cache for all layers: (layers, *shared.formats.kv4 cache shape)
-            shape = (c.num_layers, *kv4_cache_shape(num_blocks, c.num_kv_heads, self.block_size, c.head_dim))
-        else:
-            shape = (c.num_layers, num_blocks, c.num_kv_heads, self.block_size, c.head_dim)
+        shape = (c.num_layers, num_blocks, c.num_kv_heads, self.block_size, self.kv_row_bytes() if self.kv4 else c.head_dim)
         dtype = torch.uint8 if self.kv4 else torch.float16
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)

@@ -14,9 +14,7 @@ import math
 
 import torch
 
-from shared.formats.kv4 import (
-    SCALE_ZERO_BYTES, decode_rows, encode_rows, page_block_size, page_planes, write_page_rows,
-)
+from shared.formats.kv4 import decode_rows, encode_rows
 from shared.model.rope import cos_sin
 
 
@@ -44,20 +42,11 @@ def rope_reference(x: torch.Tensor, positions: torch.Tensor, rope_cache: torch.T
 
 
 def _scatter_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """fp16 cache (num_blocks, kv_heads, block_size, D); rows (T, kv_heads, D); writes where slot >= 0."""
+    """cache (num_blocks, kv_heads, block_size, R); rows (T, kv_heads, R); writes where slot >= 0."""
     block_size = cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     cache[slots // block_size, :, slots % block_size] = rows[keep].to(cache.dtype)
-
-
-def _scatter_kv4_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """KV4 cache (num_blocks, kv_heads, page_bytes); rows (T, kv_heads, D/2 + 4); writes where slot >= 0."""
-    head_dim = 2 * (rows.shape[-1] - SCALE_ZERO_BYTES)
-    block_size = page_block_size(cache, head_dim)
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    write_page_rows(cache, head_dim, slots // block_size, slots % block_size, rows[keep])
 
 
 def write_kv4_cache_reference(
@@ -70,8 +59,8 @@ def write_kv4_cache_reference(
     v_cache: torch.Tensor,
 ) -> None:
     """RoPE on key, KV4-encode key and value per token per head, write the rows at their slots."""
-    _scatter_kv4_rows(k_cache, encode_rows(rope_reference(key, positions, rope_cache)), slot_mapping)
-    _scatter_kv4_rows(v_cache, encode_rows(value), slot_mapping)
+    _scatter_rows(k_cache, encode_rows(rope_reference(key, positions, rope_cache)), slot_mapping)
+    _scatter_rows(v_cache, encode_rows(value), slot_mapping)
 
 
 def write_fp16_cache_reference(
@@ -88,16 +77,12 @@ def write_fp16_cache_reference(
     _scatter_rows(v_cache, value, slot_mapping)
 
 
-def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, length: int, head_dim: int) -> torch.Tensor:
+def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """One sequence's first `length` tokens -> (kv_heads, length, D) fp32, KV4 rows decoded."""
-    kv4 = cache.dtype == torch.uint8
-    block_size = page_block_size(cache, head_dim) if kv4 else cache.shape[2]
+    block_size = cache.shape[2]
     pages = block_table[: -(-length // block_size)].long()
-    if kv4:
-        codes, tails = page_planes(cache[pages], head_dim)  # (pages, kv_heads, block_size, .)
-        rows = torch.cat([codes, tails], dim=-1).transpose(0, 1).flatten(1, 2)[:, :length]
-        return decode_rows(rows)
-    return cache[pages].transpose(0, 1).flatten(1, 2)[:, :length].float()
+    rows = cache[pages].transpose(0, 1).flatten(1, 2)[:, :length]  # (kv_heads, length, R)
+    return decode_rows(rows) if cache.dtype == torch.uint8 else rows.float()
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
@@ -130,8 +115,8 @@ def paged_decode_reference(
     for i, length in enumerate(context_lens.tolist()):
         if length == 0:
             continue
-        k = gather_sequence(k_cache, block_tables[i], length, d)
-        v = gather_sequence(v_cache, block_tables[i], length, d)
+        k = gather_sequence(k_cache, block_tables[i], length)
+        v = gather_sequence(v_cache, block_tables[i], length)
         out[i] = _attend(query[i].float()[:, None], k, v, scale, causal=False)[:, 0]
     return out.to(query.dtype)
 

@@ -2,8 +2,7 @@
 
 One program per (token, KV head): it rotates the key (HF rotate_half, pairs (i, i + D/2)) with
 angles read from a precomputed rope cache, then either quantizes key and value to KV4 rows
-(shared/formats/kv4.py: D/2 nibble-pair bytes in the page's codes plane, fp16 scale and zero in
-its tails plane) or writes them as fp16.
+(shared/formats/kv4.py: D/2 nibble-pair bytes, fp16 scale, fp16 zero) or writes them as fp16.
 The same program can also rotate the query heads of its KV group, so one launch per layer does
 all the RoPE work of the attention block.
 
@@ -13,7 +12,7 @@ Layouts:
     positions     (T,) int32/int64, each < rope_cache.shape[0]
     slot_mapping  (T,) int64, block_id * block_size + offset; negative = skip (padding tokens)
     rope_cache    (max_positions, D) fp32, [cos | sin] (see attention_reference.build_rope_cache)
-    KV4 caches    (num_blocks, kv_heads, block_size * (D/2 + 4)) uint8 pages, one for K and one for V
+    KV4 caches    (num_blocks, kv_heads, block_size, D/2 + 4) uint8, one for K and one for V
     fp16 caches   (num_blocks, kv_heads, block_size, D) fp16
 """
 
@@ -24,7 +23,7 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels.attention_reference import build_rope_cache  # noqa: F401  (re-exported)
-from shared.formats.kv4 import page_block_size
+from shared.formats.kv4 import page_row_bytes
 
 __all__ = ["build_rope_cache", "write_fp16_cache", "write_kv4_cache"]
 
@@ -40,7 +39,7 @@ def _round_half_even(x):
 
 
 @triton.jit
-def _store_kv4_row(code_ptr, tail_ptr, lo, hi, HALF: tl.constexpr):
+def _store_kv4_row(row_ptr, lo, hi, HALF: tl.constexpr):
     """Quantize one head vector (halves lo, hi: (HALF,) fp32 holding fp16 values) into a KV4 row.
 
     Bit-for-bit shared.formats.kv4.encode_rows: IEEE division, round half to even, fp16 scale/zero.
@@ -54,13 +53,13 @@ def _store_kv4_row(code_ptr, tail_ptr, lo, hi, HALF: tl.constexpr):
     q_hi = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(hi - zero_f, scale_f)), 0.0), 15.0)
     codes = q_lo.to(tl.int32) | (q_hi.to(tl.int32) << 4)  # byte j: dim j low nibble, dim j + D/2 high
     offs = tl.arange(0, HALF)
-    tl.store(code_ptr + offs, codes.to(tl.uint8))
+    tl.store(row_ptr + offs, codes.to(tl.uint8))
     # The 4 tail bytes, little-endian: fp16 scale then fp16 zero.
     scale_bits = scale.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     zero_bits = zero.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     tail = scale_bits | (zero_bits << 16)
     offs_tail = tl.arange(0, 4)
-    tl.store(tail_ptr + offs_tail, ((tail >> (offs_tail * 8)) & 0xFF).to(tl.uint8))
+    tl.store(row_ptr + HALF + offs_tail, ((tail >> (offs_tail * 8)) & 0xFF).to(tl.uint8))
 
 
 @triton.jit
@@ -105,12 +104,10 @@ def _rope_cache_write_kernel(
         v_ptrs = value_ptr + tok * stride_vt + kvh * stride_vh + offs
         v_lo = tl.load(v_ptrs)
         v_hi = tl.load(v_ptrs + HALF)
-        page = (slot // BLOCK_SIZE) * stride_cb + kvh * stride_ch
-        row = page + (slot % BLOCK_SIZE) * stride_cs  # KV4: the codes (stride_cs = D/2 bytes)
+        row = (slot // BLOCK_SIZE) * stride_cb + kvh * stride_ch + (slot % BLOCK_SIZE) * stride_cs
         if QUANTIZE:
-            tail = page + BLOCK_SIZE * HALF + (slot % BLOCK_SIZE) * 4  # the page's tails plane
-            _store_kv4_row(k_cache_ptr + row, k_cache_ptr + tail, r_lo.to(tl.float32), r_hi.to(tl.float32), HALF)
-            _store_kv4_row(v_cache_ptr + row, v_cache_ptr + tail, v_lo.to(tl.float32), v_hi.to(tl.float32), HALF)
+            _store_kv4_row(k_cache_ptr + row, r_lo.to(tl.float32), r_hi.to(tl.float32), HALF)
+            _store_kv4_row(v_cache_ptr + row, v_lo.to(tl.float32), v_hi.to(tl.float32), HALF)
         else:
             tl.store(k_cache_ptr + row + offs, r_lo)
             tl.store(k_cache_ptr + row + HALF + offs, r_hi)
@@ -148,32 +145,23 @@ def _check_inputs(key, value, positions, slot_mapping, rope_cache, query) -> tup
     return t, kv_heads, group
 
 
-def _check_cache(name: str, cache: torch.Tensor, kv_heads: int, head_dim: int, quantize: bool) -> int:
-    """The cache's block size, after checking its layout (KV4 pages or fp16 rows)."""
-    if quantize:
-        try:
-            block_size = page_block_size(cache, head_dim)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
-        if cache.shape[1] != kv_heads or cache.stride(2) != 1:
-            raise ValueError(f"{name} must be (num_blocks, {kv_heads}, page_bytes) with contiguous pages, "
-                             f"got {tuple(cache.shape)} strides {cache.stride()}")
-        return block_size
-    if cache.dim() != 4 or cache.shape[1] != kv_heads or cache.shape[3] != head_dim or cache.dtype != torch.float16:
+def _check_cache(name: str, cache: torch.Tensor, kv_heads: int, row: int, dtype: torch.dtype) -> None:
+    if cache.dim() != 4 or cache.shape[1] != kv_heads or cache.shape[3] != row or cache.dtype != dtype:
         raise ValueError(
-            f"{name} must be (num_blocks, {kv_heads}, block_size, {head_dim}) {torch.float16}, "
+            f"{name} must be (num_blocks, {kv_heads}, block_size, {row}) {dtype}, "
             f"got {tuple(cache.shape)} {cache.dtype}"
         )
-    if cache.stride(3) != 1 or cache.stride(2) != head_dim:
+    if cache.stride(3) != 1 or cache.stride(2) != row:
         raise ValueError(f"{name} rows must be contiguous (strides {cache.stride()})")
-    return cache.shape[2]
 
 
 def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, quantize: bool):
     t, kv_heads, group = _check_inputs(key, value, positions, slot_mapping, rope_cache, query)
     d = key.shape[2]
-    block_size = _check_cache("k_cache", k_cache, kv_heads, d, quantize)
-    _check_cache("v_cache", v_cache, kv_heads, d, quantize)
+    row = page_row_bytes(d) if quantize else d
+    dtype = torch.uint8 if quantize else torch.float16
+    _check_cache("k_cache", k_cache, kv_heads, row, dtype)
+    _check_cache("v_cache", v_cache, kv_heads, row, dtype)
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError(f"v_cache {tuple(v_cache.shape)} must have k_cache's shape and strides {tuple(k_cache.shape)}")
     query_out = torch.empty_like(query) if query is not None else None
@@ -185,8 +173,8 @@ def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, q
         key, value, q_arg, o_arg, positions, slot_mapping, rope_cache, k_cache, v_cache,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         q_arg.stride(0), q_arg.stride(1), o_arg.stride(0), o_arg.stride(1), rope_cache.stride(0),
-        k_cache.stride(0), k_cache.stride(1), d // 2 if quantize else k_cache.stride(2),
-        HEAD_DIM=d, BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=triton.next_power_of_2(group),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], GROUP=group, BLOCK_G=triton.next_power_of_2(group),
         QUANTIZE=quantize, ROTATE_QUERY=query is not None,
         # No FMA contraction: x * cos - y * sin rounds each product as torch does, so the rotated
         # fp16 key, and with it the KV4 row, is bit-identical to the reference.
@@ -208,7 +196,7 @@ def write_kv4_cache(
     """RoPE the key, quantize key and value to KV4 rows, write them at slot_mapping (in place).
 
     key, value (T, kv_heads, D) fp16 pre-RoPE key; k_cache/v_cache (num_blocks, kv_heads,
-    block_size * (D/2 + 4)) uint8 pages (shared/formats/kv4.py). If `query` (T, heads, D) fp16 is given, returns it rotated
+    block_size, D/2 + 4) uint8. If `query` (T, heads, D) fp16 is given, returns it rotated
     (a new tensor); otherwise returns None. Tokens whose slot is negative are not written.
     """
     return _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, quantize=True)

@@ -8,23 +8,20 @@ at a time. With more than one partition per sequence, each program writes its pa
 program writes the final fp16 output itself.
 
 Two KV4 kernels, chosen per group size (see choose_kv4_variant):
-  * "fma": CUDA-core fp32 math on the pages read as int32 words (a token is D/8 code words in
-    the codes plane and one scale/zero word in the tails plane). Byte i of word w holds dims
-    4w + i (low nibble) and 4w + i + D/2 (high nibble): 8 "planes" per word. One shift puts a byte at bits 15..22 and one AND/OR per nibble
+  * "fma": CUDA-core fp32 math on the page rows read as int32 words (a row is D/8 code words and
+    one scale/zero word). Byte i of word w holds dims 4w + i (low nibble) and 4w + i + D/2 (high
+    nibble): 8 "planes" per word. One shift puts a byte at bits 15..22 and one AND/OR per nibble
     turns it into the fp32 1 + c * 2^-k (the nibble lands in the top of 1.0's mantissa): no
     int-to-float conversion. The 2^k is folded into the query and the 1 is taken back out through
     sums: q.k = scale * (q.c) + zero * sum(q), and
     sum_n p_n (scale_n c_n + zero_n) = sum_n (p_n scale_n) c_n + sum_n p_n zero_n.
-    Code rows sit on 16-byte boundaries, so a thread loads 4 words of a token at once and the
-    value sums stay per token lane until the epilogue (DecodeConfig.vec, pv_rows): 26 instead of
-    33 warp-instructions per token and KV head in the inner loop (sm_90 SASS, group 1).
   * "dot": tensor cores (tl.dot) on nibble halves converted to fp16, query heads padded to 16.
     Pays for itself once a KV group has many query heads.
 The fp16 cache has an "fma" kernel of the same structure (fp32 math on fp16 rows).
 
 Layouts:
     query         (B, heads, D) fp16, already rotated; heads = kv_heads * group
-    KV4 cache     (num_blocks, kv_heads, block_size * (D/2 + 4)) uint8 pages (shared/formats/kv4.py)
+    KV4 cache     (num_blocks, kv_heads, block_size, D/2 + 4) uint8 (shared/formats/kv4.py)
     fp16 cache    (num_blocks, kv_heads, block_size, D) fp16
     block_tables  (B, max_blocks) int32, physical block ids in sequence order
     context_lens  (B,) int32, tokens in the cache for each sequence (0 gives a zero output)
@@ -39,8 +36,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-from shared.formats.kv4 import page_block_size
 
 LOG2E = 1.4426950408889634
 # _nibble's operands, passed as kernel arguments rather than literals: a LOP3 takes one immediate,
@@ -61,17 +56,10 @@ class DecodeConfig:
     num_stages: int = 2
     prefetch: bool = True  # KV4 "fma": load tile i + 1 while computing tile i
     maxnreg: int | None = None  # register cap per thread (ptxas .maxnreg): occupancy against spills
-    # KV4 "fma": read each token's code words with 16-byte vector loads (4 words per thread, so a
-    # few lanes share a token and the score sum needs fewer shuffles), and keep `pv_rows` rows of
-    # value partial sums per plane (one per token lane) that are reduced once, at the end.
-    vec: bool = True
-    pv_rows: int = 8
 
     def __post_init__(self):
-        if self.variant not in ("fma", "dot"):
-            raise ValueError(f"variant {self.variant!r} is not one of 'fma', 'dot'")
-        if self.pv_rows < 1 or self.pv_rows & (self.pv_rows - 1) or self.block_n % self.pv_rows:
-            raise ValueError(f"pv_rows {self.pv_rows} must be a power of two dividing block_n {self.block_n}")
+        if self.variant not in ("fma", "dot", "mma"):
+            raise ValueError(f"variant {self.variant!r} is not one of 'fma', 'dot', 'mma'")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n {self.block_n} must be a power of two >= 16")
         if self.partition_size % self.block_n:
@@ -85,13 +73,12 @@ def choose_kv4_variant(group: int) -> str:
 
 # The launch the engine gets, per cache and group size (rounded up to a power of two, at most 8):
 # the fastest configs measured by bench/attention.py on an H200 at head_dim 128
-# (bench/results/h200/attention.json). Group 2 takes group 4's tile (the register budget of two
-# query heads). With 4 query heads the deferred value rows (G x 8 rows x 4 words x 8 planes) and
-# the query planes outgrow the registers, so GQA keeps one row per plane.
+# (bench/results/h200/attention.json). Group 2 and 8 were not measured: group 2 takes group 4's
+# tile (the register budget of two query heads), group 8 the tensor-core kernel.
 _DEFAULTS = {
-    ("kv4", 1): DecodeConfig("fma", block_n=32, partition_size=1024, num_warps=1, num_stages=1, prefetch=True),
-    ("kv4", 2): DecodeConfig("fma", block_n=16, partition_size=512, num_warps=1, num_stages=1, prefetch=True, vec=False, pv_rows=1),
-    ("kv4", 4): DecodeConfig("fma", block_n=16, partition_size=512, num_warps=1, num_stages=1, prefetch=True, vec=False, pv_rows=1),
+    ("kv4", 1): DecodeConfig("fma", block_n=32, partition_size=1024, num_warps=1, num_stages=1, prefetch=True, maxnreg=128),
+    ("kv4", 2): DecodeConfig("fma", block_n=16, partition_size=512, num_warps=1, num_stages=1, prefetch=True),
+    ("kv4", 4): DecodeConfig("fma", block_n=16, partition_size=512, num_warps=1, num_stages=1, prefetch=True),
     ("kv4", 8): DecodeConfig("dot", block_n=64, partition_size=512, num_warps=2, num_stages=1),
     ("fp16", 1): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1),
 }
@@ -155,28 +142,20 @@ def _load_q_plane(q_rows, mask_g, offs_w, qk_scale, S: tl.constexpr, HALF: tl.co
 
 
 @triton.jit
-def _pv_plane(acc, alpha, pw, f, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr):
-    """acc (G, ROWS, W) * alpha + pw (G, N) x f (1, N, W) summed over the tile's N // ROWS token groups.
-
-    Token n of the tile adds into accumulator row n % ROWS: with ROWS = the tile's token lanes
-    (the load layout spreads consecutive tokens over lanes) the sum stays inside each thread, and
-    the cross-lane reduction over rows happens once, in the epilogue, instead of once per tile.
-    """
-    prod = tl.reshape(pw[:, :, None] * f, (BLOCK_G, BLOCK_N // ROWS, ROWS, W))
-    return acc * alpha[:, None, None] + tl.sum(prod, axis=1)
+def _pv_plane(acc, alpha, pw, f):
+    """acc (G, W) * alpha + sum over tokens of pw (G, N) x f (1, N, W)."""
+    return acc * alpha[:, None] + tl.sum(pw[:, :, None] * f, axis=1)
 
 
 @triton.jit
 def _kv4_load_tile(
-    k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, offs_w,
-    W: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr,
+    k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w,
+    W: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
 ):
     """Raw KV4 words of tokens [n0, n0 + BLOCK_N): codes (1, N, W) and scale/zero (1, N) int32.
 
     Tiles are 3D (group, tokens, words) from the load on, with the group axis of size 1 here: the
-    layout stays the load's and the G query heads reuse each word in registers. Offsets are in
-    int32 words: a page is BLOCK_SIZE rows of W code words, then BLOCK_SIZE tail words.
-    VEC: code rows start on 16-byte boundaries (the launcher checks), so 4 words per load.
+    layout stays the load's and the G query heads reuse each word in registers.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)[None, :]  # (1, N)
     mask_n = offs_n < end
@@ -184,24 +163,19 @@ def _kv4_load_tile(
         page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
     else:
         page = tl.load(bt_row + offs_n // BLOCK_SIZE)
-    base = page * stride_cb + head_off  # (1, N) page starts
-    slot = offs_n % BLOCK_SIZE
-    rows = base + slot * W
-    if VEC:
-        rows = tl.multiple_of(rows, [1, 4])
-    tails = base + BLOCK_SIZE * W + slot
+    rows = page * stride_cb + head_off + (offs_n % BLOCK_SIZE) * stride_cs  # (1, N) int32 word offsets
     k_ptrs = k_ptr + rows[:, :, None] + offs_w[None, None, :]
     v_ptrs = v_ptr + rows[:, :, None] + offs_w[None, None, :]
     if MASKED:
         kw = tl.load(k_ptrs, mask=mask_n[:, :, None], other=0)
-        ksz = tl.load(k_ptr + tails, mask=mask_n, other=0)
+        ksz = tl.load(k_ptr + rows + W, mask=mask_n, other=0)
         vw = tl.load(v_ptrs, mask=mask_n[:, :, None], other=0)
-        vsz = tl.load(v_ptr + tails, mask=mask_n, other=0)
+        vsz = tl.load(v_ptr + rows + W, mask=mask_n, other=0)
     else:
         kw = tl.load(k_ptrs)
-        ksz = tl.load(k_ptr + tails)
+        ksz = tl.load(k_ptr + rows + W)
         vw = tl.load(v_ptrs)
-        vsz = tl.load(v_ptr + tails)
+        vsz = tl.load(v_ptr + rows + W)
     return kw, ksz, vw, vsz
 
 
@@ -210,7 +184,7 @@ def _kv4_fma_tile(
     kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one,
     q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
     m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
 ):
     """Online-softmax update with one tile of raw KV4 words; MASKED only for a partial last tile."""
     k_scale, k_zero = _scale_zero(ksz)  # (1, N)
@@ -241,14 +215,14 @@ def _kv4_fma_tile(
     y1 = vw << 7
     y2 = vw >> 1
     y3 = vw >> 9
-    acc0 = _pv_plane(acc0, alpha, pw, _nibble(y0, mask_lo, one), BLOCK_G, BLOCK_N, ROWS, W)
-    acc1 = _pv_plane(acc1, alpha, pw, _nibble(y0, mask_hi, one), BLOCK_G, BLOCK_N, ROWS, W)
-    acc2 = _pv_plane(acc2, alpha, pw, _nibble(y1, mask_lo, one), BLOCK_G, BLOCK_N, ROWS, W)
-    acc3 = _pv_plane(acc3, alpha, pw, _nibble(y1, mask_hi, one), BLOCK_G, BLOCK_N, ROWS, W)
-    acc4 = _pv_plane(acc4, alpha, pw, _nibble(y2, mask_lo, one), BLOCK_G, BLOCK_N, ROWS, W)
-    acc5 = _pv_plane(acc5, alpha, pw, _nibble(y2, mask_hi, one), BLOCK_G, BLOCK_N, ROWS, W)
-    acc6 = _pv_plane(acc6, alpha, pw, _nibble(y3, mask_lo, one), BLOCK_G, BLOCK_N, ROWS, W)
-    acc7 = _pv_plane(acc7, alpha, pw, _nibble(y3, mask_hi, one), BLOCK_G, BLOCK_N, ROWS, W)
+    acc0 = _pv_plane(acc0, alpha, pw, _nibble(y0, mask_lo, one))
+    acc1 = _pv_plane(acc1, alpha, pw, _nibble(y0, mask_hi, one))
+    acc2 = _pv_plane(acc2, alpha, pw, _nibble(y1, mask_lo, one))
+    acc3 = _pv_plane(acc3, alpha, pw, _nibble(y1, mask_hi, one))
+    acc4 = _pv_plane(acc4, alpha, pw, _nibble(y2, mask_lo, one))
+    acc5 = _pv_plane(acc5, alpha, pw, _nibble(y2, mask_hi, one))
+    acc6 = _pv_plane(acc6, alpha, pw, _nibble(y3, mask_lo, one))
+    acc7 = _pv_plane(acc7, alpha, pw, _nibble(y3, mask_hi, one))
     return m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
@@ -259,12 +233,12 @@ def _kv4_decode_fma_kernel(
     # sizes
     qk_scale, num_kv_heads, num_partitions, partition_size, nibble_mask, nibble_one,
     # strides (q/out in elements, caches in int32 words)
-    stride_qb, stride_qh, stride_cb, stride_ch, stride_bt, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_ob, stride_oh,
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, VEC: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    W: tl.constexpr = HEAD_DIM // 8  # int32 code words per token
+    W: tl.constexpr = HEAD_DIM // 8  # int32 code words per row; word W holds scale and zero
     HALF: tl.constexpr = HEAD_DIM // 2
     bh = tl.program_id(0)
     part = tl.program_id(1)
@@ -297,14 +271,14 @@ def _kv4_decode_fma_kernel(
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     pw_sum = tl.zeros((BLOCK_G,), tl.float32)
     acc_z = tl.zeros((BLOCK_G,), tl.float32)
-    acc0 = tl.zeros((BLOCK_G, ROWS, W), tl.float32)
-    acc1 = tl.zeros((BLOCK_G, ROWS, W), tl.float32)
-    acc2 = tl.zeros((BLOCK_G, ROWS, W), tl.float32)
-    acc3 = tl.zeros((BLOCK_G, ROWS, W), tl.float32)
-    acc4 = tl.zeros((BLOCK_G, ROWS, W), tl.float32)
-    acc5 = tl.zeros((BLOCK_G, ROWS, W), tl.float32)
-    acc6 = tl.zeros((BLOCK_G, ROWS, W), tl.float32)
-    acc7 = tl.zeros((BLOCK_G, ROWS, W), tl.float32)
+    acc0 = tl.zeros((BLOCK_G, W), tl.float32)
+    acc1 = tl.zeros((BLOCK_G, W), tl.float32)
+    acc2 = tl.zeros((BLOCK_G, W), tl.float32)
+    acc3 = tl.zeros((BLOCK_G, W), tl.float32)
+    acc4 = tl.zeros((BLOCK_G, W), tl.float32)
+    acc5 = tl.zeros((BLOCK_G, W), tl.float32)
+    acc6 = tl.zeros((BLOCK_G, W), tl.float32)
+    acc7 = tl.zeros((BLOCK_G, W), tl.float32)
 
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     head_off = kvh * stride_ch
@@ -316,38 +290,35 @@ def _kv4_decode_fma_kernel(
         # math. The prologue's load is masked (there may be no full tile); the last iteration
         # reloads the last full tile (a cache hit) instead of branching.
         kw, ksz, vw, vsz = _kv4_load_tile(
-            k_ptr, v_ptr, bt_row, head_off, start, full_end, stride_cb, offs_w, W, BLOCK_SIZE, BLOCK_N, True, VEC
+            k_ptr, v_ptr, bt_row, head_off, start, full_end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, True
         )
         last_full = tl.maximum(full_end - BLOCK_N, start)
         for n0 in range(start, full_end, BLOCK_N):
             nxt = tl.minimum(n0 + BLOCK_N, last_full)
             kw_n, ksz_n, vw_n, vsz_n = _kv4_load_tile(
-                k_ptr, v_ptr, bt_row, head_off, nxt, end, stride_cb, offs_w, W, BLOCK_SIZE, BLOCK_N, False, VEC
+                k_ptr, v_ptr, bt_row, head_off, nxt, end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, False
             )
             m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
                 kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
-                m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-                BLOCK_G, BLOCK_N, ROWS, W, False,
+                m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, False,
             )
             kw, ksz, vw, vsz = kw_n, ksz_n, vw_n, vsz_n
     else:
         for n0 in range(start, full_end, BLOCK_N):
             kw, ksz, vw, vsz = _kv4_load_tile(
-                k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, offs_w, W, BLOCK_SIZE, BLOCK_N, False, VEC
+                k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, False
             )
             m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
                 kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
-                m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-                BLOCK_G, BLOCK_N, ROWS, W, False,
+                m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, False,
             )
     for n0 in range(full_end, end, BLOCK_N):  # at most one partial tile
         kw, ksz, vw, vsz = _kv4_load_tile(
-            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, offs_w, W, BLOCK_SIZE, BLOCK_N, True, VEC
+            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, True
         )
         m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
             kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
-            m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-            BLOCK_G, BLOCK_N, ROWS, W, True,
+            m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, True,
         )
 
     out_rows, denom = _epilogue_rows(
@@ -355,14 +326,14 @@ def _kv4_decode_fma_kernel(
         num_partitions, stride_ob, stride_oh, GROUP, HEAD_DIM, SPLIT,
     )
     valid = mask_g & (offs_g * 0 + start < ctx)
-    _store_plane(out_rows, tl.sum(acc0, axis=1), pw_sum, acc_z, denom, valid, offs_w, 0, HALF, SPLIT)
-    _store_plane(out_rows, tl.sum(acc1, axis=1), pw_sum, acc_z, denom, valid, offs_w, 1, HALF, SPLIT)
-    _store_plane(out_rows, tl.sum(acc2, axis=1), pw_sum, acc_z, denom, valid, offs_w, 2, HALF, SPLIT)
-    _store_plane(out_rows, tl.sum(acc3, axis=1), pw_sum, acc_z, denom, valid, offs_w, 3, HALF, SPLIT)
-    _store_plane(out_rows, tl.sum(acc4, axis=1), pw_sum, acc_z, denom, valid, offs_w, 4, HALF, SPLIT)
-    _store_plane(out_rows, tl.sum(acc5, axis=1), pw_sum, acc_z, denom, valid, offs_w, 5, HALF, SPLIT)
-    _store_plane(out_rows, tl.sum(acc6, axis=1), pw_sum, acc_z, denom, valid, offs_w, 6, HALF, SPLIT)
-    _store_plane(out_rows, tl.sum(acc7, axis=1), pw_sum, acc_z, denom, valid, offs_w, 7, HALF, SPLIT)
+    _store_plane(out_rows, acc0, pw_sum, acc_z, denom, valid, offs_w, 0, HALF, SPLIT)
+    _store_plane(out_rows, acc1, pw_sum, acc_z, denom, valid, offs_w, 1, HALF, SPLIT)
+    _store_plane(out_rows, acc2, pw_sum, acc_z, denom, valid, offs_w, 2, HALF, SPLIT)
+    _store_plane(out_rows, acc3, pw_sum, acc_z, denom, valid, offs_w, 3, HALF, SPLIT)
+    _store_plane(out_rows, acc4, pw_sum, acc_z, denom, valid, offs_w, 4, HALF, SPLIT)
+    _store_plane(out_rows, acc5, pw_sum, acc_z, denom, valid, offs_w, 5, HALF, SPLIT)
+    _store_plane(out_rows, acc6, pw_sum, acc_z, denom, valid, offs_w, 6, HALF, SPLIT)
+    _store_plane(out_rows, acc7, pw_sum, acc_z, denom, valid, offs_w, 7, HALF, SPLIT)
 
 
 @triton.jit
@@ -508,7 +479,7 @@ def _kv4_decode_dot_kernel(
     # sizes
     qk_scale, num_kv_heads, num_partitions, partition_size,
     # strides (q/out in elements; caches in bytes)
-    stride_qb, stride_qh, stride_cb, stride_ch, stride_bt, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_ob, stride_oh,
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
@@ -543,19 +514,17 @@ def _kv4_decode_dot_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
-        base = page.to(tl.int64) * stride_cb + head_off  # (N,) page starts, bytes
-        rows = base + (offs_n % BLOCK_SIZE) * HALF  # codes
-        tails = (base + BLOCK_SIZE * HALF) // 4 + offs_n % BLOCK_SIZE  # scale/zero words
+        rows = page.to(tl.int64) * stride_cb + head_off + (offs_n % BLOCK_SIZE) * stride_cs  # (N,) bytes
 
         kb = tl.load(k_ptr + rows[:, None] + offs_h[None, :], mask=mask_n[:, None], other=0)  # (N, HALF) u8
-        k_scale, k_zero = _scale_zero(tl.load(k_words_ptr + tails, mask=mask_n, other=0))
+        k_scale, k_zero = _scale_zero(tl.load(k_words_ptr + rows // 4 + HALF // 4, mask=mask_n, other=0))
         qk = tl.dot(q_lo, tl.trans(_nibbles_f16(kb & 0xF))) + tl.dot(q_hi, tl.trans(_nibbles_f16(kb >> 4)))
         s = (qk * k_scale[None, :] + q_sum[:, None] * k_zero[None, :]) * qk_scale  # (G, N)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
 
         vb = tl.load(v_ptr + rows[:, None] + offs_h[None, :], mask=mask_n[:, None], other=0)
-        v_scale, v_zero = _scale_zero(tl.load(v_words_ptr + tails, mask=mask_n, other=0))
+        v_scale, v_zero = _scale_zero(tl.load(v_words_ptr + rows // 4 + HALF // 4, mask=mask_n, other=0))
         pw = (p * v_scale[None, :]).to(tl.float16)
         acc_z = acc_z * alpha + tl.sum(p * v_zero[None, :], axis=1)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(pw, _nibbles_f16(vb & 0xF))
@@ -569,6 +538,176 @@ def _kv4_decode_dot_kernel(
     lo = (acc_lo + acc_z[:, None]) / denom[:, None]
     hi = (acc_hi + acc_z[:, None]) / denom[:, None]
     ptrs = out_rows[:, None] + offs_h[None, :]
+    if SPLIT:
+        tl.store(ptrs, lo, mask=valid)
+        tl.store(ptrs + HALF, hi, mask=valid)
+    else:
+        tl.store(ptrs, lo.to(tl.float16), mask=valid)
+        tl.store(ptrs + HALF, hi.to(tl.float16), mask=valid)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV4, tensor cores with the KV tile as the register operand
+
+
+@triton.jit
+def _unpack_nibbles_f16(x, FAST_UNPACK: tl.constexpr):
+    """uint8 codes -> fp16 low nibbles c_lo and high nibbles * 16 (16 c_hi), both exact.
+
+    On the GPU one inline-PTX block takes 4 bytes per 32-bit register: PRMT spreads bytes 0, 1
+    (and 2, 3) into the low bytes of two fp16 halves, one LOP3 per half pair ORs the nibble into
+    the mantissa of 1024.0 (0x6400), one HSUB2 takes the 1024 back out: 10 instructions per 8 codes,
+    no int-to-float conversion. The high nibble stays in bits 4..7 (16 c): exact, undone by
+    scaling the query (scores) or the sum (values) by 1/16.
+    """
+    if FAST_UNPACK:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t0, bias;
+            mov.b32 bias, 0x64006400;
+            cvt.u32.u16 t0, $2;
+            prmt.b32 t0, t0, 0, 0x4140;
+            lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 $1, t0, 0x00F000F0, 0x64006400, 0xEA;
+            sub.f16x2 $0, $0, bias;
+            sub.f16x2 $1, $1, bias;
+            }
+            """,
+            constraints="=r,=r,h", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2,
+        )
+    else:
+        lo = (x & 0xF).to(tl.float16)
+        hi = (x & 0xF0).to(tl.float16)
+    return lo, hi
+
+
+@triton.jit
+def _mma_load_tile(
+    k_ptr, v_ptr, k_words_ptr, v_words_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_h,
+    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Codes (N, HALF) uint8 and scale/zero words (N,) int32 of K and V for tokens [n0, n0 + N) below end."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
+    # Rows start on 4-byte boundaries (checked by the launcher): 4 code bytes per load.
+    rows = tl.multiple_of(page.to(tl.int64) * stride_cb + head_off + (offs_n % BLOCK_SIZE) * stride_cs, 4)
+    kb = tl.load(k_ptr + rows[:, None] + offs_h[None, :], mask=mask_n[:, None], other=0)
+    vb = tl.load(v_ptr + rows[:, None] + offs_h[None, :], mask=mask_n[:, None], other=0)
+    ksz = tl.load(k_words_ptr + rows // 4 + HALF // 4, mask=mask_n, other=0)
+    vsz = tl.load(v_words_ptr + rows // 4 + HALF // 4, mask=mask_n, other=0)
+    return kb, ksz, vb, vsz
+
+
+@triton.jit
+def _mma_tile(
+    kb, ksz, vb, vsz, n0, end, q_lo, q_hi, q_sum, qk_scale, m_i, l_i, acc_z, acc_lo, acc_hi,
+    BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
+):
+    """Online-softmax update of the transposed accumulators with one tile."""
+    mask_n = (n0 + tl.arange(0, BLOCK_N)) < end
+    k_lo, k_hi = _unpack_nibbles_f16(kb, FAST_UNPACK)
+    k_scale, k_zero = _scale_zero(ksz)
+    qk = tl.dot(k_lo, q_lo) + tl.dot(k_hi, q_hi)  # (N, G) = sum_d c_d q_d
+    s = qk * (k_scale * qk_scale)[:, None] + k_zero[:, None] * q_sum[None, :]  # log2 units
+    s = tl.where(mask_n[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])  # (N, G)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+
+    v_scale, v_zero = _scale_zero(vsz)
+    pw = (p * v_scale[:, None]).to(tl.float16)  # (N, G)
+    acc_z = acc_z * alpha + tl.sum(p * v_zero[:, None], axis=0)
+    v_lo, v_hi = _unpack_nibbles_f16(vb, FAST_UNPACK)
+    acc_lo = acc_lo * alpha[None, :] + tl.dot(tl.trans(v_lo), pw)
+    acc_hi = acc_hi * alpha[None, :] + tl.dot(tl.trans(v_hi), pw)
+    return m_new, l_i, acc_z, acc_lo, acc_hi
+
+
+@triton.jit
+def _kv4_decode_mma_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, k_words_ptr, v_words_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
+    # sizes
+    qk_scale, num_kv_heads, num_partitions, partition_size,
+    # strides (q/out in elements; caches in bytes)
+    stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_ob, stride_oh,
+    # meta
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FAST_UNPACK: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Transposed flash-decoding: S^T = K q^T and O^T = V^T P^T, so the unpacked KV tile is the
+    MMA's first operand (Hopper's wgmma reads it from registers: the 4-bit codes never make an
+    fp16 round trip through shared memory) and the few query heads of a KV group sit in the
+    MMA's N dimension (padded to 16). Scores and values in fp32 accumulators.
+    """
+    HALF: tl.constexpr = HEAD_DIM // 2
+    bh = tl.program_id(0)
+    part = tl.program_id(1)
+    b = bh // num_kv_heads
+    kvh = bh % num_kv_heads
+    ctx = tl.load(context_lens_ptr + b)
+    start = part * partition_size
+    end = tl.minimum(start + partition_size, ctx)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    offs_h = tl.arange(0, HALF)
+    # q^T halves (HALF, G): dims j (low nibbles) and j + HALF (high nibbles, scaled by 1/16).
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[None, :] * stride_qh + offs_h[:, None]
+    q_lo = tl.load(q_ptrs, mask=mask_g[None, :], other=0.0)
+    q_hi = tl.load(q_ptrs + HALF, mask=mask_g[None, :], other=0.0)
+    q_sum = (tl.sum(q_lo.to(tl.float32), axis=0) + tl.sum(q_hi.to(tl.float32), axis=0)) * qk_scale  # (G,)
+    q_hi = (q_hi.to(tl.float32) * 0.0625).to(tl.float16)
+
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc_z = tl.zeros((BLOCK_G,), tl.float32)
+    acc_lo = tl.zeros((HALF, BLOCK_G), tl.float32)  # O^T rows: dims j
+    acc_hi = tl.zeros((HALF, BLOCK_G), tl.float32)  # dims j + HALF, times 16
+
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    head_off = kvh.to(tl.int64) * stride_ch
+    if PREFETCH:
+        # The loads of tile i + 1 are in flight while tile i is computed (past the end they are
+        # fully masked: no memory traffic).
+        kb, ksz, vb, vsz = _mma_load_tile(
+            k_ptr, v_ptr, k_words_ptr, v_words_ptr, bt_row, head_off, start, end, stride_cb, stride_cs, offs_h,
+            HALF, BLOCK_SIZE, BLOCK_N,
+        )
+        for n0 in range(start, end, BLOCK_N):
+            kb_n, ksz_n, vb_n, vsz_n = _mma_load_tile(
+                k_ptr, v_ptr, k_words_ptr, v_words_ptr, bt_row, head_off, n0 + BLOCK_N, end, stride_cb, stride_cs,
+                offs_h, HALF, BLOCK_SIZE, BLOCK_N,
+            )
+            m_i, l_i, acc_z, acc_lo, acc_hi = _mma_tile(
+                kb, ksz, vb, vsz, n0, end, q_lo, q_hi, q_sum, qk_scale, m_i, l_i, acc_z, acc_lo, acc_hi,
+                BLOCK_N, FAST_UNPACK,
+            )
+            kb, ksz, vb, vsz = kb_n, ksz_n, vb_n, vsz_n
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            kb, ksz, vb, vsz = _mma_load_tile(
+                k_ptr, v_ptr, k_words_ptr, v_words_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_h,
+                HALF, BLOCK_SIZE, BLOCK_N,
+            )
+            m_i, l_i, acc_z, acc_lo, acc_hi = _mma_tile(
+                kb, ksz, vb, vsz, n0, end, q_lo, q_hi, q_sum, qk_scale, m_i, l_i, acc_z, acc_lo, acc_hi,
+                BLOCK_N, FAST_UNPACK,
+            )
+
+    out_rows, denom = _epilogue_rows(
+        b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
+        num_partitions, stride_ob, stride_oh, GROUP, HEAD_DIM, SPLIT,
+    )
+    valid = (mask_g & (offs_g * 0 + start < ctx))[None, :]
+    lo = (acc_lo + acc_z[None, :]) / denom[None, :]
+    hi = (acc_hi * 0.0625 + acc_z[None, :]) / denom[None, :]
+    ptrs = out_rows[None, :] + offs_h[:, None]  # (HALF, G)
     if SPLIT:
         tl.store(ptrs, lo, mask=valid)
         tl.store(ptrs + HALF, hi, mask=valid)
@@ -621,24 +760,20 @@ def _check(query, k_cache, v_cache, block_tables, context_lens) -> tuple[bool, i
     if d < 16 or d & (d - 1):
         raise ValueError(f"head_dim {d} is not supported: a power of two >= 16 (64 and 128 are tuned)")
     kv4 = k_cache.dtype == torch.uint8
-    if kv4:
-        try:
-            page_block_size(k_cache, d)
-        except ValueError as e:
-            raise ValueError(f"k_cache: {e}") from None
-        if k_cache.stride(2) != 1 or any(s % 4 for s in k_cache.stride()[:2]):
-            raise ValueError(f"KV4 pages must be contiguous with strides of 4-byte multiples, got {k_cache.stride()}")
-        if k_cache.numel() >= 2**33:
-            raise ValueError(f"a KV4 cache of {k_cache.numel()} bytes is over the 8 GiB that int32 word offsets reach")
-    elif k_cache.dtype != torch.float16 or k_cache.dim() != 4 or k_cache.shape[3] != d:
+    row = d // 2 + 4 if kv4 else d
+    if k_cache.dtype not in (torch.uint8, torch.float16) or k_cache.dim() != 4 or k_cache.shape[3] != row:
         raise ValueError(
-            f"k_cache must be (num_blocks, kv_heads, block_size * {d // 2 + 4}) uint8 (KV4 pages) or "
+            f"k_cache must be (num_blocks, kv_heads, block_size, {d // 2 + 4}) uint8 (KV4) or "
             f"(num_blocks, kv_heads, block_size, {d}) fp16, got {tuple(k_cache.shape)} {k_cache.dtype}"
         )
-    elif k_cache.stride(3) != 1 or k_cache.stride(2) != d:
-        raise ValueError(f"cache rows must be contiguous, got strides {k_cache.stride()}")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or v_cache.stride() != k_cache.stride():
         raise ValueError(f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match k_cache {tuple(k_cache.shape)}")
+    if k_cache.stride(3) != 1 or k_cache.stride(2) != row:
+        raise ValueError(f"cache rows must be contiguous, got strides {k_cache.stride()}")
+    if kv4 and any(s % 4 for s in k_cache.stride()[:3]):
+        raise ValueError(f"KV4 cache strides {k_cache.stride()} must be multiples of 4 bytes")
+    if kv4 and k_cache.numel() >= 2**33:
+        raise ValueError(f"a KV4 cache of {k_cache.numel()} bytes is over the 8 GiB that int32 word offsets reach")
     kv_heads = k_cache.shape[1]
     if heads % kv_heads:
         raise ValueError(f"query heads {heads} are not a multiple of the cache's kv_heads {kv_heads}")
@@ -688,9 +823,8 @@ def paged_decode_attention(
     else:
         part_m = part_l = part_o = out  # unused
     grid = (b * kv_heads, num_partitions)
-    block_size = page_block_size(k_cache, d) if kv4 else k_cache.shape[2]
     common = dict(
-        GROUP=group, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
+        GROUP=group, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], BLOCK_N=cfg.block_n,
         SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
@@ -704,21 +838,26 @@ def paged_decode_attention(
         )
     elif cfg.variant == "fma":
         k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)
-        # 16-byte loads need every code row on a 16-byte boundary: whole pages of 16-byte multiples
-        # (block_size % 4 == 0) and rows of 4-word multiples (D >= 32).
-        vec = cfg.vec and block_size % 4 == 0 and (d // 8) % 4 == 0
         _kv4_decode_fma_kernel[grid](
             query, k_words, v_words, block_tables, context_lens, out, part_m, part_l, part_o, *sizes,
             _NIBBLE_MASK, _FP32_ONE_BITS,
-            query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1),
+            query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1), k_words.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
-            BLOCK_G=triton.next_power_of_2(group), PREFETCH=cfg.prefetch, VEC=vec, ROWS=cfg.pv_rows, **common,
+            BLOCK_G=triton.next_power_of_2(group), PREFETCH=cfg.prefetch, **common,
+        )
+    elif cfg.variant == "mma":
+        _kv4_decode_mma_kernel[grid](
+            query, k_cache, v_cache, k_cache.view(torch.int32), v_cache.view(torch.int32), block_tables,
+            context_lens, out, part_m, part_l, part_o, *sizes,
+            query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            BLOCK_G=max(16, triton.next_power_of_2(group)), FAST_UNPACK=query.is_cuda, PREFETCH=cfg.prefetch, **common,
         )
     else:
         _kv4_decode_dot_kernel[grid](
             query, k_cache, v_cache, k_cache.view(torch.int32), v_cache.view(torch.int32), block_tables,
             context_lens, out, part_m, part_l, part_o, *sizes,
-            query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
+            query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
             BLOCK_G=max(16, triton.next_power_of_2(group)), **common,
         )
