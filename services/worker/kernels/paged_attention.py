@@ -58,8 +58,8 @@ class DecodeConfig:
     maxnreg: int | None = None  # register cap per thread (ptxas .maxnreg): occupancy against spills
 
     def __post_init__(self):
-        if self.variant not in ("fma", "dot", "mma"):
-            raise ValueError(f"variant {self.variant!r} is not one of 'fma', 'dot', 'mma'")
+        if self.variant not in ("fma", "dot"):
+            raise ValueError(f"variant {self.variant!r} is not one of 'fma', 'dot'")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n {self.block_n} must be a power of two >= 16")
         if self.partition_size % self.block_n:
@@ -547,176 +547,6 @@ def _kv4_decode_dot_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# KV4, tensor cores with the KV tile as the register operand
-
-
-@triton.jit
-def _unpack_nibbles_f16(x, FAST_UNPACK: tl.constexpr):
-    """uint8 codes -> fp16 low nibbles c_lo and high nibbles * 16 (16 c_hi), both exact.
-
-    On the GPU one inline-PTX block takes 4 bytes per 32-bit register: PRMT spreads bytes 0, 1
-    (and 2, 3) into the low bytes of two fp16 halves, one LOP3 per half pair ORs the nibble into
-    the mantissa of 1024.0 (0x6400), one HSUB2 takes the 1024 back out: 10 instructions per 8 codes,
-    no int-to-float conversion. The high nibble stays in bits 4..7 (16 c): exact, undone by
-    scaling the query (scores) or the sum (values) by 1/16.
-    """
-    if FAST_UNPACK:
-        lo, hi = tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t0, bias;
-            mov.b32 bias, 0x64006400;
-            cvt.u32.u16 t0, $2;
-            prmt.b32 t0, t0, 0, 0x4140;
-            lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 $1, t0, 0x00F000F0, 0x64006400, 0xEA;
-            sub.f16x2 $0, $0, bias;
-            sub.f16x2 $1, $1, bias;
-            }
-            """,
-            constraints="=r,=r,h", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2,
-        )
-    else:
-        lo = (x & 0xF).to(tl.float16)
-        hi = (x & 0xF0).to(tl.float16)
-    return lo, hi
-
-
-@triton.jit
-def _mma_load_tile(
-    k_ptr, v_ptr, k_words_ptr, v_words_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_h,
-    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """Codes (N, HALF) uint8 and scale/zero words (N,) int32 of K and V for tokens [n0, n0 + N) below end."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < end
-    page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
-    # Rows start on 4-byte boundaries (checked by the launcher): 4 code bytes per load.
-    rows = tl.multiple_of(page.to(tl.int64) * stride_cb + head_off + (offs_n % BLOCK_SIZE) * stride_cs, 4)
-    kb = tl.load(k_ptr + rows[:, None] + offs_h[None, :], mask=mask_n[:, None], other=0)
-    vb = tl.load(v_ptr + rows[:, None] + offs_h[None, :], mask=mask_n[:, None], other=0)
-    ksz = tl.load(k_words_ptr + rows // 4 + HALF // 4, mask=mask_n, other=0)
-    vsz = tl.load(v_words_ptr + rows // 4 + HALF // 4, mask=mask_n, other=0)
-    return kb, ksz, vb, vsz
-
-
-@triton.jit
-def _mma_tile(
-    kb, ksz, vb, vsz, n0, end, q_lo, q_hi, q_sum, qk_scale, m_i, l_i, acc_z, acc_lo, acc_hi,
-    BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr,
-):
-    """Online-softmax update of the transposed accumulators with one tile."""
-    mask_n = (n0 + tl.arange(0, BLOCK_N)) < end
-    k_lo, k_hi = _unpack_nibbles_f16(kb, FAST_UNPACK)
-    k_scale, k_zero = _scale_zero(ksz)
-    qk = tl.dot(k_lo, q_lo) + tl.dot(k_hi, q_hi)  # (N, G) = sum_d c_d q_d
-    s = qk * (k_scale * qk_scale)[:, None] + k_zero[:, None] * q_sum[None, :]  # log2 units
-    s = tl.where(mask_n[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[None, :])  # (N, G)
-    l_i = l_i * alpha + tl.sum(p, axis=0)
-
-    v_scale, v_zero = _scale_zero(vsz)
-    pw = (p * v_scale[:, None]).to(tl.float16)  # (N, G)
-    acc_z = acc_z * alpha + tl.sum(p * v_zero[:, None], axis=0)
-    v_lo, v_hi = _unpack_nibbles_f16(vb, FAST_UNPACK)
-    acc_lo = acc_lo * alpha[None, :] + tl.dot(tl.trans(v_lo), pw)
-    acc_hi = acc_hi * alpha[None, :] + tl.dot(tl.trans(v_hi), pw)
-    return m_new, l_i, acc_z, acc_lo, acc_hi
-
-
-@triton.jit
-def _kv4_decode_mma_kernel(
-    # pointers
-    q_ptr, k_ptr, v_ptr, k_words_ptr, v_words_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
-    # sizes
-    qk_scale, num_kv_heads, num_partitions, partition_size,
-    # strides (q/out in elements; caches in bytes)
-    stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_ob, stride_oh,
-    # meta
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FAST_UNPACK: tl.constexpr, PREFETCH: tl.constexpr,
-):
-    """Transposed flash-decoding: S^T = K q^T and O^T = V^T P^T, so the unpacked KV tile is the
-    MMA's first operand (Hopper's wgmma reads it from registers: the 4-bit codes never make an
-    fp16 round trip through shared memory) and the few query heads of a KV group sit in the
-    MMA's N dimension (padded to 16). Scores and values in fp32 accumulators.
-    """
-    HALF: tl.constexpr = HEAD_DIM // 2
-    bh = tl.program_id(0)
-    part = tl.program_id(1)
-    b = bh // num_kv_heads
-    kvh = bh % num_kv_heads
-    ctx = tl.load(context_lens_ptr + b)
-    start = part * partition_size
-    end = tl.minimum(start + partition_size, ctx)
-
-    offs_g = tl.arange(0, BLOCK_G)
-    mask_g = offs_g < GROUP
-    heads = kvh * GROUP + offs_g
-    offs_h = tl.arange(0, HALF)
-    # q^T halves (HALF, G): dims j (low nibbles) and j + HALF (high nibbles, scaled by 1/16).
-    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[None, :] * stride_qh + offs_h[:, None]
-    q_lo = tl.load(q_ptrs, mask=mask_g[None, :], other=0.0)
-    q_hi = tl.load(q_ptrs + HALF, mask=mask_g[None, :], other=0.0)
-    q_sum = (tl.sum(q_lo.to(tl.float32), axis=0) + tl.sum(q_hi.to(tl.float32), axis=0)) * qk_scale  # (G,)
-    q_hi = (q_hi.to(tl.float32) * 0.0625).to(tl.float16)
-
-    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_G,), tl.float32)
-    acc_z = tl.zeros((BLOCK_G,), tl.float32)
-    acc_lo = tl.zeros((HALF, BLOCK_G), tl.float32)  # O^T rows: dims j
-    acc_hi = tl.zeros((HALF, BLOCK_G), tl.float32)  # dims j + HALF, times 16
-
-    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    head_off = kvh.to(tl.int64) * stride_ch
-    if PREFETCH:
-        # The loads of tile i + 1 are in flight while tile i is computed (past the end they are
-        # fully masked: no memory traffic).
-        kb, ksz, vb, vsz = _mma_load_tile(
-            k_ptr, v_ptr, k_words_ptr, v_words_ptr, bt_row, head_off, start, end, stride_cb, stride_cs, offs_h,
-            HALF, BLOCK_SIZE, BLOCK_N,
-        )
-        for n0 in range(start, end, BLOCK_N):
-            kb_n, ksz_n, vb_n, vsz_n = _mma_load_tile(
-                k_ptr, v_ptr, k_words_ptr, v_words_ptr, bt_row, head_off, n0 + BLOCK_N, end, stride_cb, stride_cs,
-                offs_h, HALF, BLOCK_SIZE, BLOCK_N,
-            )
-            m_i, l_i, acc_z, acc_lo, acc_hi = _mma_tile(
-                kb, ksz, vb, vsz, n0, end, q_lo, q_hi, q_sum, qk_scale, m_i, l_i, acc_z, acc_lo, acc_hi,
-                BLOCK_N, FAST_UNPACK,
-            )
-            kb, ksz, vb, vsz = kb_n, ksz_n, vb_n, vsz_n
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            kb, ksz, vb, vsz = _mma_load_tile(
-                k_ptr, v_ptr, k_words_ptr, v_words_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_h,
-                HALF, BLOCK_SIZE, BLOCK_N,
-            )
-            m_i, l_i, acc_z, acc_lo, acc_hi = _mma_tile(
-                kb, ksz, vb, vsz, n0, end, q_lo, q_hi, q_sum, qk_scale, m_i, l_i, acc_z, acc_lo, acc_hi,
-                BLOCK_N, FAST_UNPACK,
-            )
-
-    out_rows, denom = _epilogue_rows(
-        b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
-        num_partitions, stride_ob, stride_oh, GROUP, HEAD_DIM, SPLIT,
-    )
-    valid = (mask_g & (offs_g * 0 + start < ctx))[None, :]
-    lo = (acc_lo + acc_z[None, :]) / denom[None, :]
-    hi = (acc_hi * 0.0625 + acc_z[None, :]) / denom[None, :]
-    ptrs = out_rows[None, :] + offs_h[:, None]  # (HALF, G)
-    if SPLIT:
-        tl.store(ptrs, lo, mask=valid)
-        tl.store(ptrs + HALF, hi, mask=valid)
-    else:
-        tl.store(ptrs, lo.to(tl.float16), mask=valid)
-        tl.store(ptrs + HALF, hi.to(tl.float16), mask=valid)
-
-
-# ---------------------------------------------------------------------------------------------
 # reduction over partitions
 
 
@@ -844,14 +674,6 @@ def paged_decode_attention(
             query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1), k_words.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
             BLOCK_G=triton.next_power_of_2(group), PREFETCH=cfg.prefetch, **common,
-        )
-    elif cfg.variant == "mma":
-        _kv4_decode_mma_kernel[grid](
-            query, k_cache, v_cache, k_cache.view(torch.int32), v_cache.view(torch.int32), block_tables,
-            context_lens, out, part_m, part_l, part_o, *sizes,
-            query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            block_tables.stride(0), out.stride(0), out.stride(1),
-            BLOCK_G=max(16, triton.next_power_of_2(group)), FAST_UNPACK=query.is_cuda, PREFETCH=cfg.prefetch, **common,
         )
     else:
         _kv4_decode_dot_kernel[grid](
