@@ -14,9 +14,11 @@ Schema (manifest.json `kernel_policy`; None or absent: the kernels' defaults):
 
 Variant names are those of services/worker/kernels/w4a8_gemm.VARIANTS (the worker checks them
 when it loads the artifact; a shape or an M the table does not cover falls back to the default).
-Tables are measured offline per GPU (bench/kernels.py's `best_variant`) and shipped as data in
-kernel_policies/<gpu_target>.json; the quantizer puts the table of the artifact's GPU target into
-its manifest, so the choice travels with the artifact and is never tuned at serve time.
+Tables are measured offline per GPU by bench/tune.py (every variant over a model's (N, K) set and
+M = 1..8192, checked bit-exact first) and shipped as data in kernel_policies/<gpu_target>.json; the
+quantizer puts the table of the artifact's GPU target into its manifest, so the choice travels with
+the artifact and is never tuned at serve time. A shape or M the table misses runs the kernels'
+default variant, logged once per shape by the worker (services/worker/engine/kernel_policy.py).
 """
 
 from __future__ import annotations
