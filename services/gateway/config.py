@@ -154,10 +154,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout-s", type=float, default=6.0,
                    help="a worker with no heartbeat for this long gets no new requests")
     p.add_argument("--auto-fallback", action=argparse.BooleanOptionalAction, default=True,
-                   help="turn fallback on (and abort a canary) when the quantized path breaks its budget")
-    p.add_argument("--max-error-rate", type=float, default=0.05, help="error-rate budget of the quantized path")
+                   help="abort a canary that breaks its budget; turn fallback on when the quantized stable does")
+    p.add_argument("--max-error-rate", type=float, default=0.05, help="error-rate budget of the stable and canary arms")
     p.add_argument("--max-tpot-p95-ms", type=float, default=500.0,
-                   help="time-per-output-token p95 budget of the quantized path, milliseconds")
+                   help="time-per-output-token p95 budget of the stable and canary arms, milliseconds")
     p.add_argument("--fallback-window-s", type=float, default=30.0, help="window the budgets are measured over")
     p.add_argument("--fallback-min-requests", type=int, default=20,
                    help="finished requests in the window below which the budgets are not judged")

@@ -1,10 +1,16 @@
-"""The automatic fallback: when the quantized path of a deployment (its stable and canary arms,
-unless they are fp16) breaks the error-rate or time-per-output-token budget over the window, the
-gateway turns the deployment's fallback switch on and aborts its canary, as actor "auto", with the
-measured figures as the reason. Turning it back off is a person's decision (`qctl fallback off`).
+"""The automatic guard over a deployment's arms, judged on error rate and time per output token
+(p95) over a window, once an arm has served enough requests:
+
+* a canary over budget is aborted (its traffic goes back to the stable), whatever its format:
+  a bad new artifact is taken out without touching what was vetted;
+* a quantized stable over budget turns the deployment's fallback switch on (everything to the
+  fp16 baseline; any canary is aborted too), when there is a baseline to fall back to.
+
+Each action is taken as actor "auto" with the measured figures as the reason, in the registry's
+event log. Turning fallback back off is a person's decision (`qctl fallback off`).
 
 The window starts no earlier than the deployment's last change, so what was measured before an
-operator turned fallback off (or before a promote) does not trip the switch again."""
+operator turned fallback off (or before a promote or a new canary) does not trip the guard again."""
 
 from __future__ import annotations
 
@@ -30,50 +36,60 @@ class AutoFallback:
         self.metrics = metrics
         self.budget = budget
 
-    def breach(self, view: DeploymentView, now: float | None = None) -> str | None:
-        """Why the quantized path of this deployment is over budget, or None when it is not."""
+    def arm_breach(self, view: DeploymentView, arm: str, now: float | None = None) -> str | None:
+        """Why this arm ("stable" or "canary") of the deployment is over budget, or None when it is not."""
+        ref = view.stable if arm == "stable" else view.canary
+        if ref is None:
+            return None
         now = time.time() if now is None else now
         since = max(now - self.budget.window_s, view.updated_at.timestamp())
-        arms = (("stable", view.stable), ("canary", view.canary))
-        for arm, ref in arms:
-            if ref is None or ref.format == "fp16":
-                continue
-            stats = self.metrics.stats(view.name, ref.artifact_id, since, now)
-            if stats.requests < self.budget.min_requests:
-                continue
-            if stats.error_rate > self.budget.max_error_rate:
-                return (f"{arm} {ref.artifact_id} error rate {stats.error_rate:.1%} ({stats.errors}/{stats.requests}) "
-                        f"over the budget {self.budget.max_error_rate:.1%} in the last {now - since:.0f} s")
-            if stats.tpot_p95_s > self.budget.max_tpot_p95_s:
-                return (f"{arm} {ref.artifact_id} time per output token p95 {stats.tpot_p95_s * 1000:.1f} ms over "
-                        f"the budget {self.budget.max_tpot_p95_s * 1000:.1f} ms in the last {now - since:.0f} s "
-                        f"({stats.requests} requests)")
+        stats = self.metrics.stats(view.name, ref.artifact_id, since, now)
+        if stats.requests < self.budget.min_requests:
+            return None
+        if stats.error_rate > self.budget.max_error_rate:
+            return (f"{arm} {ref.artifact_id} error rate {stats.error_rate:.1%} ({stats.errors}/{stats.requests}) "
+                    f"over the budget {self.budget.max_error_rate:.1%} in the last {now - since:.0f} s")
+        if stats.tpot_p95_s > self.budget.max_tpot_p95_s:
+            return (f"{arm} {ref.artifact_id} time per output token p95 {stats.tpot_p95_s * 1000:.1f} ms over "
+                    f"the budget {self.budget.max_tpot_p95_s * 1000:.1f} ms in the last {now - since:.0f} s "
+                    f"({stats.requests} requests)")
         return None
 
+    def verdict(self, view: DeploymentView, now: float | None = None) -> tuple[str, str] | None:
+        """("fallback", reason), ("abort", reason) or None: what the guard does to this deployment now."""
+        if view.fallback:
+            return None  # everything already goes to the baseline
+        if view.baseline is not None and view.stable is not None and view.stable.format != "fp16":
+            reason = self.arm_breach(view, "stable", now)
+            if reason is not None:
+                return "fallback", reason
+        reason = self.arm_breach(view, "canary", now)
+        return ("abort", reason) if reason is not None else None
+
     async def check(self) -> list[str]:
-        """One pass over the deployments this gateway serves; returns the names it switched."""
-        switched = []
+        """One pass over the deployments this gateway serves; returns the names it acted on."""
+        acted = []
         for name in self.deployments.names():
             try:
                 view = await self.deployments.get(name)
             except RegistryError:
                 continue  # deleted meanwhile
-            if view.fallback or view.baseline is None:
+            verdict = self.verdict(view)
+            if verdict is None:
                 continue
-            reason = self.breach(view)
-            if reason is None:
-                continue
-            log.warning("deployment %s: automatic fallback: %s", name, reason)
-            self.deployments.put(await asyncio.to_thread(self._switch, name, reason))
-            switched.append(name)
-        return switched
+            action, reason = verdict
+            log.warning("deployment %s: automatic %s: %s", name, "fallback" if action == "fallback" else "canary abort", reason)
+            self.deployments.put(await asyncio.to_thread(self._act, name, action, reason))
+            acted.append(name)
+        return acted
 
-    def _switch(self, name: str, reason: str) -> DeploymentView:
+    def _act(self, name: str, action: str, reason: str) -> DeploymentView:
         with self.registry.transaction() as session:
             deployment = reg.get_deployment(session, name)
             if deployment.canary_artifact_id is not None:
-                reg.abort_rollout(session, name, actor=ACTOR, reason=reason)
-            deployment = reg.set_fallback(session, name, True, actor=ACTOR, reason=reason)
+                deployment = reg.abort_rollout(session, name, actor=ACTOR, reason=reason)
+            if action == "fallback":
+                deployment = reg.set_fallback(session, name, True, actor=ACTOR, reason=reason)
             return view_of(session, deployment)
 
     async def run(self, interval_s: float) -> None:

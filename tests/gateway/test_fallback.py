@@ -1,5 +1,6 @@
 """The fallback switch: by hand (within a second, also through another gateway process sharing the
-registry) and automatic on the error-rate and time-per-output-token budgets."""
+registry); and the automatic guard on the error-rate and time-per-output-token budgets (a bad canary
+is aborted, a bad quantized stable falls back to the baseline)."""
 
 from __future__ import annotations
 
@@ -70,33 +71,69 @@ def test_a_switch_made_through_another_gateway_takes_effect_within_a_second(arti
     run(scenario())
 
 
-def test_a_canary_breaking_the_error_budget_triggers_fallback_and_aborts_it(artifacts):
+async def _drive_failing_canary(stack, artifacts, requests: int = 12):
+    """A canary at 100% whose worker fails after one token; each request heartbeats it first so
+    the pool keeps it healthy and every request reaches it."""
+    failing = await stack.add_worker(artifacts.canary, tokens=2, max_running=64)
+    failing.worker.fail_after = 1
+    await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+        deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=100), metadata=ADMIN)
+    for i in range(requests):
+        await stack.admin.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=failing.worker_id), metadata=ADMIN)
+        try:
+            await stack.generate(f"p{i}")
+        except grpc.aio.AioRpcError:
+            pass
+
+
+async def _until(stack, done, seconds: float = 2.0) -> gateway_pb2.Deployment:
+    deployment = await stack.deployment()
+    for _ in range(int(seconds / 0.05)):
+        if done(deployment):
+            break
+        await asyncio.sleep(0.05)
+        deployment = await stack.deployment()
+    return deployment
+
+
+def test_a_canary_breaking_the_error_budget_is_aborted_and_the_stable_keeps_serving(artifacts):
+    """A bad canary is taken out by itself; the vetted stable keeps its traffic (no fallback)."""
     budget = FallbackBudget(max_error_rate=0.2, max_tpot_p95_s=10.0, window_s=30.0, min_requests=10)
 
     async def scenario():
         async with gateway_stack(artifacts, budget=budget, fallback_check_s=0.05) as stack:
             await stack.add_worker(artifacts.stable, tokens=2, max_running=64)
             await stack.add_worker(artifacts.baseline, tokens=2, max_running=64)
-            failing = await stack.add_worker(artifacts.canary, tokens=2, max_running=64)
-            failing.worker.fail_after = 1
-            await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
-                deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=100), metadata=ADMIN)
-            for i in range(12):  # each keeps the canary worker healthy so every request reaches it
-                await stack.admin.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=failing.worker_id), metadata=ADMIN)
-                try:
-                    await stack.generate(f"p{i}")
-                except grpc.aio.AioRpcError:
-                    pass
-            deployment = await stack.deployment()
-            for _ in range(40):
-                if deployment.fallback:
-                    break
-                await asyncio.sleep(0.05)
-                deployment = await stack.deployment()
-            assert deployment.fallback and not deployment.HasField("canary")
-            assert "error rate" in deployment.fallback_reason and artifacts.canary in deployment.fallback_reason
+            await _drive_failing_canary(stack, artifacts)
+            deployment = await _until(stack, lambda d: not d.HasField("canary"))
+            assert not deployment.HasField("canary") and not deployment.fallback
             newest = await events(stack)
-            assert [(e.kind, e.actor) for e in newest[:2]] == [("fallback_on", "auto"), ("abort", "auto")]
+            assert (newest[0].kind, newest[0].actor) == ("abort", "auto")
+            reason = json.loads(newest[0].detail)["reason"]
+            assert "error rate" in reason and artifacts.canary in reason
+            assert arm_of(await stack.generate()) == gateway_pb2.ARM_STABLE
+
+    run(scenario())
+
+
+def test_a_stable_over_budget_falls_back_and_aborts_the_canary_too(artifacts):
+    """The quantized stable itself breaks the budget while a canary runs: everything to the baseline."""
+    budget = FallbackBudget(max_error_rate=0.5, max_tpot_p95_s=0.02, window_s=30.0, min_requests=5)
+
+    async def scenario():
+        async with gateway_stack(artifacts, budget=budget, fallback_check_s=0.05) as stack:
+            await stack.add_worker(artifacts.stable, tokens=3, delay_s=0.05, max_running=64)
+            await stack.add_worker(artifacts.canary, tokens=3, max_running=64)
+            await stack.add_worker(artifacts.baseline, tokens=3, max_running=64)
+            await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=10), metadata=ADMIN)
+            # session keys that stay on the stable (90% of buckets), enough to pass min_requests
+            await asyncio.gather(*(stack.generate(f"p{i}", session_key=f"s{i}") for i in range(30)))
+            deployment = await _until(stack, lambda d: d.fallback)
+            assert deployment.fallback and not deployment.HasField("canary")
+            assert "stable" in deployment.fallback_reason and "time per output token p95" in deployment.fallback_reason
+            kinds = [(e.kind, e.actor) for e in await events(stack)]
+            assert kinds[:2] == [("fallback_on", "auto"), ("abort", "auto")]
             assert arm_of(await stack.generate()) == gateway_pb2.ARM_BASELINE
 
     run(scenario())
