@@ -47,6 +47,10 @@ class ArtifactNotFound(ArtifactRefused):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class ArtifactNotReady(ArtifactRefused):
+    """The registry has the artifact as PENDING (publication under way) or FAILED: never served."""
+
+
 class RunnerUnavailable(WorkerError):
     """The runner for the requested device is not part of this build."""
 

@@ -147,3 +147,30 @@ def test_an_artifact_id_through_the_registry_including_reused_objects(artifacts,
     # Without the registry, the fetched files must be the artifact asked for.
     with pytest.raises(ArtifactNotFound, match="--registry-url"):
         open_artifact(twin_id, gpu_target="cpu", store=store, cache_dir=tmp_path / "cache2")
+
+
+@pytest.mark.parametrize("state", ["PENDING", "FAILED"])
+def test_an_artifact_the_registry_has_not_marked_ready_is_refused(artifacts, tmp_path, state):
+    """A half-published or failed artifact never serves, even when its objects are in the store."""
+    from services.worker.errors import ArtifactNotReady
+    from shared.registry import create_registry, mark_artifact_failed, register_model_version, reserve_artifact
+
+    source = ArtifactReader(artifacts["fp16"], verify=False).manifest
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    registry = create_registry(url)
+    with registry.transaction() as session:
+        version = register_model_version(session, "tiny", source.model_version, label="rc1")
+        row = reserve_artifact(session, version, "fp16", "cpu").artifact
+        artifact_id, prefix = row.id, row.object_prefix
+    folder = Path(shutil.copytree(artifacts["fp16"], tmp_path / "published"))
+    _set_manifest(folder, artifact_id=artifact_id)
+    LocalStore(tmp_path / "store", create=True).publish_folder(folder, prefix)
+    if state == "FAILED":
+        with registry.transaction() as session:
+            mark_artifact_failed(session, artifact_id, "accuracy gate: ppl ratio 1.31")
+    registry.close()
+    store = StorageConfig(kind="local", root=tmp_path / "store")
+    with pytest.raises(ArtifactNotReady, match=f"{state} in the registry, not READY") as refused:
+        open_artifact(artifact_id, gpu_target="cpu", store=store, registry_url=url, cache_dir=tmp_path / "cache")
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert not (tmp_path / "cache" / artifact_id).exists()  # refused before anything was downloaded

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from services.worker.errors import ArtifactCorrupt, ArtifactMismatch, ArtifactNotFound, RunnerUnavailable
+from services.worker.errors import ArtifactCorrupt, ArtifactMismatch, ArtifactNotFound, ArtifactNotReady, RunnerUnavailable
 from shared.formats.artifact import ArtifactError, ArtifactReader, sha256_file
 from shared.formats.manifest import MANIFEST_NAME
 from shared.formats.spec import FORMATS
@@ -230,6 +230,13 @@ def _registry_lookup(artifact_id: str, registry_url: str) -> RegistryRecord:
     try:
         with registry.transaction() as session:
             row = get_artifact(session, artifact_id)
+            if row.state.name != "READY":
+                # PENDING: still being published (its objects may be partial); FAILED: the quantizer
+                # gave up on it. Neither may ever serve traffic.
+                raise ArtifactNotReady(
+                    f"artifact {artifact_id} is {row.state.name} in the registry, not READY: "
+                    + ("its publication failed" if row.state.name == "FAILED" else "it is still being published")
+                )
             return RegistryRecord(row.object_prefix, row.model_version.label, row.state.name, row.manifest_sha256)
     except NotFound as exc:
         raise ArtifactNotFound(str(exc)) from exc
