@@ -115,20 +115,29 @@ def test_the_runner_is_chosen_by_device(artifacts, monkeypatch):
         runner_class(torch.device("cuda"))
 
 
-def test_an_artifact_id_through_the_registry_including_reused_objects(artifacts, tmp_path):
-    from shared.formats.artifact import sha256_file
-    from shared.registry import create_registry, mark_artifact_ready, register_model_version, reserve_artifact
+def _publish_pending(artifacts, tmp_path, fmt: str):
+    """A registry with one reserved (PENDING) artifact of `fmt` whose files are in a local store.
+    Returns (registry, url, artifact_id, object_prefix, published folder)."""
+    from shared.registry import create_registry, register_model_version, reserve_artifact
 
-    source = ArtifactReader(artifacts["w4a8kv4-g128"], verify=False).manifest
+    source = ArtifactReader(artifacts[fmt], verify=False).manifest
     url = f"sqlite:///{tmp_path / 'registry.db'}"
     registry = create_registry(url)
     with registry.transaction() as session:
         version = register_model_version(session, "tiny", source.model_version, label="rc1")
-        first = reserve_artifact(session, version, "w4a8kv4-g128", "cpu").artifact
-        first_id, first_prefix = first.id, first.object_prefix
-    folder = Path(shutil.copytree(artifacts["w4a8kv4-g128"], tmp_path / "published"))
-    _set_manifest(folder, artifact_id=first_id)
-    LocalStore(tmp_path / "store", create=True).publish_folder(folder, first_prefix)
+        row = reserve_artifact(session, version, fmt, "cpu").artifact
+        artifact_id, prefix = row.id, row.object_prefix
+    folder = Path(shutil.copytree(artifacts[fmt], tmp_path / "published"))
+    _set_manifest(folder, artifact_id=artifact_id)
+    LocalStore(tmp_path / "store", create=True).publish_folder(folder, prefix)
+    return registry, url, artifact_id, prefix, folder
+
+
+def test_an_artifact_id_through_the_registry_including_reused_objects(artifacts, tmp_path):
+    from shared.formats.artifact import sha256_file
+    from shared.registry import mark_artifact_ready, register_model_version, reserve_artifact
+
+    registry, url, first_id, first_prefix, folder = _publish_pending(artifacts, tmp_path, "w4a8kv4-g128")
     manifest_sha = sha256_file(folder / "manifest.json")
     with registry.transaction() as session:
         mark_artifact_ready(session, first_id, manifest_sha256=manifest_sha, content_digest="d" * 64)
@@ -153,18 +162,9 @@ def test_an_artifact_id_through_the_registry_including_reused_objects(artifacts,
 def test_an_artifact_the_registry_has_not_marked_ready_is_refused(artifacts, tmp_path, state):
     """A half-published or failed artifact never serves, even when its objects are in the store."""
     from services.worker.errors import ArtifactNotReady
-    from shared.registry import create_registry, mark_artifact_failed, register_model_version, reserve_artifact
+    from shared.registry import mark_artifact_failed
 
-    source = ArtifactReader(artifacts["fp16"], verify=False).manifest
-    url = f"sqlite:///{tmp_path / 'registry.db'}"
-    registry = create_registry(url)
-    with registry.transaction() as session:
-        version = register_model_version(session, "tiny", source.model_version, label="rc1")
-        row = reserve_artifact(session, version, "fp16", "cpu").artifact
-        artifact_id, prefix = row.id, row.object_prefix
-    folder = Path(shutil.copytree(artifacts["fp16"], tmp_path / "published"))
-    _set_manifest(folder, artifact_id=artifact_id)
-    LocalStore(tmp_path / "store", create=True).publish_folder(folder, prefix)
+    registry, url, artifact_id, _, _ = _publish_pending(artifacts, tmp_path, "fp16")
     if state == "FAILED":
         with registry.transaction() as session:
             mark_artifact_failed(session, artifact_id, "accuracy gate: ppl ratio 1.31")
