@@ -61,3 +61,22 @@ def test_an_incomplete_character_at_the_end_is_flushed():
     pieces = ["é".encode()[:1]]
     deltas, _ = _feed(pieces)
     assert deltas[0] == "" and deltas[-1] == "\ufffd"
+
+
+def test_a_long_generation_decodes_about_once_per_token_and_matches_the_full_text():
+    """The decode window slides every few tokens; each token otherwise costs one decode call."""
+    text = "def main():\n    print('héllo, wörld ✓')  # 日本語のコメント\n    return 0\n" * 8
+    raw = text.encode()
+    pieces = [raw[i : i + 3] for i in range(0, len(raw), 3)]  # cuts through multi-byte characters
+
+    class Counting(ByteDecoder):
+        calls = 0
+
+        def decode(self, ids):
+            Counting.calls += 1
+            return super().decode(ids)
+
+    detok = IncrementalDetokenizer(Counting(pieces))
+    deltas = [detok.add([i]) for i in range(len(pieces))] + [detok.flush()]
+    assert "".join(deltas) == text
+    assert Counting.calls <= 1.25 * len(pieces) + 1, (Counting.calls, len(pieces))

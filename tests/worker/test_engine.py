@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from services.worker.engine.engine import Engine, EngineLimits
@@ -33,7 +35,8 @@ class ScriptedRunner:
     def step(self, batch: StepBatch) -> torch.Tensor:
         if self.fail:
             raise RuntimeError("device lost")
-        self.steps.append(batch)
+        # The chunks' block tables are the sequences' own lists, valid during the step: keep a copy.
+        self.steps.append(StepBatch([dataclasses.replace(c, block_table=list(c.block_table)) for c in batch.chunks]))
         rows = []
         for ch in batch.chunks:
             if ch.want_logits:
@@ -87,6 +90,30 @@ def test_abort_frees_blocks_at_once_and_reports_abort():
     assert engine.abort("r") and engine.stats().kv_blocks_used == 0
     assert outs[-1].finish.reason is FinishReason.ABORT
     assert not engine.abort("r") and not engine.step()
+
+
+def test_an_abort_during_a_step_leaves_the_steps_block_tables_intact():
+    """The runner reads the sequences' own block tables outside the engine's lock: an abort from
+    another thread mid-step frees the blocks but must not empty the list the step is reading."""
+    engine = _engine([3])
+    outs = []
+    engine.add_request("r", list(range(1, 10)), SamplingOptions(), outs.append)
+    engine.step()
+    seen = {}
+    plain_step = engine.runner.step
+
+    def step_with_abort(batch):
+        before = list(batch.chunks[0].block_table)
+        assert engine.abort("r")  # as the servicer would, from the event loop's thread
+        seen["table"] = (before, list(batch.chunks[0].block_table))
+        return plain_step(batch)
+
+    engine.runner.step = step_with_abort
+    engine.step()
+    before, during = seen["table"]
+    assert len(before) == 3 and during == before
+    assert engine.stats().kv_blocks_used == 0 and outs[-1].finish.reason is FinishReason.ABORT
+    assert [o.token_ids for o in outs if o.finish is None] == [[3]]  # the aborted step's token is dropped
 
 
 def test_a_failing_step_ends_its_requests_with_an_error_and_frees_blocks():

