@@ -51,20 +51,23 @@ def main() -> None:
     windows = windows_of(Tokenizer(a.model).encode(a.eval.read_text()), a.seq_len)
     rows: list[dict] = []
 
-    def record(name: str, fmt: str, options: QoQOptions | None, ppl: float, quant_s: float | None) -> None:
+    def record(name: str, fmt: str, options: QoQOptions | None, ppl: float, quant_s: float | None,
+               cpu_s: float | None = None) -> None:
+        # quantize_cpu_seconds: this process's CPU time, all its threads. When quantize_seconds is far
+        # above quantize_cpu_seconds / torch_threads, other load on the host stretched the wall clock.
         rows.append({"name": name, "format": fmt, "options": options.to_dict() if options else None,
-                     "ppl": ppl, "quantize_seconds": quant_s})
+                     "ppl": ppl, "quantize_seconds": quant_s, "quantize_cpu_seconds": cpu_s})
         print(f"{name:<34} {fmt:<14} ppl {ppl:.4f}" + (f"  (quantized in {quant_s:.0f} s)" if quant_s else ""), flush=True)
 
     record("fp16", "fp16", None, perplexity(fp_model(HfCheckpoint(a.model)).forward, windows).ppl, None)
     with tempfile.TemporaryDirectory() as tmp:
         def run(name: str, fmt: str, options: QoQOptions) -> float:
             out = Path(tmp) / name
-            start = time.time()
+            start, cpu_start = time.time(), time.process_time()
             quantize_checkpoint(QuantizeSettings(a.model, out, fmt, gpu_target="cpu", options=options, calib_path=a.calib))
-            seconds = time.time() - start
+            seconds, cpu_seconds = time.time() - start, time.process_time() - cpu_start
             ppl = perplexity(artifact_model(ArtifactReader(out)).forward, windows).ppl
-            record(name, fmt, options, ppl, seconds)
+            record(name, fmt, options, ppl, seconds, cpu_seconds)
             return ppl
 
         run("w8a8 rtn", "w8a8", RTN)
@@ -84,14 +87,15 @@ def main() -> None:
     def closed(fmt: str) -> float:
         return (ppl[f"{fmt} rtn"] - ppl[f"{fmt} qoq"]) / (ppl[f"{fmt} rtn"] - fp)
 
-    g128_seconds = next(r["quantize_seconds"] for r in rows if r["name"] == "w4a8kv4-g128 qoq")
+    # The time target is for the fixture in general: the slower of the two QoQ formats.
+    qoq_seconds = max(r["quantize_seconds"] for r in rows if r["name"].endswith(" qoq"))
     checks = [
         ("fp16 perplexity reproduces the reference (abs diff)", abs(fp - a.reference_ppl), 0.01, "<="),
         ("QoQ w4a8kv4-g128 ppl / fp16", ppl["w4a8kv4-g128 qoq"] / fp, 1.02, "<="),
         ("QoQ w4a8kv4-chn ppl / fp16", ppl["w4a8kv4-chn qoq"] / fp, 1.03, "<="),
         ("g128: fraction of the RTN-to-fp16 gap closed by QoQ", closed("w4a8kv4-g128"), 0.5, ">="),
         ("chn: fraction of the RTN-to-fp16 gap closed by QoQ", closed("w4a8kv4-chn"), 0.5, ">="),
-        ("seconds to quantize the fixture (QoQ g128)", g128_seconds, 120.0, "<="),
+        ("seconds to quantize the fixture (QoQ, slower of g128 and chn)", qoq_seconds, 120.0, "<="),
     ]
     result = {
         "command": "python3 " + " ".join(sys.argv),
