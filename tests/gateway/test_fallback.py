@@ -116,12 +116,14 @@ def test_a_canary_breaking_the_error_budget_is_aborted_and_the_stable_keeps_serv
     run(scenario())
 
 
+# A stable worker that answers at 50 ms per token breaks this 20 ms TPOT budget.
+SLOW_STABLE_BUDGET = FallbackBudget(max_error_rate=0.5, max_tpot_p95_s=0.02, window_s=30.0, min_requests=5)
+
+
 def test_a_stable_over_budget_falls_back_and_aborts_the_canary_too(artifacts):
     """The quantized stable itself breaks the budget while a canary runs: everything to the baseline."""
-    budget = FallbackBudget(max_error_rate=0.5, max_tpot_p95_s=0.02, window_s=30.0, min_requests=5)
-
     async def scenario():
-        async with gateway_stack(artifacts, budget=budget, fallback_check_s=0.05) as stack:
+        async with gateway_stack(artifacts, budget=SLOW_STABLE_BUDGET, fallback_check_s=0.05) as stack:
             await stack.add_worker(artifacts.stable, tokens=3, delay_s=0.05, max_running=64)
             await stack.add_worker(artifacts.canary, tokens=3, max_running=64)
             await stack.add_worker(artifacts.baseline, tokens=3, max_running=64)
@@ -140,21 +142,15 @@ def test_a_stable_over_budget_falls_back_and_aborts_the_canary_too(artifacts):
 
 
 def test_a_stable_breaking_the_tpot_budget_triggers_fallback_once(artifacts):
-    budget = FallbackBudget(max_error_rate=0.5, max_tpot_p95_s=0.02, window_s=30.0, min_requests=5)
-
     async def scenario():
-        async with gateway_stack(artifacts, budget=budget, fallback_check_s=0.05) as stack:
+        async with gateway_stack(artifacts, budget=SLOW_STABLE_BUDGET, fallback_check_s=0.05) as stack:
             await stack.add_worker(artifacts.stable, tokens=3, delay_s=0.05, max_running=64)
             await stack.add_worker(artifacts.baseline, tokens=3, max_running=64)
             await asyncio.gather(*(stack.generate(f"p{i}") for i in range(4)))
             await asyncio.sleep(0.3)
             assert not (await stack.deployment()).fallback  # 4 requests: below min_requests, no verdict yet
             await stack.generate("p5")
-            for _ in range(40):
-                if (await stack.deployment()).fallback:
-                    break
-                await asyncio.sleep(0.05)
-            deployment = await stack.deployment()
+            deployment = await _until(stack, lambda d: d.fallback)
             assert deployment.fallback and "time per output token p95" in deployment.fallback_reason
             # an operator turns it off: what was measured before does not trip it again
             await set_fallback(stack, False, "checked, fine")

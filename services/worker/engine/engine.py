@@ -165,8 +165,7 @@ class Engine:
         due = []
         chunks = []
         for c in schedule.chunks:
-            seq = c.seq
-            completes = c.start + c.num_tokens == seq.num_tokens
+            seq, completes = c.seq, c.completes
             if completes:
                 due.append(c)
             # The block table is passed as is: an abort during the step gives the sequence a new

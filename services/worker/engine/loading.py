@@ -224,18 +224,18 @@ def _find_prefix(store, artifact_id: str) -> str:
 
 
 def _registry_lookup(artifact_id: str, registry_url: str) -> RegistryRecord:
-    from shared.registry import NotFound, create_registry, get_artifact
+    from shared.registry import ArtifactState, NotFound, create_registry, get_artifact
 
     registry = create_registry(registry_url, migrate_to_head=False)
     try:
         with registry.transaction() as session:
             row = get_artifact(session, artifact_id)
-            if row.state.name != "READY":
+            if row.state is not ArtifactState.READY:
                 # PENDING: still being published (its objects may be partial); FAILED: the quantizer
                 # gave up on it. Neither may ever serve traffic.
                 raise ArtifactNotReady(
                     f"artifact {artifact_id} is {row.state.name} in the registry, not READY: "
-                    + ("its publication failed" if row.state.name == "FAILED" else "it is still being published")
+                    + ("its publication failed" if row.state is ArtifactState.FAILED else "it is still being published")
                 )
             return RegistryRecord(row.object_prefix, row.model_version.label, row.state.name, row.manifest_sha256)
     except NotFound as exc:
