@@ -77,12 +77,14 @@ class Bench:
         return self.args.time_limit - (time.perf_counter() - self.t_start)
 
     def part_check(self) -> None:
-        from bench.e2e_check import check_format, check_policy_gemms
+        from bench.e2e_check import check_engine_overlap, check_format, check_policy_gemms
 
         dev = self.torch.device("cuda")
         policy = kernel_policy()
         self.result["check"] = {"runner": [check_format(f, dev, policy) for f in FORMATS.values()],
-                                "policy_gemms": check_policy_gemms(policy, dev)}
+                                "policy_gemms": check_policy_gemms(policy, dev),
+                                "engine_overlap": [check_engine_overlap(f, dev) for f in FORMATS.values()]}
+        print("engine overlap:", json.dumps(self.result["check"]["engine_overlap"]), flush=True)
         print("check:", json.dumps(self.result["check"]["runner"]), flush=True)
         bad = [g for g in self.result["check"]["policy_gemms"] if not g["bit_exact"]]
         print("policy gemms not bit-exact:", bad, flush=True)
@@ -112,6 +114,8 @@ class Bench:
         self.save()
         caps = sorted({int(s["max_batch"]) for s in sizing.values()})
         batches = sorted({b for b in (1, 16, 64, 128, 256) if b <= caps[-1]} | set(caps))
+        if a.batches:
+            batches = [b for b in a.batches if b <= caps[-1]]
         for batch in batches:
             if self.time_left() < 20 + batch * 0.06:
                 self.result["errors"].append(f"{key} batch {batch}: skipped, time limit")
@@ -147,8 +151,11 @@ class Bench:
 
         torch, a = self.torch, self.args
         torch.cuda.reset_peak_memory_stats()
-        e = generate_with_engine(runner, batch, a.prompt, a.output, a.prefill_tokens)
-        run = {"engine": key, "driver": "engine", "format": fmt, "batch": batch, **e,
+        overlap = {"auto": None, "on": True, "off": False}[a.engine_overlap]
+        e = generate_with_engine(runner, batch, a.prompt, a.output, a.prefill_tokens, overlap=overlap)
+        # Runs without overlap are kept apart (engine "<key>-sync"): a comparison, not a candidate for the checks.
+        label = key if e["overlap"] or a.engine_overlap == "auto" else f"{key}-sync"
+        run = {"engine": label, "driver": "engine", "format": fmt, "batch": batch, **e,
                "tokens_per_s": e["output_tokens"] / e["total_s"],
                "decode_tokens_per_s": e["tokens_after_all_first"] / e["after_all_first_s"],
                "ttft_s": e["ttft_mean_s"], "tpot_s": e["tpot_mean_s"],
@@ -355,6 +362,11 @@ def main():
     p.add_argument("--prefill-tokens", type=int, default=8192, help="tokens per prefill step")
     p.add_argument("--driver", choices=("engine", "static"), default="engine",
                    help="engine: the worker's engine (scheduler, sampler); static: a static batch on the runner")
+    p.add_argument("--engine-overlap", choices=("auto", "on", "off"), default="auto",
+                   help="engine driver: launch each step before reading back the previous one's tokens "
+                        "(auto: the engine's default, on with a GPU)")
+    p.add_argument("--batches", type=lambda t: [int(v) for v in t.split(",")],
+                   help="comma-separated batch sizes instead of the sweep (1, 16, 64, 128, 256 and the budget caps)")
     p.add_argument("--time-limit", type=float, default=540.0, help="seconds; later runs are skipped past it")
     args = p.parse_args()
     if args.merge:

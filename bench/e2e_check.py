@@ -79,3 +79,36 @@ def check_policy_gemms(kernel_policy: dict, device: torch.device) -> list[dict]:
                 out.append({"kind": kind, "shape": shape, "m": m, "variant": name,
                             "bit_exact": bool(torch.equal(y, ref))})
     return out
+
+
+def check_engine_overlap(fmt: str, device: torch.device) -> dict:
+    """The engine with overlapped steps (each launched before the previous one's tokens are read
+    back, the GPU default) against the engine without: the same greedy tokens for requests of
+    mixed lengths, one of them ended by a stop token found only on read-back."""
+    from bench.e2e_engine import make_engine
+    from services.worker.engine.sequence import SamplingOptions
+
+    reader = RandomArtifact(SMALL, fmt, device, seed=11)
+    runner = TritonRunner(reader, device, BLOCK, TritonRunnerSettings(max_model_len=128, graph_batch_sizes=(1, 2, 4, 8)))
+    g = torch.Generator().manual_seed(3)
+    lengths = [(9, 12), (40, 7), (23, 15), (5, 20), (31, 9), (17, 11)]  # (prompt, new tokens)
+    prompts = [torch.randint(0, SMALL.vocab_size, (n,), generator=g).tolist() for n, _ in lengths]
+
+    def run(overlap: bool, stop: tuple[int, ...]) -> tuple[list[list[int]], int]:
+        engine = make_engine(runner, len(prompts), 64, max_batch_tokens=48, overlap=overlap)
+        got = [[] for _ in prompts]
+        for i, (prompt, (_, new)) in enumerate(zip(prompts, lengths)):
+            options = SamplingOptions(max_new_tokens=new, ignore_eos=True, stop_token_ids=stop if i == 0 else ())
+            engine.add_request(f"r{i}", prompt, options, lambda out, i=i: got[i].extend(out.token_ids))
+        steps = 0
+        while engine.step():
+            steps += 1
+        return got, steps
+
+    plain, _ = run(False, ())
+    stop = (plain[0][4],)  # request 0 stops at its 5th token (or earlier, at the same token)
+    in_step, steps_in_step = run(False, stop)
+    overlapped, steps_overlapped = run(True, stop)
+    return {"format": fmt, "ok": overlapped == in_step and in_step[1:] == plain[1:] and len(in_step[0]) <= 5,
+            "tokens_equal": overlapped == in_step, "iterations_in_step": steps_in_step,
+            "iterations_overlapped": steps_overlapped}

@@ -23,12 +23,13 @@ class _NoText:
         return ""
 
 
-def make_engine(runner, batch: int, total_len: int, max_batch_tokens: int) -> Engine:
-    """An engine whose cache holds `batch` full contexts plus the scheduler's one spare block each."""
+def make_engine(runner, batch: int, total_len: int, max_batch_tokens: int, overlap: bool | None = None) -> Engine:
+    """An engine whose cache holds `batch` full contexts plus the scheduler's one spare block each.
+    overlap None: the engine's default (on with a GPU)."""
     per_seq = -(-total_len // runner.block_size) + 1
     limits = EngineLimits(num_blocks=batch * per_seq, max_running=batch, max_waiting=batch,
                           max_batch_tokens=max_batch_tokens, max_context=total_len)
-    return Engine(runner, _NoText(), limits, eos_token_ids=())
+    return Engine(runner, _NoText(), limits, eos_token_ids=(), overlap=overlap)
 
 
 def _run(engine: Engine, prompts: list[list[int]], out_len: int, tag: str) -> dict:
@@ -70,13 +71,13 @@ def _run(engine: Engine, prompts: list[list[int]], out_len: int, tag: str) -> di
         "ttft_mean_s": sum(f.time_to_first_token_s for f in infos) / len(infos),
         "ttft_max_s": max(f.time_to_first_token_s for f in infos),
         "tpot_mean_s": sum(f.time_per_output_token_s for f in infos) / len(infos),
-        "preemptions": engine.stats().preemptions,
+        "preemptions": engine.stats().preemptions, "overlap": engine.overlap,
     }
 
 
 def generate_with_engine(runner, batch: int, prompt_len: int, out_len: int, max_batch_tokens: int,
-                         seed: int = 0) -> dict:
-    engine = make_engine(runner, batch, prompt_len + out_len, max_batch_tokens)
+                         seed: int = 0, overlap: bool | None = None) -> dict:
+    engine = make_engine(runner, batch, prompt_len + out_len, max_batch_tokens, overlap)
     g = torch.Generator().manual_seed(seed)
     vocab = runner.config.vocab_size
     # Warm-up outside the timing: one full prefill step's worth of requests compiles the prefill

@@ -59,7 +59,7 @@ def fixed_tokens(vocab: int):
 
     def sample(logits, options, generators):
         step[0] += 1
-        return [(i * 37 + step[0] * 11) % vocab for i in range(len(options))]
+        return torch.tensor([(i * 37 + step[0] * 11) % vocab for i in range(len(options))], dtype=torch.int64)
 
     return sample
 

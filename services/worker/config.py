@@ -52,6 +52,7 @@ class WorkerConfig:
     max_waiting_requests: int = 128
     max_batch_tokens: int = 512  # tokens per step: the chunked-prefill budget
     max_context_tokens: int | None = None  # None = the model's max_position_embeddings
+    overlap_steps: bool | None = None  # launch step N + 1 before reading back N's tokens; None = on a GPU only
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT  # 0 picks a free port
     advertise_address: str | None = None  # host:port the gateway dials; default host:<bound port>
@@ -116,6 +117,7 @@ class WorkerConfig:
             max_waiting_requests=args.max_waiting_requests,
             max_batch_tokens=args.max_batch_tokens,
             max_context_tokens=args.max_context_tokens,
+            overlap_steps=args.overlap_steps,
             host=args.host,
             port=args.port,
             advertise_address=args.advertise_address,
@@ -159,6 +161,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (chunked-prefill budget)")
     p.add_argument("--max-context-tokens", type=int, default=None,
                    help="prompt + generated tokens of one sequence [default: the model's context window]")
+    p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each step before the previous step's tokens are read back, hiding the host's "
+                        "work between steps [default: on with a GPU, off on cpu]")
     p.add_argument("--host", default=DEFAULT_HOST, help="address to serve gRPC on")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0 picks a free one)")
     p.add_argument("--advertise-address", default=None, help="host:port the gateway should dial [default: host:port]")

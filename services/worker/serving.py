@@ -61,7 +61,7 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
         max_context=max_context,
     )
     tokenizer = Tokenizer(reader.tokenizer_dir)
-    engine = Engine(runner, tokenizer, limits, model_config.eos_token_ids)
+    engine = Engine(runner, tokenizer, limits, model_config.eos_token_ids, overlap=config.overlap_steps)
     log.info("artifact %s (%s, %s) on %s: %d KV blocks of %d tokens, context %d",
              reader.manifest.artifact_id, reader.manifest.format, reader.manifest.gpu_target, gpu_name,
              num_blocks, config.block_size, max_context)

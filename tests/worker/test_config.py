@@ -10,7 +10,7 @@ def test_command_line_flags():
         ["--artifact", "0123", "--store", "/srv/store", "--device", "cuda:1", "--gpu-memory-budget", "48GiB",
          "--max-running-sequences", "64", "--max-waiting-requests", "9", "--max-batch-tokens", "1024",
          "--block-size", "32", "--port", "0", "--metrics-port", "-1", "--drain-grace-seconds", "2.5",
-         "--gateway-address", "gw:50051"],
+         "--gateway-address", "gw:50051", "--overlap-steps"],
         environ={"QSERVE_GATEWAY_TOKEN": "secret"},
     )
     assert cfg.gpu_memory_budget == 48 * 2**30 and cfg.device == "cuda:1" and cfg.block_size == 32
@@ -18,6 +18,9 @@ def test_command_line_flags():
     assert cfg.metrics_port is None and cfg.port == 0 and cfg.drain_grace_s == 2.5
     assert cfg.store.kind == "local" and str(cfg.store.root) == "/srv/store"
     assert cfg.gateway_token == "secret" and "secret" not in repr(cfg)
+    assert cfg.overlap_steps is True
+    assert WorkerConfig.from_args(["--artifact", "a", "--no-overlap-steps"]).overlap_steps is False
+    assert WorkerConfig.from_args(["--artifact", "a"]).overlap_steps is None  # the device decides
 
 
 @pytest.mark.parametrize("text, value", [("48GiB", 48 * 2**30), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9),

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from services.worker.engine.engine import Engine, EngineLimits
-from services.worker.engine.runner import StepBatch
+from services.worker.engine.runner import StepBatch, resolve_token_ids
 from services.worker.engine.sequence import FinishReason, SamplingOptions
 from shared.model.config import LlamaConfig
 
@@ -51,9 +52,23 @@ class Text:
         return "".join(chr(ord("a") + i) for i in ids)
 
 
+@pytest.fixture(params=[False, True], ids=["in-step", "overlapped"], autouse=True)
+def overlap(request):
+    """Every test runs with tokens read back in their own step and with the next step launched first."""
+    return request.param
+
+
+OVERLAP = {"value": False}
+
+
+@pytest.fixture(autouse=True)
+def _set_overlap(overlap):
+    OVERLAP["value"] = overlap
+
+
 def _engine(script, max_context=64, fail=False):
     limits = EngineLimits(num_blocks=32, max_running=4, max_waiting=4, max_batch_tokens=16, max_context=max_context)
-    return Engine(ScriptedRunner(script, fail), Text(), limits, eos_token_ids=(EOS,))
+    return Engine(ScriptedRunner(script, fail), Text(), limits, eos_token_ids=(EOS,), overlap=OVERLAP["value"])
 
 
 def _run(engine, prompt, **sampling):
@@ -89,7 +104,10 @@ def test_abort_frees_blocks_at_once_and_reports_abort():
     assert engine.stats().kv_blocks_used == 3
     assert engine.abort("r") and engine.stats().kv_blocks_used == 0
     assert outs[-1].finish.reason is FinishReason.ABORT
-    assert not engine.abort("r") and not engine.step()
+    assert not engine.abort("r")
+    if OVERLAP["value"]:
+        assert engine.step()  # reads back the step launched before the abort ...
+    assert not engine.step() and outs[-1].finish.reason is FinishReason.ABORT  # ... and outputs nothing more
 
 
 def test_an_abort_during_a_step_leaves_the_steps_block_tables_intact():
@@ -113,7 +131,8 @@ def test_an_abort_during_a_step_leaves_the_steps_block_tables_intact():
     before, during = seen["table"]
     assert len(before) == 3 and during == before
     assert engine.stats().kv_blocks_used == 0 and outs[-1].finish.reason is FinishReason.ABORT
-    assert [o.token_ids for o in outs if o.finish is None] == [[3]]  # the aborted step's token is dropped
+    # The aborted step's token is dropped; overlapped, so is the first step's (not read back yet).
+    assert [o.token_ids for o in outs if o.finish is None] == ([] if OVERLAP["value"] else [[3]])
 
 
 def test_a_failing_step_ends_its_requests_with_an_error_and_frees_blocks():
@@ -130,3 +149,54 @@ def test_chunks_given_to_the_runner_cover_the_prompt_then_one_token():
     assert chunks == [(0, 16, False), (16, 4, True), (20, 1, True)]
     blocks = engine.runner.steps[1].chunks[0].block_table
     assert len(blocks) == 5  # 20 positions of 4 per block
+
+
+class CountingRunner(ScriptedRunner):
+    """The next token is the input token + 1 (mod VOCAB), read from the resolved token ids: a
+    placeholder resolved to the wrong row shows in the output."""
+
+    def step(self, batch: StepBatch) -> torch.Tensor:
+        super().step(batch)
+        ids = torch.tensor([t for c in batch.chunks for t in c.token_ids], dtype=torch.int64)
+        ids = resolve_token_ids(ids, batch.previous_token_ids)
+        rows, end = [], 0
+        for c in batch.chunks:
+            end += len(c.token_ids)
+            if c.want_logits:
+                row = torch.zeros(VOCAB)
+                row[(int(ids[end - 1]) + 1) % VOCAB] = 10.0
+                rows.append(row)
+        return torch.stack(rows) if rows else torch.empty(0, VOCAB)
+
+
+def _counting_engine():
+    limits = EngineLimits(num_blocks=32, max_running=4, max_waiting=4, max_batch_tokens=16, max_context=64)
+    return Engine(CountingRunner([0]), Text(), limits, eos_token_ids=(EOS,), overlap=OVERLAP["value"])
+
+
+def test_each_step_feeds_the_tokens_sampled_by_the_step_before():
+    engine = _counting_engine()
+    outs = {}
+    for rid, prompt in (("a", [1]), ("b", [5, 6, 7]), ("c", [9, 2])):
+        outs[rid] = []
+        engine.add_request(rid, prompt, SamplingOptions(max_new_tokens=5, ignore_eos=True), outs[rid].append)
+    while engine.step():
+        pass
+    tokens = {rid: [t for o in got for t in o.token_ids] for rid, got in outs.items()}
+    assert tokens == {"a": [2, 3, 4, 5, 6], "b": [8, 9, 10, 11, 12], "c": [3, 4, 5, 6, 7]}
+    # Known limits stop a sequence before its last token is read back: no wasted step.
+    assert len(engine.runner.steps) == 5
+    assert engine.stats().kv_blocks_used == 0 and engine.num_in_flight == 0
+
+
+def test_a_finish_found_on_read_back_drops_the_step_already_launched():
+    engine = _counting_engine()
+    outs = []
+    engine.add_request("r", [12], SamplingOptions(), outs.append)  # 13, 14, 15, then EOS (0)
+    while engine.step():
+        pass
+    assert [t for o in outs for t in o.token_ids] == [13, 14, 15, EOS]
+    assert outs[-1].finish.reason is FinishReason.EOS and outs[-1].finish.generated_tokens == 4
+    # Overlapped, the step after the EOS had been launched already: it ran, its token was dropped.
+    assert len(engine.runner.steps) == (5 if OVERLAP["value"] else 4)
+    assert engine.stats().kv_blocks_used == 0

@@ -36,9 +36,11 @@ def _run_concurrently(worker_stub, prompts, requests):
     return results
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "w4a8kv4-g128"])
-def test_concurrent_greedy_equals_reference_forward(fmt, start_worker, reference_models, artifacts):
-    worker = start_worker(fmt)
+# Overlapped steps (the GPU default: each step launched before the previous one's tokens are read
+# back) must give the same tokens; on the CPU they are off by default, so they are asked for here.
+@pytest.mark.parametrize("fmt, overlap", [("fp16", False), ("w4a8kv4-g128", False), ("w4a8kv4-g128", True)])
+def test_concurrent_greedy_equals_reference_forward(fmt, overlap, start_worker, reference_models, artifacts):
+    worker = start_worker(fmt, overlap_steps=overlap)
     channel, worker_stub = stub(worker)
     prompts = _prompts(REQUESTS)
     results = _run_concurrently(worker_stub, prompts, REQUESTS)
@@ -56,10 +58,11 @@ def test_concurrent_greedy_equals_reference_forward(fmt, start_worker, reference
     assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.waiting == 0
 
 
-def test_preemption_gives_the_tokens_of_an_uninterrupted_run(start_worker, reference_models):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_gives_the_tokens_of_an_uninterrupted_run(overlap, start_worker, reference_models):
     # 12 blocks of 4 tokens = 48 slots; three sequences of 10 + 14 tokens need 72: some must be
     # preempted (blocks taken back) and recomputed.
-    worker = start_worker("w4a8kv4-g128", kv_blocks=12, block_size=4, max_batch_tokens=16)
+    worker = start_worker("w4a8kv4-g128", kv_blocks=12, block_size=4, max_batch_tokens=16, overlap_steps=overlap)
     channel, worker_stub = stub(worker)
     requests = [(10, 14, 0.0), (11, 14, 0.0), (9, 14, 0.02)]
     prompts = _prompts(requests, seed=1)

@@ -10,14 +10,15 @@ PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])  # token 1 most likely, then 3, 2, 
 
 def _draws(opt: SamplingOptions, logits: torch.Tensor, n: int) -> list[int]:
     g = new_generator(opt, torch.device("cpu"))
-    return [sample(logits[None], [opt], [g])[0] for _ in range(n)]
+    return [int(sample(logits[None], [opt], [g])[0]) for _ in range(n)]
 
 
 def test_greedy_rows_take_the_argmax_and_ignore_the_rest():
     logits = torch.randn(3, 50)
     opts = [SamplingOptions(), SamplingOptions(top_k=3, seed=1), SamplingOptions()]
     got = sample(logits, opts, [None, None, None])
-    assert got == logits.argmax(dim=-1).tolist()
+    assert got.dtype == torch.int64 and got.device == logits.device  # ids stay where the logits are
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
 
 
 def test_top_k_keeps_the_k_most_likely():
@@ -48,14 +49,14 @@ def test_a_seed_reproduces_the_same_tokens_whatever_the_batch():
     logits = torch.randn(6, 4096)  # 6 steps of one request
     opt = SamplingOptions(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
     alone_g = new_generator(opt, torch.device("cpu"))
-    alone = [sample(logits[i : i + 1], [opt], [alone_g])[0] for i in range(6)]
+    alone = [int(sample(logits[i : i + 1], [opt], [alone_g])[0]) for i in range(6)]
     # Same request batched with two sampled strangers that draw from their own generators.
     other = SamplingOptions(temperature=1.0, seed=99)
     g, g1, g2 = (new_generator(o, torch.device("cpu")) for o in (opt, other, other))
     batched = []
     for i in range(6):
         rows = torch.stack([torch.randn(4096), logits[i], torch.randn(4096)])
-        batched.append(sample(rows, [other, opt, other], [g1, g, g2])[1])
+        batched.append(int(sample(rows, [other, opt, other], [g1, g, g2])[1]))
     assert batched == alone
     unseeded = {tuple(_draws(SamplingOptions(temperature=1.0), torch.zeros(4096), 4)) for _ in range(3)}
     assert len(unseeded) > 1  # no seed: fresh randomness per request

@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from services.worker.engine.runner import resolve_token_ids
 from services.worker.engine.step_inputs import HostStep, StepTensors
 from services.worker.kernels import w4a8_gemm
 
@@ -86,8 +87,9 @@ class DecodeGraphs:
         self.pool = graph.pool()
         self.graphs[b] = (graph, logits)
 
-    def replay(self, host: HostStep) -> torch.Tensor:
-        """host: a decode-only step of n <= the largest bucket rows -> (n, vocab) fp32 logits (a copy)."""
+    def replay(self, host: HostStep, previous_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """host: a decode-only step of n <= the largest bucket rows -> (n, vocab) fp32 logits (a copy).
+        Placeholder token ids in host.tokens are resolved against previous_token_ids on the device."""
         n = len(host.tokens)
         b = self.bucket_for(n)
         if b not in self.graphs or self._workspace_ptr() != self.workspace_ptr:
@@ -102,6 +104,8 @@ class DecodeGraphs:
         put(self.slots, host.slots, -1)
         put(self.context_lens, host.context_lens, 0)
         self.block_tables[:n].copy_(torch.from_numpy(tables))
+        if previous_token_ids is not None:
+            self.tokens[:b] = resolve_token_ids(self.tokens[:b], previous_token_ids)
         graph, logits = self.graphs[b]
         graph.replay()
         return logits[:n].clone()

@@ -9,6 +9,15 @@ schedule, and the step's result for the aborted sequence is dropped.
 
 Outputs go to each request's `sink`, called on the engine thread; it must not block (the servicer
 passes one that hands the output to its asyncio queue with loop.call_soon_threadsafe).
+
+Overlap (on by default on a GPU): the host work between two steps (reading back the sampled
+tokens, stop checks, detokenizing, outputs, the next schedule and its inputs: 1-2 ms at a batch of
+256) would leave the GPU idle for that long each step. Instead, step N + 1 is scheduled and
+launched before step N's tokens are read back: N's sampled ids stay on the device and N + 1 takes
+them from there (a due sequence gets a placeholder token, `placeholder(row)`, that the runner
+resolves against `StepBatch.previous_token_ids`). A sequence that turns out to have finished at step N
+(EOS, a stop string) has run one step too many; that step's token is dropped, as for an abort.
+A sequence never runs past its max_new_tokens or the context, known before its tokens are.
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.detokenizer import Decoder, IncrementalDetokenizer
@@ -43,6 +54,40 @@ class EngineLimits:
     max_context: int  # prompt + generated tokens of one sequence
 
 
+def placeholder(row: int) -> int:
+    """The token id standing for row `row` of the previous step's sampled ids (see the runner contract)."""
+    return -(row + 1)
+
+
+class _HostIds:
+    """A step's sampled ids on their way to the host: a non-blocking copy into pinned memory on a
+    GPU (so launching the next step does not wait for it), the tensor itself on a CPU."""
+
+    def __init__(self, ids: torch.Tensor):
+        if ids.device.type == "cuda":
+            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self._host.copy_(ids, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = ids, None
+
+    def wait(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step whose tokens have not been read back yet."""
+
+    token_ids: torch.Tensor  # (rows,) int64 sampled ids on the runner's device
+    host_ids: _HostIds
+    placed: list[tuple[Sequence, int, int]]  # (sequence, index in its output_ids, row) per placeholder
+    seqs: list[Sequence]  # every sequence of the step (failed together if the read-back fails)
+
+
 @dataclass(slots=True)
 class _Live:
     seq: Sequence
@@ -51,8 +96,12 @@ class _Live:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, decoder: Decoder, limits: EngineLimits, eos_token_ids: tuple[int, ...]):
+    def __init__(self, runner: ModelRunner, decoder: Decoder, limits: EngineLimits, eos_token_ids: tuple[int, ...],
+                 overlap: bool | None = None):
         self.runner = runner
+        # None: overlap where it pays, on a GPU (on a CPU the forward itself runs on the host).
+        self.overlap = runner.device.type == "cuda" if overlap is None else overlap
+        self._in_flight: _InFlight | None = None
         self.decoder = decoder
         self.limits = limits
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -78,6 +127,8 @@ class Engine:
                     f"the waiting queue is full ({self.limits.max_waiting} requests); retry later or use another worker"
                 )
             seq = Sequence(next(self._ids), request_id, list(prompt_ids), sampling)
+            seq.max_tokens = min(len(prompt_ids) + sampling.max_new_tokens if sampling.max_new_tokens else
+                                 self.limits.max_context, self.limits.max_context)
             if not sampling.greedy:
                 seq.generator = new_generator(sampling, self.runner.device)
             self._live[request_id] = _Live(seq, IncrementalDetokenizer(self.decoder, sampling.stop), sink)
@@ -133,60 +184,91 @@ class Engine:
         while True:
             try:
                 with self._cond:
-                    while not self._stopping and not self.scheduler.has_work:
+                    while not self._stopping and not self.scheduler.has_work and self._in_flight is None:
                         self._cond.wait()
                     if self._stopping:
                         return
-                    schedule = self._schedule()
-                if not schedule.chunks:  # cannot happen with a cache that holds one full context; be safe
+                if not self._iterate():  # cannot happen with a cache that holds one full context; be safe
                     time.sleep(0.001)
-                    continue
-                self.step_once(schedule)
             except Exception as exc:  # an engine bug: end what is in flight, keep the loop (and worker) alive
                 log.exception("engine loop error")
+                self._in_flight = None
                 with self._cond:
                     seqs = [live.seq for live in self._live.values()]
                 self._fail(seqs, f"engine error: {type(exc).__name__}: {exc}")
 
     def step(self) -> bool:
-        """One scheduling step on the caller's thread (tests drive the engine without its thread)."""
+        """One iteration on the caller's thread (tests and benchmarks drive the engine without its
+        thread): schedule and launch a step, then read back the previous step's tokens (with
+        overlap) or this one's. False when there was nothing to launch or read back."""
+        return self._iterate()
+
+    def _iterate(self) -> bool:
         with self._cond:
             schedule = self._schedule()
-        if not schedule.chunks:
-            return False
-        self.step_once(schedule)
-        return True
+        previous = self._in_flight
+        launched = self._launch(schedule, previous) if schedule.chunks else None
+        self._in_flight = launched if self.overlap else None
+        if previous is not None:
+            self._read_back(previous)
+        if launched is not None and not self.overlap:
+            self._read_back(launched)
+        return launched is not None or previous is not None
 
-    def step_once(self, schedule: Schedule) -> None:
+    def _launch(self, schedule: Schedule, previous: _InFlight | None) -> _InFlight | None:
+        """Queues one model step and its sampling on the device, then books its effect as if done:
+        the chunks count as computed and each due sequence gets a placeholder token, so the next
+        schedule can be made (and the next step launched) before this one's tokens are known."""
         now = time.monotonic()
-        for chunk in schedule.chunks:
-            if chunk.seq.first_scheduled is None:
-                chunk.seq.first_scheduled = now
         due = []
         chunks = []
         for c in schedule.chunks:
-            seq, completes = c.seq, c.completes
-            if completes:
+            seq = c.seq
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+            if c.completes:
                 due.append(c)
             # The block table is passed as is: an abort during the step gives the sequence a new
             # table (Scheduler._release), and growth happens only in schedule(), on this thread.
             chunks.append(SequenceChunk(seq.seq_id, seq.token_at(c.start, c.num_tokens), c.start, seq.block_table,
-                                        completes))
-        batch = StepBatch(chunks)
+                                        c.completes))
+        batch = StepBatch(chunks, previous.token_ids if previous is not None else None)
         try:
             logits = self.runner.step(batch)  # (len(due), V) fp32 on the runner's device
-            next_ids = sample(logits, [c.seq.sampling for c in due], [c.seq.generator for c in due])
+            ids = sample(logits, [c.seq.sampling for c in due], [c.seq.generator for c in due])
+            host_ids = _HostIds(ids)
         except Exception as exc:  # a failed step ends its requests, never the worker
             log.exception("model step failed for %d sequences", len(schedule.chunks))
             self._fail([c.seq for c in schedule.chunks], f"model step failed: {type(exc).__name__}: {exc}")
-            return
+            return None
+        placed = []
         with self._cond:
             for chunk in schedule.chunks:
                 self.scheduler.on_computed(chunk)
-            for chunk, token in zip(due, next_ids):
-                live = self._live.get(chunk.seq.request_id)
-                if live is not None and live.seq is chunk.seq and chunk.seq.num_computed == chunk.seq.num_tokens:
-                    self._append(live, token)
+            for row, chunk in enumerate(due):
+                seq = chunk.seq
+                live = self._live.get(seq.request_id)
+                if live is not None and live.seq is seq and seq.num_computed == seq.num_tokens:
+                    seq.output_ids.append(placeholder(row))
+                    placed.append((seq, len(seq.output_ids) - 1, row))
+        return _InFlight(ids, host_ids, placed, [c.seq for c in schedule.chunks])
+
+    def _read_back(self, step: _InFlight) -> None:
+        """Waits for a launched step's tokens and puts them in place of its placeholders: stop
+        checks, text, outputs. A sequence that finished or was aborted meanwhile is skipped."""
+        try:
+            tokens = step.host_ids.wait()
+        except Exception as exc:
+            log.exception("reading back a step's tokens failed")
+            self._fail(step.seqs, f"model step failed: {type(exc).__name__}: {exc}")
+            return
+        with self._cond:
+            for seq, index, row in step.placed:
+                live = self._live.get(seq.request_id)
+                if live is None or live.seq is not seq or seq.output_ids[index] != placeholder(row):
+                    continue
+                seq.output_ids[index] = tokens[row]
+                self._on_token(live, index)
 
     # ---- with the lock held ----
 
@@ -197,9 +279,12 @@ class Engine:
             log.debug("preempted %s (%d tokens to recompute)", seq.request_id, seq.num_tokens)
         return schedule
 
-    def _append(self, live: _Live, token: int) -> None:
+    def _on_token(self, live: _Live, index: int) -> None:
+        """Output token `index` of the sequence is now known: stream it or finish the request. Later
+        entries of output_ids, if any, are placeholders of a step still in flight."""
         seq, opt = live.seq, live.seq.sampling
-        seq.output_ids.append(token)
+        token = seq.output_ids[index]
+        generated = index + 1
         if seq.first_token is None:
             seq.first_token = time.monotonic()
         reason = None
@@ -211,13 +296,14 @@ class Engine:
         text = live.detok.add([token]) if reason is None else ""
         if reason is None and live.detok.stopped:
             reason = FinishReason.STOP
-        elif reason is None and opt.max_new_tokens and len(seq.output_ids) >= opt.max_new_tokens:
+        elif reason is None and opt.max_new_tokens and generated >= opt.max_new_tokens:
             reason = FinishReason.LENGTH
-        elif reason is None and seq.num_tokens >= self.limits.max_context:
+        elif reason is None and len(seq.prompt_ids) + generated >= self.limits.max_context:
             reason = FinishReason.LENGTH
         if reason is None:
             live.sink(RequestOutput(seq.request_id, [token], text))
         else:
+            del seq.output_ids[generated:]  # a step in flight may have appended a placeholder after it
             self._finish(live, reason, [token], text + live.detok.flush())
 
     def _finish(self, live: _Live, reason: FinishReason, token_ids: list[int], text: str) -> None:

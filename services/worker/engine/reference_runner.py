@@ -24,7 +24,7 @@ from dataclasses import fields, is_dataclass
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine.runner import SequenceChunk, StepBatch
+from services.worker.engine.runner import SequenceChunk, StepBatch, resolve_token_ids
 from services.worker.kernels.attention_reference import gather_sequence
 from shared.formats.artifact import ArtifactReader
 from shared.formats.kv4 import encode_rows, page_row_bytes
@@ -89,6 +89,7 @@ class ReferenceRunner:
         chunks = batch.chunks
         dev = self.device
         tokens = torch.tensor([t for ch in chunks for t in ch.token_ids], dtype=torch.long, device=dev)  # (N,)
+        tokens = resolve_token_ids(tokens, batch.previous_token_ids)
         positions = torch.cat([_positions(ch, dev) for ch in chunks])  # (N,)
         slots = torch.cat([_slots(ch, self.block_size, dev) for ch in chunks])  # (N,)
         cos, sin = cos_sin(positions, m.inv_freq)  # (N, D) fp32

@@ -39,6 +39,9 @@ class SequenceChunk:
 @dataclass(slots=True)
 class StepBatch:
     chunks: list[SequenceChunk]
+    # The previous step's sampled ids (rows, on the runner's device), when the engine launched this
+    # step before reading them back: a negative token id -(r + 1) in a chunk stands for row r.
+    previous_token_ids: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +50,15 @@ class StepBatch:
     @property
     def is_decode_only(self) -> bool:
         return all(len(c.token_ids) == 1 and c.start_position > 0 for c in self.chunks)
+
+
+def resolve_token_ids(tokens: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+    """tokens (T,) int64 on the device, with -(r + 1) standing for previous[r] -> the real ids
+    (device work only: no read-back of `previous`)."""
+    if previous is None or previous.numel() == 0:
+        return tokens
+    rows = (-tokens - 1).clamp(min=0, max=previous.numel() - 1)
+    return torch.where(tokens < 0, previous[rows], tokens)
 
 
 class ModelRunner(Protocol):
@@ -68,6 +80,6 @@ class ModelRunner(Protocol):
         """Allocates (or re-allocates, dropping its contents) the paged KV cache."""
 
     def step(self, batch: StepBatch) -> torch.Tensor:
-        """Writes every chunk's K/V into its blocks and returns fp32 logits (n, vocab), on the
+        """Resolves placeholder token ids (resolve_token_ids), writes every chunk's K/V into its blocks and returns fp32 logits (n, vocab), on the
         runner's device, for the chunks with want_logits, in batch order (the sampler runs where
         the logits are, so only sampled token ids cross to the host)."""

@@ -40,8 +40,9 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return scaled
 
 
-def sample(logits: torch.Tensor, options: list[SamplingOptions], generators: list[torch.Generator | None]) -> list[int]:
-    """logits (n, V) fp32 on the runner's device, one row per sequence -> n token ids (host ints)."""
+def sample(logits: torch.Tensor, options: list[SamplingOptions], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits (n, V) fp32 on the runner's device, one row per sequence -> (n,) int64 token ids on
+    that device (no read-back: the engine can launch the next step first)."""
     n = logits.shape[0]
     chosen = torch.argmax(logits, dim=-1)  # (n,) int64: the greedy answer for every row
     for i in range(n):
@@ -51,4 +52,4 @@ def sample(logits: torch.Tensor, options: list[SamplingOptions], generators: lis
         filtered = filter_logits(logits[i], opt.temperature, opt.top_k, opt.top_p)
         probs = torch.softmax(filtered, dim=-1)
         chosen[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
-    return chosen.tolist()
+    return chosen

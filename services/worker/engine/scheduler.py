@@ -71,6 +71,8 @@ class Scheduler:
         scheduled: set[int] = set()
         decodes, prefills = [], []
         for s in self.running:
+            if s.at_token_limit:  # its last token is still being read back; no step is needed
+                continue
             (decodes if s.num_uncomputed == 1 else prefills).append(s)
         slots_per_block = self.blocks.block_size
         for seq in decodes + prefills:

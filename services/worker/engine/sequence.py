@@ -59,6 +59,9 @@ class Sequence:
     first_scheduled: float | None = None  # monotonic time of the first step that ran it
     first_token: float | None = None  # monotonic time of the first generated token
     num_preemptions: int = 0
+    # prompt + generated tokens at which the generation ends for certain (max_new_tokens, the
+    # context): a sequence there needs no further step, even while its last token is unknown.
+    max_tokens: int = 1 << 62
     generator: torch.Generator | None = None  # per-request RNG for sampled requests (made by the engine)
 
     @property
@@ -77,6 +80,10 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def at_token_limit(self) -> bool:
+        return self.num_tokens >= self.max_tokens and bool(self.output_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -37,7 +37,7 @@ from services.worker.engine.cuda_graphs import DecodeGraphs
 from services.worker.engine.gpu_layers import Fp16Ops, W4A8Ops, rmsnorm_fp16
 from services.worker.engine.gpu_weights import LayerWeights, load_weights
 from services.worker.engine.kernel_policy import GemmPolicy
-from services.worker.engine.runner import StepBatch
+from services.worker.engine.runner import StepBatch, resolve_token_ids
 from services.worker.engine.step_inputs import StepTensors, build_host_step, to_device
 from services.worker.kernels import kv4_cache, paged_attention, prefill_attention, w4a8_gemm
 from services.worker.kernels.attention_reference import build_rope_cache
@@ -195,13 +195,15 @@ class TritonRunner:
             return torch.zeros((0, self.config.vocab_size), dtype=torch.float32, device=self.device)
         host = build_host_step(batch, self.block_size, self.max_blocks, self.max_model_len)
         if self.graphs is not None and batch.is_decode_only and self.graphs.bucket_for(len(host.tokens)):
-            logits = self.graphs.replay(host)
+            logits = self.graphs.replay(host, batch.previous_token_ids)
             if len(host.logit_rows) != len(host.tokens):
                 logits = logits[torch.from_numpy(host.logit_rows).to(self.device)]
             return logits
         if len(host.tokens) > self.settings.max_batch_tokens:
             raise ValueError(f"a step of {len(host.tokens)} tokens exceeds max_batch_tokens={self.settings.max_batch_tokens}")
-        return self._forward(to_device(host, self.device))
+        st = to_device(host, self.device)
+        st.tokens = resolve_token_ids(st.tokens, batch.previous_token_ids)
+        return self._forward(st)
 
     def _forward(self, st: StepTensors) -> torch.Tensor:
         """-> (rows, vocab) fp32 logits of st.logit_rows (all rows when None)."""
