@@ -98,12 +98,15 @@ class DecodeGraphs:
         tables = host.block_tables
         if tables.shape[1] != self.block_tables.shape[1]:
             raise ValueError(f"block tables of width {tables.shape[1]}, the graphs take {self.block_tables.shape[1]}")
-        put = lambda dst, a, fill: dst[:b].copy_(torch.from_numpy(np.concatenate([a, np.full(pad, fill, a.dtype)])))  # noqa: E731
+        # Copies from pinned memory, non-blocking: a plain copy from pageable memory would wait for
+        # the step in flight (the engine launches this one while the previous still runs).
+        upload = lambda dst, a: dst.copy_(torch.from_numpy(a).pin_memory(), non_blocking=True)  # noqa: E731
+        put = lambda dst, a, fill: upload(dst[:b], np.concatenate([a, np.full(pad, fill, a.dtype)]))  # noqa: E731
         put(self.tokens, host.tokens, 0)
         put(self.positions, host.positions, 0)
         put(self.slots, host.slots, -1)
         put(self.context_lens, host.context_lens, 0)
-        self.block_tables[:n].copy_(torch.from_numpy(tables))
+        upload(self.block_tables[:n], tables)
         if previous_token_ids is not None:
             self.tokens[:b] = resolve_token_ids(self.tokens[:b], previous_token_ids)
         graph, logits = self.graphs[b]

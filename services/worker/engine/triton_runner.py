@@ -197,7 +197,7 @@ class TritonRunner:
         if self.graphs is not None and batch.is_decode_only and self.graphs.bucket_for(len(host.tokens)):
             logits = self.graphs.replay(host, batch.previous_token_ids)
             if len(host.logit_rows) != len(host.tokens):
-                logits = logits[torch.from_numpy(host.logit_rows).to(self.device)]
+                logits = logits[torch.from_numpy(host.logit_rows).to(self.device, non_blocking=True)]
             return logits
         if len(host.tokens) > self.settings.max_batch_tokens:
             raise ValueError(f"a step of {len(host.tokens)} tokens exceeds max_batch_tokens={self.settings.max_batch_tokens}")
