@@ -341,9 +341,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=25)
     parser.add_argument("--rep", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="main point only, no sweeps")
+    parser.add_argument("--points", type=lambda t: [tuple(int(v) for v in p.split(":")) for p in t.split(",")],
+                        help="only these BATCH:CONTEXT points (32 heads, head_dim 128), each with a short KV4 sweep "
+                             "over the partition sizes, e.g. 256:1280 (the engine's decode shapes)")
     args = parser.parse_args()
     bench = Bench(args)
     print(json.dumps(bench.result["machine"]), flush=True)
+    if args.points:
+        bench.copy_bandwidth()
+        for batch, ctx in args.points:
+            print(f"batch {batch}, context {ctx}:", flush=True)
+            bench.decode_point(f"b{batch}_ctx{ctx}", batch, 32, 32, ctx, 128, sweep=KV4_SWEEP[2:4] + KV4_SWEEP[5:6],
+                               partitions=PARTITIONS, fp16=False, sdpa=False)
+        return
     try:
         bench.copy_bandwidth()
         print("main point:", MAIN, flush=True)
