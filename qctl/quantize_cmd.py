@@ -38,6 +38,9 @@ def quantize(
     reorder: bool = typer.Option(True, "--reorder/--no-reorder", help="activation-aware channel reordering"),
     clipping: bool = typer.Option(True, "--clipping/--no-clipping", help="weight clip-ratio search"),
     gptq: bool = typer.Option(True, "--gptq/--no-gptq", help="error-compensated rounding"),
+    compensate_inputs: bool = typer.Option(
+        QoQOptions().compensate_inputs, "--compensate-inputs/--no-compensate-inputs",
+        help="fit each linear to its fp output from the quantized block's inputs (int8, KV4) before rounding"),
     seed: int = typer.Option(0, help="seed of the rotations and the token subsample"),
 ):
     """Quantize a checkpoint into an artifact folder (manifest.json + safetensors)."""
@@ -46,7 +49,8 @@ def quantize(
     else:
         options = QoQOptions(
             rotation=rotation, rotate_values=rotate_values, smooth_attention=smooth_attention,
-            smoothing=smoothing, reorder=reorder, clipping=clipping, gptq=gptq, seed=seed,
+            smoothing=smoothing, reorder=reorder, clipping=clipping, gptq=gptq,
+            compensate_inputs=compensate_inputs, seed=seed,
         )
     settings = QuantizeSettings(
         model_dir=model, out_dir=out, format=format.value, gpu_target=resolve_gpu_target(gpu_target),

@@ -18,6 +18,7 @@ from shared.formats.weights import PackedWeight
 from shared.model.config import LlamaConfig
 from shared.model.llama import block_forward
 from shared.quant.block import WorkBlock
+from shared.quant.compensation import compensated_weight, quantized_inputs_for
 from shared.quant.gptq import gptq_quantize
 from shared.quant.clipping import candidate_ratios, search_clip_ratios
 from shared.quant.options import QoQOptions
@@ -136,17 +137,24 @@ def quantize_block(
         cap.hessians["down"] = cap.hessians["down"][perm][:, perm]
 
     ratios = candidate_ratios(options.clip_min_ratio, options.clip_steps)
-    linears = {}
+    linears, dequantized = {}, {}
     for name in BLOCK_LINEARS:
-        w = getattr(work, name)
-        clip = search_clip_ratios(cap.hessians[name], w, kind, ratios) if options.clipping else None
+        w, hessian = getattr(work, name), cap.hessians[name]
+        if options.compensate_inputs:
+            # The quantized block's own input to this linear, fitted to the fp block's output of it.
+            hessian, cross = quantized_inputs_for(
+                config, work, x, cos, sin, bits, spec.kv_bits, dequantized, name, FORWARD_BATCH
+            )
+            w = compensated_weight(w, hessian, cross, options.compensate_ridge)
+        clip = search_clip_ratios(hessian, w, kind, ratios) if options.clipping else None
         if name == "qkv" and clip is not None:
             # Clipping shrinks q and k outputs, which sharpens or flattens every attention
             # distribution; like AWQ, only V's rows are clipped (measured: clipping q/k costs ppl).
             clip[: config.q_size + config.kv_size] = 1.0
         if options.gptq:
-            linears[name] = gptq_quantize(w, cap.hessians[name], kind, clip, options.gptq_act_order)
+            linears[name] = gptq_quantize(w, hessian, kind, clip, options.gptq_act_order)
         else:
             linears[name] = quantize(w, clip)
+        if options.compensate_inputs:
+            dequantized[name] = linears[name].dequantize()
     return QuantizedBlock(norms, linears), out
-

@@ -75,7 +75,8 @@ def check_group_divisibility(config: LlamaConfig, spec: FormatSpec) -> None:
 def needs_calibration(spec: FormatSpec, options: QoQOptions) -> bool:
     if spec.weight_kind == "fp16":
         return False
-    return options.smooth_attention or options.smoothing or options.reorder or options.clipping or options.gptq
+    return (options.smooth_attention or options.smoothing or options.reorder or options.clipping or options.gptq
+            or options.compensate_inputs)
 
 
 @torch.no_grad()
