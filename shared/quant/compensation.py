@@ -28,10 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from shared.formats.artifact import BLOCK_LINEARS
-from shared.formats.kv4 import fake_quantize_kv4
 from shared.model.config import LlamaConfig
-from shared.model.llama import rms_norm
-from shared.model.rope import apply_rope
+from shared.model.llama import attention, rms_norm
 from shared.quant.activations import fake_quantize_per_token
 from shared.quant.block import WorkBlock
 
@@ -64,17 +62,7 @@ def block_forward_until(
     h = rms_norm(x, work.attn_norm, c.rms_norm_eps)
     if until == "qkv":
         return quantize(h).reshape(b * t, -1)
-    q, k, v = linear("qkv", h).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-    q = q.view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
-    k = k.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-    v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if kv_bits == 4:
-        k, v = fake_quantize_kv4(k), fake_quantize_kv4(v)
-    if c.group_size > 1:
-        k = k.repeat_interleave(c.group_size, dim=1)
-        v = v.repeat_interleave(c.group_size, dim=1)
-    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c.q_size)
+    attn = attention(c, linear("qkv", h), cos, sin, kv_bits)  # (B, T, heads * D), as the reference block
     if until == "o":
         return quantize(attn).reshape(b * t, -1)
     x = x + linear("o", attn)
