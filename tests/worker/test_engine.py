@@ -52,18 +52,13 @@ class Text:
         return "".join(chr(ord("a") + i) for i in ids)
 
 
+OVERLAP = {"value": False}  # the engines built by this module's helpers: set per test below
+
+
 @pytest.fixture(params=[False, True], ids=["in-step", "overlapped"], autouse=True)
-def overlap(request):
+def _overlap(request):
     """Every test runs with tokens read back in their own step and with the next step launched first."""
-    return request.param
-
-
-OVERLAP = {"value": False}
-
-
-@pytest.fixture(autouse=True)
-def _set_overlap(overlap):
-    OVERLAP["value"] = overlap
+    OVERLAP["value"] = request.param
 
 
 def _engine(script, max_context=64, fail=False):

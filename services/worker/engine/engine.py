@@ -126,9 +126,10 @@ class Engine:
                 raise QueueFull(
                     f"the waiting queue is full ({self.limits.max_waiting} requests); retry later or use another worker"
                 )
-            seq = Sequence(next(self._ids), request_id, list(prompt_ids), sampling)
-            seq.max_tokens = min(len(prompt_ids) + sampling.max_new_tokens if sampling.max_new_tokens else
-                                 self.limits.max_context, self.limits.max_context)
+            max_tokens = self.limits.max_context
+            if sampling.max_new_tokens:
+                max_tokens = min(max_tokens, len(prompt_ids) + sampling.max_new_tokens)
+            seq = Sequence(next(self._ids), request_id, list(prompt_ids), sampling, max_tokens=max_tokens)
             if not sampling.greedy:
                 seq.generator = new_generator(sampling, self.runner.device)
             self._live[request_id] = _Live(seq, IncrementalDetokenizer(self.decoder, sampling.stop), sink)
@@ -296,9 +297,7 @@ class Engine:
         text = live.detok.add([token]) if reason is None else ""
         if reason is None and live.detok.stopped:
             reason = FinishReason.STOP
-        elif reason is None and opt.max_new_tokens and generated >= opt.max_new_tokens:
-            reason = FinishReason.LENGTH
-        elif reason is None and len(seq.prompt_ids) + generated >= self.limits.max_context:
+        elif reason is None and len(seq.prompt_ids) + generated >= seq.max_tokens:  # max_new_tokens or the context
             reason = FinishReason.LENGTH
         if reason is None:
             live.sink(RequestOutput(seq.request_id, [token], text))
