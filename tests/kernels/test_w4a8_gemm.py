@@ -160,3 +160,18 @@ def test_bad_requests_name_the_problem():
         gemm.w4a8_gemm(x8, sx, quantize_w8(torch.randn(n, k)))
     with pytest.raises(AssertionError, match="K=256"):
         gemm.w4a8_gemm(x8[:, :256], sx, weight, variant="g128.n64m16.sk")
+
+
+def test_workspace_is_one_buffer_per_device_whatever_the_spelling(monkeypatch):
+    # A runner built with "cuda" and a GEMM launched on tensors of "cuda:0" once kept two
+    # workspaces; the decode graphs watched the one the GEMMs never used, and replayed over a
+    # freed buffer after the other grew.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert gemm.canonical_device("cuda") == torch.device("cuda", 0) == gemm.canonical_device(torch.device("cuda:0"))
+    assert gemm.canonical_device("cpu") == torch.device("cpu")
+    ws = gemm._Workspace()
+    small = ws.get("cpu", 8)
+    assert ws.get(torch.device("cpu"), 4) is small and ws.pointer("cpu") == small.data_ptr()
+    grown = ws.get("cpu", 64)
+    assert grown.numel() == 64 and ws.pointer(torch.device("cpu")) == grown.data_ptr() != small.data_ptr()
+    assert ws.pointer("meta") is None

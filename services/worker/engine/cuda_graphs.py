@@ -58,8 +58,7 @@ class DecodeGraphs:
         )
 
     def _workspace_ptr(self) -> int | None:
-        ws = w4a8_gemm.WORKSPACE._by_device.get(self.device)
-        return None if ws is None else ws.data_ptr()
+        return w4a8_gemm.WORKSPACE.pointer(self.device)
 
     def clear(self) -> None:
         self.graphs.clear()

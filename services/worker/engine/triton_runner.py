@@ -83,6 +83,8 @@ class TritonRunner:
                              "serve on the CPU with the reference runner")
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"TritonRunner runs on an NVIDIA GPU ('cuda'), not {self.device}")
+        # With its index: the split-K workspace and the graphs' check of it are keyed by device.
+        self.device = w4a8_gemm.canonical_device(self.device)
         self.format = reader.spec.name
         self.kv4 = reader.spec.kv_bits == 4
         if reader.spec.weight_kind != "fp16" and (reader.spec.activation_bits != 8 or not self.kv4):

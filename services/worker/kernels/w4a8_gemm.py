@@ -392,18 +392,37 @@ def default_variant_name(M: int, fmt: str) -> str:
 _logged_defaults: set[tuple[str, str]] = set()
 
 
+def canonical_device(device: torch.device | str) -> torch.device:
+    """`cuda` -> `cuda:<current>`: torch.device("cuda") != torch.device("cuda:0"), and a tensor's
+    .device always carries the index, so anything keyed by device must key by this form."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class _Workspace:
-    """Per-device int32 scratch for split-K partial tiles, grown on demand (never shrunk)."""
+    """Per-device int32 scratch for split-K partial tiles, grown on demand (never shrunk).
+
+    Growing frees the old buffer: a CUDA graph captured over it would then write freed memory, so
+    graph owners reserve the largest size first (`get`) and compare `pointer` before replaying.
+    """
 
     def __init__(self):
         self._by_device: dict[torch.device, torch.Tensor] = {}
 
-    def get(self, device: torch.device, elements: int) -> torch.Tensor:
-        ws = self._by_device.get(device)
+    def get(self, device: torch.device | str, elements: int) -> torch.Tensor:
+        key = canonical_device(device)
+        ws = self._by_device.get(key)
         if ws is None or ws.numel() < elements:
-            ws = torch.empty(elements, dtype=torch.int32, device=device)
-            self._by_device[device] = ws
+            ws = torch.empty(elements, dtype=torch.int32, device=key)
+            self._by_device[key] = ws
         return ws
+
+    def pointer(self, device: torch.device | str) -> int | None:
+        """The current buffer's address on this device (None before the first split-K launch)."""
+        ws = self._by_device.get(canonical_device(device))
+        return None if ws is None else ws.data_ptr()
 
 
 WORKSPACE = _Workspace()
