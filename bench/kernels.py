@@ -169,6 +169,7 @@ class Bench:
         import torch
         import torch.nn.functional as F
 
+        from services.worker.kernels import act_quant
         from services.worker.kernels.act_quant import quantize, rmsnorm_quant, silu_mul_quant
         from shared.model.llama import rms_norm
         from shared.quant.activations import quantize_per_token
@@ -195,9 +196,20 @@ class Bench:
                     row["correct"] = row["scale_max_rel_err"] < 1e-6 and row["code_max_diff"] <= 1 and row["rowsum_exact"]
                     t = self.time_calls(fns)
                     row.update(us=t * 1e3, gbps=nbytes / t / 1e6)
+                    # the same op forced down the chunked path, in the same run: what one pass saves
+                    one_pass_max, act_quant.ONE_PASS_MAX = act_quant.ONE_PASS_MAX, 0
+                    try:
+                        row["us_chunked_path"] = self.time_calls(fns) * 1e3
+                    finally:
+                        act_quant.ONE_PASS_MAX = one_pass_max
                 except Exception as e:  # a failing kernel is a result, not the end of the run
                     row["error"] = f"{type(e).__name__}: {e}"[:500]
                 self.result["act_quant"].append(row)
+        rows = self.result["act_quant"]
+        self.result["checks"].append({
+            "name": "act_quant kernels match the reference (scale, codes within 1, exact row sums)",
+            "value": sum(bool(r.get("correct")) for r in rows), "target": len(rows), "op": ">=",
+            "met": all(r.get("correct") for r in rows)})
                 print(f"  {name:15s} M={m:5d} {row.get('us', float('nan')):8.2f} us {row.get('gbps', 0):7.0f} GB/s"
                       f" correct={row.get('correct')} {row.get('error', '')}", flush=True)
 
@@ -439,6 +451,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=20, help="do_bench repetition, ms")
     p.add_argument("--skip-act-quant", action="store_true")
+    p.add_argument("--only-act-quant", action="store_true", help="the activation-quant kernels alone (no GEMMs)")
     p.add_argument("--sweep-max-m", type=int, default=64, help="time every split-K factor up to this M")
     p.add_argument("--sweep-shape", default="1008x1152", help="N x K of the correctness sweep (no tile multiples)")
     args = p.parse_args()
@@ -455,6 +468,11 @@ def main() -> None:
     print(json.dumps(bench.result["machine"]), flush=True)
     start = time.time()
     bench.warm_gpu()
+    if args.only_act_quant:
+        bench.act_quant()
+        bench.result["seconds"] = time.time() - start
+        bench.write()
+        return
     bench.correctness_sweep()
     if not args.skip_act_quant:
         bench.act_quant()

@@ -10,11 +10,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from services.worker.kernels import act_quant
 from services.worker.kernels.act_quant import quantize, rmsnorm_quant, silu_mul_quant
 from shared.model.llama import rms_norm
 from shared.quant.activations import quantize_per_token
 
 SHAPES = [(1, 64), (3, 200), (129, 384)]
+
+
+@pytest.fixture(autouse=True, params=["one_pass", "chunked"])
+def _path(request, monkeypatch):
+    """Every test runs both kernel paths: a row held in registers, and rows read in chunks of 128."""
+    if request.param == "chunked":
+        monkeypatch.setattr(act_quant, "ONE_PASS_MAX", 0)
+        monkeypatch.setattr(act_quant, "CHUNK", 128)
 
 
 def _assert_quantized(got, ref_input: torch.Tensor) -> None:

@@ -20,6 +20,12 @@ import triton.language as tl
 # Adding and subtracting 1.5 * 2^23 rounds an fp32 |v| < 2^22 to the nearest integer, ties to
 # even (torch.round's rule); the interpreter has no libdevice rint.
 _ROUND_MAGIC = tl.constexpr(12582912.0)
+ONE_PASS_MAX = 16384  # widest row held in registers (fp32 values of one row per program)
+# silu(gate) * up in one pass (16 warps a row at F = 11008) pays while rows are few: on the H200 it
+# took 22.9 us against 25.4 at 256 rows, but 292 against 174 at 4096, where the chunked path's
+# 4-warp programs fill the SMs better. The cut lies between the two measured points.
+SILU_ONE_PASS_MAX_ROWS = 512
+CHUNK = 2048  # chunk of the multi-pass path for wider rows
 
 
 @triton.jit
@@ -35,45 +41,66 @@ def _values(in_ptr, w_ptr, offs, mask, F, inv_rms, OP: tl.constexpr):
 
 
 @triton.jit
+def _quantize_store(v, scale, x8_row, offs, mask):
+    """fp32 values v -> int8 codes stored at x8_row + offs; returns their int32 codes (0 where masked)."""
+    q = tl.math.div_rn(v, scale)
+    q = (q + _ROUND_MAGIC) - _ROUND_MAGIC
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
+    tl.store(x8_row + offs, q.to(tl.int8), mask=mask)
+    return q  # masked lanes hold round(0 / scale) = 0
+
+
+@triton.jit
 def _act_quant_kernel(
     in_ptr, w_ptr, x8_ptr, scale_ptr, rowsum_ptr,
     K, eps,
     stride_im, stride_qm,
-    OP: tl.constexpr, BLOCK: tl.constexpr,
+    OP: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
-    """One row per program, in chunks of BLOCK: [sum of squares,] absmax, then quantize.
+    """One row per program. OP 0: x (M, K); OP 1: rms_norm(x) * w; OP 2: silu(gate) * up of [gate | up] (M, 2K).
 
-    OP 0: x (M, K); OP 1: rms_norm(x) * w; OP 2: silu(gate) * up of [gate | up] (M, 2K).
-    The later passes re-read the row from L2/L1 rather than holding it in registers, so a row
-    of any width runs with few warps and many rows share an SM.
+    ONE_PASS (the row fits one BLOCK): the row is read once and held in registers, and silu /
+    the norm are computed once: a decode step's rows are few, so each program's latency is the
+    cost. Otherwise chunks of BLOCK: [sum of squares,] absmax, then quantize, the later passes
+    re-reading the row from L2/L1, so a row of any width runs with few warps.
     """
     row = tl.program_id(0)
     in_row = in_ptr + row * stride_im
-    inv_rms = 1.0
-    if OP == 1:
-        sum_sq = tl.zeros((BLOCK,), dtype=tl.float32)
+    x8_row = x8_ptr + row * stride_qm
+    if ONE_PASS:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < K
+        inv_rms = 1.0
+        if OP == 1:
+            x = tl.load(in_row + offs, mask=mask, other=0.0).to(tl.float32)
+            mean_sq = tl.math.div_rn(tl.sum(x * x, axis=0), K.to(tl.float32))
+            inv_rms = tl.math.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
+        v = _values(in_row, w_ptr, offs, mask, K, inv_rms, OP)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=0), 127.0), 1e-8)
+        rowsum = tl.sum(_quantize_store(v, scale, x8_row, offs, mask), axis=0)
+    else:
+        inv_rms = 1.0
+        if OP == 1:
+            sum_sq = tl.zeros((BLOCK,), dtype=tl.float32)
+            for start in range(0, K, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                x = tl.load(in_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+                sum_sq += x * x
+            mean_sq = tl.math.div_rn(tl.sum(sum_sq, axis=0), K.to(tl.float32))
+            inv_rms = tl.math.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, K, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            x = tl.load(in_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            sum_sq += x * x
-        mean_sq = tl.math.div_rn(tl.sum(sum_sq, axis=0), K.to(tl.float32))
-        inv_rms = tl.math.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, K, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(_values(in_row, w_ptr, offs, offs < K, K, inv_rms, OP)))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 127.0), 1e-8)
-    rowsum = tl.zeros((BLOCK,), dtype=tl.int32)
-    for start in range(0, K, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < K
-        q = tl.math.div_rn(_values(in_row, w_ptr, offs, mask, K, inv_rms, OP), scale)
-        q = (q + _ROUND_MAGIC) - _ROUND_MAGIC
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
-        tl.store(x8_ptr + row * stride_qm + offs, q.to(tl.int8), mask=mask)
-        rowsum += q  # masked lanes hold round(0 / scale) = 0
+            amax = tl.maximum(amax, tl.abs(_values(in_row, w_ptr, offs, offs < K, K, inv_rms, OP)))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 127.0), 1e-8)
+        sums = tl.zeros((BLOCK,), dtype=tl.int32)
+        for start in range(0, K, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < K
+            sums += _quantize_store(_values(in_row, w_ptr, offs, mask, K, inv_rms, OP), scale, x8_row, offs, mask)
+        rowsum = tl.sum(sums, axis=0)
     tl.store(scale_ptr + row, scale)
-    tl.store(rowsum_ptr + row, tl.sum(rowsum, axis=0))
+    tl.store(rowsum_ptr + row, rowsum)
 
 
 def _check_rows(name: str, x: torch.Tensor, k: int) -> None:
@@ -97,13 +124,16 @@ def _outputs(m: int, k: int, device: torch.device):
 def _launch(op: int, src: torch.Tensor, weight: torch.Tensor | None, k: int, eps: float = 0.0):
     m = src.shape[0]
     x8, scale, rowsum = _outputs(m, k, src.device)
-    block = min(triton.next_power_of_2(k), 2048)
+    one_pass = k <= ONE_PASS_MAX and (op != 2 or m <= SILU_ONE_PASS_MAX_ROWS)
+    block = triton.next_power_of_2(k) if one_pass else CHUNK
     if m:
         _act_quant_kernel[(m,)](
             src, src if weight is None else weight, x8, scale, rowsum,
             k, eps,
             src.stride(0), x8.stride(0),
-            OP=op, BLOCK=block, num_warps=max(1, min(4, block // 256)),
+            OP=op, BLOCK=block, ONE_PASS=one_pass,
+            # one pass: 16 values a thread up to 8 warps (Llama-2-7B's 11008: 16 warps, 32 each); chunks: 8
+            num_warps=max(1, min(16, block // 512)) if one_pass else max(1, min(4, block // 256)),
         )
     return x8, scale, rowsum
 
