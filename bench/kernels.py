@@ -205,13 +205,14 @@ class Bench:
                 except Exception as e:  # a failing kernel is a result, not the end of the run
                     row["error"] = f"{type(e).__name__}: {e}"[:500]
                 self.result["act_quant"].append(row)
+                print(f"  {name:15s} M={m:5d} {row.get('us', float('nan')):8.2f} us {row.get('gbps', 0):7.0f} GB/s"
+                      f" (chunked path {row.get('us_chunked_path', float('nan')):8.2f} us)"
+                      f" correct={row.get('correct')} {row.get('error', '')}", flush=True)
         rows = self.result["act_quant"]
         self.result["checks"].append({
             "name": "act_quant kernels match the reference (scale, codes within 1, exact row sums)",
             "value": sum(bool(r.get("correct")) for r in rows), "target": len(rows), "op": ">=",
             "met": all(r.get("correct") for r in rows)})
-                print(f"  {name:15s} M={m:5d} {row.get('us', float('nan')):8.2f} us {row.get('gbps', 0):7.0f} GB/s"
-                      f" correct={row.get('correct')} {row.get('error', '')}", flush=True)
 
     # ---------------------------------------------------------------- correctness sweep
     def correctness_sweep(self) -> None:
