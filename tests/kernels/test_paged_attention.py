@@ -98,6 +98,19 @@ def test_peaked_scores_and_empty_sequences():
     assert (out[1] == 0).all()
 
 
+@pytest.mark.parametrize("kv4,variant", [(True, "fma"), (True, "dot"), (False, "fma")])
+def test_empty_sequence_gives_zeros_without_a_split(kv4, variant, monkeypatch):
+    """One partition (no reduction pass): the kernel itself must write the empty row, not leave
+    the output's stale memory there (a decode graph's padding rows have context 0)."""
+    real_empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan")))
+    q, k_cache, v_cache, tables, lens = _paged_batch([40, 0, 18], 1, 2, 64, kv4, seed=11)
+    config = DecodeConfig(variant=variant, block_n=16, partition_size=512, num_warps=1)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config)
+    _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
+    assert (out[1] == 0).all()
+
+
 def test_written_cache_attends_like_the_reference_model():
     """Prefill a sequence through write_kv4_cache; decoding its last token matches the reference
     Llama attention with a KV4 cache (shared.model.llama.attention, kv_bits=4) for that token."""

@@ -321,11 +321,10 @@ def _kv4_decode_fma_kernel(
             m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, True,
         )
 
-    out_rows, denom = _epilogue_rows(
+    out_rows, denom, valid = _epilogue_rows(
         b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
         num_partitions, stride_ob, stride_oh, GROUP, HEAD_DIM, SPLIT,
     )
-    valid = mask_g & (offs_g * 0 + start < ctx)
     _store_plane(out_rows, acc0, pw_sum, acc_z, denom, valid, offs_w, 0, HALF, SPLIT)
     _store_plane(out_rows, acc1, pw_sum, acc_z, denom, valid, offs_w, 1, HALF, SPLIT)
     _store_plane(out_rows, acc2, pw_sum, acc_z, denom, valid, offs_w, 2, HALF, SPLIT)
@@ -341,20 +340,22 @@ def _epilogue_rows(
     b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
     num_partitions, stride_ob, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """Where this program's output rows go, and what to divide them by.
+    """Where this program's output rows go, what to divide them by, and which rows to store.
 
     SPLIT: rows of the fp32 partial buffer (B * heads * partitions, D), stats stored here,
-    no division. Otherwise: rows of the fp16 output, divided by the softmax sum.
+    no division; a partition past the context stores nothing (the reduction never reads it).
+    Otherwise: rows of the fp16 output, divided by the softmax sum; every head's row is stored,
+    so an empty context (a graph's padding row) gets zeros rather than stale memory.
     """
     if SPLIT:
         idx = (bh.to(tl.int64) * GROUP + offs_g) * num_partitions + part  # (G,)
         valid = mask_g & (offs_g * 0 + start < ctx)
         tl.store(part_m_ptr + idx, m_i, mask=valid)
         tl.store(part_l_ptr + idx, l_i, mask=valid)
-        return part_o_ptr + idx * HEAD_DIM, tl.full(l_i.shape, 1.0, tl.float32)
+        return part_o_ptr + idx * HEAD_DIM, tl.full(l_i.shape, 1.0, tl.float32), valid
     else:
         denom = tl.where(l_i > 0, l_i, 1.0)
-        return out_ptr + b.to(tl.int64) * stride_ob + heads * stride_oh, denom
+        return out_ptr + b.to(tl.int64) * stride_ob + heads * stride_oh, denom, mask_g
 
 
 @triton.jit
@@ -448,11 +449,11 @@ def _fp16_decode_fma_kernel(
             BLOCK_SIZE, BLOCK_N, True,
         )
 
-    out_rows, denom = _epilogue_rows(
+    out_rows, denom, valid = _epilogue_rows(
         b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
         num_partitions, stride_ob, stride_oh, GROUP, HEAD_DIM, SPLIT,
     )
-    valid = (mask_g & (offs_g * 0 + start < ctx))[:, None]
+    valid = valid[:, None]
     vals = acc / denom[:, None]
     ptrs = out_rows[:, None] + offs_d[None, :]
     if SPLIT:
@@ -530,11 +531,11 @@ def _kv4_decode_dot_kernel(
         acc_lo = acc_lo * alpha[:, None] + tl.dot(pw, _nibbles_f16(vb & 0xF))
         acc_hi = acc_hi * alpha[:, None] + tl.dot(pw, _nibbles_f16(vb >> 4))
 
-    out_rows, denom = _epilogue_rows(
+    out_rows, denom, valid = _epilogue_rows(
         b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
         num_partitions, stride_ob, stride_oh, GROUP, HEAD_DIM, SPLIT,
     )
-    valid = (mask_g & (offs_g * 0 + start < ctx))[:, None]
+    valid = valid[:, None]
     lo = (acc_lo + acc_z[:, None]) / denom[:, None]
     hi = (acc_hi + acc_z[:, None]) / denom[:, None]
     ptrs = out_rows[:, None] + offs_h[None, :]
