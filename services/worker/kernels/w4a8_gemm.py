@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.w4a8_gemv import _w4a8_gemv_kernel
 from shared.formats.weights import GROUP_SIZE, W4ChannelWeight, W4G128ProgressiveWeight
 
 log = logging.getLogger(__name__)
@@ -315,6 +316,8 @@ class GemmVariant:
     zero_after_dot: bool = False  # g128: MMA on raw codes, zero and s2 applied per group after it
     dot_fp16: bool = False  # dequantize to fp16 and use fp16 MMAs (meant for tiny M)
     swar: bool = False  # g128 on the GPU: (q - z) * s2 on 4 bytes per register (see the module doc)
+    gemv: bool = False  # no tensor cores: dp4a on CUDA cores, one program covers M <= block_m (w4a8_gemv.py)
+    groups_per_step: int = 1  # gemv: 128-groups of K read per loop step
     max_m: int | None = None
     group_m: int = 8
 
@@ -334,6 +337,12 @@ class GemmVariant:
 
 def _v(name: str, kind: str, bn: int, bm: int, warps: int, stages: int, **kw) -> GemmVariant:
     return GemmVariant(name, kind, bn, bm, warps, stages, **kw)
+
+
+def _gemv(kind: str, bn: int, bm: int, groups_per_step: int, warps: int = 4) -> GemmVariant:
+    prefix = "g128" if kind == G128 else "chn"
+    return GemmVariant(f"{prefix}.gemv.n{bn}m{bm}g{groups_per_step}", kind, bn, bm, warps, 3, split_k=True,
+                       gemv=True, groups_per_step=groups_per_step, max_m=bm)
 
 
 G128, CHN = KINDS
@@ -367,6 +376,9 @@ VARIANTS: tuple[GemmVariant, ...] = (
     _v("chn.n64m128", CHN, 64, 128, 4, 4),
     _v("chn.n128m128.sk", CHN, 128, 128, 8, 3, split_k=True),
     _v("chn.n64m256", CHN, 64, 256, 8, 3),
+    # Decode at batch 1..4: a weight stream with dp4a, no MMA tile padding M to 16.
+    *(_gemv(kind, bn, bm, gps) for kind in KINDS
+      for bn, bm, gps in ((4, 1, 16), (8, 1, 16), (16, 1, 8), (32, 1, 4), (8, 4, 4))),
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 
@@ -563,6 +575,62 @@ def w4a8_channel_gemm(
     return out
 
 
+def _as_words(t: torch.Tensor, name: str) -> torch.Tensor:
+    """A (rows, bytes) int8/uint8 tensor, contiguous along bytes, as (rows, bytes // 4) int32 words."""
+    if t.data_ptr() % 4 or (t.shape[0] > 1 and t.stride(0) % 4):
+        t = t.contiguous() if not t.is_contiguous() else t.clone()  # a fresh buffer is aligned
+    assert t.stride(1) == 1 and t.shape[1] % 4 == 0, f"{name}: rows must be contiguous whole words"
+    return t.view(torch.int32)
+
+
+def w4a8_gemv(
+    x8: torch.Tensor,
+    sx: torch.Tensor,
+    weight: W4G128ProgressiveWeight | W4ChannelWeight,
+    variant: GemmVariant,
+    rowsum: torch.Tensor | None = None,
+    *,
+    split_k: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The dp4a kernel of w4a8_gemv.py for M <= variant.block_m; same contract as w4a8_gemm."""
+    qw = weight.qweight
+    N, K = qw.shape[0], qw.shape[1] * 2
+    sx = _check_common(x8, sx, N, K, out)
+    M = x8.shape[0]
+    ok, reason = variant.can_implement(M, N, K, weight.kind)
+    assert ok and variant.gemv, reason
+    g128 = isinstance(weight, W4G128ProgressiveWeight)
+    if g128:
+        s2, zero, col_scale = weight.s2, weight.zero, weight.s1
+        assert s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride() and s2.stride(1) == 1
+        rowsum = None
+    else:
+        s2 = zero = weight.zero
+        col_scale = weight.scale
+        if rowsum is not None:
+            assert rowsum.dtype == torch.int32 and rowsum.numel() == M, f"rowsum: expected ({M},) int32"
+            rowsum = rowsum.reshape(M)
+    x32, qw32 = _as_words(x8, "x8"), _as_words(qw, "qweight")
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
+    grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
+    _w4a8_gemv_kernel[grid](
+        x32, sx, sx if rowsum is None else rowsum, qw32, s2, zero, col_scale, out, ws,
+        M, N, K, per_split,
+        x32.stride(0), qw32.stride(0), s2.stride(0), out.stride(0), out.stride(1),
+        G128=g128, HAS_ROWSUM=rowsum is not None, BLOCK_N=variant.block_n, BLOCK_M=variant.block_m,
+        GROUPS_PER_STEP=variant.groups_per_step, USE_SPLIT=split > 1, FAST=x8.is_cuda,
+        num_warps=variant.num_warps, num_stages=variant.num_stages,
+    )
+    if split > 1:
+        if g128:
+            _split_k_epilogue(ws, split, sx, col_scale, col_scale, None, out)
+        else:
+            _split_k_epilogue(ws, split, sx, col_scale, zero, rowsum, out)
+    return out
+
+
 def w4a8_gemm(
     x8: torch.Tensor,
     sx: torch.Tensor,
@@ -591,6 +659,8 @@ def w4a8_gemm(
     if not ok:
         others = "; ".join(f"{v.name}: {v.can_implement(M, N, K, weight.kind)[1]}" for v in VARIANTS)
         raise ValueError(f"variant {variant} cannot run M={M} N={N} K={K} {weight.kind}: {reason}. All: {others}")
+    if chosen.gemv:
+        return w4a8_gemv(x8, sx, weight, chosen, rowsum, split_k=split_k, out=out)
     if isinstance(weight, W4G128ProgressiveWeight):
         return w4a8_g128_gemm(x8, sx, weight, chosen, split_k=split_k, out=out)
     return w4a8_channel_gemm(x8, sx, weight, chosen, rowsum, split_k=split_k, out=out)

@@ -1,0 +1,199 @@
+"""W4A8 for a few tokens (M <= 4): 4-byte integer dot products on CUDA cores, no tensor cores.
+
+At decode batch 1..4 the tensor-core kernels of w4a8_gemm.py pad M to 16 and spend their time
+filling MMA tiles; the work is really a stream over the weight bytes. Here each 32-bit word of
+packed weights (4 low nibbles = k .. k+3, 4 high nibbles = k+64 .. k+67 of a 128 chunk, the
+layout of shared/formats/weights.py) meets the matching 32-bit words of x8 in two dp4a
+instructions (sum of 4 byte products into int32), so the loop is loads plus a few integer ops.
+
+    chn:  acc = sum x8 * q                  (the zero term as in the tensor-core kernel)
+    g128: acc = sum x8 * ((q - z) * s2)     (the int8 weight built 4 bytes at a time, SWAR)
+
+The sums are the same exact int32 values as the reference; the epilogue (or the split-K
+workspace and its epilogue kernel) is shared with w4a8_gemm.py. In the interpreter the byte
+products are spelled out with shifts (no inline PTX there).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+
+def _swar_plane(out: str, q: str, s2: str, zs: str) -> str:
+    """PTX for (q - z) * s2 on the 4 bytes of register q (one nibble plane, values 0..15 a byte):
+    w4a8_gemm._dequant_swar's sequence. s2 and zs = (z * s2) mod 256 sit in byte 0 of theirs."""
+    return f"""
+            and.b32 s, {s2}, 0xFF;
+            prmt.b32 y, {zs}, 0, 0x0000;
+            and.b32 yl, y, 0x7F7F7F7F;
+            mul.lo.u32 x, {q}, s;
+            or.b32 t, x, 0x80808080;
+            sub.u32 t, t, yl;
+            xor.b32 m, x, y;
+            and.b32 m, m, 0x80808080;
+            xor.b32 m, m, 0x80808080;
+            xor.b32 {out}, t, m;"""
+
+
+# acc + the two planes of one packed word times their x words: $1 word, $2 s2, $3 zs, $4 x_lo,
+# $5 x_hi, $6 acc.
+_DOT_G128_PTX = tl.constexpr(
+    "{\n            .reg .b32 s, y, yl, x, t, m, q, w8, r;\n            and.b32 q, $1, 0x0F0F0F0F;"
+    + _swar_plane("w8", "q", "$2", "$3")
+    + "\n            dp4a.s32.s32 r, w8, $4, $6;\n            shr.u32 q, $1, 4;\n            and.b32 q, q, 0x0F0F0F0F;"
+    + _swar_plane("w8", "q", "$2", "$3")
+    + "\n            dp4a.s32.s32 $0, w8, $5, r;\n            }"
+)
+
+
+@triton.jit
+def _byte(v, b: tl.constexpr):
+    """Signed byte b of each int32 of v (the interpreter's stand-in for dp4a's operand split)."""
+    return (v << (24 - 8 * b)) >> 24
+
+
+@triton.jit
+def _nibble(w, b: tl.constexpr, high: tl.constexpr):
+    return (w >> (8 * b + 4 * high)) & 0xF
+
+
+@triton.jit
+def _dot_chn(w, x_lo, x_hi, acc, FAST: tl.constexpr):
+    """acc + sum over w's 4 bytes of (low nibble * x_lo byte + high nibble * x_hi byte)."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, r;
+            and.b32 t, $1, 0x0F0F0F0F;
+            dp4a.u32.s32 r, t, $2, $4;
+            shr.u32 t, $1, 4;
+            and.b32 t, t, 0x0F0F0F0F;
+            dp4a.u32.s32 $0, t, $3, r;
+            }""",
+            constraints="=r,r,r,r,r", args=[w, x_lo, x_hi, acc], dtype=tl.int32, is_pure=True, pack=1,
+        )
+    for b in tl.static_range(4):
+        acc += _nibble(w, b, 0) * _byte(x_lo, b) + _nibble(w, b, 1) * _byte(x_hi, b)
+    return acc
+
+
+@triton.jit
+def _dot_g128(w, s2, zs, z, x_lo, x_hi, acc, FAST: tl.constexpr):
+    """acc + sum over w's 4 bytes of ((q - z) * s2) * x, low nibbles with x_lo, high with x_hi."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            asm=_DOT_G128_PTX,
+            constraints="=r,r,r,r,r,r,r", args=[w, s2, zs, x_lo, x_hi, acc], dtype=tl.int32, is_pure=True, pack=1,
+        )
+    for b in tl.static_range(4):
+        acc += (_nibble(w, b, 0) - z) * s2 * _byte(x_lo, b) + (_nibble(w, b, 1) - z) * s2 * _byte(x_hi, b)
+    return acc
+
+
+@triton.jit
+def _byte_sum(x, acc, FAST: tl.constexpr):
+    """acc + the sum of x's 4 signed bytes."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            asm="dp4a.s32.s32 $0, $1, 0x01010101, $2;",
+            constraints="=r,r,r", args=[x, acc], dtype=tl.int32, is_pure=True, pack=1,
+        )
+    return acc + _byte(x, 0) + _byte(x, 1) + _byte(x, 2) + _byte(x, 3)
+
+
+@triton.jit
+def _load_step(
+    qw_ptr, x_ptr, s2_ptr, zero_ptr, g0, g_end, rn, offs_m, mask_m, offs_c,
+    stride_qn, stride_xm, stride_sn, G128: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
+):
+    """The words of groups g0 .. g0 + GROUPS_PER_STEP - 1 (those < g_end; the rest read as 0):
+    weights (BN, C), x of each group's low and high half (BM, C), and for g128 s2 and z (BN, C)."""
+    group = g0 + offs_c // 16  # (C,): the group each word column belongs to
+    in_slice = group < g_end
+    # g0 * 16 + offs_c, not group * 16 + offs_c % 16: the same words, spelled so the compiler
+    # sees a contiguous run and issues 16-byte loads.
+    w = tl.load(qw_ptr + rn[:, None] * stride_qn + (g0 * 16 + offs_c)[None, :], mask=in_slice[None, :], other=0)
+    # Masked x words are 0, so a column past the slice adds nothing whatever its weight.
+    x_rows = x_ptr + offs_m[:, None] * stride_xm + (group * 32 + offs_c % 16)[None, :]
+    x_mask = mask_m[:, None] & in_slice[None, :]
+    x_lo = tl.load(x_rows, mask=x_mask, other=0)
+    x_hi = tl.load(x_rows + 16, mask=x_mask, other=0)
+    if G128:
+        g_ptrs = rn[:, None] * stride_sn + group[None, :]
+        s2 = tl.load(s2_ptr + g_ptrs, mask=in_slice[None, :], other=0).to(tl.int32)
+        z = tl.load(zero_ptr + g_ptrs, mask=in_slice[None, :], other=0).to(tl.int32)
+    else:
+        s2 = w
+        z = w
+    return w, x_lo, x_hi, s2, z
+
+
+@triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT"])
+def _w4a8_gemv_kernel(
+    # pointers: x and qweight as int32 words
+    x_ptr, sx_ptr, rowsum_ptr, qw_ptr, s2_ptr, zero_ptr, col_scale_ptr, out_ptr, ws_ptr,
+    # sizes
+    M, N, K, GROUPS_PER_SPLIT,
+    # strides (x and qweight rows in words; s2 / zero rows in elements)
+    stride_xm, stride_qn, stride_sn, stride_om, stride_on,
+    # meta
+    G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    GROUPS_PER_STEP: tl.constexpr, USE_SPLIT: tl.constexpr, FAST: tl.constexpr,
+):
+    """acc (BLOCK_N, BLOCK_M) int32 over this program's K slice; BLOCK_M >= M (one program covers M).
+
+    A step reads GROUPS_PER_STEP groups of 128: 16 weight words per group and row, the matching
+    x words for the low (first 64) and high (last 64) halves of each group.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    C: tl.constexpr = 16 * GROUPS_PER_STEP  # weight words per row per step
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_c = tl.arange(0, C)
+    rn = offs_n % N  # rows past N read a valid row, dropped at the store
+    mask_m = offs_m < M
+    g_start = pid_k * GROUPS_PER_SPLIT
+    g_end = min(g_start + GROUPS_PER_SPLIT, K // 128)
+    acc = tl.zeros((BLOCK_N, BLOCK_M, C), dtype=tl.int32)
+    x_sum = tl.zeros((BLOCK_M, C), dtype=tl.int32)
+    # Software pipelining by one step: the next step's loads are issued before this step's math,
+    # so a program keeps two steps of weight bytes in flight (past the slice they are masked off).
+    w, x_lo, x_hi, s2, z = _load_step(
+        qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_m, mask_m, offs_c,
+        stride_qn, stride_xm, stride_sn, G128, GROUPS_PER_STEP)
+    for g0 in range(g_start, g_end, GROUPS_PER_STEP):
+        w_n, x_lo_n, x_hi_n, s2_n, z_n = _load_step(
+            qw_ptr, x_ptr, s2_ptr, zero_ptr, g0 + GROUPS_PER_STEP, g_end, rn, offs_m, mask_m, offs_c,
+            stride_qn, stride_xm, stride_sn, G128, GROUPS_PER_STEP)
+        w3 = tl.broadcast_to(w[:, None, :], (BLOCK_N, BLOCK_M, C))
+        lo3 = tl.broadcast_to(x_lo[None, :, :], (BLOCK_N, BLOCK_M, C))
+        hi3 = tl.broadcast_to(x_hi[None, :, :], (BLOCK_N, BLOCK_M, C))
+        if G128:
+            zs = (z * s2) & 0xFF
+            acc = _dot_g128(w3, tl.broadcast_to(s2[:, None, :], (BLOCK_N, BLOCK_M, C)),
+                            tl.broadcast_to(zs[:, None, :], (BLOCK_N, BLOCK_M, C)),
+                            tl.broadcast_to(z[:, None, :], (BLOCK_N, BLOCK_M, C)), lo3, hi3, acc, FAST)
+        else:
+            acc = _dot_chn(w3, lo3, hi3, acc, FAST)
+            if not HAS_ROWSUM:
+                x_sum = _byte_sum(x_hi, _byte_sum(x_lo, x_sum, FAST), FAST)
+        w, x_lo, x_hi, s2, z = w_n, x_lo_n, x_hi_n, s2_n, z_n
+    total = tl.sum(acc, axis=2)  # (BN, BM)
+    if not G128:
+        zero = tl.load(zero_ptr + rn).to(tl.float32)  # (BN,) integers in [0, 15]
+        if not HAS_ROWSUM:
+            total -= zero.to(tl.int32)[:, None] * tl.sum(x_sum, axis=1)[None, :]
+    out_mask = (offs_n < N)[:, None] & mask_m[None, :]
+    if USE_SPLIT:
+        ws_ptrs = ws_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None]
+        tl.store(ws_ptrs, total, mask=out_mask)
+    else:
+        y = total.to(tl.float32)
+        if not G128 and HAS_ROWSUM:
+            y = y - tl.load(rowsum_ptr + offs_m, mask=mask_m, other=0).to(tl.float32)[None, :] * zero[:, None]
+        sx = tl.load(sx_ptr + offs_m, mask=mask_m, other=0.0)
+        y = y * sx[None, :] * tl.load(col_scale_ptr + rn).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on, y.to(tl.float16), mask=out_mask)
