@@ -68,7 +68,7 @@ def test_variant_matches_reference_linear(variant: gemm.GemmVariant):
     assert ran >= (1 if variant.max_m == 1 else 2)  # M = 1 variants also run in the split-K test
 
 
-@pytest.mark.parametrize("variant", [v for v in gemm.VARIANTS if v.split_k], ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", [v for v in gemm.VARIANTS if v.split_k or v.gemv], ids=lambda v: v.name)
 def test_split_k_slices_sum_exactly(variant: gemm.GemmVariant):
     # K = 640 is 5 groups: 2 slices of (3, 2) groups, 3 of (2, 2, 1), 5 of one each.
     m, n, k = min(5, variant.max_m or 5), 67, 640
@@ -89,7 +89,7 @@ def test_g128_full_int8_weight_range(variant: gemm.GemmVariant):
     assert w8.min() == -128 and w8.max() == 126  # 127 is no product of a code and a scale <= 16
     x = _activations(m, k, seed=4)
     x8, sx = quantize_per_token(x)
-    y = gemm.w4a8_gemm(x8, sx, weight, variant=variant.name, split_k=2 if variant.split_k else None)
+    y = gemm.w4a8_gemm(x8, sx, weight, variant=variant.name, split_k=2 if variant.split_k or variant.gemv else None)
     _assert_matches(y, reference_linear(weight)(x), variant)
 
 

@@ -341,7 +341,9 @@ def _v(name: str, kind: str, bn: int, bm: int, warps: int, stages: int, **kw) ->
 
 def _gemv(kind: str, bn: int, bm: int, groups_per_step: int, warps: int = 4) -> GemmVariant:
     prefix = "g128" if kind == G128 else "chn"
-    return GemmVariant(f"{prefix}.gemv.n{bn}m{bm}g{groups_per_step}", kind, bn, bm, warps, 3, split_k=True,
+    # No automatic split-K: on the H200 its second (epilogue) launch cost more than the extra
+    # programs gained at every Llama-2-7B shape; an explicit split_k still works.
+    return GemmVariant(f"{prefix}.gemv.n{bn}m{bm}g{groups_per_step}", kind, bn, bm, warps, 3,
                        gemv=True, groups_per_step=groups_per_step, max_m=bm)
 
 

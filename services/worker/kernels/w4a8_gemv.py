@@ -121,9 +121,16 @@ def _load_step(
     x_lo = tl.load(x_rows, mask=x_mask, other=0)
     x_hi = tl.load(x_rows + 16, mask=x_mask, other=0)
     if G128:
-        g_ptrs = rn[:, None] * stride_sn + group[None, :]
-        s2 = tl.load(s2_ptr + g_ptrs, mask=in_slice[None, :], other=0).to(tl.int32)
-        z = tl.load(zero_ptr + g_ptrs, mask=in_slice[None, :], other=0).to(tl.int32)
+        # One s2 / zero byte per row and group, then repeated over the group's 16 word columns
+        # (a 16-fold gather of the same bytes costs more than the broadcast).
+        BN: tl.constexpr = rn.shape[0]
+        groups = g0 + tl.arange(0, GROUPS_PER_STEP)
+        g_ptrs = rn[:, None] * stride_sn + groups[None, :]
+        g_mask = (groups < g_end)[None, :]
+        s2 = tl.load(s2_ptr + g_ptrs, mask=g_mask, other=0).to(tl.int32)  # (BN, GROUPS_PER_STEP)
+        z = tl.load(zero_ptr + g_ptrs, mask=g_mask, other=0).to(tl.int32)
+        s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (BN, GROUPS_PER_STEP, 16)), (BN, 16 * GROUPS_PER_STEP))
+        z = tl.reshape(tl.broadcast_to(z[:, :, None], (BN, GROUPS_PER_STEP, 16)), (BN, 16 * GROUPS_PER_STEP))
     else:
         s2 = w
         z = w
