@@ -1,35 +1,14 @@
 import torch
 
-from shared.formats.kv4 import KV4_RANGE_RATIOS, decode_rows, dequantize_kv4, encode_rows, page_row_bytes, quantize_kv4
+from shared.formats.kv4 import decode_rows, encode_rows, page_row_bytes, quantize_kv4, dequantize_kv4
 
 
-def _row_error(x, q, scale, zero):
-    return ((dequantize_kv4(q, scale, zero) - x.float()) ** 2).sum(-1)
-
-
-def test_kept_range_has_the_least_error_of_the_candidates():
+def test_error_within_half_a_step_per_token_and_head():
     x = torch.randn(3, 5, 7, 128) * torch.linspace(0.1, 10, 128)  # uneven channel ranges
     q, scale, zero = quantize_kv4(x)
     assert q.max() <= 15 and scale.dtype == torch.float16 and zero.dtype == torch.float16
-    err = _row_error(x, q, scale, zero)
-    lo, hi = x.amin(-1), x.amax(-1)
-    for ratio in KV4_RANGE_RATIOS:  # every candidate range, quantized the same way
-        c_scale = ((hi - lo) * ratio / 15).clamp_min(1e-5).half()
-        c_zero = (lo + (hi - lo) * ((1.0 - ratio) * 0.5)).half()
-        c_q = torch.round((x - c_zero.float()[..., None]) * (1.0 / c_scale.float()[..., None])).clamp(0, 15)
-        assert (err <= _row_error(x, c_q, c_scale, c_zero)).all()
-    # Gaussian rows gain from a narrower range; the full min/max range alone would keep every
-    # value within half a step.
-    full_scale = ((hi - lo) / 15).half()
-    assert (scale < full_scale).float().mean() > 0.5
-
-
-def test_a_two_level_row_keeps_its_full_range():
-    """Values only at the two ends: any narrower range clamps them all, so min/max is kept exactly."""
-    x = torch.tensor([[-2.0, 5.0] * 32])
-    q, scale, zero = quantize_kv4(x)
-    assert zero.item() == -2.0 and scale.item() == torch.tensor(7.0 / 15).half().item()
-    assert torch.allclose(dequantize_kv4(q, scale, zero), x, atol=15 * 2e-4)  # 15 x the fp16 scale rounding
+    err = (dequantize_kv4(q, scale, zero) - x).abs()
+    assert (err <= scale.float()[..., None] * 0.5 + 1e-3 * x.abs().amax(-1, keepdim=True)).all()
 
 
 def test_page_rows_hold_codes_then_scale_and_zero():

@@ -23,10 +23,7 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels.attention_reference import build_rope_cache  # noqa: F401  (re-exported)
-from shared.formats.kv4 import KV4_RANGE_RATIOS, page_row_bytes
-
-# _store_kv4_row unrolls the range candidates: keep it in step with the format's.
-assert KV4_RANGE_RATIOS == (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7), "update _store_kv4_row's candidates"
+from shared.formats.kv4 import page_row_bytes
 
 __all__ = ["build_rope_cache", "write_fp16_cache", "write_kv4_cache"]
 
@@ -42,52 +39,18 @@ def _round_half_even(x):
 
 
 @triton.jit
-def _kv4_candidate(lo, hi, vmin, width, ratio: tl.constexpr):
-    """Scale, zero (fp16 values in fp32) and squared error of the range [vmin, vmin + width]
-    shrunk to `ratio` of itself around its midpoint: shared.formats.kv4's candidate, same operations
-    (one IEEE reciprocal per candidate, then multiplies)."""
-    shift: tl.constexpr = (1.0 - ratio) * 0.5
-    scale = tl.maximum(tl.div_rn(width * ratio, 15.0), 1e-5).to(tl.float16).to(tl.float32)
-    zero = (vmin + width * shift).to(tl.float16).to(tl.float32)
-    inv_scale = tl.div_rn(1.0, scale)
-    q_lo = tl.minimum(tl.maximum(_round_half_even((lo - zero) * inv_scale), 0.0), 15.0)
-    q_hi = tl.minimum(tl.maximum(_round_half_even((hi - zero) * inv_scale), 0.0), 15.0)
-    e_lo = q_lo * scale + zero - lo
-    e_hi = q_hi * scale + zero - hi
-    return scale, zero, tl.sum(e_lo * e_lo + e_hi * e_hi, axis=0)
-
-
-@triton.jit
-def _keep_better(best, cand):
-    """(scale, zero, err) tuples: the candidate only where its error is strictly smaller."""
-    better = cand[2] < best[2]
-    return (tl.where(better, cand[0], best[0]), tl.where(better, cand[1], best[1]), tl.where(better, cand[2], best[2]))
-
-
-@triton.jit
 def _store_kv4_row(row_ptr, lo, hi, HALF: tl.constexpr):
     """Quantize one head vector (halves lo, hi: (HALF,) fp32 holding fp16 values) into a KV4 row.
 
-    shared.formats.kv4.encode_rows: the range of the least squared error among the candidate
-    ratios (KV4_RANGE_RATIOS, unrolled here), IEEE reciprocal, round half to even, fp16 scale/zero.
-    The error sums are reduced in another order than torch's, so on a near tie the two may keep
-    different candidates (the tests allow it where the errors agree to 1e-4).
+    Bit-for-bit shared.formats.kv4.encode_rows: IEEE division, round half to even, fp16 scale/zero.
     """
     vmin = tl.minimum(tl.min(lo, axis=0), tl.min(hi, axis=0))
     vmax = tl.maximum(tl.max(lo, axis=0), tl.max(hi, axis=0))
-    width = vmax - vmin
-    best = _kv4_candidate(lo, hi, vmin, width, 1.0)
-    best = _keep_better(best, _kv4_candidate(lo, hi, vmin, width, 0.95))
-    best = _keep_better(best, _kv4_candidate(lo, hi, vmin, width, 0.9))
-    best = _keep_better(best, _kv4_candidate(lo, hi, vmin, width, 0.85))
-    best = _keep_better(best, _kv4_candidate(lo, hi, vmin, width, 0.8))
-    best = _keep_better(best, _kv4_candidate(lo, hi, vmin, width, 0.75))
-    best = _keep_better(best, _kv4_candidate(lo, hi, vmin, width, 0.7))
-    scale_f, zero_f = best[0], best[1]
-    scale, zero = scale_f.to(tl.float16), zero_f.to(tl.float16)
-    inv_scale = tl.div_rn(1.0, scale_f)
-    q_lo = tl.minimum(tl.maximum(_round_half_even((lo - zero_f) * inv_scale), 0.0), 15.0)
-    q_hi = tl.minimum(tl.maximum(_round_half_even((hi - zero_f) * inv_scale), 0.0), 15.0)
+    scale = tl.maximum(tl.div_rn(vmax - vmin, 15.0), 1e-5).to(tl.float16)
+    zero = vmin.to(tl.float16)
+    scale_f, zero_f = scale.to(tl.float32), zero.to(tl.float32)
+    q_lo = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(lo - zero_f, scale_f)), 0.0), 15.0)
+    q_hi = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(hi - zero_f, scale_f)), 0.0), 15.0)
     codes = q_lo.to(tl.int32) | (q_hi.to(tl.int32) << 4)  # byte j: dim j low nibble, dim j + D/2 high
     offs = tl.arange(0, HALF)
     tl.store(row_ptr + offs, codes.to(tl.uint8))
