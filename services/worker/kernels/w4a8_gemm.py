@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.swar_ptx import SWAR_REGISTERS, high_plane, low_plane, swar_plane, swar_setup
 from services.worker.kernels.w4a8_gemv import _w4a8_gemv_kernel
 from shared.formats.weights import GROUP_SIZE, W4ChannelWeight, W4G128ProgressiveWeight
 
@@ -113,6 +114,13 @@ def _split_nibbles(packed, OP_DTYPE: tl.constexpr, FAST_UNPACK: tl.constexpr):
     return lo.to(OP_DTYPE), hi.to(OP_DTYPE)
 
 
+# $0 / $1: the low / high nibble planes of packed word $2 as int8 (q - z) * s2; $3 s2, $4 zs.
+_DEQUANT_SWAR_PTX = tl.constexpr(
+    "{\n        .reg .b32 " + SWAR_REGISTERS + ";" + swar_setup("$3", "$4")
+    + low_plane("$2") + swar_plane("$0") + high_plane("$2") + swar_plane("$1") + "\n        }"
+)
+
+
 @triton.jit
 def _dequant_swar(packed, s2, zs):
     """(BLOCK_N, 64) packed bytes, s2 and zs = (z * s2) mod 256 per row -> int8 (q - z) * s2, both halves.
@@ -121,29 +129,7 @@ def _dequant_swar(packed, s2, zs):
     operand), so the row's s2 and zs are taken from byte 0 of their registers.
     """
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 s, y, yl, q, x, t, m;
-        and.b32 s, $3, 0xFF;
-        prmt.b32 y, $4, 0, 0x0000;
-        and.b32 yl, y, 0x7F7F7F7F;
-        and.b32 q, $2, 0x0F0F0F0F;
-        mul.lo.u32 x, q, s;
-        or.b32 t, x, 0x80808080;
-        sub.u32 t, t, yl;
-        xor.b32 m, x, y;
-        and.b32 m, m, 0x80808080;
-        xor.b32 m, m, 0x80808080;
-        xor.b32 $0, t, m;
-        shr.u32 q, $2, 4;
-        and.b32 q, q, 0x0F0F0F0F;
-        mul.lo.u32 x, q, s;
-        or.b32 t, x, 0x80808080;
-        sub.u32 t, t, yl;
-        xor.b32 m, x, y;
-        and.b32 m, m, 0x80808080;
-        xor.b32 m, m, 0x80808080;
-        xor.b32 $1, t, m;
-        }""",
+        asm=_DEQUANT_SWAR_PTX,
         constraints="=r,=r,r,r,r", args=[packed, s2, zs], dtype=(tl.int8, tl.int8), is_pure=True, pack=4,
     )
 

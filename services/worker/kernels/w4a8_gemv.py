@@ -19,32 +19,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from services.worker.kernels.swar_ptx import SWAR_REGISTERS, high_plane, low_plane, swar_plane, swar_setup
 
 
-def _swar_plane(out: str, q: str, s2: str, zs: str) -> str:
-    """PTX for (q - z) * s2 on the 4 bytes of register q (one nibble plane, values 0..15 a byte):
-    w4a8_gemm._dequant_swar's sequence. s2 and zs = (z * s2) mod 256 sit in byte 0 of theirs."""
-    return f"""
-            and.b32 s, {s2}, 0xFF;
-            prmt.b32 y, {zs}, 0, 0x0000;
-            and.b32 yl, y, 0x7F7F7F7F;
-            mul.lo.u32 x, {q}, s;
-            or.b32 t, x, 0x80808080;
-            sub.u32 t, t, yl;
-            xor.b32 m, x, y;
-            and.b32 m, m, 0x80808080;
-            xor.b32 m, m, 0x80808080;
-            xor.b32 {out}, t, m;"""
-
-
-# acc + the two planes of one packed word times their x words: $1 word, $2 s2, $3 zs, $4 x_lo,
-# $5 x_hi, $6 acc.
+# acc + the two nibble planes of packed word $1 as int8 (q - z) * s2 ($2 s2, $3 zs) times their
+# x words $4 (low) and $5 (high), accumulated from $6.
 _DOT_G128_PTX = tl.constexpr(
-    "{\n            .reg .b32 s, y, yl, x, t, m, q, w8, r;\n            and.b32 q, $1, 0x0F0F0F0F;"
-    + _swar_plane("w8", "q", "$2", "$3")
-    + "\n            dp4a.s32.s32 r, w8, $4, $6;\n            shr.u32 q, $1, 4;\n            and.b32 q, q, 0x0F0F0F0F;"
-    + _swar_plane("w8", "q", "$2", "$3")
-    + "\n            dp4a.s32.s32 $0, w8, $5, r;\n            }"
+    "{\n        .reg .b32 " + SWAR_REGISTERS + ", w8, r;" + swar_setup("$2", "$3")
+    + low_plane("$1") + swar_plane("w8") + "\n        dp4a.s32.s32 r, w8, $4, $6;"
+    + high_plane("$1") + swar_plane("w8") + "\n        dp4a.s32.s32 $0, w8, $5, r;\n        }"
 )
 
 
