@@ -60,12 +60,15 @@ def publish(
     clipping: bool = typer.Option(None, "--clipping/--no-clipping", help="weight clip-ratio search"),
     gptq: bool = typer.Option(None, "--gptq/--no-gptq", help="GPTQ error-compensated rounding"),
     rotate_values: bool = typer.Option(None, "--rotate-values/--no-rotate-values", help="per-head rotation of V"),
+    kv_range_search: bool = typer.Option(None, "--kv-range-search/--no-kv-range-search",
+                                         help="per-layer KV4 range ratio of V, searched"),
     rtn: bool = typer.Option(False, "--rtn", help="every QoQ step off: plain round-to-nearest (fast; for tests "
                              "and smoke runs). A step switched on explicitly stays on."),
 ):
     """Publish a checkpoint as an evaluated artifact; prints its id. Exit 1 when the job fails."""
     steps = {"smooth_attention": smooth_attention, "rotation": rotation, "smoothing": smoothing,
-             "reorder": reorder, "clipping": clipping, "gptq": gptq, "rotate_values": rotate_values}
+             "reorder": reorder, "clipping": clipping, "gptq": gptq, "rotate_values": rotate_values,
+             "kv_range_search": kv_range_search}
     if rtn and format.value != "fp16":
         steps = {name: False if value is None else value for name, value in steps.items()}
     qoq = {name: value for name, value in steps.items() if value is not None}

@@ -34,6 +34,8 @@ def quantize(
     rotation: bool = typer.Option(True, "--rotation/--no-rotation", help="Hadamard rotation of block inputs"),
     rotate_values: bool = typer.Option(True, "--rotate-values/--no-rotate-values", help="per-head rotation of V"),
     smooth_attention: bool = typer.Option(True, "--smooth-attention/--no-smooth-attention", help="SmoothAttention on K"),
+    kv_range_search: bool = typer.Option(True, "--kv-range-search/--no-kv-range-search",
+                                         help="per-layer KV4 range ratio of V, searched"),
     smoothing: bool = typer.Option(True, "--smoothing/--no-smoothing", help="smoothing of o_proj/down_proj inputs"),
     reorder: bool = typer.Option(True, "--reorder/--no-reorder", help="activation-aware channel reordering"),
     clipping: bool = typer.Option(True, "--clipping/--no-clipping", help="weight clip-ratio search"),
@@ -48,7 +50,7 @@ def quantize(
         options = QoQOptions.rtn()
     else:
         options = QoQOptions(
-            rotation=rotation, rotate_values=rotate_values, smooth_attention=smooth_attention,
+            rotation=rotation, rotate_values=rotate_values, smooth_attention=smooth_attention, kv_range_search=kv_range_search,
             smoothing=smoothing, reorder=reorder, clipping=clipping, gptq=gptq,
             compensate_inputs=compensate_inputs, seed=seed,
         )

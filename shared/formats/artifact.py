@@ -3,7 +3,9 @@
     manifest.json                      shared.formats.manifest.Manifest
     weights/embed.safetensors          embed (V, H) fp16
     weights/block_{i:03d}.safetensors  attn_norm, mlp_norm (H,) fp16; qkv.*, o.*, gate_up.*, down.*
-                                       (one PackedWeight each, in the format's weight kind)
+                                       (one PackedWeight each, in the format's weight kind);
+                                       KV4 formats: kv_range (2,) fp32, the K and V range ratios
+                                       of shared.formats.kv4 (absent: 1, 1)
     weights/head.safetensors           final_norm (H,) fp16; lm_head.weight (V, H) fp16
     tokenizer/                         the source checkpoint's tokenizer files
 """
@@ -17,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from shared.formats.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError
@@ -27,6 +30,8 @@ EMBED_FILE = "weights/embed.safetensors"
 HEAD_FILE = "weights/head.safetensors"
 TOKENIZER_DIR = "tokenizer"
 BLOCK_LINEARS = ("qkv", "o", "gate_up", "down")
+KV_RANGE = "kv_range"
+FULL_KV_RANGE = (1.0, 1.0)
 
 
 def block_file(i: int) -> str:
@@ -160,15 +165,32 @@ class ArtifactReader:
         norms = {"attn_norm": t["attn_norm"], "mlp_norm": t["mlp_norm"]}
         return norms, {name: kind.from_tensors(name, t) for name in BLOCK_LINEARS}
 
+    def block_kv_range(self, i: int) -> tuple[float, float]:
+        """Block i's KV4 range ratios (K, V); artifacts written before they existed read as (1, 1)."""
+        path = self.folder / block_file(i)
+        if not path.is_file():
+            raise ArtifactError(f"artifact {self.folder} lacks {block_file(i)}")
+        with safe_open(str(path), framework="pt") as f:
+            if KV_RANGE not in f.keys():
+                return FULL_KV_RANGE
+            k, v = f.get_tensor(KV_RANGE).tolist()
+        if not (0.0 < k <= 1.0 and 0.0 < v <= 1.0):
+            raise ArtifactError(f"artifact {self.folder}: {block_file(i)} has KV4 range ratios {k}, {v} outside (0, 1]")
+        return k, v
+
     @property
     def tokenizer_dir(self) -> Path:
         return self.folder / TOKENIZER_DIR
 
 
-def block_tensors(norms: dict[str, torch.Tensor], linears: dict[str, PackedWeight]) -> dict[str, torch.Tensor]:
+def block_tensors(
+    norms: dict[str, torch.Tensor], linears: dict[str, PackedWeight], kv_range: tuple[float, float] = FULL_KV_RANGE
+) -> dict[str, torch.Tensor]:
     out = {k: v.to(torch.float16) for k, v in norms.items()}
     for name, packed in linears.items():
         out.update(packed.tensors(name))
+    if kv_range != FULL_KV_RANGE:  # kept out of files that do not need it: older readers load them as before
+        out[KV_RANGE] = torch.tensor(kv_range, dtype=torch.float32)
     return out
 
 
@@ -179,6 +201,7 @@ __all__ = [
     "ArtifactWriter",
     "BLOCK_LINEARS",
     "EMBED_FILE",
+    "FULL_KV_RANGE",
     "HEAD_FILE",
     "MANIFEST_NAME",
     "TOKENIZER_DIR",

@@ -6,6 +6,14 @@ scale and zero kept in fp16 beside the codes. The zero is kept in value units (w
 means) rather than as a code offset: dequantization is one multiply-add, and a vector whose
 range is tiny next to its values (min / scale beyond fp16) still round-trips.
 
+Range ratio: a layer may quantize K or V over [min, max] shrunk around its midpoint to
+`ratio` of its width (values outside clamp to codes 0 / 15). A 4-bit grid over the full range
+of 64..128 roughly Gaussian values wastes levels on the two extremes; the quantizer picks the
+ratio per layer on calibration data (shared/quant/kv_range.py) and the artifact carries it.
+The arithmetic, for the Triton write to match bit for bit (fp32, no fused multiply-add):
+    margin = (max - min) * c,  c = fp32((1 - ratio) / 2);  min' = min + margin;  max' = max - margin
+ratio 1 skips it, so such a layer writes exactly the rows of the plain rule.
+
 Paged layout (one tensor per layer for K and one for V):
     page (num_blocks, num_kv_heads, block_size, D // 2 + 4) uint8
 Row t of a block holds token t's D/2 code bytes (nibbles paired (j, j + D/2) as in
@@ -23,10 +31,20 @@ KV4_LEVELS = 15
 SCALE_ZERO_BYTES = 4  # fp16 scale + fp16 zero
 
 
-def quantize_kv4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def range_margin(ratio: float) -> float:
+    """c of the range-ratio rule above, as the fp32 value both the reference and the kernel use."""
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"KV4 range ratio must be in (0, 1], got {ratio}")
+    return torch.tensor((1.0 - ratio) / 2.0, dtype=torch.float32).item()
+
+
+def quantize_kv4(x: torch.Tensor, ratio: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (..., D) -> codes (..., D) uint8, scale (...) fp16, zero (...) fp16."""
     xf = x.float()
     lo, hi = xf.amin(dim=-1), xf.amax(dim=-1)
+    if ratio != 1.0:
+        margin = (hi - lo) * range_margin(ratio)
+        lo, hi = lo + margin, hi - margin
     scale = ((hi - lo) / KV4_LEVELS).clamp_min(1e-5).half()
     zero = lo.half()
     q = torch.round((xf - zero.float()[..., None]) / scale.float()[..., None]).clamp_(0, KV4_LEVELS)
@@ -38,19 +56,19 @@ def dequantize_kv4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
     return q.float() * scale.float()[..., None] + zero.float()[..., None]
 
 
-def fake_quantize_kv4(x: torch.Tensor) -> torch.Tensor:
+def fake_quantize_kv4(x: torch.Tensor, ratio: float = 1.0) -> torch.Tensor:
     """What attention reads back after x went through the KV4 cache, in x's dtype."""
-    return dequantize_kv4(*quantize_kv4(x)).to(x.dtype)
+    return dequantize_kv4(*quantize_kv4(x, ratio)).to(x.dtype)
 
 
 def page_row_bytes(head_dim: int) -> int:
     return head_dim // 2 + SCALE_ZERO_BYTES
 
 
-def encode_rows(x: torch.Tensor) -> torch.Tensor:
+def encode_rows(x: torch.Tensor, ratio: float = 1.0) -> torch.Tensor:
     """x (..., D) -> page rows (..., D/2 + 4) uint8 in the layout above."""
     d = x.shape[-1]
-    q, scale, zero = quantize_kv4(x)
+    q, scale, zero = quantize_kv4(x, ratio)
     codes = pack_halves(q, d)
     tail = torch.stack([scale, zero], dim=-1).contiguous().view(torch.uint8)  # (..., 4)
     return torch.cat([codes, tail], dim=-1)

@@ -28,6 +28,7 @@ class Block:
     mlp_norm: torch.Tensor  # (H,) fp32
     gate_up: Linear  # H -> 2F
     down: Linear  # F -> H
+    kv_range: tuple[float, float] = (1.0, 1.0)  # KV4 range ratios of K and V (shared.formats.kv4)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,6 +44,7 @@ def attention(
     kv_bits: int,
     capture: dict | None = None,
     attention_dtype: torch.dtype = torch.float32,
+    kv_range: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """qkv (B, T, q+2kv) fp32 -> causal attention output (B, T, heads*D) fp32.
 
@@ -56,10 +58,10 @@ def attention(
     k = k.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (B, kv_heads, T, D)
     v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
     if capture is not None:
-        capture["q_pre_rope"], capture["k_pre_rope"] = q, k
+        capture["q_pre_rope"], capture["k_pre_rope"], capture["v"] = q, k, v
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if kv_bits == 4:
-        k, v = fake_quantize_kv4(k), fake_quantize_kv4(v)
+        k, v = fake_quantize_kv4(k, kv_range[0]), fake_quantize_kv4(v, kv_range[1])
     if c.group_size > 1:
         k = k.repeat_interleave(c.group_size, dim=1)
         v = v.repeat_interleave(c.group_size, dim=1)
@@ -80,7 +82,7 @@ def block_forward(
 ) -> torch.Tensor:
     """x (B, T, H) fp32 residual stream -> (B, T, H). `capture` receives each GEMM's input."""
     h = rms_norm(x, block.attn_norm, config.rms_norm_eps)
-    attn = attention(config, block.qkv(h), cos, sin, kv_bits, capture, attention_dtype)
+    attn = attention(config, block.qkv(h), cos, sin, kv_bits, capture, attention_dtype, block.kv_range)
     x = x + block.o(attn)
     h2 = rms_norm(x, block.mlp_norm, config.rms_norm_eps)
     gate, up = block.gate_up(h2).chunk(2, dim=-1)

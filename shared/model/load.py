@@ -56,6 +56,7 @@ def artifact_model(
                 mlp_norm=norms["mlp_norm"].to(device).float(),
                 gate_up=lin["gate_up"],
                 down=lin["down"],
+                kv_range=reader.block_kv_range(i),
             )
         )
     final_norm, lm_head = reader.head()

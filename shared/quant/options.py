@@ -14,6 +14,9 @@ class QoQOptions:
     # Search lambda = max|K|^a / max|Q|^b per layer for the least KV4 logit error (beyond QServe,
     # which fixes a = smooth_attention_alpha, b = 0); off: the fixed QServe rule.
     smooth_attention_search: bool = True
+    # Per-layer KV4 range ratio of V, searched on calibration tokens (beyond QServe; see
+    # shared/quant/kv_range.py). Costs nothing at run time: a multiply and an add in the cache write.
+    kv_range_search: bool = True
     smoothing: bool = True  # per-channel smoothing of o_proj and down_proj inputs, alpha searched
     reorder: bool = True  # activation-aware channel reordering of down_proj inputs (group formats)
     clipping: bool = True  # weight clip ratios searched to minimize output error
@@ -45,8 +48,8 @@ class QoQOptions:
     @classmethod
     def rtn(cls) -> "QoQOptions":
         """Plain round-to-nearest: every QoQ step off."""
-        return cls(rotation=False, rotate_values=False, smooth_attention=False, smoothing=False, reorder=False, clipping=False, gptq=False,
-                   compensate_inputs=False)
+        return cls(rotation=False, rotate_values=False, smooth_attention=False, kv_range_search=False, smoothing=False,
+                   reorder=False, clipping=False, gptq=False, compensate_inputs=False)
 
     def to_dict(self) -> dict:
         return asdict(self)

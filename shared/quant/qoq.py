@@ -1,8 +1,8 @@
 """QoQ on one decoder block: transform the fp weights with calibration activations, then quantize.
 
 Order: fold norms + rotate (block inputs) -> one fp forward capturing every GEMM input ->
-SmoothAttention (K) -> smoothing (o_proj, down_proj inputs) -> reorder (down_proj input) ->
-clip search -> rounding of each linear (GPTQ error compensation, or round-to-nearest). Every transform keeps the block's fp function unchanged,
+SmoothAttention (K) -> smoothing (o_proj, down_proj inputs) -> KV4 range ratios ->
+reorder (down_proj input) -> clip search -> rounding of each linear (GPTQ error compensation, or round-to-nearest). Every transform keeps the block's fp function unchanged,
 so the block output of the capture forward is the next block's calibration input.
 """
 
@@ -23,6 +23,7 @@ from shared.quant.gptq import gptq_quantize
 from shared.quant.clipping import candidate_ratios, search_clip_ratios
 from shared.quant.options import QoQOptions
 from shared.quant.reorder import apply_down_reorder, salience_order
+from shared.quant.kv_range import search_value_ratio, value_channel_weights
 from shared.quant.smooth_attention import apply_smooth_attention, search_smooth_attention, smooth_attention_scales
 from shared.quant.smoothing import apply_down_smoothing, apply_o_smoothing, search_scales, tie_over_query_groups
 from shared.quant.weights import WEIGHT_QUANTIZERS
@@ -40,6 +41,7 @@ class Captured:
     q_absmax: torch.Tensor  # (heads, D) likewise
     q_sub: torch.Tensor  # (S, heads, D) pre-RoPE queries of the subsampled tokens
     k_sub: torch.Tensor  # (S, kv_heads, D) pre-RoPE keys of the subsampled tokens
+    v_sub: torch.Tensor  # (S, kv_heads, D) values of the subsampled tokens
     positions: torch.Tensor  # (S,) their positions
     hessians: dict[str, torch.Tensor]  # per linear: sum of x^T x over every calibration token (K, K)
 
@@ -48,6 +50,7 @@ class Captured:
 class QuantizedBlock:
     norms: dict[str, torch.Tensor]  # attn_norm, mlp_norm (H,)
     linears: dict[str, PackedWeight]  # qkv, o, gate_up, down
+    kv_range: tuple[float, float] = (1.0, 1.0)  # KV4 range ratios of K and V (shared.quant.kv_range)
 
 
 def capture(
@@ -59,7 +62,7 @@ def capture(
     inputs = dict(zip(("qkv_in", "o_in", "gate_up_in", "down_in"), BLOCK_LINEARS))  # capture key -> linear
     hessians: dict[str, torch.Tensor] = {}
     k_absmax = q_absmax = None
-    q_sub, k_sub = [], []
+    q_sub, k_sub, v_sub = [], [], []
     t = x.shape[1]
     for start in range(0, x.shape[0], FORWARD_BATCH):
         cap: dict = {}
@@ -74,6 +77,7 @@ def capture(
         local = token_idx[(token_idx >= lo) & (token_idx < hi)] - lo
         q_sub.append(cap["q_pre_rope"].transpose(1, 2).reshape(-1, *qmax.shape)[local])
         k_sub.append(cap["k_pre_rope"].transpose(1, 2).reshape(-1, *kmax.shape)[local])
+        v_sub.append(cap["v"].transpose(1, 2).reshape(-1, *kmax.shape)[local])
         for name, linear in inputs.items():
             flat = cap[name].reshape(-1, cap[name].shape[-1])
             if name in subs:
@@ -82,7 +86,7 @@ def capture(
             hessians[linear] = hessians[linear] + xtx if linear in hessians else xtx
     captured = Captured(
         **{k: torch.cat(v) for k, v in subs.items()}, k_absmax=k_absmax, q_absmax=q_absmax,
-        q_sub=torch.cat(q_sub), k_sub=torch.cat(k_sub), positions=token_idx % t, hessians=hessians,
+        q_sub=torch.cat(q_sub), k_sub=torch.cat(k_sub), v_sub=torch.cat(v_sub), positions=token_idx % t, hessians=hessians,
     )
     return captured, torch.cat(outs)
 
@@ -125,11 +129,15 @@ def quantize_block(
         s = search_scales(cap.o_in, work.o, kind, bits, tie=tie_over_query_groups(config))
         apply_o_smoothing(config, work, s)
         cap.o_in = cap.o_in / s
+        cap.v_sub = cap.v_sub / s.view(config.num_kv_heads, config.group_size, config.head_dim)[:, 0]
         cap.hessians["o"] = cap.hessians["o"] / s[:, None] / s[None, :]
         s = search_scales(cap.down_in, work.down, kind, bits)
         apply_down_smoothing(work, s)
         cap.down_in = cap.down_in / s
         cap.hessians["down"] = cap.hessians["down"] / s[:, None] / s[None, :]
+    kv_range = (1.0, 1.0)  # K keeps its full range: see shared/quant/kv_range.py
+    if options.kv_range_search and spec.kv_bits == 4:
+        kv_range = (1.0, search_value_ratio(cap.v_sub, value_channel_weights(config, work.o)))
     if options.reorder and spec.needs_groups and kind != "w4chn":
         perm = salience_order(cap.down_in)
         apply_down_reorder(work, perm)
@@ -157,4 +165,4 @@ def quantize_block(
             linears[name] = quantize(w, clip)
         if options.compensate_inputs:
             dequantized[name] = linears[name].dequantize()
-    return QuantizedBlock(norms, linears), out
+    return QuantizedBlock(norms, linears, kv_range), out

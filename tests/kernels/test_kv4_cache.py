@@ -52,12 +52,12 @@ def _prefill_slots(lengths: list[int], num_blocks: int, seed: int) -> tuple[torc
     return torch.tensor(positions), torch.tensor(slots, dtype=torch.int64), used
 
 
-def _assert_rows_match(got: torch.Tensor, ref: torch.Tensor, rotated: torch.Tensor) -> None:
+def _assert_rows_match(got: torch.Tensor, ref: torch.Tensor, rotated: torch.Tensor, ratio: float = 1.0) -> None:
     """got/ref (T, kv_heads, D/2 + 4) uint8 rows; rotated (T, kv_heads, D) fp16: what was encoded."""
     d = rotated.shape[-1]
     assert torch.equal(got[..., d // 2 :], ref[..., d // 2 :]), "fp16 scale/zero differ"
     codes, ref_codes = unpack_halves(got[..., : d // 2], d).int(), unpack_halves(ref[..., : d // 2], d).int()
-    _, scale, zero = quantize_kv4(rotated)
+    _, scale, zero = quantize_kv4(rotated, ratio)
     x = (rotated.float() - zero.float()[..., None]) / scale.float()[..., None]
     on_tie = ((x - x.floor()) - 0.5).abs() < 1e-4
     diff = (codes - ref_codes).abs()
@@ -122,6 +122,29 @@ def test_kv4_decode_step_writes_one_token_per_sequence():
     others = torch.ones(num_blocks * BLOCK_SIZE, dtype=torch.bool)
     others[slots] = False
     assert (k_cache.transpose(1, 2).reshape(num_blocks * BLOCK_SIZE, -1)[others] == POISON).all()
+
+
+@pytest.mark.parametrize("head_dim,kv_range", [(128, (0.9, 0.75)), (64, (1.0, 0.85))])
+def test_kv4_write_with_range_ratios_matches_reference(head_dim, kv_range):
+    """A layer's K and V range ratios: the kernel narrows [min, max] exactly as the reference does."""
+    kv_heads, num_blocks = 2, 6
+    positions, slots, _ = _prefill_slots([5, 31, 19], num_blocks, seed=11)
+    k, v = _kv(len(slots), kv_heads, head_dim, seed=5)
+    rope = _rope_cache(head_dim)
+    shape = (num_blocks, kv_heads, BLOCK_SIZE, page_row_bytes(head_dim))
+    k_cache, v_cache = torch.full(shape, POISON, dtype=torch.uint8), torch.full(shape, POISON, dtype=torch.uint8)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    write_kv4_cache(k, v, positions, slots, rope, k_cache, v_cache, kv_range=kv_range)
+    write_kv4_cache_reference(k, v, positions, slots, rope, k_ref, v_ref, kv_range=kv_range)
+
+    k_rot = rope_reference(k, positions, rope)
+    _assert_rows_match(_slot_rows(k_cache, slots), _slot_rows(k_ref, slots), k_rot, kv_range[0])
+    _assert_rows_match(_slot_rows(v_cache, slots), _slot_rows(v_ref, slots), v, kv_range[1])
+    # A ratio below 1 takes effect: a finer step than the full range's, the extremes clamped.
+    full_step = quantize_kv4(v)[1].float()
+    v_step = decode_rows(_slot_rows(v_cache, slots))  # values on the narrowed grid
+    assert (v_step.amax(-1) - v_step.amin(-1) < (v.float().amax(-1) - v.float().amin(-1)) - full_step).all()
 
 
 def test_negative_slots_are_skipped_and_constant_rows_stay_finite():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated (see tests/kernels/conftest.py)
 for _name in (
@@ -26,7 +27,9 @@ import torch  # noqa: E402
 
 from services.worker.engine.runner import SequenceChunk, StepBatch  # noqa: E402
 from services.worker.engine.triton_runner import TritonRunner, TritonRunnerSettings  # noqa: E402
-from shared.formats.artifact import ArtifactReader  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from shared.formats.artifact import ArtifactReader, ArtifactWriter  # noqa: E402
 from shared.model.load import artifact_model  # noqa: E402
 from shared.quant.options import QoQOptions  # noqa: E402
 from shared.quant.quantize_model import QuantizeSettings, quantize_checkpoint  # noqa: E402
@@ -72,9 +75,8 @@ def tiny_artifacts(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("fmt", list(TOLERANCE))
-def test_chunked_prefill_and_decode_match_reference(tiny_artifacts, fmt):
-    reader = ArtifactReader(tiny_artifacts[fmt])
+def _run_steps(reader: ArtifactReader) -> tuple[dict[int, list[int]], dict[int, dict[int, torch.Tensor]]]:
+    """The steps of _steps through a TritonRunner -> (tokens per seq, seq -> position -> logits)."""
     runner = TritonRunner(reader, "cpu", BLOCK, TritonRunnerSettings(max_model_len=32, cuda_graphs=False))
     runner.allocate_cache(16)
     g = torch.Generator().manual_seed(3)
@@ -92,14 +94,54 @@ def test_chunked_prefill_and_decode_match_reference(tiny_artifacts, fmt):
         assert logits.shape == (len(wanted), 512) and logits.dtype == torch.float32
         for (s, pos), row in zip(wanted, logits):
             got[s][pos] = row
+    return tokens, got
 
-    reference = artifact_model(reader)
+
+def _errors(reference, tokens, got) -> dict[tuple[int, int], float]:
+    """(seq, position) -> relative L2 error of the runner's logits row against the reference forward."""
+    out = {}
     for s in SEQS:
         ref = reference.forward(torch.tensor([tokens[s]]))[0]  # (L, V) fp32
         assert sorted(got[s]) == list(range(SEQS[s][0] - 1, len(tokens[s])))
         for pos, row in got[s].items():
-            err = ((row - ref[pos]).norm() / ref[pos].norm()).item()
-            assert err < TOLERANCE[fmt], f"{fmt} seq {s} position {pos}: relative error {err:.2e}"
+            out[s, pos] = ((row - ref[pos]).norm() / ref[pos].norm()).item()
+    return out
+
+
+@pytest.mark.parametrize("fmt", list(TOLERANCE))
+def test_chunked_prefill_and_decode_match_reference(tiny_artifacts, fmt):
+    reader = ArtifactReader(tiny_artifacts[fmt])
+    tokens, got = _run_steps(reader)
+    for (s, pos), err in _errors(artifact_model(reader), tokens, got).items():
+        assert err < TOLERANCE[fmt], f"{fmt} seq {s} position {pos}: relative error {err:.2e}"
+
+
+def _with_kv_range(src: Path, dst: Path, kv_range: tuple[float, float]) -> Path:
+    """A copy of artifact src whose every block carries the given KV4 range ratios."""
+    reader = ArtifactReader(src)
+    with ArtifactWriter(dst, identity={}) as writer:
+        for entry in reader.manifest.files:
+            if entry.path.startswith("weights/block_"):
+                tensors = load_file(str(src / entry.path))
+                tensors["kv_range"] = torch.tensor(kv_range, dtype=torch.float32)
+                writer.write_tensors(entry.path, tensors)
+            else:
+                writer.copy_file(src / entry.path, entry.path)
+        return writer.finish(reader.manifest)
+
+
+def test_layer_kv_ranges_reach_the_cache_write(tiny_artifacts, tmp_path):
+    """An artifact's per-layer KV4 range ratios (exaggerated here) are what the Triton cache write
+    uses: the runner matches the reference that applies them, not the one that ignores them."""
+    reader = ArtifactReader(_with_kv_range(tiny_artifacts["w4a8kv4-g128"], tmp_path / "kv-range", (0.75, 0.5)))
+    assert [reader.block_kv_range(i) for i in range(2)] == [(0.75, 0.5)] * 2
+    tokens, got = _run_steps(reader)
+    applied = artifact_model(reader)
+    worst = max(_errors(applied, tokens, got).values())
+    assert worst < TOLERANCE["w4a8kv4-g128"]
+    for block in applied.blocks:
+        block.kv_range = (1.0, 1.0)
+    assert max(_errors(applied, tokens, got).values()) > 2 * max(worst, TOLERANCE["w4a8kv4-g128"])
 
 
 def test_cpu_needs_the_interpreter(tiny_artifacts, monkeypatch):

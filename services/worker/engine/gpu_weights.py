@@ -24,6 +24,7 @@ class LayerWeights:
     o: object  # heads*D -> H
     gate_up: object  # H -> 2F ([gate; up] rows)
     down: object  # F -> H
+    kv_range: tuple[float, float] = (1.0, 1.0)  # KV4 range ratios of K and V (shared.formats.kv4)
 
 
 @dataclass(slots=True)
@@ -71,6 +72,7 @@ def load_weights(reader, device: torch.device) -> ModelWeights:
                 attn_norm=norms["attn_norm"].to(device=device, dtype=torch.float32),
                 mlp_norm=norms["mlp_norm"].to(device=device, dtype=torch.float32),
                 **{name: _to_device(linears[name], device) for name in BLOCK_LINEARS},
+                kv_range=reader.block_kv_range(i),
             )
         )
     final_norm, lm_head = reader.head()

@@ -114,7 +114,8 @@ class ReferenceRunner:
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v (N, kv_heads, D) fp32 (k after RoPE) -> their rows at slots, in both caches."""
         if self.kv_bits == 4:
-            k_rows, v_rows = encode_rows(k), encode_rows(v)  # (N, kv_heads, D/2 + 4) uint8
+            k_range, v_range = self.model.blocks[layer].kv_range
+            k_rows, v_rows = encode_rows(k, k_range), encode_rows(v, v_range)  # (N, kv_heads, D/2 + 4) uint8
         else:
             k_rows, v_rows = k.half(), v.half()  # (N, kv_heads, D) fp16
         blocks, offsets = slots // self.block_size, slots % self.block_size

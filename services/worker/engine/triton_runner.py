@@ -236,8 +236,15 @@ class TritonRunner:
         # "query" makes the cache-write kernel rotate both (every head shares the token's angles).
         needs_key = st.cu_seqlens is not None
         query = qkv[:, : c.q_size + c.kv_size].view(t, heads + kvh, d) if needs_key else qkv[:, : c.q_size].view(t, heads, d)
-        write = kv4_cache.write_kv4_cache if self.kv4 else kv4_cache.write_fp16_cache
-        rotated = write(k, v, st.positions, st.slots, self.rope_cache, self.k_cache[i], self.v_cache[i], query=query)
+        if self.kv4:
+            rotated = kv4_cache.write_kv4_cache(
+                k, v, st.positions, st.slots, self.rope_cache, self.k_cache[i], self.v_cache[i], query=query,
+                kv_range=self.weights.layers[i].kv_range,
+            )
+        else:
+            rotated = kv4_cache.write_fp16_cache(
+                k, v, st.positions, st.slots, self.rope_cache, self.k_cache[i], self.v_cache[i], query=query
+            )
         q_rot = rotated[:, :heads]  # (T, heads, D) fp16
         if st.block_tables is None:  # every row is a prefill row
             out = prefill_attention.prefill_attention(q_rot, rotated[:, heads:], v, st.cu_seqlens, max_seqlen=st.max_seqlen)

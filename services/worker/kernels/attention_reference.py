@@ -57,10 +57,12 @@ def write_kv4_cache_reference(
     rope_cache: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    kv_range: tuple[float, float] = (1.0, 1.0),
 ) -> None:
-    """RoPE on key, KV4-encode key and value per token per head, write the rows at their slots."""
-    _scatter_rows(k_cache, encode_rows(rope_reference(key, positions, rope_cache)), slot_mapping)
-    _scatter_rows(v_cache, encode_rows(value), slot_mapping)
+    """RoPE on key, KV4-encode key and value per token per head (at the layer's K and V range
+    ratios), write the rows at their slots."""
+    _scatter_rows(k_cache, encode_rows(rope_reference(key, positions, rope_cache), kv_range[0]), slot_mapping)
+    _scatter_rows(v_cache, encode_rows(value, kv_range[1]), slot_mapping)
 
 
 def write_fp16_cache_reference(

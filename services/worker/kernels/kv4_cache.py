@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels.attention_reference import build_rope_cache  # noqa: F401  (re-exported)
-from shared.formats.kv4 import page_row_bytes
+from shared.formats.kv4 import page_row_bytes, range_margin
 
 __all__ = ["build_rope_cache", "write_fp16_cache", "write_kv4_cache"]
 
@@ -39,13 +39,17 @@ def _round_half_even(x):
 
 
 @triton.jit
-def _store_kv4_row(row_ptr, lo, hi, HALF: tl.constexpr):
+def _store_kv4_row(row_ptr, lo, hi, margin, HALF: tl.constexpr, SHRINK: tl.constexpr):
     """Quantize one head vector (halves lo, hi: (HALF,) fp32 holding fp16 values) into a KV4 row.
 
-    Bit-for-bit shared.formats.kv4.encode_rows: IEEE division, round half to even, fp16 scale/zero.
+    Bit-for-bit shared.formats.kv4.encode_rows: IEEE division, round half to even, fp16 scale/zero;
+    SHRINK: the range ratio rule, [min, max] narrowed by margin = fp32((1 - ratio) / 2) of its width.
     """
     vmin = tl.minimum(tl.min(lo, axis=0), tl.min(hi, axis=0))
     vmax = tl.maximum(tl.max(lo, axis=0), tl.max(hi, axis=0))
+    if SHRINK:
+        cut = (vmax - vmin) * margin
+        vmin, vmax = vmin + cut, vmax - cut
     scale = tl.maximum(tl.div_rn(vmax - vmin, 15.0), 1e-5).to(tl.float16)
     zero = vmin.to(tl.float16)
     scale_f, zero_f = scale.to(tl.float32), zero.to(tl.float32)
@@ -69,9 +73,10 @@ def _rope_cache_write_kernel(
     # strides (elements of each tensor's dtype)
     stride_kt, stride_kh, stride_vt, stride_vh, stride_qt, stride_qh, stride_ot, stride_oh, stride_rope,
     stride_cb, stride_ch, stride_cs,
+    k_margin, v_margin,  # KV4 range-ratio margins (shared.formats.kv4.range_margin)
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    QUANTIZE: tl.constexpr, ROTATE_QUERY: tl.constexpr,
+    QUANTIZE: tl.constexpr, ROTATE_QUERY: tl.constexpr, K_SHRINK: tl.constexpr, V_SHRINK: tl.constexpr,
 ):
     tok = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -106,8 +111,8 @@ def _rope_cache_write_kernel(
         v_hi = tl.load(v_ptrs + HALF)
         row = (slot // BLOCK_SIZE) * stride_cb + kvh * stride_ch + (slot % BLOCK_SIZE) * stride_cs
         if QUANTIZE:
-            _store_kv4_row(k_cache_ptr + row, r_lo.to(tl.float32), r_hi.to(tl.float32), HALF)
-            _store_kv4_row(v_cache_ptr + row, v_lo.to(tl.float32), v_hi.to(tl.float32), HALF)
+            _store_kv4_row(k_cache_ptr + row, r_lo.to(tl.float32), r_hi.to(tl.float32), k_margin, HALF, K_SHRINK)
+            _store_kv4_row(v_cache_ptr + row, v_lo.to(tl.float32), v_hi.to(tl.float32), v_margin, HALF, V_SHRINK)
         else:
             tl.store(k_cache_ptr + row + offs, r_lo)
             tl.store(k_cache_ptr + row + HALF + offs, r_hi)
@@ -155,7 +160,8 @@ def _check_cache(name: str, cache: torch.Tensor, kv_heads: int, row: int, dtype:
         raise ValueError(f"{name} rows must be contiguous (strides {cache.stride()})")
 
 
-def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, quantize: bool):
+def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, quantize: bool,
+            kv_range: tuple[float, float] = (1.0, 1.0)):
     t, kv_heads, group = _check_inputs(key, value, positions, slot_mapping, rope_cache, query)
     d = key.shape[2]
     row = page_row_bytes(d) if quantize else d
@@ -174,8 +180,9 @@ def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, q
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         q_arg.stride(0), q_arg.stride(1), o_arg.stride(0), o_arg.stride(1), rope_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        range_margin(kv_range[0]), range_margin(kv_range[1]),
         HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], GROUP=group, BLOCK_G=triton.next_power_of_2(group),
-        QUANTIZE=quantize, ROTATE_QUERY=query is not None,
+        QUANTIZE=quantize, ROTATE_QUERY=query is not None, K_SHRINK=kv_range[0] != 1.0, V_SHRINK=kv_range[1] != 1.0,
         # No FMA contraction: x * cos - y * sin rounds each product as torch does, so the rotated
         # fp16 key, and with it the KV4 row, is bit-identical to the reference.
         num_warps=1, enable_fp_fusion=False,
@@ -192,14 +199,16 @@ def write_kv4_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     query: torch.Tensor | None = None,
+    kv_range: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor | None:
     """RoPE the key, quantize key and value to KV4 rows, write them at slot_mapping (in place).
 
     key, value (T, kv_heads, D) fp16 pre-RoPE key; k_cache/v_cache (num_blocks, kv_heads,
     block_size, D/2 + 4) uint8. If `query` (T, heads, D) fp16 is given, returns it rotated
     (a new tensor); otherwise returns None. Tokens whose slot is negative are not written.
+    kv_range: the layer's K and V range ratios (shared.formats.kv4).
     """
-    return _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, quantize=True)
+    return _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, True, kv_range)
 
 
 def write_fp16_cache(
