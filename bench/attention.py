@@ -270,6 +270,19 @@ class Bench:
             nbytes16 = 2 * t_tokens * kvh * d * 2 * 2 + 2 * 2 * t_tokens * heads * d
             self.result["writes"].append(dict(kind="fp16+rope(q,k)", tokens=t_tokens, kv_heads=kvh, head_dim=d, **self.figure(t16, nbytes16)))
             print(f"  write {label}: kv4 {t * 1e3:.1f} us (scale/zero equal {tails_equal}, bytes differing {code_diff:.1e}), fp16 {t16 * 1e3:.1f} us", flush=True)
+            # A layer with a V range ratio below 1 (what the quantizer picks): same check, same timing.
+            kv_range = (1.0, 0.925)
+            write_kv4_cache(k, v, pos, slots, rope, kc, vc, query=q, kv_range=kv_range)
+            write_kv4_cache_reference(k, v, pos, slots, rope, kr, vr, kv_range=kv_range)
+            tails_equal = bool(torch.equal(kc[..., d // 2:], kr[..., d // 2:]) and torch.equal(vc[..., d // 2:], vr[..., d // 2:]))
+            code_diff = float(((kc != kr).float().mean() + (vc != vr).float().mean()) / 2)
+            self.result["correctness"].append({"what": f"kv4 write {label}, kv_range {kv_range}", "ok": code_diff < 1e-5,
+                                               "scale_zero_equal": tails_equal, "fraction_of_bytes_differing": code_diff})
+            tr = self.time_ms(lambda: write_kv4_cache(k, v, pos, slots, rope, kc, vc, query=q, kv_range=kv_range))
+            self.result["writes"].append(dict(kind=f"kv4+rope(q,k) kv_range {kv_range}", tokens=t_tokens, kv_heads=kvh,
+                                              head_dim=d, **self.figure(tr, nbytes)))
+            print(f"  write {label} kv_range {kv_range}: kv4 {tr * 1e3:.1f} us (scale/zero equal {tails_equal}, "
+                  f"bytes differing {code_diff:.1e})", flush=True)
         self.write()
 
     def prefill(self) -> None:
