@@ -21,7 +21,7 @@ from shared.storage import InvalidConfig, StorageConfig
 MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 VERSION_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 QOQ_STEPS = ("smooth_attention", "rotation", "smoothing", "reorder", "clipping", "gptq", "rotate_values",
-             "kv_range_search")  # the proto's switches
+             "kv_range_search", "compensate_inputs")  # the proto's switches
 DEFAULT_EVAL_SEQ_LEN = 512
 MAX_SEQ_LEN = 32768
 MAX_CALIB_SAMPLES = 4096
@@ -46,7 +46,7 @@ class PublishSpec:
 
     @property
     def options(self) -> QoQOptions:
-        """The QoQ recipe with the request's switches applied (unset = on)."""
+        """The QoQ recipe with the request's switches applied (unset = the recipe's default)."""
         return QoQOptions(**self.qoq)
 
     @classmethod

@@ -76,5 +76,6 @@ def test_publish_rtn_switches_every_qoq_step_off(quantizer, bucket_store, small_
     options = json.loads(store.get_bytes(manifest_key))["options"]
     # --rtn turns off everything not named; --clipping, named explicitly, stays on.
     assert options["clipping"] is True
-    for step in ("smooth_attention", "rotation", "rotate_values", "smoothing", "reorder", "gptq"):
+    for step in ("smooth_attention", "rotation", "rotate_values", "kv_range_search", "smoothing", "reorder", "gptq",
+                 "compensate_inputs"):
         assert options[step] is False, step
