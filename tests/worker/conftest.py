@@ -1,8 +1,10 @@
 """Worker test fixtures: fp16 and w4a8kv4-g128 artifacts of the tiny trained Llama (made once per
-session, RTN for speed), the reference greedy continuation, and workers on loopback."""
+session: RTN weights for speed, with the searched KV4 range ratio of V, so the engine's cache
+writes narrow V as a QoQ artifact's do), the reference greedy continuation, and workers on loopback."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,12 +24,16 @@ FORMATS = ("fp16", "w4a8kv4-g128")
 
 
 @pytest.fixture(scope="session")
-def artifacts(tiny_llama: Path, tmp_path_factory) -> dict[str, Path]:
+def artifacts(tiny_llama: Path, calib_text: Path, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("worker-artifacts")
     out = {}
     for fmt in FORMATS:
         out[fmt] = root / fmt
-        quantize_checkpoint(QuantizeSettings(tiny_llama, out[fmt], fmt, options=QoQOptions.rtn()))
+        options = QoQOptions.rtn() if fmt == "fp16" else dataclasses.replace(QoQOptions.rtn(), kv_range_search=True)
+        quantize_checkpoint(QuantizeSettings(tiny_llama, out[fmt], fmt, options=options, calib_path=calib_text,
+                                             calib_samples=8, calib_seq_len=256))
+    ranges = [ArtifactReader(out["w4a8kv4-g128"]).block_kv_range(i) for i in range(2)]
+    assert all(v < 1.0 for _, v in ranges), ranges  # the fixture's V narrows: the path is exercised
     return out
 
 
