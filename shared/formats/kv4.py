@@ -8,8 +8,9 @@ range is tiny next to its values (min / scale beyond fp16) still round-trips.
 
 Range ratio: a layer may quantize K or V over [min, max] shrunk around its midpoint to
 `ratio` of its width (values outside clamp to codes 0 / 15). A 4-bit grid over the full range
-of 64..128 roughly Gaussian values wastes levels on the two extremes; the quantizer picks the
-ratio per layer on calibration data (shared/quant/kv_range.py) and the artifact carries it.
+of 64..128 roughly Gaussian values wastes levels on the two extremes; the quantizer picks V's
+ratio per layer on calibration data, K keeps 1 (shared/quant/kv_range.py), and the artifact carries
+both.
 The arithmetic, for the Triton write to match bit for bit (fp32, no fused multiply-add):
     margin = (max - min) * c,  c = fp32((1 - ratio) / 2);  min' = min + margin;  max' = max - margin
 ratio 1 skips it, so such a layer writes exactly the rows of the plain rule.
@@ -46,8 +47,8 @@ def quantize_kv4(x: torch.Tensor, ratio: float = 1.0) -> tuple[torch.Tensor, tor
         margin = (hi - lo) * range_margin(ratio)
         lo, hi = lo + margin, hi - margin
     # Divided by a tensor: on CUDA, torch divides by a Python scalar through its reciprocal, which
-    # rounds differently from the IEEE division of the Triton write (and of the CPU) once the
-    # range is narrowed (measured on an H200: 60 of 524k rows a step apart in fp16 scale).
+    # rounds differently from the Triton write's IEEE division (tl.div_rn) once the range is
+    # narrowed (measured on an H200: 60 of 524k rows a step apart in fp16 scale).
     scale = ((hi - lo) / torch.full_like(lo, KV4_LEVELS)).clamp_min(1e-5).half()
     zero = lo.half()
     q = torch.round((xf - zero.float()[..., None]) / scale.float()[..., None]).clamp_(0, KV4_LEVELS)
