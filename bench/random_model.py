@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
+from shared.formats.kv4 import FULL_KV_RANGE
 from shared.formats.spec import format_spec
 from shared.formats.weights import Fp16Weight
 from shared.model.config import LlamaConfig
@@ -64,4 +65,4 @@ class RandomArtifact:
     def block_kv_range(self, i: int) -> tuple[float, float]:
         """K and V range ratios of a KV4 layer: those QoQ picks on the trained fixture (V narrowed to
         0.925 in every layer), so the benchmark's cache write takes the path real artifacts take."""
-        return (1.0, 0.925) if self.spec.kv_bits == 4 else (1.0, 1.0)
+        return (1.0, 0.925) if self.spec.kv_bits == 4 else FULL_KV_RANGE

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from shared.formats.kv4 import FULL_KV_RANGE, range_margin
 from shared.formats.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError
 from shared.formats.spec import FormatSpec, format_spec
 from shared.formats.weights import WEIGHT_KINDS, Fp16Weight, PackedWeight
@@ -31,7 +32,6 @@ HEAD_FILE = "weights/head.safetensors"
 TOKENIZER_DIR = "tokenizer"
 BLOCK_LINEARS = ("qkv", "o", "gate_up", "down")
 KV_RANGE = "kv_range"
-FULL_KV_RANGE = (1.0, 1.0)
 
 
 def block_file(i: int) -> str:
@@ -174,8 +174,10 @@ class ArtifactReader:
             if KV_RANGE not in f.keys():
                 return FULL_KV_RANGE
             k, v = f.get_tensor(KV_RANGE).tolist()
-        if not (0.0 < k <= 1.0 and 0.0 < v <= 1.0):
-            raise ArtifactError(f"artifact {self.folder}: {block_file(i)} has KV4 range ratios {k}, {v} outside (0, 1]")
+        try:
+            range_margin(k), range_margin(v)  # the format's own check of a ratio
+        except ValueError as e:
+            raise ArtifactError(f"artifact {self.folder}: {block_file(i)}: {e}") from None
         return k, v
 
     @property
@@ -201,7 +203,6 @@ __all__ = [
     "ArtifactWriter",
     "BLOCK_LINEARS",
     "EMBED_FILE",
-    "FULL_KV_RANGE",
     "HEAD_FILE",
     "MANIFEST_NAME",
     "TOKENIZER_DIR",

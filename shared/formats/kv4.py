@@ -30,6 +30,7 @@ from shared.formats.nibbles import pack_halves, unpack_halves
 
 KV4_LEVELS = 15
 SCALE_ZERO_BYTES = 4  # fp16 scale + fp16 zero
+FULL_KV_RANGE = (1.0, 1.0)  # (K, V) range ratios of a layer that narrows neither
 
 
 def range_margin(ratio: float) -> float:

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from shared.formats.kv4 import fake_quantize_kv4
+from shared.formats.kv4 import FULL_KV_RANGE, fake_quantize_kv4
 from shared.model.config import LlamaConfig
 from shared.model.rope import apply_rope, cos_sin, inverse_frequencies
 
@@ -28,7 +28,7 @@ class Block:
     mlp_norm: torch.Tensor  # (H,) fp32
     gate_up: Linear  # H -> 2F
     down: Linear  # F -> H
-    kv_range: tuple[float, float] = (1.0, 1.0)  # KV4 range ratios of K and V (shared.formats.kv4)
+    kv_range: tuple[float, float] = FULL_KV_RANGE  # KV4 range ratios of K and V (shared.formats.kv4)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,7 +44,7 @@ def attention(
     kv_bits: int,
     capture: dict | None = None,
     attention_dtype: torch.dtype = torch.float32,
-    kv_range: tuple[float, float] = (1.0, 1.0),
+    kv_range: tuple[float, float] = FULL_KV_RANGE,
 ) -> torch.Tensor:
     """qkv (B, T, q+2kv) fp32 -> causal attention output (B, T, heads*D) fp32.
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.formats.artifact import BLOCK_LINEARS
+from shared.formats.kv4 import FULL_KV_RANGE
 from shared.formats.spec import FormatSpec
 from shared.formats.weights import PackedWeight
 from shared.model.config import LlamaConfig
@@ -50,7 +51,7 @@ class Captured:
 class QuantizedBlock:
     norms: dict[str, torch.Tensor]  # attn_norm, mlp_norm (H,)
     linears: dict[str, PackedWeight]  # qkv, o, gate_up, down
-    kv_range: tuple[float, float] = (1.0, 1.0)  # KV4 range ratios of K and V (shared.quant.kv_range)
+    kv_range: tuple[float, float] = FULL_KV_RANGE  # KV4 range ratios of K and V (shared.quant.kv_range)
 
 
 def capture(
@@ -135,7 +136,7 @@ def quantize_block(
         apply_down_smoothing(work, s)
         cap.down_in = cap.down_in / s
         cap.hessians["down"] = cap.hessians["down"] / s[:, None] / s[None, :]
-    kv_range = (1.0, 1.0)  # K keeps its full range: see shared/quant/kv_range.py
+    kv_range = FULL_KV_RANGE  # K keeps its full range: see shared/quant/kv_range.py
     if options.kv_range_search and spec.kv_bits == 4:
         kv_range = (1.0, search_value_ratio(cap.v_sub, value_channel_weights(config, work.o)))
     if options.reorder and spec.needs_groups and kind != "w4chn":

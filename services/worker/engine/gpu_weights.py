@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from shared.formats.artifact import BLOCK_LINEARS
+from shared.formats.kv4 import FULL_KV_RANGE
 from shared.formats.weights import Fp16Weight, PackedWeight, W4ChannelWeight, W4G128ProgressiveWeight
 
 SUPPORTED_KINDS = (W4G128ProgressiveWeight.kind, W4ChannelWeight.kind, Fp16Weight.kind)
@@ -24,7 +25,7 @@ class LayerWeights:
     o: object  # heads*D -> H
     gate_up: object  # H -> 2F ([gate; up] rows)
     down: object  # F -> H
-    kv_range: tuple[float, float] = (1.0, 1.0)  # KV4 range ratios of K and V (shared.formats.kv4)
+    kv_range: tuple[float, float] = FULL_KV_RANGE  # KV4 range ratios of K and V (shared.formats.kv4)
 
 
 @dataclass(slots=True)

@@ -236,15 +236,10 @@ class TritonRunner:
         # "query" makes the cache-write kernel rotate both (every head shares the token's angles).
         needs_key = st.cu_seqlens is not None
         query = qkv[:, : c.q_size + c.kv_size].view(t, heads + kvh, d) if needs_key else qkv[:, : c.q_size].view(t, heads, d)
-        if self.kv4:
-            rotated = kv4_cache.write_kv4_cache(
-                k, v, st.positions, st.slots, self.rope_cache, self.k_cache[i], self.v_cache[i], query=query,
-                kv_range=self.weights.layers[i].kv_range,
-            )
-        else:
-            rotated = kv4_cache.write_fp16_cache(
-                k, v, st.positions, st.slots, self.rope_cache, self.k_cache[i], self.v_cache[i], query=query
-            )
+        write = kv4_cache.write_kv4_cache if self.kv4 else kv4_cache.write_fp16_cache
+        ranges = {"kv_range": self.weights.layers[i].kv_range} if self.kv4 else {}  # the layer's KV4 ratios
+        rotated = write(k, v, st.positions, st.slots, self.rope_cache, self.k_cache[i], self.v_cache[i], query=query,
+                        **ranges)
         q_rot = rotated[:, :heads]  # (T, heads, D) fp16
         if st.block_tables is None:  # every row is a prefill row
             out = prefill_attention.prefill_attention(q_rot, rotated[:, heads:], v, st.cu_seqlens, max_seqlen=st.max_seqlen)

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from shared.formats.kv4 import decode_rows, encode_rows
+from shared.formats.kv4 import FULL_KV_RANGE, decode_rows, encode_rows
 from shared.model.rope import cos_sin
 
 
@@ -57,7 +57,7 @@ def write_kv4_cache_reference(
     rope_cache: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    kv_range: tuple[float, float] = (1.0, 1.0),
+    kv_range: tuple[float, float] = FULL_KV_RANGE,
 ) -> None:
     """RoPE on key, KV4-encode key and value per token per head (at the layer's K and V range
     ratios), write the rows at their slots."""

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels.attention_reference import build_rope_cache  # noqa: F401  (re-exported)
-from shared.formats.kv4 import page_row_bytes, range_margin
+from shared.formats.kv4 import FULL_KV_RANGE, page_row_bytes, range_margin
 
 __all__ = ["build_rope_cache", "write_fp16_cache", "write_kv4_cache"]
 
@@ -161,7 +161,7 @@ def _check_cache(name: str, cache: torch.Tensor, kv_heads: int, row: int, dtype:
 
 
 def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, quantize: bool,
-            kv_range: tuple[float, float] = (1.0, 1.0)):
+            kv_range: tuple[float, float] = FULL_KV_RANGE):
     t, kv_heads, group = _check_inputs(key, value, positions, slot_mapping, rope_cache, query)
     d = key.shape[2]
     row = page_row_bytes(d) if quantize else d
@@ -199,7 +199,7 @@ def write_kv4_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     query: torch.Tensor | None = None,
-    kv_range: tuple[float, float] = (1.0, 1.0),
+    kv_range: tuple[float, float] = FULL_KV_RANGE,
 ) -> torch.Tensor | None:
     """RoPE the key, quantize key and value to KV4 rows, write them at slot_mapping (in place).
 
