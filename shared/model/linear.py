@@ -7,6 +7,9 @@ to fp16, as the kernels write fp16.
 
 from __future__ import annotations
 
+import functools
+import time
+
 import torch
 
 from shared.formats.weights import (
@@ -17,32 +20,43 @@ from shared.formats.weights import (
     W4G128Weight,
     W8Weight,
 )
-from shared.quant.activations import quantize_per_token
+from shared.quant.activations import per_token_codes
 
 
 class Int8Gemm:
     """x8 (M, K) int8 @ w8 (N, K)^T int8 -> (M, N) int32, exact, with the weight prepared once.
 
-    On a GPU: torch's int8 GEMM. Elsewhere: fp32 GEMMs over K in chunks of EXACT_FP32_K, each
-    exact (a product is at most 2^14 in magnitude, so a chunk's partial sums stay integers below
-    2^24 in any order), summed in int32. On CPUs without VNNI torch's int8 GEMM is 5-10x slower
-    than fp64 and fp32 is twice as fast again (an AVX2 host: 806 / 54 / 24 ms at 2048x512x1536).
+    Backends, all exact, so they differ only in speed:
+      "cuda": torch's int8 GEMM on the GPU.
+      "int8": torch's int8 GEMM on the CPU; fast where the CPU has VNNI (an AVX-512 VNNI host:
+              32 ms against fp32's 104 ms at 4096x3072x512).
+      "fp32": fp32 GEMMs over K in chunks of EXACT_FP32_K, each exact (a product is at most 2^14 in
+              magnitude, so a chunk's partial sums stay integers below 2^24 in any order), summed in
+              int32. On CPUs without VNNI torch's int8 GEMM is 5-10x slower than fp64 and fp32 is
+              twice as fast again (an AVX2 host: 806 / 54 / 24 ms at 2048x512x1536).
+    On a CPU the faster of "int8" and "fp32" is measured once per process (cpu_backend()).
     """
 
     EXACT_FP32_K = 1024
 
-    def __init__(self, w8: torch.Tensor):
+    def __init__(self, w8: torch.Tensor, cpu_backend: str | None = None):
         self.w8 = w8  # (N, K) int8
-        self.on_gpu = w8.device.type == "cuda"
-        k = w8.shape[1]
+        if w8.device.type == "cuda":
+            self.backend = "cuda"
+        else:
+            self.backend = cpu_backend or measured_cpu_backend()
+            if self.backend not in CPU_BACKENDS:
+                raise ValueError(f"unknown CPU int8 GEMM backend {self.backend!r}; one of {CPU_BACKENDS}")
         step = self.EXACT_FP32_K
-        # (N, <= 1024) fp32 each: 4 bytes a weight, for the reference backend's speed
-        self._chunks = [] if self.on_gpu else [w8[:, i : i + step].float() for i in range(0, k, step)]
+        # (N, <= 1024) fp32 each: 4 bytes a weight, for the fp32 backend's speed
+        self._chunks = [w8[:, i : i + step].float() for i in range(0, w8.shape[1], step)] if self.backend == "fp32" else []
 
     def __call__(self, x8: torch.Tensor) -> torch.Tensor:
         """(M, N) int32."""
-        if self.on_gpu:
+        if self.backend == "cuda":
             return _int_mm_cuda(x8, self.w8)
+        if self.backend == "int8":
+            return torch._int_mm(x8.contiguous(), self.w8.t())
         if len(self._chunks) == 1:
             return self.as_float(x8).to(torch.int32)
         step = self.EXACT_FP32_K
@@ -52,12 +66,40 @@ class Int8Gemm:
             acc = part if acc is None else acc + part
         return acc
 
-    def as_float(self, x8: torch.Tensor) -> torch.Tensor:
-        """(M, N) fp32: the int32 result converted to fp32, as the kernels' epilogue does; with one
-        K chunk the fp32 GEMM gives it directly (every value an exact integer below 2^24)."""
-        if not self.on_gpu and len(self._chunks) == 1:
-            return x8.float() @ self._chunks[0].t()
-        return self(x8).float()
+    def as_float(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes (M, K) int8, or fp32 holding the int8 values (shared.quant.activations.per_token_codes)
+        -> (M, N) fp32, a new tensor: the int32 result converted to fp32, as the kernels' epilogue
+        does; with one K chunk the fp32 GEMM gives it directly (every value an exact integer below 2^24)."""
+        if self.backend != "fp32":
+            return self(codes.to(torch.int8)).float()
+        if len(self._chunks) == 1:
+            return codes.float() @ self._chunks[0].t()
+        return self(codes).float()
+
+
+CPU_BACKENDS = ("int8", "fp32")
+
+
+@functools.cache
+def measured_cpu_backend() -> str:
+    """The faster exact CPU backend of Int8Gemm on this machine, timed once on a mid-sized GEMM
+    (about 0.1 s); "int8" only when it wins clearly, since fp32 is the known-good default."""
+    x8 = torch.randint(-127, 128, (1024, 512), dtype=torch.int8)
+    w8 = torch.randint(-127, 128, (1024, 512), dtype=torch.int8)
+    wf = w8.float()
+
+    def best_of_three(gemm) -> float:
+        gemm()  # warm-up: first-call allocation and dispatch
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            gemm()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    int8_s = best_of_three(lambda: torch._int_mm(x8, w8.t()))
+    fp32_s = best_of_three(lambda: x8.float() @ wf.t())
+    return "int8" if int8_s * 1.2 < fp32_s else "fp32"
 
 
 def _int_mm_cuda(x8: torch.Tensor, w8: torch.Tensor) -> torch.Tensor:
@@ -70,13 +112,15 @@ def _int_mm_cuda(x8: torch.Tensor, w8: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(x8.contiguous(), w8.t())
 
 
-def int8_matmul(x8: torch.Tensor, w8: torch.Tensor) -> torch.Tensor:
+def int8_matmul(x8: torch.Tensor, w8: torch.Tensor, cpu_backend: str | None = None) -> torch.Tensor:
     """x8 (M, K) int8 @ w8 (N, K)^T int8 -> (M, N) int32, exact (a one-off Int8Gemm)."""
-    return Int8Gemm(w8)(x8)
+    return Int8Gemm(w8, cpu_backend)(x8)
 
 
-def _round_fp16(y: torch.Tensor) -> torch.Tensor:
-    return y.to(torch.float16).to(torch.float32)
+def _round_fp16_(y: torch.Tensor) -> torch.Tensor:
+    """fp32 y rounded to fp16 values, as the kernels write fp16; in place, on the epilogue's own (M, N)
+    tensor, so no further fp32 tensor is made per layer."""
+    return y.copy_(y.to(torch.float16))
 
 
 class ReferenceLinear:
@@ -105,7 +149,7 @@ class W4A16Linear(ReferenceLinear):
         self.weight = packed.dequantize().half().to(dtype)  # (N, K)
 
     def forward_2d(self, x):
-        return _round_fp16(x.to(self.weight.dtype) @ self.weight.t())
+        return _round_fp16_((x.to(self.weight.dtype) @ self.weight.t()).float())
 
 
 class W8A8Linear(ReferenceLinear):
@@ -114,9 +158,9 @@ class W8A8Linear(ReferenceLinear):
         self.scale = packed.scale.float()  # (N,)
 
     def forward_2d(self, x):
-        x8, sx = quantize_per_token(x)
-        acc = self.gemm.as_float(x8)  # (M, N) the int32 sums, as fp32
-        return _round_fp16(acc * sx * self.scale)
+        codes, sx = per_token_codes(x)
+        acc = self.gemm.as_float(codes)  # (M, N) the int32 sums, as fp32
+        return _round_fp16_(acc.mul_(sx).mul_(self.scale))
 
 
 class W4A8G128Linear(ReferenceLinear):
@@ -127,9 +171,9 @@ class W4A8G128Linear(ReferenceLinear):
         self.s1 = packed.s1.float()  # (N,)
 
     def forward_2d(self, x):
-        x8, sx = quantize_per_token(x)
-        acc = self.gemm.as_float(x8)  # (M, N) the int32 sums, as fp32
-        return _round_fp16(acc * sx * self.s1)
+        codes, sx = per_token_codes(x)
+        acc = self.gemm.as_float(codes)  # (M, N) the int32 sums, as fp32
+        return _round_fp16_(acc.mul_(sx).mul_(self.s1))
 
 
 class W4A8ChannelLinear(ReferenceLinear):
@@ -141,10 +185,10 @@ class W4A8ChannelLinear(ReferenceLinear):
         self.zero = packed.zero.float()
 
     def forward_2d(self, x):
-        x8, sx = quantize_per_token(x)
-        acc = self.gemm.as_float(x8)  # (M, N) the int32 sums, as fp32
-        row_sum = x8.float().sum(dim=-1, keepdim=True)  # (M, 1), exact in fp32 for K < 2^17
-        return _round_fp16((acc - row_sum * self.zero) * sx * self.scale)
+        codes, sx = per_token_codes(x)
+        acc = self.gemm.as_float(codes)  # (M, N) the int32 sums, as fp32
+        row_sum = codes.sum(dim=-1, keepdim=True)  # (M, 1), exact in fp32 for K < 2^17
+        return _round_fp16_(acc.sub_(row_sum * self.zero).mul_(sx).mul_(self.scale))
 
 
 def reference_linear(packed: PackedWeight, dtype: torch.dtype = torch.float32) -> ReferenceLinear:

@@ -1,18 +1,39 @@
 """The reference W4A8 / W8A8 linears do the kernels' integer arithmetic exactly."""
 
+import pytest
 import torch
 
-from shared.model.linear import W4A8ChannelLinear, W4A8G128Linear, W8A8Linear, int8_matmul
+from shared.model.linear import (
+    CPU_BACKENDS,
+    Int8Gemm,
+    W4A8ChannelLinear,
+    W4A8G128Linear,
+    W8A8Linear,
+    int8_matmul,
+    measured_cpu_backend,
+)
 from shared.quant.activations import quantize_per_token
 from shared.quant.weights import quantize_w4_channel, quantize_w4_g128_progressive, quantize_w8
 
 
-def test_int8_matmul_is_exact_at_awkward_shapes():
-    for m, k, n in [(1, 128, 3), (3, 384, 129), (129, 1152, 67)]:
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_int8_matmul_is_exact_at_awkward_shapes(backend):
+    # K = 2304 spans three fp32 chunks; the extreme codes give sums past 2^24 in one chunk's worth
+    for m, k, n in [(1, 128, 3), (3, 384, 129), (129, 1152, 67), (5, 2304, 9)]:
         a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
         b = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+        a[0], b[0] = -127, -128  # the largest product, K times: 37M for K = 2304
         expect = (a.long() @ b.long().t())
-        assert torch.equal(int8_matmul(a, b).long(), expect)
+        assert torch.equal(int8_matmul(a, b, backend).long(), expect)
+        gemm = Int8Gemm(b, backend)
+        assert torch.equal(gemm.as_float(a.float()), expect.float())  # fp32 codes, rounded once as the kernels do
+
+
+def test_cpu_backend_is_measured_once_and_unknown_ones_are_refused():
+    assert measured_cpu_backend() in CPU_BACKENDS
+    assert measured_cpu_backend.cache_info().misses == 1
+    with pytest.raises(ValueError, match="unknown CPU int8 GEMM backend 'fp64'"):
+        Int8Gemm(torch.zeros(2, 2, dtype=torch.int8), "fp64")
 
 
 def test_g128_linear_is_int32_dot_then_scales():
