@@ -29,12 +29,12 @@ class Int8Gemm:
     Backends, all exact, so they differ only in speed:
       "cuda": torch's int8 GEMM on the GPU.
       "int8": torch's int8 GEMM on the CPU; fast where the CPU has VNNI (an AVX-512 VNNI host:
-              32 ms against fp32's 104 ms at 4096x3072x512).
+              32 ms against fp32's 104 ms at 4096x3072x512), and inexact where it has not.
       "fp32": fp32 GEMMs over K in chunks of EXACT_FP32_K, each exact (a product is at most 2^14 in
               magnitude, so a chunk's partial sums stay integers below 2^24 in any order), summed in
               int32. On CPUs without VNNI torch's int8 GEMM is 5-10x slower than fp64 and fp32 is
               twice as fast again (an AVX2 host: 806 / 54 / 24 ms at 2048x512x1536).
-    On a CPU the faster of "int8" and "fp32" is measured once per process (cpu_backend()).
+    On a CPU, measured_cpu_backend() picks "int8" only where it is exact and faster.
     """
 
     EXACT_FP32_K = 1024
@@ -82,8 +82,12 @@ CPU_BACKENDS = ("int8", "fp32")
 
 @functools.cache
 def measured_cpu_backend() -> str:
-    """The faster exact CPU backend of Int8Gemm on this machine, timed once on a mid-sized GEMM
-    (about 0.1 s); "int8" only when it wins clearly, since fp32 is the known-good default."""
+    """The exact CPU backend of Int8Gemm that is faster on this machine, chosen once per process
+    (about 0.1 s). "int8" must first prove itself exact: without VNNI, torch's CPU int8 GEMM goes
+    through 16-bit pair sums that saturate (seen with oneDNN limited to AVX2: off by 8.2M on rows
+    of 127s), so there it is never used, however fast."""
+    if not _cpu_int8_gemm_is_exact():
+        return "fp32"
     x8 = torch.randint(-127, 128, (1024, 512), dtype=torch.int8)
     w8 = torch.randint(-127, 128, (1024, 512), dtype=torch.int8)
     wf = w8.float()
@@ -100,6 +104,18 @@ def measured_cpu_backend() -> str:
     int8_s = best_of_three(lambda: torch._int_mm(x8, w8.t()))
     fp32_s = best_of_three(lambda: x8.float() @ wf.t())
     return "int8" if int8_s * 1.2 < fp32_s else "fp32"
+
+
+def _cpu_int8_gemm_is_exact() -> bool:
+    """torch._int_mm against int64 on the extremes the formats reach (activations in [-127, 127],
+    weights in [-128, 127]) and on random codes, at sizes its blocked kernels actually take."""
+    gen = torch.Generator().manual_seed(0)
+    x8 = torch.randint(-127, 128, (64, 512), dtype=torch.int8, generator=gen)
+    w8 = torch.randint(-128, 128, (48, 512), dtype=torch.int8, generator=gen)
+    x8[0], x8[1], x8[2, ::2], x8[2, 1::2] = 127, -127, 127, -127
+    w8[0], w8[1], w8[2], w8[3, ::2], w8[3, 1::2] = 127, -128, -127, 127, -128
+    expect = x8.long() @ w8.long().t()
+    return torch.equal(torch._int_mm(x8, w8.t()).long(), expect)
 
 
 def _int_mm_cuda(x8: torch.Tensor, w8: torch.Tensor) -> torch.Tensor:
