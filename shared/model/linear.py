@@ -30,10 +30,13 @@ class Int8Gemm:
       "cuda": torch's int8 GEMM on the GPU.
       "int8": torch's int8 GEMM on the CPU; fast where the CPU has VNNI (an AVX-512 VNNI host:
               32 ms against fp32's 104 ms at 4096x3072x512), and inexact where it has not.
-      "fp32": fp32 GEMMs over K in chunks of EXACT_FP32_K, each exact (a product is at most 2^14 in
-              magnitude, so a chunk's partial sums stay integers below 2^24 in any order), summed in
-              int32. On CPUs without VNNI torch's int8 GEMM is 5-10x slower than fp64 and fp32 is
-              twice as fast again (an AVX2 host: 806 / 54 / 24 ms at 2048x512x1536).
+      "fp32": fp32 GEMMs over K in chunks, each exact because every partial sum, in any order, is an
+              integer of magnitude at most 2^24: bounded by 128 * (a weight row's sum of |w8| over
+              the chunk). One chunk when the weight allows it (4-bit codes always do up to
+              K = 8738; trained int8 weights mostly do), else chunks of EXACT_FP32_K, where even
+              128 * 128 * K is 2^24, summed in int32. On CPUs without VNNI torch's int8 GEMM is
+              5-10x slower than fp64 and fp32 twice as fast again (an AVX2 host: 806 / 54 / 24 ms
+              at 2048x512x1536).
     On a CPU, measured_cpu_backend() picks "int8" only where it is exact and faster.
     """
 
@@ -47,9 +50,15 @@ class Int8Gemm:
             self.backend = cpu_backend or measured_cpu_backend()
             if self.backend not in CPU_BACKENDS:
                 raise ValueError(f"unknown CPU int8 GEMM backend {self.backend!r}; one of {CPU_BACKENDS}")
-        step = self.EXACT_FP32_K
-        # (N, <= 1024) fp32 each: 4 bytes a weight, for the fp32 backend's speed
-        self._chunks = [w8[:, i : i + step].float() for i in range(0, w8.shape[1], step)] if self.backend == "fp32" else []
+        self._chunks = self._fp32_chunks(w8) if self.backend == "fp32" else []
+
+    @classmethod
+    def _fp32_chunks(cls, w8: torch.Tensor) -> list[torch.Tensor]:
+        """(N, K_c) fp32 slices of w8 over K: 4 bytes a weight, for the fp32 backend's speed."""
+        # int16 first: abs(-128) does not fit int8
+        largest_row_l1 = int(w8.to(torch.int16).abs().sum(dim=1, dtype=torch.int64).max()) if w8.numel() else 0
+        step = w8.shape[1] if 128 * largest_row_l1 <= 2**24 else cls.EXACT_FP32_K
+        return [w8[:, i : i + step].float() for i in range(0, w8.shape[1], step)]
 
     def __call__(self, x8: torch.Tensor) -> torch.Tensor:
         """(M, N) int32."""
@@ -59,11 +68,11 @@ class Int8Gemm:
             return torch._int_mm(x8.contiguous(), self.w8.t())
         if len(self._chunks) == 1:
             return self.as_float(x8).to(torch.int32)
-        step = self.EXACT_FP32_K
-        acc = None
-        for c, w in enumerate(self._chunks):
-            part = (x8[:, c * step : (c + 1) * step].float() @ w.t()).to(torch.int32)  # (M, N) exact
+        acc, start = None, 0
+        for w in self._chunks:
+            part = (x8[:, start : start + w.shape[1]].float() @ w.t()).to(torch.int32)  # (M, N) exact
             acc = part if acc is None else acc + part
+            start += w.shape[1]
         return acc
 
     def as_float(self, codes: torch.Tensor) -> torch.Tensor:

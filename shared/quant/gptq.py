@@ -40,6 +40,7 @@ class _Grid:
         self.kind = kind
         n, k = w.shape
         self.clip = clip
+        self._group_params: dict[int, tuple[torch.Tensor, ...]] = {}  # g -> fp32 columns round_column reuses
         self.codes = torch.zeros(n, k, dtype=torch.uint8, device=w.device)
         if kind == "w4g128p":
             self.s1 = progressive_level1(w)[1]
@@ -59,6 +60,7 @@ class _Grid:
     def start_group(self, g: int, wg: torch.Tensor) -> None:
         """wg (N, 128): the current (error-updated) weights of group g."""
         ratio = self.clip[:, g] if self.clip is not None else 1.0
+        self._group_params.pop(g, None)
         if self.kind == "w4g128p":
             w8 = torch.round(wg / self.s1.float()[:, None]).clamp_(-PROTECTIVE_RANGE, PROTECTIVE_RANGE)
             s2, zero = progressive_group_params(w8, ratio)
@@ -71,12 +73,10 @@ class _Grid:
         """Rounds column j (N,) onto the grid, records its codes, returns the dequantized column."""
         g = j // GROUP_SIZE
         if self.kind == "w4g128p":
-            step = self.s2[:, g].float()
-            zero = self.zero[:, g].float()
-            q_lo, q_hi = progressive_safe_code_range(self.s2[:, g], self.zero[:, g])
-            q = torch.minimum(torch.maximum(torch.round(w / (self.s1.float() * step)) + zero, q_lo), q_hi)
+            step, zero, q_lo, q_hi, s1 = self._progressive_params(g)
+            q = torch.minimum(torch.maximum(torch.round(w / (s1 * step)) + zero, q_lo), q_hi)
             self.codes[:, j] = q.to(torch.uint8)
-            return (q - zero) * step * self.s1.float()
+            return (q - zero) * step * s1
         if self.kind == "w8":
             q = torch.round(w / self.scale.float()).clamp_(-127, 127)
             self.codes[:, j] = q.to(torch.int8).view(torch.uint8)
@@ -86,6 +86,14 @@ class _Grid:
         q = (torch.round(w / scale) + zero).clamp_(0, UINT4_MAX)
         self.codes[:, j] = q.to(torch.uint8)
         return (q - zero) * scale
+
+    def _progressive_params(self, g: int) -> tuple[torch.Tensor, ...]:
+        """(step, zero, q_lo, q_hi, s1) of group g as fp32 (N,), computed once per group: the 128
+        columns of a group share them, and recomputing them per column was a tenth of quantizing."""
+        if g not in self._group_params:
+            q_lo, q_hi = progressive_safe_code_range(self.s2[:, g], self.zero[:, g])
+            self._group_params[g] = (self.s2[:, g].float(), self.zero[:, g].float(), q_lo, q_hi, self.s1.float())
+        return self._group_params[g]
 
     def packed(self) -> PackedWeight:
         if self.kind == "w4g128p":

@@ -20,11 +20,15 @@ from shared.quant.weights import WEIGHT_QUANTIZERS
 ALPHAS = tuple(i / 10 for i in range(11))
 
 
-def quantized_output_error(x: torch.Tensor, w: torch.Tensor, weight_kind: str, activation_bits: int) -> float:
-    """||X W^T - Q(X) Q(W)^T||^2 for x (T, K), w (N, K)."""
+def quantized_output_error(
+    x: torch.Tensor, w: torch.Tensor, weight_kind: str, activation_bits: int, ref: torch.Tensor | None = None
+) -> float:
+    """||X W^T - Q(X) Q(W)^T||^2 for x (T, K), w (N, K); ref: X W^T when the caller has it (a
+    smoothing scale leaves it unchanged, so a search computes it once)."""
     quantize = WEIGHT_QUANTIZERS[weight_kind][0]
     xq = fake_quantize_per_token(x) if activation_bits == 8 else x
-    ref = x @ w.t()
+    if ref is None:
+        ref = x @ w.t()
     return (ref - xq @ quantize(w).dequantize().to(x).t()).pow(2).sum().item()
 
 
@@ -42,11 +46,12 @@ def search_scales(
     x_max = tie(x.abs().amax(dim=0)).clamp_min(1e-5)
     w_max = tie(w.abs().amax(dim=0)).clamp_min(1e-5)
     best_s = torch.ones_like(x_max)
-    best_err = quantized_output_error(x, w, weight_kind, activation_bits)
+    ref = x @ w.t()
+    best_err = quantized_output_error(x, w, weight_kind, activation_bits, ref)
     for alpha in ALPHAS:
         s = (x_max.pow(alpha) / w_max.pow(1 - alpha)).clamp_min(1e-5)
         s = s / (s.max() * s.min()).sqrt()  # centre around 1 so neither side's magnitude drifts
-        err = quantized_output_error(x / s, w * s, weight_kind, activation_bits)
+        err = quantized_output_error(x / s, w * s, weight_kind, activation_bits, ref)
         if err < best_err:
             best_err, best_s = err, s
     return best_s

@@ -37,6 +37,15 @@ def test_int8_matmul_is_exact_at_awkward_shapes(backend):
         assert torch.equal(int8_matmul(a, b, backend).long(), expect)
         gemm = Int8Gemm(b, backend)
         assert torch.equal(gemm.as_float(a.float()), expect.float())  # fp32 codes, rounded once as the kernels do
+        small = (b // 16).to(torch.int8)  # |w8| <= 8: one fp32 chunk covers K = 2304 exactly
+        assert torch.equal(int8_matmul(a, small, backend).long(), a.long() @ small.long().t())
+
+
+def test_fp32_backend_takes_k_in_one_chunk_only_where_the_weight_bounds_its_sums():
+    codes = torch.randint(0, 16, (8, 4096), dtype=torch.int8)  # 4-bit codes: 128 * 15 * 4096 < 2^24
+    assert len(Int8Gemm(codes, "fp32")._chunks) == 1
+    extreme = torch.full((8, 1025), -128, dtype=torch.int8)  # 128 * 128 * 1025 > 2^24
+    assert [c.shape[1] for c in Int8Gemm(extreme, "fp32")._chunks] == [1024, 1]
 
 
 def test_cpu_backend_is_measured_once_and_unknown_ones_are_refused():
