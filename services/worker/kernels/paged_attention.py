@@ -55,10 +55,10 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     prefetch: bool = True  # KV4 "fma": load tile i + 1 while computing tile i
+    maxnreg: int | None = None  # register cap per thread (ptxas .maxnreg): occupancy against spills
     # KV4 "fma" with prefetch: also read tile i + 2's block-table entries during tile i, so tile
     # i + 1's KV loads do not first wait on the page ids they are addressed by.
     page_ahead: bool = False
-    maxnreg: int | None = None  # register cap per thread (ptxas .maxnreg): occupancy against spills
 
     def __post_init__(self):
         if self.variant not in ("fma", "dot"):
