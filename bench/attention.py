@@ -32,11 +32,9 @@ MAIN = dict(batch=64, heads=32, kv_heads=32, ctx=1536, head_dim=128)
 CHECK_NAME = "KV4 decode attention vs SDPA fp16 (B=64, H=32, ctx=1536, D=128)"
 CHECK_TARGET = 3.0
 # (variant, block_n, num_warps, prefetch, maxnreg) swept at each point; partitions swept on the best.
-# prefetch "page": prefetch, and the block-table entries one tile further ahead (DecodeConfig.page_ahead).
 KV4_SWEEP = [("fma", 32, 1, False, None), ("fma", 32, 1, True, None), ("fma", 32, 1, True, 168),
              ("fma", 32, 1, True, 128), ("fma", 16, 1, True, None), ("fma", 16, 1, True, 128),
-             ("fma", 16, 1, False, None), ("fma", 64, 1, False, None), ("fma", 64, 1, True, 200),
-             ("fma", 32, 1, "page", 128), ("fma", 32, 1, "page", None), ("fma", 16, 1, "page", 128)]
+             ("fma", 16, 1, False, None), ("fma", 64, 1, False, None), ("fma", 64, 1, True, 200)]
 FP16_SWEEP = [("fma", 32, 1, False, None), ("fma", 16, 1, False, None)]
 GQA_SWEEP = [("fma", 16, 1, False, None), ("fma", 16, 1, True, None), ("fma", 16, 1, True, 168),
              ("fma", 32, 1, True, 200), ("dot", 32, 2, False, None), ("dot", 64, 2, False, None)]
@@ -144,8 +142,7 @@ class Bench:
         def run(kind, cfg, kcache, vcache, tables, lens, ref, kv4):
             fn = lambda: paged_decode_attention(q, kcache, vcache, tables, lens, max_context_len=ctx, config=cfg)  # noqa: E731
             label = (f"{kind} {cfg.variant} n{cfg.block_n} w{cfg.num_warps} p{cfg.partition_size}"
-                     f"{' prefetch' if cfg.prefetch and cfg.variant == 'fma' and kv4 else ''}"
-                     f"{' page-ahead' if cfg.page_ahead and kv4 else ''} r{cfg.maxnreg or '-'}")
+                     f"{' prefetch' if cfg.prefetch and cfg.variant == 'fma' and kv4 else ''} r{cfg.maxnreg or '-'}")
             try:
                 ok, rel = self.check_decode(fn(), ref)
             except Exception as e:  # a config that does not compile is a result, not a crash
@@ -158,8 +155,7 @@ class Bench:
                 return None
             t = self.time_ms(fn)
             row = dict(point, kind=kind, config=dict(variant=cfg.variant, block_n=cfg.block_n, num_warps=cfg.num_warps,
-                       partition_size=cfg.partition_size, prefetch=cfg.prefetch, maxnreg=cfg.maxnreg,
-                       page_ahead=cfg.page_ahead), rel_err=rel,
+                       partition_size=cfg.partition_size, prefetch=cfg.prefetch, maxnreg=cfg.maxnreg), rel_err=rel,
                        **self.figure(t, self.decode_bytes(batch, heads, kv_heads, ctx, head_dim, kv4)))
             self.result["decode"].append(row)
             print(f"  {label}: {row['time_us']:8.1f} us {row['GBps']:7.0f} GB/s ({row['fraction_of_copy']:.2f} of copy)", flush=True)
@@ -171,17 +167,15 @@ class Bench:
         rows["kv4_default"] = run("kv4-default", default, kc, vc, tables, lens, ref, True)
         best = rows["kv4_default"]
         for variant, bn, nw, pf, reg in sweep:
-            cfg = DecodeConfig(variant, bn, 512, nw, 1, bool(pf), reg, page_ahead=pf == "page")
-            row = run("kv4", cfg, kc, vc, tables, lens, ref, True)
+            row = run("kv4", DecodeConfig(variant, bn, 512, nw, 1, pf, reg), kc, vc, tables, lens, ref, True)
             if row and (best is None or row["time_us"] < best["time_us"]):
                 best = row
         if best is not None:
             c = best["config"]
             for part in partitions:
                 if part != c["partition_size"] and part % c["block_n"] == 0:
-                    cfg = DecodeConfig(c["variant"], c["block_n"], part, c["num_warps"], 1, c["prefetch"], c["maxnreg"],
-                                       page_ahead=c["page_ahead"])
-                    row = run("kv4", cfg, kc, vc, tables, lens, ref, True)
+                    row = run("kv4", DecodeConfig(c["variant"], c["block_n"], part, c["num_warps"], 1, c["prefetch"], c["maxnreg"]),
+                              kc, vc, tables, lens, ref, True)
                     if row and row["time_us"] < best["time_us"]:
                         best = row
         rows["kv4_best"] = best
@@ -363,7 +357,7 @@ def main() -> None:
         bench.copy_bandwidth()
         for batch, ctx in args.points:
             print(f"batch {batch}, context {ctx}:", flush=True)
-            bench.decode_point(f"b{batch}_ctx{ctx}", batch, 32, 32, ctx, 128, sweep=KV4_SWEEP[2:4] + KV4_SWEEP[5:6] + KV4_SWEEP[9:],
+            bench.decode_point(f"b{batch}_ctx{ctx}", batch, 32, 32, ctx, 128, sweep=KV4_SWEEP[2:4] + KV4_SWEEP[5:6],
                                partitions=PARTITIONS, fp16=False, sdpa=False)
         return
     try:

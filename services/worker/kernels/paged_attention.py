@@ -56,9 +56,6 @@ class DecodeConfig:
     num_stages: int = 2
     prefetch: bool = True  # KV4 "fma": load tile i + 1 while computing tile i
     maxnreg: int | None = None  # register cap per thread (ptxas .maxnreg): occupancy against spills
-    # KV4 "fma" with prefetch: also read tile i + 2's block-table entries during tile i, so tile
-    # i + 1's KV loads do not first wait on the page ids they are addressed by.
-    page_ahead: bool = False
 
     def __post_init__(self):
         if self.variant not in ("fma", "dot"):
@@ -67,8 +64,6 @@ class DecodeConfig:
             raise ValueError(f"block_n {self.block_n} must be a power of two >= 16")
         if self.partition_size % self.block_n:
             raise ValueError(f"partition_size {self.partition_size} is not a multiple of block_n {self.block_n}")
-        if self.page_ahead and not self.prefetch:
-            raise ValueError("page_ahead needs prefetch")
 
 
 def choose_kv4_variant(group: int) -> str:
@@ -153,31 +148,25 @@ def _pv_plane(acc, alpha, pw, f):
 
 
 @triton.jit
-def _kv4_tile_rows(
-    bt_row, head_off, n0, end, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
+def _kv4_load_tile(
+    k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w,
+    W: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """Int32 word offsets (1, N) of the page rows of tokens [n0, n0 + BLOCK_N): the block-table read
-    that every KV load of the tile depends on."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)[None, :]  # (1, N)
-    if MASKED:
-        page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < end, other=0)
-    else:
-        page = tl.load(bt_row + offs_n // BLOCK_SIZE)
-    return page * stride_cb + head_off + (offs_n % BLOCK_SIZE) * stride_cs
-
-
-@triton.jit
-def _kv4_load_rows(k_ptr, v_ptr, rows, n0, end, offs_w, W: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """Raw KV4 words at `rows` (1, N): codes (1, N, W) and scale/zero (1, N) int32.
+    """Raw KV4 words of tokens [n0, n0 + BLOCK_N): codes (1, N, W) and scale/zero (1, N) int32.
 
     Tiles are 3D (group, tokens, words) from the load on, with the group axis of size 1 here: the
     layout stays the load's and the G query heads reuse each word in registers.
     """
+    offs_n = n0 + tl.arange(0, BLOCK_N)[None, :]  # (1, N)
+    mask_n = offs_n < end
+    if MASKED:
+        page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
+    else:
+        page = tl.load(bt_row + offs_n // BLOCK_SIZE)
+    rows = page * stride_cb + head_off + (offs_n % BLOCK_SIZE) * stride_cs  # (1, N) int32 word offsets
     k_ptrs = k_ptr + rows[:, :, None] + offs_w[None, None, :]
     v_ptrs = v_ptr + rows[:, :, None] + offs_w[None, None, :]
     if MASKED:
-        mask_n = (n0 + tl.arange(0, BLOCK_N)[None, :]) < end
         kw = tl.load(k_ptrs, mask=mask_n[:, :, None], other=0)
         ksz = tl.load(k_ptr + rows + W, mask=mask_n, other=0)
         vw = tl.load(v_ptrs, mask=mask_n[:, :, None], other=0)
@@ -188,16 +177,6 @@ def _kv4_load_rows(k_ptr, v_ptr, rows, n0, end, offs_w, W: tl.constexpr, BLOCK_N
         vw = tl.load(v_ptrs)
         vsz = tl.load(v_ptr + rows + W)
     return kw, ksz, vw, vsz
-
-
-@triton.jit
-def _kv4_load_tile(
-    k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w,
-    W: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-):
-    """Raw KV4 words of tokens [n0, n0 + BLOCK_N): the page rows, then their words."""
-    rows = _kv4_tile_rows(bt_row, head_off, n0, end, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, MASKED)
-    return _kv4_load_rows(k_ptr, v_ptr, rows, n0, end, offs_w, W, BLOCK_N, MASKED)
 
 
 @triton.jit
@@ -257,7 +236,7 @@ def _kv4_decode_fma_kernel(
     stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_ob, stride_oh,
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, PAGE_AHEAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     W: tl.constexpr = HEAD_DIM // 8  # int32 code words per row; word W holds scale and zero
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -306,31 +285,7 @@ def _kv4_decode_fma_kernel(
     mask_lo = nibble_mask
     mask_hi = nibble_mask << 4
     one = nibble_one
-    if PREFETCH and PAGE_AHEAD:
-        # As below, and the block-table entries run one tile further ahead: during tile i the
-        # page rows of tile i + 2 are read, so tile i + 1's KV loads issue without waiting on them.
-        # The prologue's reads are masked to the full tiles (there may be none).
-        kw, ksz, vw, vsz = _kv4_load_tile(
-            k_ptr, v_ptr, bt_row, head_off, start, full_end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, True
-        )
-        last_full = tl.maximum(full_end - BLOCK_N, start)
-        rows_next = _kv4_tile_rows(
-            bt_row, head_off, tl.minimum(start + BLOCK_N, last_full), full_end, stride_cb, stride_cs, BLOCK_SIZE,
-            BLOCK_N, True,
-        )
-        for n0 in range(start, full_end, BLOCK_N):
-            rows_after = _kv4_tile_rows(
-                bt_row, head_off, tl.minimum(n0 + 2 * BLOCK_N, last_full), end, stride_cb, stride_cs, BLOCK_SIZE,
-                BLOCK_N, False,
-            )
-            kw_n, ksz_n, vw_n, vsz_n = _kv4_load_rows(k_ptr, v_ptr, rows_next, n0, end, offs_w, W, BLOCK_N, False)
-            m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
-                kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
-                m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, False,
-            )
-            kw, ksz, vw, vsz = kw_n, ksz_n, vw_n, vsz_n
-            rows_next = rows_after
-    elif PREFETCH:
+    if PREFETCH:
         # Software pipelining by one tile: the loads of tile i + 1 are in flight during tile i's
         # math. The prologue's load is masked (there may be no full tile); the last iteration
         # reloads the last full tile (a cache hit) instead of branching.
@@ -719,8 +674,7 @@ def paged_decode_attention(
             _NIBBLE_MASK, _FP32_ONE_BITS,
             query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1), k_words.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
-            BLOCK_G=triton.next_power_of_2(group), PREFETCH=cfg.prefetch, PAGE_AHEAD=cfg.page_ahead,
-            **common,
+            BLOCK_G=triton.next_power_of_2(group), PREFETCH=cfg.prefetch, **common,
         )
     else:
         _kv4_decode_dot_kernel[grid](
