@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.formats.artifact import BLOCK_LINEARS
+from shared.formats.kv4 import FULL_KV_RANGE
 from shared.model.config import LlamaConfig
 from shared.model.llama import attention, rms_norm
 from shared.quant.activations import fake_quantize_per_token
@@ -46,11 +47,13 @@ def block_forward_until(
     activation_bits: int,
     kv_bits: int,
     until: str | None = None,
+    kv_range: tuple[float, float] = FULL_KV_RANGE,
 ) -> torch.Tensor:
     """x (B, T, H) -> the input of linear `until` (B*T, K) as its GEMM sees it (int8-rounded when
     activation_bits is 8), or the block output (B, T, H) when until is None.
 
     weights: name -> (N, K) fp32, the dequantized weights of the linears before `until`.
+    kv_range: the layer's KV4 range ratios (shared.formats.kv4), as the cache write applies them.
     """
     c = config
     quantize = fake_quantize_per_token if activation_bits == 8 else (lambda a: a)
@@ -62,7 +65,7 @@ def block_forward_until(
     h = rms_norm(x, work.attn_norm, c.rms_norm_eps)
     if until == "qkv":
         return quantize(h).reshape(b * t, -1)
-    attn = attention(c, linear("qkv", h), cos, sin, kv_bits)  # (B, T, heads * D), as the reference block
+    attn = attention(c, linear("qkv", h), cos, sin, kv_bits, kv_range=kv_range)  # (B, T, heads * D), as the reference block
     if until == "o":
         return quantize(attn).reshape(b * t, -1)
     x = x + linear("o", attn)
@@ -114,15 +117,17 @@ def quantized_inputs_for(
     quantized: dict[str, torch.Tensor],
     name: str,
     batch: int,
+    kv_range: tuple[float, float] = FULL_KV_RANGE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """H~, C for linear `name` over calibration inputs x (N, T, H): X from the fp block, X~ from
-    the quantized block (the dequantized `quantized` weights, int8 activations, KV4)."""
+    the quantized block (the dequantized `quantized` weights, int8 activations, KV4 with the
+    layer's range ratios)."""
     fp_weights = {n: getattr(work, n) for n in BLOCK_LINEARS}
 
     def fp(sl):
         return block_forward_until(config, work, fp_weights, x[sl], cos, sin, 16, 16, name)
 
     def q(sl):
-        return block_forward_until(config, work, quantized, x[sl], cos, sin, activation_bits, kv_bits, name)
+        return block_forward_until(config, work, quantized, x[sl], cos, sin, activation_bits, kv_bits, name, kv_range)
 
     return compensation_stats(fp, q, x.shape[0], batch)

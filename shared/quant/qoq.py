@@ -152,7 +152,7 @@ def quantize_block(
         if options.compensate_inputs:
             # The quantized block's own input to this linear, fitted to the fp block's output of it.
             hessian, cross = quantized_inputs_for(
-                config, work, x, cos, sin, bits, spec.kv_bits, dequantized, name, FORWARD_BATCH
+                config, work, x, cos, sin, bits, spec.kv_bits, dequantized, name, FORWARD_BATCH, kv_range
             )
             w = compensated_weight(w, hessian, cross, options.compensate_ridge)
         clip = search_clip_ratios(hessian, w, kind, ratios) if options.clipping else None

@@ -116,3 +116,26 @@ def test_ridge_must_be_positive():
     with pytest.raises(ValueError):
         QoQOptions(compensate_ridge=0.0)
     assert QoQOptions.rtn().compensate_inputs is False
+
+
+def test_the_fit_sees_the_layers_kv_range(setup, monkeypatch):
+    # The quantized block's o_proj input goes through KV4 as the cache write does it: with the V
+    # range ratio the layer was given, not the full range.
+    cfg, ckpt, x, cos, sin = setup
+    work = WorkBlock.from_fp(ckpt.block(0), "cpu")
+    weights = {n: getattr(work, n) for n in ("qkv", "o", "gate_up", "down")}
+    full = block_forward_until(cfg, work, weights, x, cos, sin, 8, 4, "o")
+    narrowed = block_forward_until(cfg, work, weights, x, cos, sin, 8, 4, "o", kv_range=(1.0, 0.85))
+    assert not torch.equal(full, narrowed)
+
+    seen = []
+    real = qoq.quantized_inputs_for
+
+    def spy(*args, **kwargs):
+        seen.append(args[-1] if len(args) > 10 else kwargs.get("kv_range"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(qoq, "quantized_inputs_for", spy)
+    monkeypatch.setattr(qoq, "search_value_ratio", lambda *a, **k: 0.85)
+    _quantize(setup, "w4a8kv4-g128", QoQOptions(compensate_inputs=True))
+    assert seen and all(r == (1.0, 0.85) for r in seen)
