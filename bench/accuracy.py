@@ -36,10 +36,10 @@ from shared.quant.quantize_model import QuantizeSettings, quantize_checkpoint  #
 RTN = QoQOptions.rtn()
 # One step added at a time, in the order the pipeline applies them.
 ABLATION_STEPS = ("rotation", "rotate_values", "smooth_attention", "smoothing", "kv_range_search", "reorder", "clipping",
-                  "gptq")
+                  "gptq", "compensate_inputs")
 # Steps that are off by default (they did not improve both formats), each measured on top of the
 # default QoQ pipeline for both formats.
-EXTRA_STEPS = ("compensate_inputs",)
+EXTRA_STEPS: tuple[str, ...] = ()
 
 
 def main() -> None:

@@ -63,7 +63,7 @@ def publish(
     kv_range_search: bool = typer.Option(None, "--kv-range-search/--no-kv-range-search",
                                          help="per-layer KV4 range ratio of V, searched"),
     compensate_inputs: bool = typer.Option(None, "--compensate-inputs/--no-compensate-inputs",
-                                           help="fit each linear to its fp output from quantized inputs (off by default)"),
+                                           help="fit each linear to its fp output from quantized inputs"),
     rtn: bool = typer.Option(False, "--rtn", help="every QoQ step off: plain round-to-nearest (fast; for tests "
                              "and smoke runs). A step switched on explicitly stays on."),
 ):

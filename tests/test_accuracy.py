@@ -46,15 +46,15 @@ def test_qoq_g128_keeps_accuracy_and_quantizes_in_under_two_minutes(tiny_llama, 
     qoq, seconds = _quantized_ppl(tiny_llama, calib_text, windows, tmp_path / "qoq", "w4a8kv4-g128", QoQOptions())
     rtn, _ = _quantized_ppl(tiny_llama, calib_text, windows, tmp_path / "rtn", "w4a8kv4-g128", QoQOptions.rtn())
     assert seconds < 120
-    # Regression guards around the measured figures (bench/results/accuracy.json: RTN 1.033,
-    # QoQ 1.0204, 0.38 of the gap closed); the issue's targets (1.02, half the gap) are not met yet.
-    assert qoq / fp16_ppl <= 1.023
-    assert (rtn - qoq) / (rtn - fp16_ppl) >= 0.3
+    # bench/results/accuracy.json: RTN 1.033, QoQ 1.0193 (the issue's 1.02, met), 0.42 of the gap
+    # closed (half not met). 1.021 leaves room for the ~0.005 ppl that hosts' float math moves it.
+    assert qoq / fp16_ppl <= 1.021
+    assert (rtn - qoq) / (rtn - fp16_ppl) >= 0.35
 
 
 def test_qoq_per_channel_keeps_accuracy_and_closes_half_the_gap(tiny_llama, calib_text, windows, fp16_ppl, tmp_path):
     qoq, _ = _quantized_ppl(tiny_llama, calib_text, windows, tmp_path / "qoq", "w4a8kv4-chn", QoQOptions())
     rtn, _ = _quantized_ppl(tiny_llama, calib_text, windows, tmp_path / "rtn", "w4a8kv4-chn", QoQOptions.rtn())
-    # The issue's targets, met (accuracy.json: QoQ 1.0233, 0.52 of the gap to RTN's 1.048 closed).
+    # The issue's targets, met (accuracy.json: QoQ 1.0229, 0.53 of the gap to RTN's 1.048 closed).
     assert qoq / fp16_ppl <= 1.03
     assert (rtn - qoq) / (rtn - fp16_ppl) >= 0.5
