@@ -1,6 +1,7 @@
 """Input-error compensation (options.compensate_inputs): the least-squares fit and its use in a block."""
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -132,10 +133,11 @@ def test_the_fit_sees_the_layers_kv_range(setup, monkeypatch):
     real = qoq.quantized_inputs_for
 
     def spy(*args, **kwargs):
-        seen.append(args[-1] if len(args) > 10 else kwargs.get("kv_range"))
+        seen.append(inspect.signature(real).bind(*args, **kwargs).arguments.get("kv_range"))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(qoq, "quantized_inputs_for", spy)
     monkeypatch.setattr(qoq, "search_value_ratio", lambda *a, **k: 0.85)
     _quantize(setup, "w4a8kv4-g128", QoQOptions(compensate_inputs=True))
     assert seen and all(r == (1.0, 0.85) for r in seen)
+
