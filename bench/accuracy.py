@@ -34,12 +34,9 @@ from shared.quant.options import QoQOptions  # noqa: E402
 from shared.quant.quantize_model import QuantizeSettings, quantize_checkpoint  # noqa: E402
 
 RTN = QoQOptions.rtn()
-# One step added at a time, in the order the pipeline applies them.
+# One step added at a time, in the order the pipeline applies them; every step is on by default.
 ABLATION_STEPS = ("rotation", "rotate_values", "smooth_attention", "smoothing", "kv_range_search", "reorder", "clipping",
                   "gptq", "compensate_inputs")
-# Steps that are off by default (they did not improve both formats), each measured on top of the
-# default QoQ pipeline for both formats.
-EXTRA_STEPS: tuple[str, ...] = ()
 
 
 def main() -> None:
@@ -84,10 +81,6 @@ def main() -> None:
             options = dataclasses.replace(options, **{step: True})
             run(f"w4a8kv4-g128 +{step}" if step != ABLATION_STEPS[-1] else "w4a8kv4-g128 qoq", "w4a8kv4-g128", options)
         assert options == QoQOptions(), "the last ablation row must be the default QoQ pipeline"
-        for step in EXTRA_STEPS:
-            assert not getattr(QoQOptions(), step), f"{step} is on by default: put it in ABLATION_STEPS"
-            for fmt in ("w4a8kv4-g128", "w4a8kv4-chn"):
-                run(f"{fmt} qoq +{step}", fmt, dataclasses.replace(QoQOptions(), **{step: True}))
 
     ppl = {r["name"]: r["ppl"] for r in rows}
     fp = ppl["fp16"]

@@ -97,8 +97,9 @@ def measured_cpu_backend() -> str:
     of 127s), so there it is never used, however fast."""
     if not _cpu_int8_gemm_is_exact():
         return "fp32"
-    x8 = torch.randint(-127, 128, (1024, 512), dtype=torch.int8)
-    w8 = torch.randint(-127, 128, (1024, 512), dtype=torch.int8)
+    gen = torch.Generator().manual_seed(0)  # its own: measuring must not move the caller's torch RNG
+    x8 = torch.randint(-127, 128, (1024, 512), dtype=torch.int8, generator=gen)
+    w8 = torch.randint(-127, 128, (1024, 512), dtype=torch.int8, generator=gen)
     wf = w8.float()
 
     def best_of_three(gemm) -> float:

@@ -55,6 +55,14 @@ def test_cpu_backend_is_measured_once_and_unknown_ones_are_refused():
         Int8Gemm(torch.zeros(2, 2, dtype=torch.int8), "fp64")
 
 
+def test_measuring_the_backend_leaves_the_global_rng_alone():
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    measured_cpu_backend.__wrapped__()  # the measurement itself, past the per-process cache
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_default_backend_stays_exact_where_the_cpu_int8_gemm_saturates():
     # oneDNN held to AVX2 (no VNNI) sums int8 pairs in saturating int16: torch._int_mm is then off
     # by millions on rows of 127s, and the default backend must notice and stay on fp32.

@@ -140,4 +140,3 @@ def test_the_fit_sees_the_layers_kv_range(setup, monkeypatch):
     monkeypatch.setattr(qoq, "search_value_ratio", lambda *a, **k: 0.85)
     _quantize(setup, "w4a8kv4-g128", QoQOptions(compensate_inputs=True))
     assert seen and all(r == (1.0, 0.85) for r in seen)
-
