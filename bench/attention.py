@@ -16,6 +16,7 @@ copy (read + write) measured in the same run is the ceiling. Also raw figures: c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -31,13 +32,28 @@ BLOCK_SIZE = 16
 MAIN = dict(batch=64, heads=32, kv_heads=32, ctx=1536, head_dim=128)
 CHECK_NAME = "KV4 decode attention vs SDPA fp16 (B=64, H=32, ctx=1536, D=128)"
 CHECK_TARGET = 3.0
-# (variant, block_n, num_warps, prefetch, maxnreg) swept at each point; partitions swept on the best.
-KV4_SWEEP = [("fma", 32, 1, False, None), ("fma", 32, 1, True, None), ("fma", 32, 1, True, 168),
-             ("fma", 32, 1, True, 128), ("fma", 16, 1, True, None), ("fma", 16, 1, True, 128),
-             ("fma", 16, 1, False, None), ("fma", 64, 1, False, None), ("fma", 64, 1, True, 200)]
-FP16_SWEEP = [("fma", 32, 1, False, None), ("fma", 16, 1, False, None)]
-GQA_SWEEP = [("fma", 16, 1, False, None), ("fma", 16, 1, True, None), ("fma", 16, 1, True, 168),
-             ("fma", 32, 1, True, 200), ("dot", 32, 2, False, None), ("dot", 64, 2, False, None)]
+
+
+def _cfg(variant, block_n, num_warps, prefetch, maxnreg, qk_int16=False):
+    """A sweep entry: a DecodeConfig at partition 512 (the partitions are swept on the best one)."""
+    from services.worker.kernels.paged_attention import DecodeConfig
+
+    return DecodeConfig(variant, block_n, 512, num_warps, 1, prefetch, maxnreg, qk_int16)
+
+
+# Launches swept at each point; partitions swept on the best.
+KV4_SWEEP = [_cfg("fma", 32, 1, False, None), _cfg("fma", 32, 1, True, None), _cfg("fma", 32, 1, True, 168),
+             _cfg("fma", 32, 1, True, 128), _cfg("fma", 16, 1, True, None), _cfg("fma", 16, 1, True, 128),
+             _cfg("fma", 16, 1, False, None), _cfg("fma", 64, 1, False, None), _cfg("fma", 64, 1, True, 200)]
+# Integer (dp4a) scores: fewer registers for the query, so tighter caps and larger tiles are worth a try.
+QK16_SWEEP = [_cfg("fma", 32, 1, True, 128, True), _cfg("fma", 32, 1, True, None, True),
+              _cfg("fma", 32, 1, True, 96, True), _cfg("fma", 32, 1, False, None, True),
+              _cfg("fma", 64, 1, True, 168, True), _cfg("fma", 64, 1, True, 128, True),
+              _cfg("fma", 16, 1, True, 128, True)]
+FP16_SWEEP = [_cfg("fma", 32, 1, False, None), _cfg("fma", 16, 1, False, None)]
+GQA_SWEEP = [_cfg("fma", 16, 1, False, None), _cfg("fma", 16, 1, True, None), _cfg("fma", 16, 1, True, 168),
+             _cfg("fma", 32, 1, True, 200), _cfg("dot", 32, 2, False, None), _cfg("dot", 64, 2, False, None),
+             _cfg("fma", 16, 1, True, None, True), _cfg("fma", 32, 1, True, 168, True)]
 PARTITIONS = [256, 512, 1024, 2048]
 WRITE_TOKENS = (64, 16384)  # a decode step of 64 sequences, a prefill chunk
 WRITE_SHAPE = dict(heads=32, kv_heads=32, head_dim=128)
@@ -142,7 +158,8 @@ class Bench:
         def run(kind, cfg, kcache, vcache, tables, lens, ref, kv4):
             fn = lambda: paged_decode_attention(q, kcache, vcache, tables, lens, max_context_len=ctx, config=cfg)  # noqa: E731
             label = (f"{kind} {cfg.variant} n{cfg.block_n} w{cfg.num_warps} p{cfg.partition_size}"
-                     f"{' prefetch' if cfg.prefetch and cfg.variant == 'fma' and kv4 else ''} r{cfg.maxnreg or '-'}")
+                     f"{' prefetch' if cfg.prefetch and cfg.variant == 'fma' and kv4 else ''} r{cfg.maxnreg or '-'}"
+                     f"{' qk16' if cfg.qk_int16 else ''}")
             try:
                 ok, rel = self.check_decode(fn(), ref)
             except Exception as e:  # a config that does not compile is a result, not a crash
@@ -154,8 +171,7 @@ class Bench:
                 print(f"  {label}: WRONG rel_err {rel:.2e}", flush=True)
                 return None
             t = self.time_ms(fn)
-            row = dict(point, kind=kind, config=dict(variant=cfg.variant, block_n=cfg.block_n, num_warps=cfg.num_warps,
-                       partition_size=cfg.partition_size, prefetch=cfg.prefetch, maxnreg=cfg.maxnreg), rel_err=rel,
+            row = dict(point, kind=kind, config=dataclasses.asdict(cfg), rel_err=rel,
                        **self.figure(t, self.decode_bytes(batch, heads, kv_heads, ctx, head_dim, kv4)))
             self.result["decode"].append(row)
             print(f"  {label}: {row['time_us']:8.1f} us {row['GBps']:7.0f} GB/s ({row['fraction_of_copy']:.2f} of copy)", flush=True)
@@ -166,16 +182,15 @@ class Bench:
         default = default_config(True, group, head_dim)
         rows["kv4_default"] = run("kv4-default", default, kc, vc, tables, lens, ref, True)
         best = rows["kv4_default"]
-        for variant, bn, nw, pf, reg in sweep:
-            row = run("kv4", DecodeConfig(variant, bn, 512, nw, 1, pf, reg), kc, vc, tables, lens, ref, True)
+        for cfg in sweep:
+            row = run("kv4", cfg, kc, vc, tables, lens, ref, True)
             if row and (best is None or row["time_us"] < best["time_us"]):
                 best = row
         if best is not None:
             c = best["config"]
             for part in partitions:
                 if part != c["partition_size"] and part % c["block_n"] == 0:
-                    row = run("kv4", DecodeConfig(c["variant"], c["block_n"], part, c["num_warps"], 1, c["prefetch"], c["maxnreg"]),
-                              kc, vc, tables, lens, ref, True)
+                    row = run("kv4", DecodeConfig(**dict(c, partition_size=part)), kc, vc, tables, lens, ref, True)
                     if row and row["time_us"] < best["time_us"]:
                         best = row
         rows["kv4_best"] = best
@@ -186,8 +201,8 @@ class Bench:
             ref = paged_decode_reference(q, kc, vc, tables, lens)
             rows["fp16_default"] = run("fp16-paged-default", default_config(False, group, head_dim), kc, vc, tables, lens, ref, False)
             best16 = rows["fp16_default"]
-            for variant, bn, nw, pf, reg in FP16_SWEEP:
-                row = run("fp16-paged", DecodeConfig(variant, bn, 512, nw, 1, pf, reg), kc, vc, tables, lens, ref, False)
+            for cfg in FP16_SWEEP:
+                row = run("fp16-paged", cfg, kc, vc, tables, lens, ref, False)
                 if row and (best16 is None or row["time_us"] < best16["time_us"]):
                     best16 = row
             rows["fp16_best"] = best16
@@ -357,24 +372,24 @@ def main() -> None:
         bench.copy_bandwidth()
         for batch, ctx in args.points:
             print(f"batch {batch}, context {ctx}:", flush=True)
-            bench.decode_point(f"b{batch}_ctx{ctx}", batch, 32, 32, ctx, 128, sweep=KV4_SWEEP[2:4] + KV4_SWEEP[5:6],
+            bench.decode_point(f"b{batch}_ctx{ctx}", batch, 32, 32, ctx, 128, sweep=KV4_SWEEP[3:4] + QK16_SWEEP,
                                partitions=PARTITIONS, fp16=False, sdpa=False)
         return
     try:
         bench.copy_bandwidth()
         print("main point:", MAIN, flush=True)
-        main_rows = bench.decode_point("main", **MAIN, sweep=[] if args.quick else KV4_SWEEP,
+        main_rows = bench.decode_point("main", **MAIN, sweep=[] if args.quick else KV4_SWEEP + QK16_SWEEP,
                                        partitions=() if args.quick else PARTITIONS)
         bench.summarize(main_rows)
         if not args.quick:
             for ctx in (512, 4096):
                 print(f"context {ctx}:", flush=True)
-                bench.decode_point(f"ctx{ctx}", 64, 32, 32, ctx, 128, sweep=KV4_SWEEP[:4], partitions=(256, 1024), fp16=True)
+                bench.decode_point(f"ctx{ctx}", 64, 32, 32, ctx, 128, sweep=KV4_SWEEP[:4] + QK16_SWEEP[:2], partitions=(256, 1024), fp16=True)
             print("GQA 32/8, context 1536 and 4096:", flush=True)
             bench.decode_point("gqa32x8_ctx1536", 64, 32, 8, 1536, 128, sweep=GQA_SWEEP, partitions=(256, 1024))
-            bench.decode_point("gqa32x8_ctx4096", 64, 32, 8, 4096, 128, sweep=GQA_SWEEP[:4], partitions=(1024,))
+            bench.decode_point("gqa32x8_ctx4096", 64, 32, 8, 4096, 128, sweep=GQA_SWEEP[:4] + GQA_SWEEP[6:], partitions=(1024,))
             print("batch 8, context 4096 (split path matters):", flush=True)
-            bench.decode_point("b8_ctx4096", 8, 32, 32, 4096, 128, sweep=KV4_SWEEP[:3], partitions=(256, 1024))
+            bench.decode_point("b8_ctx4096", 8, 32, 32, 4096, 128, sweep=KV4_SWEEP[:3] + QK16_SWEEP[:2], partitions=(256, 1024))
             print("cache writes:", flush=True)
             bench.writes()
             print("prefill:", flush=True)

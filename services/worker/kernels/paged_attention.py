@@ -15,6 +15,9 @@ Two KV4 kernels, chosen per group size (see choose_kv4_variant):
     int-to-float conversion. The 2^k is folded into the query and the 1 is taken back out through
     sums: q.k = scale * (q.c) + zero * sum(q), and
     sum_n p_n (scale_n c_n + zero_n) = sum_n (p_n scale_n) c_n + sum_n p_n zero_n.
+    With qk_int16 the scores are integer sums instead: the query rounded to int16 per head and
+    split into high and low bytes meets each code word in four dp4a (4 byte products into int32):
+    9 instructions per word where the fp32 planes take 20.
   * "dot": tensor cores (tl.dot) on nibble halves converted to fp16, query heads padded to 16.
     Pays for itself once a KV group has many query heads.
 The fp16 cache has an "fma" kernel of the same structure (fp32 math on fp16 rows).
@@ -37,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.w4a8_gemv import _dot_chn
+
 LOG2E = 1.4426950408889634
 # _nibble's operands, passed as kernel arguments rather than literals: a LOP3 takes one immediate,
 # and with both as literals ptxas re-materializes one of them before every use (~20% more
@@ -56,6 +61,9 @@ class DecodeConfig:
     num_stages: int = 2
     prefetch: bool = True  # KV4 "fma": load tile i + 1 while computing tile i
     maxnreg: int | None = None  # register cap per thread (ptxas .maxnreg): occupancy against spills
+    # KV4 "fma": scores as exact integer dot products of the K codes with the query rounded to
+    # int16 (dp4a, 4 codes an instruction) instead of an fp32 FMA per code (see _qk_int16).
+    qk_int16: bool = False
 
     def __post_init__(self):
         if self.variant not in ("fma", "dot"):
@@ -64,6 +72,8 @@ class DecodeConfig:
             raise ValueError(f"block_n {self.block_n} must be a power of two >= 16")
         if self.partition_size % self.block_n:
             raise ValueError(f"partition_size {self.partition_size} is not a multiple of block_n {self.block_n}")
+        if self.qk_int16 and self.variant != "fma":
+            raise ValueError(f"qk_int16 is a mode of the KV4 'fma' kernel, not of {self.variant!r}")
 
 
 def choose_kv4_variant(group: int) -> str:
@@ -74,9 +84,12 @@ def choose_kv4_variant(group: int) -> str:
 # The launch the engine gets, per cache and group size (rounded up to a power of two, at most 8):
 # the fastest configs measured by bench/attention.py on an H200 at head_dim 128
 # (bench/results/h200/attention.json). Group 2 and 8 were not measured: group 2 takes group 4's
-# tile (the register budget of two query heads), group 8 the tensor-core kernel.
+# tile (the register budget of two query heads), group 8 the tensor-core kernel. Group 1 with
+# integer scores (session 8): 160.4 -> 143.7 us at batch 64 / context 1536, 487.5 -> 437.2 us at
+# batch 256 / context 1280 (bench/results/h200/attention_points.json).
 _DEFAULTS = {
-    ("kv4", 1): DecodeConfig("fma", block_n=32, partition_size=1024, num_warps=1, num_stages=1, prefetch=True, maxnreg=128),
+    ("kv4", 1): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
+                             qk_int16=True),
     ("kv4", 2): DecodeConfig("fma", block_n=16, partition_size=512, num_warps=1, num_stages=1, prefetch=True),
     ("kv4", 4): DecodeConfig("fma", block_n=16, partition_size=512, num_warps=1, num_stages=1, prefetch=True),
     ("kv4", 8): DecodeConfig("dot", block_n=64, partition_size=512, num_warps=2, num_stages=1),
@@ -148,6 +161,68 @@ def _pv_plane(acc, alpha, pw, f):
 
 
 @triton.jit
+def _split_int16(x):
+    """fp32 x (|x| <= 32512) rounded to q16 and split into int8 parts: q16 = 256 * hi + lo."""
+    q16 = tl.floor(x + 0.5).to(tl.int32)
+    hi = (q16 + 128) >> 8  # arithmetic shift: hi in [-127, 127] and lo in [-128, 127]
+    return hi, q16 - hi * 256
+
+
+@triton.jit
+def _load_q_int16(q_rows, mask_g, offs_w, qk_scale, qmax, BLOCK_G: tl.constexpr, W: tl.constexpr, HALF: tl.constexpr):
+    """The query times qk_scale rounded to int16 per head, in the cache's word order.
+
+    Returns four (G, W) int32 words of int8 bytes, byte b of word w for dim 4w + b (the dims of
+    the low nibbles) or 4w + b + D/2 (high nibbles): the high bytes of q16 for the low-nibble dims,
+    for the high-nibble dims, then the low bytes likewise; and the int16 step (G,). qmax (G,) is
+    the head's largest |q| * qk_scale: 32512 steps keep the high byte in [-127, 127], and the
+    rounding (2^-16 of the largest element) is far below the fp16 query's own precision.
+    """
+    step = tl.where(qmax > 0, qmax / 32512.0, 1.0)
+    inv = qk_scale / step
+    hi_of_lo = tl.zeros((BLOCK_G, W), tl.int32)
+    hi_of_hi = tl.zeros((BLOCK_G, W), tl.int32)
+    lo_of_lo = tl.zeros((BLOCK_G, W), tl.int32)
+    lo_of_hi = tl.zeros((BLOCK_G, W), tl.int32)
+    for b in tl.static_range(4):
+        ptrs = q_rows[:, None] + (4 * offs_w + b)[None, :]
+        q_lo = tl.load(ptrs, mask=mask_g[:, None], other=0.0).to(tl.float32) * inv[:, None]
+        q_hi = tl.load(ptrs + HALF, mask=mask_g[:, None], other=0.0).to(tl.float32) * inv[:, None]
+        h, l = _split_int16(q_lo)
+        hi_of_lo |= (h & 0xFF) << (8 * b)
+        lo_of_lo |= (l & 0xFF) << (8 * b)
+        h, l = _split_int16(q_hi)
+        hi_of_hi |= (h & 0xFF) << (8 * b)
+        lo_of_hi |= (l & 0xFF) << (8 * b)
+    return hi_of_lo, hi_of_hi, lo_of_lo, lo_of_hi, step
+
+
+@triton.jit
+def _qk_int16(kw, q_hi_lo, q_hi_hi, q_lo_lo, q_lo_hi, FAST: tl.constexpr):
+    """sum over the 8 codes of each K word of code * q16 (exact int32): 256 * (codes . high bytes)
+    + (codes . low bytes), each dot two dp4a (low nibbles, high nibbles). All args one shape."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 l, h, x, y;
+            and.b32 l, $1, 0x0F0F0F0F;
+            shr.u32 h, $1, 4;
+            and.b32 h, h, 0x0F0F0F0F;
+            dp4a.u32.s32 x, l, $2, 0;
+            dp4a.u32.s32 x, h, $3, x;
+            dp4a.u32.s32 y, l, $4, 0;
+            dp4a.u32.s32 y, h, $5, y;
+            shl.b32 x, x, 8;
+            add.s32 $0, x, y;
+            }""",
+            constraints="=r,r,r,r,r,r", args=[kw, q_hi_lo, q_hi_hi, q_lo_lo, q_lo_hi], dtype=tl.int32,
+            is_pure=True, pack=1,
+        )
+    zero = tl.zeros(kw.shape, tl.int32)
+    return _dot_chn(kw, q_hi_lo, q_hi_hi, zero, False) * 256 + _dot_chn(kw, q_lo_lo, q_lo_hi, zero, False)
+
+
+@triton.jit
 def _kv4_load_tile(
     k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w,
     W: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
@@ -184,25 +259,37 @@ def _kv4_fma_tile(
     kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one,
     q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
     m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, QK_INT: tl.constexpr, FAST: tl.constexpr,
 ):
-    """Online-softmax update with one tile of raw KV4 words; MASKED only for a partial last tile."""
+    """Online-softmax update with one tile of raw KV4 words; MASKED only for a partial last tile.
+
+    q0..q7, q_bias: the query's fp32 planes and what their 1.0s add (_load_q_plane); with QK_INT
+    instead q0..q3 are the int16 query's words and q_bias its step (_load_q_int16; q4..q7 unused).
+    """
     k_scale, k_zero = _scale_zero(ksz)  # (1, N)
     v_scale, v_zero = _scale_zero(vsz)
-    # Each byte in turn at bits 15..22; its two nibbles become planes 2 * byte and 2 * byte + 1.
-    x0 = kw << 15
-    x1 = kw << 7
-    x2 = kw >> 1
-    x3 = kw >> 9
-    t = _nibble(x0, mask_lo, one) * q0[:, None, :]  # (G, N, W)
-    t += _nibble(x0, mask_hi, one) * q1[:, None, :]
-    t += _nibble(x1, mask_lo, one) * q2[:, None, :]
-    t += _nibble(x1, mask_hi, one) * q3[:, None, :]
-    t += _nibble(x2, mask_lo, one) * q4[:, None, :]
-    t += _nibble(x2, mask_hi, one) * q5[:, None, :]
-    t += _nibble(x3, mask_lo, one) * q6[:, None, :]
-    t += _nibble(x3, mask_hi, one) * q7[:, None, :]
-    s = (tl.sum(t, axis=2) - q_bias[:, None]) * k_scale + q_sum[:, None] * k_zero  # (G, N), log2 units
+    if QK_INT:
+        kwb, qa = tl.broadcast(kw, q0[:, None, :])  # (G, N, W)
+        qb = tl.broadcast(kwb, q1[:, None, :])[1]
+        qc = tl.broadcast(kwb, q2[:, None, :])[1]
+        qd = tl.broadcast(kwb, q3[:, None, :])[1]
+        qk = tl.sum(_qk_int16(kwb, qa, qb, qc, qd, FAST), axis=2).to(tl.float32) * q_bias[:, None]
+    else:
+        # Each byte in turn at bits 15..22; its two nibbles become planes 2 * byte and 2 * byte + 1.
+        x0 = kw << 15
+        x1 = kw << 7
+        x2 = kw >> 1
+        x3 = kw >> 9
+        t = _nibble(x0, mask_lo, one) * q0[:, None, :]  # (G, N, W)
+        t += _nibble(x0, mask_hi, one) * q1[:, None, :]
+        t += _nibble(x1, mask_lo, one) * q2[:, None, :]
+        t += _nibble(x1, mask_hi, one) * q3[:, None, :]
+        t += _nibble(x2, mask_lo, one) * q4[:, None, :]
+        t += _nibble(x2, mask_hi, one) * q5[:, None, :]
+        t += _nibble(x3, mask_lo, one) * q6[:, None, :]
+        t += _nibble(x3, mask_hi, one) * q7[:, None, :]
+        qk = tl.sum(t, axis=2) - q_bias[:, None]
+    s = qk * k_scale + q_sum[:, None] * k_zero  # (G, N), log2 units
     if MASKED:
         offs_n = n0 + tl.arange(0, BLOCK_N)[None, :]
         s = tl.where(offs_n < end, s, float("-inf"))
@@ -236,7 +323,7 @@ def _kv4_decode_fma_kernel(
     stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_ob, stride_oh,
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, QK_INT: tl.constexpr, FAST: tl.constexpr,
 ):
     W: tl.constexpr = HEAD_DIM // 8  # int32 code words per row; word W holds scale and zero
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -254,18 +341,23 @@ def _kv4_decode_fma_kernel(
     heads = kvh * GROUP + offs_g
     offs_w = tl.arange(0, W)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads * stride_qh  # (G,) pointers
-    q0 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 0, HALF)
-    q1 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 1, HALF)
-    q2 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 2, HALF)
-    q3 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 3, HALF)
-    q4 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 4, HALF)
-    q5 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 5, HALF)
-    q6 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 6, HALF)
-    q7 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 7, HALF)
-    q_bias = tl.sum(q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7, axis=1)  # (G,): what the 1.0s of _nibble add
     offs_d = tl.arange(0, HEAD_DIM)
-    q_full = tl.load(q_rows[:, None] + offs_d[None, :], mask=mask_g[:, None], other=0.0)
-    q_sum = tl.sum(q_full.to(tl.float32), axis=1) * qk_scale  # (G,)
+    q_full = tl.load(q_rows[:, None] + offs_d[None, :], mask=mask_g[:, None], other=0.0).to(tl.float32)
+    q_sum = tl.sum(q_full, axis=1) * qk_scale  # (G,)
+    if QK_INT:
+        qmax = tl.max(tl.abs(q_full), axis=1) * qk_scale
+        q0, q1, q2, q3, q_bias = _load_q_int16(q_rows, mask_g, offs_w, qk_scale, qmax, BLOCK_G, W, HALF)
+        q4, q5, q6, q7 = q0, q0, q0, q0  # unused
+    else:
+        q0 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 0, HALF)
+        q1 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 1, HALF)
+        q2 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 2, HALF)
+        q3 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 3, HALF)
+        q4 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 4, HALF)
+        q5 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 5, HALF)
+        q6 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 6, HALF)
+        q7 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 7, HALF)
+        q_bias = tl.sum(q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7, axis=1)  # (G,): what the 1.0s of _nibble add
 
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
@@ -300,7 +392,7 @@ def _kv4_decode_fma_kernel(
             )
             m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
                 kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
-                m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, False,
+                m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, False, QK_INT, FAST,
             )
             kw, ksz, vw, vsz = kw_n, ksz_n, vw_n, vsz_n
     else:
@@ -310,7 +402,7 @@ def _kv4_decode_fma_kernel(
             )
             m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
                 kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
-                m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, False,
+                m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, False, QK_INT, FAST,
             )
     for n0 in range(full_end, end, BLOCK_N):  # at most one partial tile
         kw, ksz, vw, vsz = _kv4_load_tile(
@@ -318,7 +410,7 @@ def _kv4_decode_fma_kernel(
         )
         m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
             kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
-            m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, True,
+            m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, True, QK_INT, FAST,
         )
 
     out_rows, denom, valid = _epilogue_rows(
@@ -637,8 +729,8 @@ def paged_decode_attention(
     kv4, kv_heads, group = _check(query, k_cache, v_cache, block_tables, context_lens)
     b, heads, d = query.shape
     cfg = config or default_config(kv4, group, d)
-    if not kv4 and cfg.variant != "fma":
-        raise ValueError(f"the fp16 cache has only the 'fma' kernel, not {cfg.variant!r}")
+    if not kv4 and (cfg.variant != "fma" or cfg.qk_int16):
+        raise ValueError(f"the fp16 cache has only the 'fma' kernel without qk_int16, not {cfg}")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if max_context_len is None:
         max_context_len = int(context_lens.max().item()) if b else 0
@@ -674,7 +766,8 @@ def paged_decode_attention(
             _NIBBLE_MASK, _FP32_ONE_BITS,
             query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1), k_words.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
-            BLOCK_G=triton.next_power_of_2(group), PREFETCH=cfg.prefetch, **common,
+            BLOCK_G=triton.next_power_of_2(group), PREFETCH=cfg.prefetch, QK_INT=cfg.qk_int16, FAST=query.is_cuda,
+            **common,
         )
     else:
         _kv4_decode_dot_kernel[grid](
