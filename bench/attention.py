@@ -363,17 +363,20 @@ def main() -> None:
     parser.add_argument("--rep", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="main point only, no sweeps")
     parser.add_argument("--points", type=lambda t: [tuple(int(v) for v in p.split(":")) for p in t.split(",")],
-                        help="only these BATCH:CONTEXT points (32 heads, head_dim 128), each with a short KV4 sweep "
-                             "over the partition sizes, e.g. 256:1280 (the engine's decode shapes)")
+                        help="only these BATCH:CONTEXT[:KV_HEADS] points (32 heads, 32 KV heads unless given, "
+                             "head_dim 128), each with a short KV4 sweep over the partition sizes, e.g. 256:1280 "
+                             "(the engine's decode shapes) or 64:1536:8 (GQA)")
     args = parser.parse_args()
     bench = Bench(args)
     print(json.dumps(bench.result["machine"]), flush=True)
     if args.points:
         bench.copy_bandwidth()
-        for batch, ctx in args.points:
-            print(f"batch {batch}, context {ctx}:", flush=True)
-            bench.decode_point(f"b{batch}_ctx{ctx}", batch, 32, 32, ctx, 128, sweep=KV4_SWEEP[3:4] + QK16_SWEEP,
-                               partitions=PARTITIONS, fp16=False, sdpa=False)
+        for batch, ctx, *kv_heads in args.points:
+            kv_heads = kv_heads[0] if kv_heads else 32
+            print(f"batch {batch}, context {ctx}, kv heads {kv_heads}:", flush=True)
+            sweep = KV4_SWEEP[3:4] + QK16_SWEEP if kv_heads == 32 else GQA_SWEEP[1:2] + GQA_SWEEP[6:]
+            bench.decode_point(f"b{batch}_ctx{ctx}" + (f"_kv{kv_heads}" if kv_heads != 32 else ""), batch, 32, kv_heads,
+                               ctx, 128, sweep=sweep, partitions=PARTITIONS, fp16=False, sdpa=False)
         return
     try:
         bench.copy_bandwidth()

@@ -11,7 +11,12 @@ import torch
 
 from services.worker.kernels.attention_reference import build_rope_cache, paged_decode_reference
 from services.worker.kernels.kv4_cache import write_kv4_cache
-from services.worker.kernels.paged_attention import DecodeConfig, paged_decode_attention
+from services.worker.kernels.paged_attention import (
+    WHOLE_CONTEXT_MAX,
+    DecodeConfig,
+    paged_decode_attention,
+    partition_for,
+)
 from shared.formats.kv4 import encode_rows, page_row_bytes
 from shared.model.config import LlamaConfig
 from shared.model.llama import attention as llama_attention
@@ -155,6 +160,17 @@ def test_written_cache_attends_like_the_reference_model():
     assert torch.isfinite(out).all()
     # The reference rotates and quantizes fp32 keys; the cache holds fp16-rounded rotated keys.
     assert (out[0].float() - ref).norm() / ref.norm() < 1e-2
+
+
+def test_whole_context_only_when_the_batch_fills_the_gpu():
+    cfg = DecodeConfig(block_n=32, partition_size=512, whole_context=True)
+    # 132 SMs: 1056 programs (8 each) are enough; the context is padded to a tile.
+    assert partition_for(cfg, 2048, 1500, 132) == 1504
+    assert partition_for(cfg, 2048, 300, 132) == 512  # never below the configured partition
+    assert partition_for(cfg, 1055, 1500, 132) == 512  # too few programs: split the context
+    assert partition_for(cfg, 2048, WHOLE_CONTEXT_MAX + 1, 132) == 512  # too long a context
+    assert partition_for(cfg, 2048, 1500, None) == 512  # not a GPU
+    assert partition_for(DecodeConfig(block_n=32, partition_size=512), 2048, 1500, 132) == 512  # not asked for
 
 
 def test_bad_inputs_name_the_value():

@@ -33,6 +33,7 @@ Layouts:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -64,6 +65,9 @@ class DecodeConfig:
     # KV4 "fma": scores as exact integer dot products of the K codes with the query rounded to
     # int16 (dp4a, 4 codes an instruction) instead of an fp32 FMA per code (see _qk_int16).
     qk_int16: bool = False
+    # Take each sequence's whole context in one program (no partials, no reduction kernel) when
+    # the batch alone gives every SM WHOLE_CONTEXT_PROGRAMS_PER_SM programs; see partition_for.
+    whole_context: bool = False
 
     def __post_init__(self):
         if self.variant not in ("fma", "dot"):
@@ -74,6 +78,27 @@ class DecodeConfig:
             raise ValueError(f"partition_size {self.partition_size} is not a multiple of block_n {self.block_n}")
         if self.qk_int16 and self.variant != "fma":
             raise ValueError(f"qk_int16 is a mode of the KV4 'fma' kernel, not of {self.variant!r}")
+
+
+# Measured on the H200 (session 8, group 1, qk_int16): at batch 64 / context 1536 (2048 programs,
+# 15.5 per SM) one partition per sequence took 128.0 us against 136.6 with partitions of 512; at
+# batch 256 / context 1280, 398.0 against 409.7; at batch 8 / context 4096 (256 programs) the
+# partitions of 512 are what keep the SMs busy. Contexts beyond WHOLE_CONTEXT_MAX keep splitting.
+WHOLE_CONTEXT_PROGRAMS_PER_SM = 8
+WHOLE_CONTEXT_MAX = 4096
+
+
+def partition_for(cfg: DecodeConfig, programs: int, max_context_len: int, sms: int | None) -> int:
+    """Tokens per program: the whole (padded) context when cfg.whole_context and `programs`
+    (sequences x KV heads) give every one of `sms` multiprocessors enough work, else cfg.partition_size."""
+    if cfg.whole_context and sms and programs >= WHOLE_CONTEXT_PROGRAMS_PER_SM * sms and 0 < max_context_len <= WHOLE_CONTEXT_MAX:
+        return max(cfg.partition_size, triton.cdiv(max_context_len, cfg.block_n) * cfg.block_n)
+    return cfg.partition_size
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int | None:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
 def choose_kv4_variant(group: int) -> str:
@@ -89,9 +114,11 @@ def choose_kv4_variant(group: int) -> str:
 # batch 256 / context 1280 (bench/results/h200/attention_points.json).
 _DEFAULTS = {
     ("kv4", 1): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
-                             qk_int16=True),
-    ("kv4", 2): DecodeConfig("fma", block_n=16, partition_size=512, num_warps=1, num_stages=1, prefetch=True),
-    ("kv4", 4): DecodeConfig("fma", block_n=16, partition_size=512, num_warps=1, num_stages=1, prefetch=True),
+                             qk_int16=True, whole_context=True),
+    ("kv4", 2): DecodeConfig("fma", block_n=16, partition_size=512, num_warps=1, num_stages=1, prefetch=True, qk_int16=True,
+                             whole_context=True),
+    ("kv4", 4): DecodeConfig("fma", block_n=16, partition_size=512, num_warps=1, num_stages=1, prefetch=True, qk_int16=True,
+                             whole_context=True),
     ("kv4", 8): DecodeConfig("dot", block_n=64, partition_size=512, num_warps=2, num_stages=1),
     ("fp16", 1): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1),
 }
@@ -226,11 +253,15 @@ def _qk_int16(kw, q_hi_lo, q_hi_hi, q_lo_lo, q_lo_hi, FAST: tl.constexpr):
 def _kv4_load_tile(
     k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w,
     W: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    K_HALVES: tl.constexpr,
 ):
-    """Raw KV4 words of tokens [n0, n0 + BLOCK_N): codes (1, N, W) and scale/zero (1, N) int32.
+    """Raw KV4 words of tokens [n0, n0 + BLOCK_N): K codes, K scale/zero (1, N), V codes, V scale/zero.
 
     Tiles are 3D (group, tokens, words) from the load on, with the group axis of size 1 here: the
-    layout stays the load's and the G query heads reuse each word in registers.
+    layout stays the load's and the G query heads reuse each word in registers. The K codes are
+    (1, N, W) int32, or with K_HALVES two (1, N, W/2) tiles (words below W/2, then the rest;
+    otherwise the second is the first again): a half row spreads over 8 lanes instead of 16, so a
+    score's sum over the row's words takes 3 rounds of shuffles instead of 4 on half the tokens.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)[None, :]  # (1, N)
     mask_n = offs_n < end
@@ -239,24 +270,33 @@ def _kv4_load_tile(
     else:
         page = tl.load(bt_row + offs_n // BLOCK_SIZE)
     rows = page * stride_cb + head_off + (offs_n % BLOCK_SIZE) * stride_cs  # (1, N) int32 word offsets
-    k_ptrs = k_ptr + rows[:, :, None] + offs_w[None, None, :]
+    if K_HALVES:
+        k_ptrs = k_ptr + rows[:, :, None] + tl.arange(0, W // 2)[None, None, :]
+    else:
+        k_ptrs = k_ptr + rows[:, :, None] + offs_w[None, None, :]
     v_ptrs = v_ptr + rows[:, :, None] + offs_w[None, None, :]
     if MASKED:
         kw = tl.load(k_ptrs, mask=mask_n[:, :, None], other=0)
+        if K_HALVES:
+            kw2 = tl.load(k_ptrs + W // 2, mask=mask_n[:, :, None], other=0)
         ksz = tl.load(k_ptr + rows + W, mask=mask_n, other=0)
         vw = tl.load(v_ptrs, mask=mask_n[:, :, None], other=0)
         vsz = tl.load(v_ptr + rows + W, mask=mask_n, other=0)
     else:
         kw = tl.load(k_ptrs)
+        if K_HALVES:
+            kw2 = tl.load(k_ptrs + W // 2)
         ksz = tl.load(k_ptr + rows + W)
         vw = tl.load(v_ptrs)
         vsz = tl.load(v_ptr + rows + W)
-    return kw, ksz, vw, vsz
+    if not K_HALVES:
+        kw2 = kw
+    return kw, kw2, ksz, vw, vsz
 
 
 @triton.jit
 def _kv4_fma_tile(
-    kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one,
+    kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one,
     q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
     m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, QK_INT: tl.constexpr, FAST: tl.constexpr,
@@ -264,16 +304,23 @@ def _kv4_fma_tile(
     """Online-softmax update with one tile of raw KV4 words; MASKED only for a partial last tile.
 
     q0..q7, q_bias: the query's fp32 planes and what their 1.0s add (_load_q_plane); with QK_INT
-    instead q0..q3 are the int16 query's words and q_bias its step (_load_q_int16; q4..q7 unused).
+    instead the int16 query's words (_load_q_int16) for the first half of each row (q0..q3, with
+    K codes kw) and the second (q4..q7, kw2), and q_bias its step.
     """
     k_scale, k_zero = _scale_zero(ksz)  # (1, N)
     v_scale, v_zero = _scale_zero(vsz)
     if QK_INT:
-        kwb, qa = tl.broadcast(kw, q0[:, None, :])  # (G, N, W)
-        qb = tl.broadcast(kwb, q1[:, None, :])[1]
-        qc = tl.broadcast(kwb, q2[:, None, :])[1]
-        qd = tl.broadcast(kwb, q3[:, None, :])[1]
-        qk = tl.sum(_qk_int16(kwb, qa, qb, qc, qd, FAST), axis=2).to(tl.float32) * q_bias[:, None]
+        k1, qa = tl.broadcast(kw, q0[:, None, :])  # (G, N, W / 2)
+        qb = tl.broadcast(k1, q1[:, None, :])[1]
+        qc = tl.broadcast(k1, q2[:, None, :])[1]
+        qd = tl.broadcast(k1, q3[:, None, :])[1]
+        dots = _qk_int16(k1, qa, qb, qc, qd, FAST)
+        k2, qa = tl.broadcast(kw2, q4[:, None, :])
+        qb = tl.broadcast(k2, q5[:, None, :])[1]
+        qc = tl.broadcast(k2, q6[:, None, :])[1]
+        qd = tl.broadcast(k2, q7[:, None, :])[1]
+        dots += _qk_int16(k2, qa, qb, qc, qd, FAST)
+        qk = tl.sum(dots, axis=2).to(tl.float32) * q_bias[:, None]
     else:
         # Each byte in turn at bits 15..22; its two nibbles become planes 2 * byte and 2 * byte + 1.
         x0 = kw << 15
@@ -346,8 +393,9 @@ def _kv4_decode_fma_kernel(
     q_sum = tl.sum(q_full, axis=1) * qk_scale  # (G,)
     if QK_INT:
         qmax = tl.max(tl.abs(q_full), axis=1) * qk_scale
-        q0, q1, q2, q3, q_bias = _load_q_int16(q_rows, mask_g, offs_w, qk_scale, qmax, BLOCK_G, W, HALF)
-        q4, q5, q6, q7 = q0, q0, q0, q0  # unused
+        offs_half = tl.arange(0, W // 2)
+        q0, q1, q2, q3, q_bias = _load_q_int16(q_rows, mask_g, offs_half, qk_scale, qmax, BLOCK_G, W // 2, HALF)
+        q4, q5, q6, q7, q_bias = _load_q_int16(q_rows, mask_g, offs_half + W // 2, qk_scale, qmax, BLOCK_G, W // 2, HALF)
     else:
         q0 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 0, HALF)
         q1 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 1, HALF)
@@ -381,35 +429,35 @@ def _kv4_decode_fma_kernel(
         # Software pipelining by one tile: the loads of tile i + 1 are in flight during tile i's
         # math. The prologue's load is masked (there may be no full tile); the last iteration
         # reloads the last full tile (a cache hit) instead of branching.
-        kw, ksz, vw, vsz = _kv4_load_tile(
-            k_ptr, v_ptr, bt_row, head_off, start, full_end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, True
+        kw, kw2, ksz, vw, vsz = _kv4_load_tile(
+            k_ptr, v_ptr, bt_row, head_off, start, full_end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, True, QK_INT
         )
         last_full = tl.maximum(full_end - BLOCK_N, start)
         for n0 in range(start, full_end, BLOCK_N):
             nxt = tl.minimum(n0 + BLOCK_N, last_full)
-            kw_n, ksz_n, vw_n, vsz_n = _kv4_load_tile(
-                k_ptr, v_ptr, bt_row, head_off, nxt, end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, False
+            kw_n, kw2_n, ksz_n, vw_n, vsz_n = _kv4_load_tile(
+                k_ptr, v_ptr, bt_row, head_off, nxt, end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, False, QK_INT
             )
             m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
-                kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
+                kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
                 m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, False, QK_INT, FAST,
             )
-            kw, ksz, vw, vsz = kw_n, ksz_n, vw_n, vsz_n
+            kw, kw2, ksz, vw, vsz = kw_n, kw2_n, ksz_n, vw_n, vsz_n
     else:
         for n0 in range(start, full_end, BLOCK_N):
-            kw, ksz, vw, vsz = _kv4_load_tile(
-                k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, False
+            kw, kw2, ksz, vw, vsz = _kv4_load_tile(
+                k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, False, QK_INT
             )
             m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
-                kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
+                kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
                 m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, False, QK_INT, FAST,
             )
     for n0 in range(full_end, end, BLOCK_N):  # at most one partial tile
-        kw, ksz, vw, vsz = _kv4_load_tile(
-            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, True
+        kw, kw2, ksz, vw, vsz = _kv4_load_tile(
+            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, True, QK_INT
         )
         m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
-            kw, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
+            kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
             m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, True, QK_INT, FAST,
         )
 
@@ -737,7 +785,8 @@ def paged_decode_attention(
     out = torch.empty_like(query)
     if b == 0:
         return out
-    num_partitions = max(1, triton.cdiv(max_context_len, cfg.partition_size))
+    partition_size = partition_for(cfg, b * kv_heads, max_context_len, _multiprocessors(query.device))
+    num_partitions = max(1, triton.cdiv(max_context_len, partition_size))
     split = num_partitions > 1
     if split:
         part_m = torch.empty(b, heads, num_partitions, dtype=torch.float32, device=query.device)
@@ -751,7 +800,7 @@ def paged_decode_attention(
         SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
-    sizes = (scale * LOG2E, kv_heads, num_partitions, cfg.partition_size)
+    sizes = (scale * LOG2E, kv_heads, num_partitions, partition_size)
     if not kv4:
         _fp16_decode_fma_kernel[grid](
             query, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_o, *sizes,
@@ -779,7 +828,7 @@ def paged_decode_attention(
         )
     if split:
         _reduce_partitions_kernel[(b, heads)](
-            part_m, part_l, part_o, context_lens, out, heads, num_partitions, cfg.partition_size,
+            part_m, part_l, part_o, context_lens, out, heads, num_partitions, partition_size,
             out.stride(0), out.stride(1), HEAD_DIM=d, num_warps=1,
         )
     return out
