@@ -111,13 +111,14 @@ def choose_kv4_variant(group: int) -> str:
 # (bench/results/h200/attention.json). Group 2 and 8 were not measured: group 2 takes group 4's
 # tile (the register budget of two query heads), group 8 the tensor-core kernel. Group 1 with
 # integer scores (session 8): 160.4 -> 143.7 us at batch 64 / context 1536, 487.5 -> 437.2 us at
-# batch 256 / context 1280 (bench/results/h200/attention_points.json).
+# batch 256 / context 1280 (bench/results/h200/attention_points.json). GQA 32/8 at batch 64 /
+# context 1536 (512 programs): partitions of 256 took 107.6-107.7 us in two runs, 512 115-130.
 _DEFAULTS = {
     ("kv4", 1): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
                              qk_int16=True, whole_context=True),
-    ("kv4", 2): DecodeConfig("fma", block_n=16, partition_size=512, num_warps=1, num_stages=1, prefetch=True, qk_int16=True,
+    ("kv4", 2): DecodeConfig("fma", block_n=16, partition_size=256, num_warps=1, num_stages=1, prefetch=True, qk_int16=True,
                              whole_context=True),
-    ("kv4", 4): DecodeConfig("fma", block_n=16, partition_size=512, num_warps=1, num_stages=1, prefetch=True, qk_int16=True,
+    ("kv4", 4): DecodeConfig("fma", block_n=16, partition_size=256, num_warps=1, num_stages=1, prefetch=True, qk_int16=True,
                              whole_context=True),
     ("kv4", 8): DecodeConfig("dot", block_n=64, partition_size=512, num_warps=2, num_stages=1),
     ("fp16", 1): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1),
