@@ -112,7 +112,8 @@ def choose_kv4_variant(group: int) -> str:
 # tile (the register budget of two query heads), group 8 the tensor-core kernel. Group 1 with
 # integer scores (session 8): 160.4 -> 143.7 us at batch 64 / context 1536, 487.5 -> 437.2 us at
 # batch 256 / context 1280 (bench/results/h200/attention_points.json). GQA 32/8 at batch 64 /
-# context 1536 (512 programs): partitions of 256 took 107.6-107.7 us in two runs, 512 115-130.
+# context 1536 (512 programs): partitions of 256 took 107.6-107.9 us in three runs, 512 115-130
+# (bench/results/h200/attention_points_gqa.json).
 _DEFAULTS = {
     ("kv4", 1): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
                              qk_int16=True, whole_context=True),
