@@ -198,17 +198,22 @@ def _split_int16(x):
 
 
 @triton.jit
-def _load_q_int16(q_rows, mask_g, offs_w, qk_scale, qmax, BLOCK_G: tl.constexpr, W: tl.constexpr, HALF: tl.constexpr):
-    """The query times qk_scale rounded to int16 per head, in the cache's word order.
+def _q_int16_step(q_full, qk_scale):
+    """(G,) int16 step of the query times qk_scale: its largest element over 32512 steps, which keeps
+    the high byte in [-127, 127]; the rounding (2^-16 of the largest element) is far below the fp16
+    query's own precision."""
+    qmax = tl.max(tl.abs(q_full), axis=1) * qk_scale
+    return tl.where(qmax > 0, qmax / 32512.0, 1.0)
+
+
+@triton.jit
+def _load_q_int16(q_rows, mask_g, offs_w, inv, BLOCK_G: tl.constexpr, W: tl.constexpr, HALF: tl.constexpr):
+    """The query times inv (G,) (qk_scale over the int16 step) rounded to int16, in the cache's word order.
 
     Returns four (G, W) int32 words of int8 bytes, byte b of word w for dim 4w + b (the dims of
     the low nibbles) or 4w + b + D/2 (high nibbles): the high bytes of q16 for the low-nibble dims,
-    for the high-nibble dims, then the low bytes likewise; and the int16 step (G,). qmax (G,) is
-    the head's largest |q| * qk_scale: 32512 steps keep the high byte in [-127, 127], and the
-    rounding (2^-16 of the largest element) is far below the fp16 query's own precision.
+    for the high-nibble dims, then the low bytes likewise.
     """
-    step = tl.where(qmax > 0, qmax / 32512.0, 1.0)
-    inv = qk_scale / step
     hi_of_lo = tl.zeros((BLOCK_G, W), tl.int32)
     hi_of_hi = tl.zeros((BLOCK_G, W), tl.int32)
     lo_of_lo = tl.zeros((BLOCK_G, W), tl.int32)
@@ -223,7 +228,7 @@ def _load_q_int16(q_rows, mask_g, offs_w, qk_scale, qmax, BLOCK_G: tl.constexpr,
         h, l = _split_int16(q_hi)
         hi_of_hi |= (h & 0xFF) << (8 * b)
         lo_of_hi |= (l & 0xFF) << (8 * b)
-    return hi_of_lo, hi_of_hi, lo_of_lo, lo_of_hi, step
+    return hi_of_lo, hi_of_hi, lo_of_lo, lo_of_hi
 
 
 @triton.jit
@@ -249,6 +254,16 @@ def _qk_int16(kw, q_hi_lo, q_hi_hi, q_lo_lo, q_lo_hi, FAST: tl.constexpr):
         )
     zero = tl.zeros(kw.shape, tl.int32)
     return _dot_chn(kw, q_hi_lo, q_hi_hi, zero, False) * 256 + _dot_chn(kw, q_lo_lo, q_lo_hi, zero, False)
+
+
+@triton.jit
+def _qk_int16_tile(kw, q_hi_lo, q_hi_hi, q_lo_lo, q_lo_hi, FAST: tl.constexpr):
+    """_qk_int16 of K words kw (1, N, W') with the query words (G, W') of the same row part: (G, N, W')."""
+    k, a = tl.broadcast(kw, q_hi_lo[:, None, :])
+    b = tl.broadcast(k, q_hi_hi[:, None, :])[1]
+    c = tl.broadcast(k, q_lo_lo[:, None, :])[1]
+    d = tl.broadcast(k, q_lo_hi[:, None, :])[1]
+    return _qk_int16(k, a, b, c, d, FAST)
 
 
 @triton.jit
@@ -312,16 +327,7 @@ def _kv4_fma_tile(
     k_scale, k_zero = _scale_zero(ksz)  # (1, N)
     v_scale, v_zero = _scale_zero(vsz)
     if QK_INT:
-        k1, qa = tl.broadcast(kw, q0[:, None, :])  # (G, N, W / 2)
-        qb = tl.broadcast(k1, q1[:, None, :])[1]
-        qc = tl.broadcast(k1, q2[:, None, :])[1]
-        qd = tl.broadcast(k1, q3[:, None, :])[1]
-        dots = _qk_int16(k1, qa, qb, qc, qd, FAST)
-        k2, qa = tl.broadcast(kw2, q4[:, None, :])
-        qb = tl.broadcast(k2, q5[:, None, :])[1]
-        qc = tl.broadcast(k2, q6[:, None, :])[1]
-        qd = tl.broadcast(k2, q7[:, None, :])[1]
-        dots += _qk_int16(k2, qa, qb, qc, qd, FAST)
+        dots = _qk_int16_tile(kw, q0, q1, q2, q3, FAST) + _qk_int16_tile(kw2, q4, q5, q6, q7, FAST)  # (G, N, W / 2)
         qk = tl.sum(dots, axis=2).to(tl.float32) * q_bias[:, None]
     else:
         # Each byte in turn at bits 15..22; its two nibbles become planes 2 * byte and 2 * byte + 1.
@@ -394,10 +400,11 @@ def _kv4_decode_fma_kernel(
     q_full = tl.load(q_rows[:, None] + offs_d[None, :], mask=mask_g[:, None], other=0.0).to(tl.float32)
     q_sum = tl.sum(q_full, axis=1) * qk_scale  # (G,)
     if QK_INT:
-        qmax = tl.max(tl.abs(q_full), axis=1) * qk_scale
+        q_bias = _q_int16_step(q_full, qk_scale)  # (G,): what the integer scores are multiplied by
+        inv = qk_scale / q_bias
         offs_half = tl.arange(0, W // 2)
-        q0, q1, q2, q3, q_bias = _load_q_int16(q_rows, mask_g, offs_half, qk_scale, qmax, BLOCK_G, W // 2, HALF)
-        q4, q5, q6, q7, q_bias = _load_q_int16(q_rows, mask_g, offs_half + W // 2, qk_scale, qmax, BLOCK_G, W // 2, HALF)
+        q0, q1, q2, q3 = _load_q_int16(q_rows, mask_g, offs_half, inv, BLOCK_G, W // 2, HALF)
+        q4, q5, q6, q7 = _load_q_int16(q_rows, mask_g, offs_half + W // 2, inv, BLOCK_G, W // 2, HALF)
     else:
         q0 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 0, HALF)
         q1 = _load_q_plane(q_rows, mask_g, offs_w, qk_scale, 1, HALF)
