@@ -61,6 +61,28 @@ PREFILL_CHECK_LENS = [300, 1, 1000, 77]
 PREFILL_TIMED = dict(batch=4, seq=2048, heads=32, head_dim=128)
 
 
+def paged_batch(torch, dev, gen, batch, kv_heads, ctx, head_dim, kv4: bool):
+    """Caches with every sequence at `ctx` tokens on shuffled blocks, the block tables and the lengths."""
+    per_seq = -(-ctx // BLOCK_SIZE)
+    num_blocks = batch * per_seq + 8
+    tables = torch.randperm(num_blocks, device=dev, generator=gen)[: batch * per_seq]
+    tables = tables.view(batch, per_seq).int().contiguous()
+    shape = (num_blocks, kv_heads, BLOCK_SIZE)
+    caches = []
+    for _ in range(2):
+        if kv4:
+            # Valid KV4 rows: random codes, positive fp16 scales, fp16 zeros (what encode_rows writes).
+            codes = torch.randint(0, 256, (*shape, head_dim // 2), device=dev, dtype=torch.uint8, generator=gen)
+            scale = (torch.rand(*shape, 1, device=dev, generator=gen) * 0.2 + 0.01).half()
+            zero = torch.randn(*shape, 1, device=dev, generator=gen).half()
+            tail = torch.cat([scale, zero], dim=-1).view(torch.uint8)
+            caches.append(torch.cat([codes, tail], dim=-1).contiguous())
+        else:
+            caches.append(torch.randn(*shape, head_dim, device=dev, generator=gen).half())
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    return caches[0], caches[1], tables, lens
+
+
 class Bench:
     def __init__(self, args):
         import torch
@@ -94,26 +116,7 @@ class Bench:
         return (self.torch.randn(*shape, device=self.dev, generator=self.gen) * scale).half()
 
     def paged(self, batch, kv_heads, ctx, head_dim, kv4: bool):
-        """Caches with every sequence at `ctx` tokens on shuffled blocks, and the block tables."""
-        torch = self.torch
-        per_seq = -(-ctx // BLOCK_SIZE)
-        num_blocks = batch * per_seq + 8
-        tables = torch.randperm(num_blocks, device=self.dev, generator=self.gen)[: batch * per_seq]
-        tables = tables.view(batch, per_seq).int().contiguous()
-        shape = (num_blocks, kv_heads, BLOCK_SIZE)
-        caches = []
-        for _ in range(2):
-            if kv4:
-                # Valid KV4 rows: random codes, positive fp16 scales, fp16 zeros (what encode_rows writes).
-                codes = torch.randint(0, 256, (*shape, head_dim // 2), device=self.dev, dtype=torch.uint8, generator=self.gen)
-                scale = (torch.rand(*shape, 1, device=self.dev, generator=self.gen) * 0.2 + 0.01).half()
-                zero = self.randn(*shape, 1)
-                tail = torch.cat([scale, zero], dim=-1).view(torch.uint8)
-                caches.append(torch.cat([codes, tail], dim=-1).contiguous())
-            else:
-                caches.append(self.randn(*shape, head_dim))
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device=self.dev)
-        return caches[0], caches[1], tables, lens
+        return paged_batch(self.torch, self.dev, self.gen, batch, kv_heads, ctx, head_dim, kv4)
 
     @staticmethod
     def decode_bytes(batch, heads, kv_heads, ctx, head_dim, kv4: bool) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.machine import gpu_machine  # noqa: E402
+from bench.machine import compiled_kernels, gpu_machine  # noqa: E402
 
 SHAPES = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]  # qkv, o, gate_up, down
 MS = [1, 16, 64, 256, 1024, 4096]
@@ -393,14 +393,12 @@ class Bench:
         rows = []
         for fn in (w4a8_gemm._w4a8_g128_kernel, w4a8_gemm._w4a8_channel_kernel, act_quant._act_quant_kernel):
             try:
-                for cache in getattr(fn, "device_caches", {}).values():
-                    kernels = cache[0] if isinstance(cache, tuple) else cache
-                    for key, kern in kernels.items():
-                        md = kern.metadata
-                        rows.append({"kernel": fn.__name__, "key": str(key)[-400:], "n_regs": kern.n_regs,
-                                     "n_spills": kern.n_spills, "shared": getattr(md, "shared", None),
-                                     "num_warps": getattr(md, "num_warps", None),
-                                     "num_stages": getattr(md, "num_stages", None)})
+                for key, kern in compiled_kernels(fn):
+                    md = kern.metadata
+                    rows.append({"kernel": fn.__name__, "key": str(key)[-400:], "n_regs": kern.n_regs,
+                                 "n_spills": kern.n_spills, "shared": getattr(md, "shared", None),
+                                 "num_warps": getattr(md, "num_warps", None),
+                                 "num_stages": getattr(md, "num_stages", None)})
             except Exception as e:
                 rows.append({"kernel": fn.__name__, "error": f"{type(e).__name__}: {e}"[:300]})
         self.result["kernel_resources"] = rows

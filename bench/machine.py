@@ -33,3 +33,10 @@ def cpu_machine() -> dict:
         else os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
         "platform": platform.platform(),
     }
+
+
+def compiled_kernels(fn):
+    """(key, compiled kernel) of every specialization of a Triton JIT function compiled in this
+    process (its per-device cache: a dict, or a tuple holding the dict, by Triton version)."""
+    for cache in getattr(fn, "device_caches", {}).values():
+        yield from (cache[0] if isinstance(cache, tuple) else cache).items()

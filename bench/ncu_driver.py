@@ -21,8 +21,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.attention import BLOCK_SIZE  # noqa: E402
+from bench.attention import paged_batch  # noqa: E402
 from bench.kernels import w4a8_act_set, w4a8_weight_set  # noqa: E402
+from bench.machine import compiled_kernels  # noqa: E402
 
 LAUNCHES = 4
 
@@ -31,20 +32,8 @@ def attention_calls(args, torch, dev):
     from services.worker.kernels.paged_attention import DecodeConfig, paged_decode_attention
 
     gen = torch.Generator(device=dev).manual_seed(0)
-    per_seq = -(-args.ctx // BLOCK_SIZE)
-    num_blocks = args.batch * per_seq
-    tables = torch.randperm(num_blocks, device=dev, generator=gen).view(args.batch, per_seq).int().contiguous()
-    row = args.head_dim // 2 + 4
-    shape = (num_blocks, args.kv_heads, BLOCK_SIZE)
-
-    def cache():
-        codes = torch.randint(0, 256, (*shape, row - 4), device=dev, dtype=torch.uint8, generator=gen)
-        tail = torch.cat([torch.full((*shape, 1), 0.05, device=dev), torch.randn(*shape, 1, device=dev, generator=gen)], -1)
-        return torch.cat([codes, tail.half().view(torch.uint8)], dim=-1).contiguous()
-
-    kc, vc = cache(), cache()
+    kc, vc, tables, lens = paged_batch(torch, dev, gen, args.batch, args.kv_heads, args.ctx, args.head_dim, kv4=True)
     q = torch.randn(args.batch, args.heads, args.head_dim, device=dev, generator=gen).half()
-    lens = torch.full((args.batch,), args.ctx, dtype=torch.int32, device=dev)
     cfg = DecodeConfig(**json.loads(args.config)) if args.config else None
     return lambda: paged_decode_attention(q, kc, vc, tables, lens, max_context_len=args.ctx, config=cfg)
 
@@ -68,14 +57,12 @@ def dump_kernels(out: Path) -> None:
            if name.startswith("_") and name.endswith("_kernel")]
     resources = []
     for fn in fns:
-        for cache in getattr(fn, "device_caches", {}).values():
-            kernels = cache[0] if isinstance(cache, tuple) else cache
-            for i, kern in enumerate(kernels.values()):
-                stem = f"{fn.__name__}_{i}"
-                (out / f"{stem}.ptx").write_text(kern.asm["ptx"])
-                (out / f"{stem}.cubin").write_bytes(kern.asm["cubin"])
-                resources.append({"kernel": stem, "n_regs": kern.n_regs, "n_spills": kern.n_spills,
-                                  "shared": getattr(kern.metadata, "shared", None)})
+        for i, (_, kern) in enumerate(compiled_kernels(fn)):
+            stem = f"{fn.__name__}_{i}"
+            (out / f"{stem}.ptx").write_text(kern.asm["ptx"])
+            (out / f"{stem}.cubin").write_bytes(kern.asm["cubin"])
+            resources.append({"kernel": stem, "n_regs": kern.n_regs, "n_spills": kern.n_spills,
+                              "shared": getattr(kern.metadata, "shared", None)})
     (out / "resources.json").write_text(json.dumps(resources, indent=1) + "\n")
 
 
