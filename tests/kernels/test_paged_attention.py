@@ -84,21 +84,16 @@ def test_decode_matches_reference(kv4, variant, prefetch, head_dim, kv_heads, gr
 
 
 @pytest.mark.parametrize(
-    "head_dim,kv_heads,group,lengths,partition,prefetch,q_gain,pv_int16,block_n",
-    [(128, 2, 1, [1, 15, 17, 33, 100], 64, True, 1.0, False, 16), (64, 1, 4, [17, 100, 3], 512, False, 1.0, False, 16),
-     (64, 2, 2, [40, 0, 18], 32, True, 6.0, False, 16),
-     (128, 2, 1, [1, 15, 17, 33, 100], 64, True, 1.0, True, 16), (64, 1, 4, [17, 100, 3], 512, True, 1.0, True, 32),
-     (64, 2, 2, [40, 0, 18], 32, True, 6.0, True, 16), (128, 1, 1, [77, 130], 512, True, 1.0, True, 128)],
+    "head_dim,kv_heads,group,lengths,partition,prefetch,q_gain",
+    [(128, 2, 1, [1, 15, 17, 33, 100], 64, True, 1.0), (64, 1, 4, [17, 100, 3], 512, False, 1.0),
+     (64, 2, 2, [40, 0, 18], 32, True, 6.0)],
 )
-def test_int16_scores_match_reference(head_dim, kv_heads, group, lengths, partition, prefetch, q_gain, pv_int16, block_n):
-    """qk_int16 (dp4a scores; the interpreter spells the byte products out), and with pv_int16 the
-    integer value sums too (block_n 128: quarters of 32 tokens, more than a 16-token page): same
-    tolerance as the fp32 planes, for large logits (q_gain 6: one token dominates) and an empty
-    sequence too."""
+def test_int16_scores_match_reference(head_dim, kv_heads, group, lengths, partition, prefetch, q_gain):
+    """qk_int16 (dp4a scores; the interpreter spells the byte products out): same tolerance as the
+    fp32 planes, for large logits (q_gain 6: one token dominates) and an empty sequence too."""
     q, k_cache, v_cache, tables, lens = _paged_batch(lengths, kv_heads, group, head_dim, True, seed=head_dim + group)
     q = (q.float() * q_gain).half()
-    config = DecodeConfig(block_n=block_n, partition_size=partition, num_warps=1, prefetch=prefetch, qk_int16=True,
-                          pv_int16=pv_int16)
+    config = DecodeConfig(block_n=16, partition_size=partition, num_warps=1, prefetch=prefetch, qk_int16=True)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config)
     _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
 
@@ -192,8 +187,6 @@ def test_bad_inputs_name_the_value():
         DecodeConfig(block_n=64, partition_size=96)
     with pytest.raises(ValueError, match="qk_int16"):
         DecodeConfig(variant="dot", qk_int16=True)
-    with pytest.raises(ValueError, match="pv_int16 needs qk_int16"):
-        DecodeConfig(pv_int16=True)
     fp16_cache = torch.zeros(k_cache.shape[:3] + (64,), dtype=torch.float16)
     with pytest.raises(ValueError, match="only the 'fma' kernel"):
         paged_decode_attention(q, fp16_cache, fp16_cache.clone(), tables, lens, config=DecodeConfig(variant="dot"))

@@ -68,10 +68,6 @@ class DecodeConfig:
     # Take each sequence's whole context in one program (no partials, no reduction kernel) when
     # the batch alone gives every SM WHOLE_CONTEXT_PROGRAMS_PER_SM programs; see partition_for.
     whole_context: bool = False
-    # KV4, with qk_int16: the value sums as exact integer sums too, the weights p * v_scale rounded
-    # to uint16 steps of each tile's largest and four tokens' codes gathered into each dp4a
-    # (_kv4_decode_int_kernel; the tile is read as four quarters of block_n / 4 tokens).
-    pv_int16: bool = False
 
     def __post_init__(self):
         if self.variant not in ("fma", "dot"):
@@ -82,8 +78,6 @@ class DecodeConfig:
             raise ValueError(f"partition_size {self.partition_size} is not a multiple of block_n {self.block_n}")
         if self.qk_int16 and self.variant != "fma":
             raise ValueError(f"qk_int16 is a mode of the KV4 'fma' kernel, not of {self.variant!r}")
-        if self.pv_int16 and not self.qk_int16:
-            raise ValueError("pv_int16 needs qk_int16 (the integer kernel computes both)")
 
 
 # Measured on the H200 (session 8, group 1, qk_int16): at batch 64 / context 1536 (2048 programs,
@@ -490,324 +484,6 @@ def _kv4_decode_fma_kernel(
     _store_plane(out_rows, acc7, pw_sum, acc_z, denom, valid, offs_w, 7, HALF, SPLIT)
 
 
-# ---------------------------------------------------------------------------------------------
-# KV4, integer scores and integer value sums
-
-
-@triton.jit
-def _pv_int16(w0, w1, w2, w3, p_hi, p_lo, FAST: tl.constexpr):
-    """The value sums of four tokens' V code words w0..w3 (one column of words; all args one shape)
-    weighted by their uint16 weights u_t = 256 * byte t of p_hi + byte t of p_lo: eight exact int32
-    sums, one per nibble plane S = 2 * byte + HI (plane S of word w is dim 4w + byte + HI * D/2),
-    sum_t u_t * code_t.
-
-    Four byte permutes (PRMT) gather byte b of the four words into one register; its low and high
-    nibbles then meet the weights' bytes in two dp4a each: 44 instructions for the 32 codes, where
-    the fp32 planes take 80.
-    """
-    if FAST:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 a01, a23, b01, b23, g, n, t;
-            prmt.b32 a01, $8, $9, 0x5140;
-            prmt.b32 a23, $10, $11, 0x5140;
-            prmt.b32 b01, $8, $9, 0x7362;
-            prmt.b32 b23, $10, $11, 0x7362;
-            prmt.b32 g, a01, a23, 0x5410;
-            and.b32 n, g, 0x0F0F0F0F;
-            dp4a.u32.u32 t, n, $12, 0;
-            shl.b32 t, t, 8;
-            dp4a.u32.u32 $0, n, $13, t;
-            shr.u32 n, g, 4;
-            and.b32 n, n, 0x0F0F0F0F;
-            dp4a.u32.u32 t, n, $12, 0;
-            shl.b32 t, t, 8;
-            dp4a.u32.u32 $1, n, $13, t;
-            prmt.b32 g, a01, a23, 0x7632;
-            and.b32 n, g, 0x0F0F0F0F;
-            dp4a.u32.u32 t, n, $12, 0;
-            shl.b32 t, t, 8;
-            dp4a.u32.u32 $2, n, $13, t;
-            shr.u32 n, g, 4;
-            and.b32 n, n, 0x0F0F0F0F;
-            dp4a.u32.u32 t, n, $12, 0;
-            shl.b32 t, t, 8;
-            dp4a.u32.u32 $3, n, $13, t;
-            prmt.b32 g, b01, b23, 0x5410;
-            and.b32 n, g, 0x0F0F0F0F;
-            dp4a.u32.u32 t, n, $12, 0;
-            shl.b32 t, t, 8;
-            dp4a.u32.u32 $4, n, $13, t;
-            shr.u32 n, g, 4;
-            and.b32 n, n, 0x0F0F0F0F;
-            dp4a.u32.u32 t, n, $12, 0;
-            shl.b32 t, t, 8;
-            dp4a.u32.u32 $5, n, $13, t;
-            prmt.b32 g, b01, b23, 0x7632;
-            and.b32 n, g, 0x0F0F0F0F;
-            dp4a.u32.u32 t, n, $12, 0;
-            shl.b32 t, t, 8;
-            dp4a.u32.u32 $6, n, $13, t;
-            shr.u32 n, g, 4;
-            and.b32 n, n, 0x0F0F0F0F;
-            dp4a.u32.u32 t, n, $12, 0;
-            shl.b32 t, t, 8;
-            dp4a.u32.u32 $7, n, $13, t;
-            }""",
-            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", args=[w0, w1, w2, w3, p_hi, p_lo],
-            dtype=(tl.int32,) * 8, is_pure=True, pack=1,
-        )
-    # The interpreter: the same sums spelled out per token.
-    u0 = ((p_hi & 0xFF) << 8) | (p_lo & 0xFF)
-    u1 = (((p_hi >> 8) & 0xFF) << 8) | ((p_lo >> 8) & 0xFF)
-    u2 = (((p_hi >> 16) & 0xFF) << 8) | ((p_lo >> 16) & 0xFF)
-    u3 = (((p_hi >> 24) & 0xFF) << 8) | ((p_lo >> 24) & 0xFF)
-    d0 = (w0 & 15) * u0 + (w1 & 15) * u1 + (w2 & 15) * u2 + (w3 & 15) * u3
-    d1 = ((w0 >> 4) & 15) * u0 + ((w1 >> 4) & 15) * u1 + ((w2 >> 4) & 15) * u2 + ((w3 >> 4) & 15) * u3
-    d2 = ((w0 >> 8) & 15) * u0 + ((w1 >> 8) & 15) * u1 + ((w2 >> 8) & 15) * u2 + ((w3 >> 8) & 15) * u3
-    d3 = ((w0 >> 12) & 15) * u0 + ((w1 >> 12) & 15) * u1 + ((w2 >> 12) & 15) * u2 + ((w3 >> 12) & 15) * u3
-    d4 = ((w0 >> 16) & 15) * u0 + ((w1 >> 16) & 15) * u1 + ((w2 >> 16) & 15) * u2 + ((w3 >> 16) & 15) * u3
-    d5 = ((w0 >> 20) & 15) * u0 + ((w1 >> 20) & 15) * u1 + ((w2 >> 20) & 15) * u2 + ((w3 >> 20) & 15) * u3
-    d6 = ((w0 >> 24) & 15) * u0 + ((w1 >> 24) & 15) * u1 + ((w2 >> 24) & 15) * u2 + ((w3 >> 24) & 15) * u3
-    d7 = ((w0 >> 28) & 15) * u0 + ((w1 >> 28) & 15) * u1 + ((w2 >> 28) & 15) * u2 + ((w3 >> 28) & 15) * u3
-    return d0, d1, d2, d3, d4, d5, d6, d7
-
-
-@triton.jit
-def _int_scores(ka, kb, ksz, n0, end, q0, q1, q2, q3, q4, q5, q6, q7, q_step, q_sum,
-                NQ: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr):
-    """(G, NQ) scores in log2 units of a quarter tile's K half-rows ka, kb (masked = -inf)."""
-    k_scale, k_zero = _scale_zero(ksz)
-    dots = _qk_int16_tile(ka, q0, q1, q2, q3, FAST) + _qk_int16_tile(kb, q4, q5, q6, q7, FAST)
-    s = tl.sum(dots, axis=2).to(tl.float32) * q_step[:, None] * k_scale + q_sum[:, None] * k_zero
-    if MASKED:
-        s = tl.where(n0 + tl.arange(0, NQ)[None, :] < end, s, float("-inf"))
-    return s
-
-
-@triton.jit
-def _uint16_bytes(u0, u1, u2, u3):
-    """Four uint16 tensors -> two words: their high bytes (byte t from u_t), then their low bytes."""
-    hi = (u0 >> 8) | ((u1 >> 8) << 8) | ((u2 >> 8) << 16) | ((u3 >> 8) << 24)
-    lo = (u0 & 0xFF) | ((u1 & 0xFF) << 8) | ((u2 & 0xFF) << 16) | ((u3 & 0xFF) << 24)
-    return hi, lo
-
-
-@triton.jit
-def _pv_int_plane(acc, alpha, d, p_step):
-    """acc (G, W) * alpha + the tile's exact plane sums d (G, NQ, W) in units of p_step (G,)."""
-    return acc * alpha[:, None] + tl.sum(d, axis=1).to(tl.float32) * p_step[:, None]
-
-
-@triton.jit
-def _kv4_int_tile(
-    ka0, kb0, ks0, vw0, vs0, ka1, kb1, ks1, vw1, vs1, ka2, kb2, ks2, vw2, vs2, ka3, kb3, ks3, vw3, vs3,
-    n0, end, q0, q1, q2, q3, q4, q5, q6, q7, q_step, q_sum,
-    m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-    NQ: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
-):
-    """Online-softmax update with one tile of four quarter tiles (tokens n0 + j * NQ ...) of raw KV4
-    words: integer scores (_qk_int16), and the weights p * v_scale rounded to uint16 steps of the
-    tile's largest (per head) for integer value sums (_pv_int16), which take a token of each quarter
-    into each dp4a. The quarters' tensors share one layout, so that is all elementwise."""
-    s0 = _int_scores(ka0, kb0, ks0, n0, end, q0, q1, q2, q3, q4, q5, q6, q7, q_step, q_sum, NQ, MASKED, FAST)
-    s1 = _int_scores(ka1, kb1, ks1, n0 + NQ, end, q0, q1, q2, q3, q4, q5, q6, q7, q_step, q_sum, NQ, MASKED, FAST)
-    s2 = _int_scores(ka2, kb2, ks2, n0 + 2 * NQ, end, q0, q1, q2, q3, q4, q5, q6, q7, q_step, q_sum, NQ, MASKED, FAST)
-    s3 = _int_scores(ka3, kb3, ks3, n0 + 3 * NQ, end, q0, q1, q2, q3, q4, q5, q6, q7, q_step, q_sum, NQ, MASKED, FAST)
-    m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p0 = tl.exp2(s0 - m_new[:, None])
-    p1 = tl.exp2(s1 - m_new[:, None])
-    p2 = tl.exp2(s2 - m_new[:, None])
-    p3 = tl.exp2(s3 - m_new[:, None])
-    l_i = l_i * alpha + tl.sum((p0 + p1) + (p2 + p3), axis=1)
-
-    v_scale0, v_zero0 = _scale_zero(vs0)
-    v_scale1, v_zero1 = _scale_zero(vs1)
-    v_scale2, v_zero2 = _scale_zero(vs2)
-    v_scale3, v_zero3 = _scale_zero(vs3)
-    acc_z = acc_z * alpha + tl.sum((p0 * v_zero0 + p1 * v_zero1) + (p2 * v_zero2 + p3 * v_zero3), axis=1)
-    pw0 = p0 * v_scale0
-    pw1 = p1 * v_scale1
-    pw2 = p2 * v_scale2
-    pw3 = p3 * v_scale3
-    pw_max = tl.max(tl.maximum(tl.maximum(pw0, pw1), tl.maximum(pw2, pw3)), axis=1)  # (G,)
-    p_step = tl.where(pw_max > 0, pw_max / 65535.0, 1.0)
-    inv = (1.0 / p_step)[:, None]
-    u0 = tl.minimum(tl.floor(pw0 * inv + 0.5), 65535.0).to(tl.int32)
-    u1 = tl.minimum(tl.floor(pw1 * inv + 0.5), 65535.0).to(tl.int32)
-    u2 = tl.minimum(tl.floor(pw2 * inv + 0.5), 65535.0).to(tl.int32)
-    u3 = tl.minimum(tl.floor(pw3 * inv + 0.5), 65535.0).to(tl.int32)
-    p_hi, p_lo = _uint16_bytes(u0, u1, u2, u3)  # (G, NQ)
-    w0, ph = tl.broadcast(vw0, p_hi[:, :, None])  # (G, NQ, W)
-    pl = tl.broadcast(w0, p_lo[:, :, None])[1]
-    w1 = tl.broadcast(vw1, ph)[0]
-    w2 = tl.broadcast(vw2, ph)[0]
-    w3 = tl.broadcast(vw3, ph)[0]
-    d0, d1, d2, d3, d4, d5, d6, d7 = _pv_int16(w0, w1, w2, w3, ph, pl, FAST)
-    acc0 = _pv_int_plane(acc0, alpha, d0, p_step)
-    acc1 = _pv_int_plane(acc1, alpha, d1, p_step)
-    acc2 = _pv_int_plane(acc2, alpha, d2, p_step)
-    acc3 = _pv_int_plane(acc3, alpha, d3, p_step)
-    acc4 = _pv_int_plane(acc4, alpha, d4, p_step)
-    acc5 = _pv_int_plane(acc5, alpha, d5, p_step)
-    acc6 = _pv_int_plane(acc6, alpha, d6, p_step)
-    acc7 = _pv_int_plane(acc7, alpha, d7, p_step)
-    return m_new, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
-
-
-@triton.jit
-def _kv4_load_quarter(
-    k_ptr, v_ptr, bt_row, head_off, n, end, stride_cb, offs_w,
-    W: tl.constexpr, BLOCK_SIZE: tl.constexpr, NQ: tl.constexpr, MASKED: tl.constexpr,
-):
-    """_kv4_load_tile's words (K in half rows) of the NQ tokens [n, n + NQ). When NQ divides the
-    page size (n is a multiple of NQ), the quarter lies in one page: one scalar block-table read
-    instead of a read and a division per token in each of the K and V layouts. Rows are W + 1
-    words apart (the launcher checks the cache is row-contiguous): with that stride a compile-time
-    constant, each thread's words sit at constant offsets from one base register (immediate
-    offsets of the loads) instead of an address computed per word."""
-    ROW: tl.constexpr = W + 1
-    if BLOCK_SIZE % NQ != 0:
-        return _kv4_load_tile(k_ptr, v_ptr, bt_row, head_off, n, end, stride_cb, ROW, offs_w, W, BLOCK_SIZE, NQ, MASKED, True)
-    offs_n = n + tl.arange(0, NQ)[None, :]  # (1, NQ)
-    if MASKED:
-        page = tl.load(bt_row + n // BLOCK_SIZE, mask=n < end, other=0)
-    else:
-        page = tl.load(bt_row + n // BLOCK_SIZE)
-    row0 = page * stride_cb + head_off + (n % BLOCK_SIZE) * ROW
-    k_base = k_ptr + row0
-    v_base = v_ptr + row0
-    # int64 offsets: added to a pointer, int32 ones are sign-extended element by element, which
-    # keeps the compiler from folding each word's constant part into the load's immediate offset.
-    slots = (tl.arange(0, NQ) * ROW).to(tl.int64)[None, :]  # (1, NQ)
-    k_ptrs = k_base + (slots[:, :, None] + tl.arange(0, W // 2).to(tl.int64)[None, None, :])
-    v_ptrs = v_base + (slots[:, :, None] + offs_w.to(tl.int64)[None, None, :])
-    if MASKED:
-        mask_n = offs_n < end
-        ka = tl.load(k_ptrs, mask=mask_n[:, :, None], other=0)
-        kb = tl.load(k_ptrs + W // 2, mask=mask_n[:, :, None], other=0)
-        ksz = tl.load(k_base + slots + W, mask=mask_n, other=0)
-        vw = tl.load(v_ptrs, mask=mask_n[:, :, None], other=0)
-        vsz = tl.load(v_base + slots + W, mask=mask_n, other=0)
-    else:
-        ka = tl.load(k_ptrs)
-        kb = tl.load(k_ptrs + W // 2)
-        ksz = tl.load(k_base + slots + W)
-        vw = tl.load(v_ptrs)
-        vsz = tl.load(v_base + slots + W)
-    return ka, kb, ksz, vw, vsz
-
-
-@triton.jit
-def _kv4_load_quarters(
-    k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, offs_w,
-    W: tl.constexpr, BLOCK_SIZE: tl.constexpr, NQ: tl.constexpr, MASKED: tl.constexpr,
-):
-    """_kv4_load_quarter of the four quarters of tokens [n0, n0 + 4 NQ)."""
-    ka0, kb0, ks0, vw0, vs0 = _kv4_load_quarter(
-        k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, offs_w, W, BLOCK_SIZE, NQ, MASKED)
-    ka1, kb1, ks1, vw1, vs1 = _kv4_load_quarter(
-        k_ptr, v_ptr, bt_row, head_off, n0 + NQ, end, stride_cb, offs_w, W, BLOCK_SIZE, NQ, MASKED)
-    ka2, kb2, ks2, vw2, vs2 = _kv4_load_quarter(
-        k_ptr, v_ptr, bt_row, head_off, n0 + 2 * NQ, end, stride_cb, offs_w, W, BLOCK_SIZE, NQ, MASKED)
-    ka3, kb3, ks3, vw3, vs3 = _kv4_load_quarter(
-        k_ptr, v_ptr, bt_row, head_off, n0 + 3 * NQ, end, stride_cb, offs_w, W, BLOCK_SIZE, NQ, MASKED)
-    return ka0, kb0, ks0, vw0, vs0, ka1, kb1, ks1, vw1, vs1, ka2, kb2, ks2, vw2, vs2, ka3, kb3, ks3, vw3, vs3
-
-
-@triton.jit
-def _kv4_decode_int_kernel(
-    # pointers
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
-    # sizes
-    qk_scale, num_kv_heads, num_partitions, partition_size,
-    # strides (q/out in elements, caches in int32 words; rows are W + 1 words apart)
-    stride_qb, stride_qh, stride_cb, stride_ch, stride_bt, stride_ob, stride_oh,
-    # meta
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
-):
-    """The KV4 "fma" kernel's structure (prefetching one tile ahead) with integer scores and
-    integer value sums (_kv4_int_tile)."""
-    W: tl.constexpr = HEAD_DIM // 8
-    HALF: tl.constexpr = HEAD_DIM // 2
-    NQ: tl.constexpr = BLOCK_N // 4
-    bh = tl.program_id(0)
-    part = tl.program_id(1)
-    b = bh // num_kv_heads
-    kvh = bh % num_kv_heads
-    ctx = tl.load(context_lens_ptr + b)
-    start = part * partition_size
-    end = tl.minimum(start + partition_size, ctx)
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-
-    offs_g = tl.arange(0, BLOCK_G)
-    mask_g = offs_g < GROUP
-    heads = kvh * GROUP + offs_g
-    offs_w = tl.arange(0, W)
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads * stride_qh
-    q_full = tl.load(q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=mask_g[:, None], other=0.0).to(tl.float32)
-    q_sum = tl.sum(q_full, axis=1) * qk_scale
-    q_step = _q_int16_step(q_full, qk_scale)
-    inv = qk_scale / q_step
-    offs_half = tl.arange(0, W // 2)
-    q0, q1, q2, q3 = _load_q_int16(q_rows, mask_g, offs_half, inv, BLOCK_G, W // 2, HALF)
-    q4, q5, q6, q7 = _load_q_int16(q_rows, mask_g, offs_half + W // 2, inv, BLOCK_G, W // 2, HALF)
-
-    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_G,), tl.float32)
-    acc_z = tl.zeros((BLOCK_G,), tl.float32)
-    acc0 = tl.zeros((BLOCK_G, W), tl.float32)
-    acc1 = tl.zeros((BLOCK_G, W), tl.float32)
-    acc2 = tl.zeros((BLOCK_G, W), tl.float32)
-    acc3 = tl.zeros((BLOCK_G, W), tl.float32)
-    acc4 = tl.zeros((BLOCK_G, W), tl.float32)
-    acc5 = tl.zeros((BLOCK_G, W), tl.float32)
-    acc6 = tl.zeros((BLOCK_G, W), tl.float32)
-    acc7 = tl.zeros((BLOCK_G, W), tl.float32)
-
-    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    head_off = kvh * stride_ch
-    # Prefetch by one tile, as the fma kernel: the prologue's load is masked, the last iteration
-    # reloads the last full tile (a cache hit) instead of branching.
-    (ka0, kb0, ks0, vw0, vs0, ka1, kb1, ks1, vw1, vs1, ka2, kb2, ks2, vw2, vs2, ka3, kb3, ks3, vw3, vs3) = _kv4_load_quarters(
-        k_ptr, v_ptr, bt_row, head_off, start, full_end, stride_cb, offs_w, W, BLOCK_SIZE, NQ, True)
-    last_full = tl.maximum(full_end - BLOCK_N, start)
-    for n0 in range(start, full_end, BLOCK_N):
-        nxt = tl.minimum(n0 + BLOCK_N, last_full)
-        (na0, nb0, ns0, nv0, nz0, na1, nb1, ns1, nv1, nz1, na2, nb2, ns2, nv2, nz2, na3, nb3, ns3, nv3, nz3) = _kv4_load_quarters(
-            k_ptr, v_ptr, bt_row, head_off, nxt, end, stride_cb, offs_w, W, BLOCK_SIZE, NQ, False)
-        m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_int_tile(
-            ka0, kb0, ks0, vw0, vs0, ka1, kb1, ks1, vw1, vs1, ka2, kb2, ks2, vw2, vs2, ka3, kb3, ks3, vw3, vs3,
-            n0, end, q0, q1, q2, q3, q4, q5, q6, q7, q_step, q_sum,
-            m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, NQ, False, FAST,
-        )
-        ka0, kb0, ks0, vw0, vs0, ka1, kb1, ks1, vw1, vs1 = na0, nb0, ns0, nv0, nz0, na1, nb1, ns1, nv1, nz1
-        ka2, kb2, ks2, vw2, vs2, ka3, kb3, ks3, vw3, vs3 = na2, nb2, ns2, nv2, nz2, na3, nb3, ns3, nv3, nz3
-    for n0 in range(full_end, end, BLOCK_N):  # at most one partial tile
-        (ka0, kb0, ks0, vw0, vs0, ka1, kb1, ks1, vw1, vs1, ka2, kb2, ks2, vw2, vs2, ka3, kb3, ks3, vw3, vs3) = _kv4_load_quarters(
-            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, offs_w, W, BLOCK_SIZE, NQ, True)
-        m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_int_tile(
-            ka0, kb0, ks0, vw0, vs0, ka1, kb1, ks1, vw1, vs1, ka2, kb2, ks2, vw2, vs2, ka3, kb3, ks3, vw3, vs3,
-            n0, end, q0, q1, q2, q3, q4, q5, q6, q7, q_step, q_sum,
-            m_i, l_i, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, NQ, True, FAST,
-        )
-
-    out_rows, denom, valid = _epilogue_rows(
-        b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
-        num_partitions, stride_ob, stride_oh, GROUP, HEAD_DIM, SPLIT,
-    )
-    _store_plane(out_rows, acc0, l_i, acc_z, denom, valid, offs_w, 0, HALF, SPLIT, False)
-    _store_plane(out_rows, acc1, l_i, acc_z, denom, valid, offs_w, 1, HALF, SPLIT, False)
-    _store_plane(out_rows, acc2, l_i, acc_z, denom, valid, offs_w, 2, HALF, SPLIT, False)
-    _store_plane(out_rows, acc3, l_i, acc_z, denom, valid, offs_w, 3, HALF, SPLIT, False)
-    _store_plane(out_rows, acc4, l_i, acc_z, denom, valid, offs_w, 4, HALF, SPLIT, False)
-    _store_plane(out_rows, acc5, l_i, acc_z, denom, valid, offs_w, 5, HALF, SPLIT, False)
-    _store_plane(out_rows, acc6, l_i, acc_z, denom, valid, offs_w, 6, HALF, SPLIT, False)
-    _store_plane(out_rows, acc7, l_i, acc_z, denom, valid, offs_w, 7, HALF, SPLIT, False)
-
-
 @triton.jit
 def _epilogue_rows(
     b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
@@ -833,15 +509,10 @@ def _epilogue_rows(
 
 @triton.jit
 def _store_plane(
-    out_rows, acc, pw_sum, acc_z, denom, valid, offs_w, S: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
-    NIBBLE_FP32: tl.constexpr = True,
+    out_rows, acc, pw_sum, acc_z, denom, valid, offs_w, S: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr
 ):
-    """Plane S of the value sum, sum p scale c, plus sum p zero. NIBBLE_FP32: acc holds _nibble's
-    1 + c * 2^-k, so sum p scale c = (acc - sum pw) * 2^(8 - 4 (S % 2)); otherwise acc is the sum."""
-    if NIBBLE_FP32:
-        vals = ((acc - pw_sum[:, None]) * (1 << (8 - 4 * (S % 2))) + acc_z[:, None]) / denom[:, None]
-    else:
-        vals = (acc + acc_z[:, None]) / denom[:, None]
+    """Plane S of the value sum: sum p scale c = (acc - sum pw) * 2^(8 - 4 (S % 2)), plus sum p zero."""
+    vals = ((acc - pw_sum[:, None]) * (1 << (8 - 4 * (S % 2))) + acc_z[:, None]) / denom[:, None]
     ptrs = out_rows[:, None] + _plane_dims(offs_w, S, HALF)[None, :]
     if SPLIT:
         tl.store(ptrs, vals, mask=valid[:, None])
@@ -1116,7 +787,7 @@ def paged_decode_attention(
     b, heads, d = query.shape
     cfg = config or default_config(kv4, group, d)
     if not kv4 and (cfg.variant != "fma" or cfg.qk_int16):
-        raise ValueError(f"the fp16 cache has only the 'fma' kernel without qk_int16 or pv_int16, not {cfg}")
+        raise ValueError(f"the fp16 cache has only the 'fma' kernel without qk_int16, not {cfg}")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if max_context_len is None:
         max_context_len = int(context_lens.max().item()) if b else 0
@@ -1145,14 +816,6 @@ def paged_decode_attention(
             query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
             BLOCK_G=triton.next_power_of_2(group), **common,
-        )
-    elif cfg.pv_int16:
-        k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)
-        _kv4_decode_int_kernel[grid](
-            query, k_words, v_words, block_tables, context_lens, out, part_m, part_l, part_o, *sizes,
-            query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1),
-            block_tables.stride(0), out.stride(0), out.stride(1),
-            BLOCK_G=triton.next_power_of_2(group), FAST=query.is_cuda, **common,
         )
     elif cfg.variant == "fma":
         k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)
