@@ -1,7 +1,9 @@
 """Where a decode step's GPU time goes: one eager decode step of a Llama-2-7B-shaped model under the
-torch profiler, kernel time summed by kind (GPU only).
+torch profiler, kernel time summed by kind (GPU only). With --prefill, a prefill step instead:
+`batch` prompts of `context` tokens each from position 0 (batch x context tokens in one step).
 
     python3 bench/decode_profile.py --format w4a8kv4-chn --batch 256 --context 1280 --out bench/results/h200/decode_profile.json
+    python3 bench/decode_profile.py --prefill --batch 8 --context 1024 --out bench/results/h200/prefill_profile.json
 
 Every sequence sits at `context` tokens (its KV on scattered blocks); the step is run eagerly
 (the CUDA graph replays the same kernels without the launch gaps), a few times to warm up, then
@@ -26,6 +28,7 @@ from bench.machine import gpu_machine  # noqa: E402
 
 GROUPS = (  # (group, substrings of the kernel name), first match wins
     ("attention: paged decode", ("decode", "reduce_partitions")),
+    ("attention: prefill", ("prefill", "flash", "attn")),
     ("KV cache write + RoPE", ("cache",)),
     ("W4A8 GEMM", ("w4a8", "split_k")),
     ("fp16 GEMM (cuBLAS)", ("gemm", "gemv", "sm90_xmma", "cutlass", "nvjet")),
@@ -47,6 +50,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=1280)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prefill", action="store_true", help="profile a prefill step of batch x context prompt tokens")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
 
@@ -66,7 +70,10 @@ def main() -> None:
     per_seq = -(-max_len // runner.block_size)
     runner.allocate_cache(a.batch * per_seq)
     order = torch.randperm(a.batch * per_seq, generator=torch.Generator().manual_seed(0)).view(a.batch, per_seq).tolist()
-    chunks = [SequenceChunk(i, [7 + i], a.context, order[i], True) for i in range(a.batch)]
+    if a.prefill:
+        chunks = [SequenceChunk(i, [(7 + i + t) % 1000 for t in range(a.context)], 0, order[i], True) for i in range(a.batch)]
+    else:
+        chunks = [SequenceChunk(i, [7 + i], a.context, order[i], True) for i in range(a.batch)]
     host = build_host_step(StepBatch(chunks), runner.block_size, runner.max_blocks, max_len)
     st = to_device(host, dev)
     for _ in range(3):
@@ -92,13 +99,13 @@ def main() -> None:
         "command": " ".join(["python3"] + sys.argv),
         "machine": gpu_machine(dev),
         "model": "Llama-2-7B shape, random weights (bench/random_model.py)",
-        "format": a.format, "batch": a.batch, "context": a.context,
+        "step": "prefill" if a.prefill else "decode", "format": a.format, "batch": a.batch, "context": a.context,
         "step_wall_ms_eager": round(step_ms, 3), "kernel_ms_per_step": round(total, 3),
         "groups": {g: {"ms": round(ms, 3), "share": round(ms / total, 3)} for g, ms in sorted(groups.items(), key=lambda kv: -kv[1])},
         "kernels": {k: round(v, 4) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]},
         "checks": [],
     }
-    print(json.dumps({k: result[k] for k in ("format", "batch", "context", "step_wall_ms_eager", "kernel_ms_per_step", "groups")}, indent=1))
+    print(json.dumps({k: result[k] for k in ("step", "format", "batch", "context", "step_wall_ms_eager", "kernel_ms_per_step", "groups", "kernels")}, indent=1))
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=1) + "\n")

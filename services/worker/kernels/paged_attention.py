@@ -280,32 +280,47 @@ def _kv4_load_tile(
     otherwise the second is the first again): a half row spreads over 8 lanes instead of 16, so a
     score's sum over the row's words takes 3 rounds of shuffles instead of 4 on half the tokens.
     """
-    offs_n = n0 + tl.arange(0, BLOCK_N)[None, :]  # (1, N)
-    mask_n = offs_n < end
+    local = tl.arange(0, BLOCK_N)[None, :]  # (1, N)
+    mask_n = n0 + local < end
+    # n0 is a multiple of BLOCK_N (partitions are multiples of it). Page and slot of each token from
+    # its place in the tile (loop-invariant, known non-negative: no signed division in the loop);
+    # a tile inside one page reads its block-table entry once.
+    if BLOCK_N % BLOCK_SIZE == 0:
+        page_of = n0 // BLOCK_SIZE + local // BLOCK_SIZE
+        slot = local % BLOCK_SIZE
+    elif BLOCK_SIZE % BLOCK_N == 0:
+        page_of = n0 // BLOCK_SIZE + local * 0
+        slot = n0 % BLOCK_SIZE + local
+    else:
+        page_of = (n0 + local) // BLOCK_SIZE
+        slot = (n0 + local) % BLOCK_SIZE
     if MASKED:
-        page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
+        page = tl.load(bt_row + page_of, mask=mask_n, other=0)
     else:
-        page = tl.load(bt_row + offs_n // BLOCK_SIZE)
-    rows = page * stride_cb + head_off + (offs_n % BLOCK_SIZE) * stride_cs  # (1, N) int32 word offsets
+        page = tl.load(bt_row + page_of)
+    # int64 offsets, with the row stride (rows are W + 1 words: _check) a compile-time constant:
+    # each thread's words then sit at constant distances from one address, which the loads take as
+    # immediate offsets instead of a 64-bit address computed per word.
+    rows = (page * stride_cb + head_off).to(tl.int64) + (slot * (W + 1)).to(tl.int64)  # (1, N) word offsets
     if K_HALVES:
-        k_ptrs = k_ptr + rows[:, :, None] + tl.arange(0, W // 2)[None, None, :]
+        k_ptrs = k_ptr + (rows[:, :, None] + tl.arange(0, W // 2).to(tl.int64)[None, None, :])
     else:
-        k_ptrs = k_ptr + rows[:, :, None] + offs_w[None, None, :]
-    v_ptrs = v_ptr + rows[:, :, None] + offs_w[None, None, :]
+        k_ptrs = k_ptr + (rows[:, :, None] + offs_w.to(tl.int64)[None, None, :])
+    v_ptrs = v_ptr + (rows[:, :, None] + offs_w.to(tl.int64)[None, None, :])
     if MASKED:
         kw = tl.load(k_ptrs, mask=mask_n[:, :, None], other=0)
         if K_HALVES:
             kw2 = tl.load(k_ptrs + W // 2, mask=mask_n[:, :, None], other=0)
-        ksz = tl.load(k_ptr + rows + W, mask=mask_n, other=0)
+        ksz = tl.load(k_ptr + (rows + W), mask=mask_n, other=0)
         vw = tl.load(v_ptrs, mask=mask_n[:, :, None], other=0)
-        vsz = tl.load(v_ptr + rows + W, mask=mask_n, other=0)
+        vsz = tl.load(v_ptr + (rows + W), mask=mask_n, other=0)
     else:
         kw = tl.load(k_ptrs)
         if K_HALVES:
             kw2 = tl.load(k_ptrs + W // 2)
-        ksz = tl.load(k_ptr + rows + W)
+        ksz = tl.load(k_ptr + (rows + W))
         vw = tl.load(v_ptrs)
-        vsz = tl.load(v_ptr + rows + W)
+        vsz = tl.load(v_ptr + (rows + W))
     if not K_HALVES:
         kw2 = kw
     return kw, kw2, ksz, vw, vsz
