@@ -69,7 +69,9 @@ def _slot_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache[slots // BLOCK_SIZE, :, slots % BLOCK_SIZE]  # (T, kv_heads, R)
 
 
-@pytest.mark.parametrize("head_dim,kv_heads,group", [(64, 2, 2), (128, 1, 4), (128, 2, 1)])
+# kv_heads 20 / 6 x group 4: two head tiles per token (HEADS_PER_PROGRAM), the last one partial;
+# 3 x group 3: one tile with a masked KV head and padded groups.
+@pytest.mark.parametrize("head_dim,kv_heads,group", [(64, 2, 2), (128, 1, 4), (128, 2, 1), (64, 20, 1), (64, 6, 4), (64, 3, 3)])
 def test_kv4_prefill_write_matches_reference(head_dim, kv_heads, group):
     lengths = [1, 15, 17, 33]
     num_blocks = 12

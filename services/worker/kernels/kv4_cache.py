@@ -1,10 +1,12 @@
 """Fused RoPE + paged KV-cache write: KV4 (the quantized engine) and fp16 (the baseline engine).
 
-One program per (token, KV head): it rotates the key (HF rotate_half, pairs (i, i + D/2)) with
-angles read from a precomputed rope cache, then either quantizes key and value to KV4 rows
+One program per (token, tile of KV heads): it rotates the keys (HF rotate_half, pairs (i, i + D/2))
+with angles read from a precomputed rope cache, then either quantizes keys and values to KV4 rows
 (shared/formats/kv4.py: D/2 nibble-pair bytes, fp16 scale, fp16 zero) or writes them as fp16.
-The same program can also rotate the query heads of its KV group, so one launch per layer does
-all the RoPE work of the attention block.
+The same program can also rotate the query heads of its KV groups, so one launch per layer does
+all the RoPE work of the attention block. A program takes up to HEADS_PER_PROGRAM query heads'
+worth of KV heads: one program per (token, head) was latency-bound (a chain of dependent loads
+for 128 values; 216 us a layer for an 8192-token prefill chunk on the H200).
 
 Layouts:
     key, value    (T, kv_heads, D) fp16, last dim contiguous; key is pre-RoPE
@@ -27,6 +29,10 @@ from shared.formats.kv4 import FULL_KV_RANGE, page_row_bytes, range_margin
 
 __all__ = ["build_rope_cache", "write_fp16_cache", "write_kv4_cache"]
 
+# Query heads a program covers (its KV heads times the group, padded to powers of two): 16 heads
+# of head_dim 128 are 2048 values a tensor, 16 a thread at 4 warps.
+HEADS_PER_PROGRAM = 16
+
 
 @triton.jit
 def _round_half_even(x):
@@ -39,85 +45,96 @@ def _round_half_even(x):
 
 
 @triton.jit
-def _store_kv4_row(row_ptr, lo, hi, margin, HALF: tl.constexpr, SHRINK: tl.constexpr):
-    """Quantize one head vector (halves lo, hi: (HALF,) fp32 holding fp16 values) into a KV4 row.
+def _store_kv4_rows(row_ptrs, mask_h, lo, hi, margin, HALF: tl.constexpr, SHRINK: tl.constexpr):
+    """Quantize head vectors (halves lo, hi: (H, HALF) fp32 holding fp16 values) into the KV4 rows
+    at row_ptrs (H,), those where mask_h (H,) holds.
 
     Bit-for-bit shared.formats.kv4.encode_rows: IEEE division, round half to even, fp16 scale/zero;
     SHRINK: the range ratio rule, [min, max] narrowed by margin = fp32((1 - ratio) / 2) of its width.
     """
-    vmin = tl.minimum(tl.min(lo, axis=0), tl.min(hi, axis=0))
-    vmax = tl.maximum(tl.max(lo, axis=0), tl.max(hi, axis=0))
+    vmin = tl.minimum(tl.min(lo, axis=1), tl.min(hi, axis=1))  # (H,)
+    vmax = tl.maximum(tl.max(lo, axis=1), tl.max(hi, axis=1))
     if SHRINK:
         cut = (vmax - vmin) * margin
         vmin, vmax = vmin + cut, vmax - cut
     scale = tl.maximum(tl.div_rn(vmax - vmin, 15.0), 1e-5).to(tl.float16)
     zero = vmin.to(tl.float16)
-    scale_f, zero_f = scale.to(tl.float32), zero.to(tl.float32)
+    scale_f, zero_f = scale.to(tl.float32)[:, None], zero.to(tl.float32)[:, None]
     q_lo = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(lo - zero_f, scale_f)), 0.0), 15.0)
     q_hi = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(hi - zero_f, scale_f)), 0.0), 15.0)
     codes = q_lo.to(tl.int32) | (q_hi.to(tl.int32) << 4)  # byte j: dim j low nibble, dim j + D/2 high
-    offs = tl.arange(0, HALF)
-    tl.store(row_ptr + offs, codes.to(tl.uint8))
+    stored = mask_h[:, None]
+    tl.store(row_ptrs[:, None] + tl.arange(0, HALF)[None, :], codes.to(tl.uint8), mask=stored)
     # The 4 tail bytes, little-endian: fp16 scale then fp16 zero.
     scale_bits = scale.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     zero_bits = zero.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    tail = scale_bits | (zero_bits << 16)
-    offs_tail = tl.arange(0, 4)
-    tl.store(row_ptr + HALF + offs_tail, ((tail >> (offs_tail * 8)) & 0xFF).to(tl.uint8))
+    tail = (scale_bits | (zero_bits << 16))[:, None]
+    offs_tail = tl.arange(0, 4)[None, :]
+    tl.store(row_ptrs[:, None] + HALF + offs_tail, ((tail >> (offs_tail * 8)) & 0xFF).to(tl.uint8), mask=stored)
 
 
 @triton.jit
 def _rope_cache_write_kernel(
     # pointers
     key_ptr, value_ptr, query_ptr, query_out_ptr, positions_ptr, slots_ptr, rope_ptr, k_cache_ptr, v_cache_ptr,
+    # sizes
+    kv_heads,
     # strides (elements of each tensor's dtype)
     stride_kt, stride_kh, stride_vt, stride_vh, stride_qt, stride_qh, stride_ot, stride_oh, stride_rope,
     stride_cb, stride_ch, stride_cs,
     k_margin, v_margin,  # KV4 range-ratio margins (shared.formats.kv4.range_margin)
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    QUANTIZE: tl.constexpr, ROTATE_QUERY: tl.constexpr, K_SHRINK: tl.constexpr, V_SHRINK: tl.constexpr,
+    BLOCK_H: tl.constexpr, QUANTIZE: tl.constexpr, ROTATE_QUERY: tl.constexpr, K_SHRINK: tl.constexpr,
+    V_SHRINK: tl.constexpr,
 ):
+    """Token tl.program_id(0), KV heads [BLOCK_H * tl.program_id(1), + BLOCK_H) (the last tile masked)."""
     tok = tl.program_id(0)
-    kvh = tl.program_id(1)
+    h0 = tl.program_id(1) * BLOCK_H
     HALF: tl.constexpr = HEAD_DIM // 2
     offs = tl.arange(0, HALF)
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < kv_heads
 
     pos = tl.load(positions_ptr + tok).to(tl.int64)
-    cos = tl.load(rope_ptr + pos * stride_rope + offs)  # (HALF,) fp32
-    sin = tl.load(rope_ptr + pos * stride_rope + HALF + offs)
+    cos = tl.load(rope_ptr + pos * stride_rope + offs)[None, :]  # (1, HALF) fp32
+    sin = tl.load(rope_ptr + pos * stride_rope + HALF + offs)[None, :]
 
     if ROTATE_QUERY:
-        offs_g = tl.arange(0, BLOCK_G)
-        heads = kvh * GROUP + offs_g
-        mask_q = (offs_g < GROUP)[:, None]
-        q_ptrs = query_ptr + tok * stride_qt + heads[:, None] * stride_qh + offs[None, :]
-        q_lo = tl.load(q_ptrs, mask=mask_q, other=0.0).to(tl.float32)  # (BLOCK_G, HALF)
+        # Query heads of the tile's KV heads, as (BLOCK_H * BLOCK_G, HALF) rows (group padded to BLOCK_G).
+        offs_r = tl.arange(0, BLOCK_H * BLOCK_G)
+        g = offs_r % BLOCK_G
+        kv_of = h0 + offs_r // BLOCK_G
+        mask_q = ((g < GROUP) & (kv_of < kv_heads))[:, None]
+        heads = (kv_of * GROUP + g)[:, None]
+        q_ptrs = query_ptr + tok * stride_qt + heads * stride_qh + offs[None, :]
+        q_lo = tl.load(q_ptrs, mask=mask_q, other=0.0).to(tl.float32)
         q_hi = tl.load(q_ptrs + HALF, mask=mask_q, other=0.0).to(tl.float32)
-        o_ptrs = query_out_ptr + tok * stride_ot + heads[:, None] * stride_oh + offs[None, :]
-        tl.store(o_ptrs, (q_lo * cos[None, :] - q_hi * sin[None, :]).to(tl.float16), mask=mask_q)
-        tl.store(o_ptrs + HALF, (q_hi * cos[None, :] + q_lo * sin[None, :]).to(tl.float16), mask=mask_q)
+        o_ptrs = query_out_ptr + tok * stride_ot + heads * stride_oh + offs[None, :]
+        tl.store(o_ptrs, (q_lo * cos - q_hi * sin).to(tl.float16), mask=mask_q)
+        tl.store(o_ptrs + HALF, (q_hi * cos + q_lo * sin).to(tl.float16), mask=mask_q)
 
     slot = tl.load(slots_ptr + tok).to(tl.int64)
     if slot >= 0:
-        k_ptrs = key_ptr + tok * stride_kt + kvh * stride_kh + offs
-        k_lo = tl.load(k_ptrs).to(tl.float32)
-        k_hi = tl.load(k_ptrs + HALF).to(tl.float32)
+        k_ptrs = key_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs[None, :]  # (BLOCK_H, HALF)
+        k_lo = tl.load(k_ptrs, mask=mask_h[:, None], other=0.0).to(tl.float32)
+        k_hi = tl.load(k_ptrs + HALF, mask=mask_h[:, None], other=0.0).to(tl.float32)
         # Round the rotated key to fp16 first: the reference quantizes the fp16 rotated key.
         r_lo = (k_lo * cos - k_hi * sin).to(tl.float16)
         r_hi = (k_hi * cos + k_lo * sin).to(tl.float16)
-        v_ptrs = value_ptr + tok * stride_vt + kvh * stride_vh + offs
-        v_lo = tl.load(v_ptrs)
-        v_hi = tl.load(v_ptrs + HALF)
-        row = (slot // BLOCK_SIZE) * stride_cb + kvh * stride_ch + (slot % BLOCK_SIZE) * stride_cs
+        v_ptrs = value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs[None, :]
+        v_lo = tl.load(v_ptrs, mask=mask_h[:, None], other=0.0)
+        v_hi = tl.load(v_ptrs + HALF, mask=mask_h[:, None], other=0.0)
+        row = (slot // BLOCK_SIZE) * stride_cb + offs_h * stride_ch + (slot % BLOCK_SIZE) * stride_cs  # (BLOCK_H,)
         if QUANTIZE:
-            _store_kv4_row(k_cache_ptr + row, r_lo.to(tl.float32), r_hi.to(tl.float32), k_margin, HALF, K_SHRINK)
-            _store_kv4_row(v_cache_ptr + row, v_lo.to(tl.float32), v_hi.to(tl.float32), v_margin, HALF, V_SHRINK)
+            _store_kv4_rows(k_cache_ptr + row, mask_h, r_lo.to(tl.float32), r_hi.to(tl.float32), k_margin, HALF, K_SHRINK)
+            _store_kv4_rows(v_cache_ptr + row, mask_h, v_lo.to(tl.float32), v_hi.to(tl.float32), v_margin, HALF, V_SHRINK)
         else:
-            tl.store(k_cache_ptr + row + offs, r_lo)
-            tl.store(k_cache_ptr + row + HALF + offs, r_hi)
-            tl.store(v_cache_ptr + row + offs, v_lo)
-            tl.store(v_cache_ptr + row + HALF + offs, v_hi)
+            dst = row[:, None] + offs[None, :]
+            tl.store(k_cache_ptr + dst, r_lo, mask=mask_h[:, None])
+            tl.store(k_cache_ptr + dst + HALF, r_hi, mask=mask_h[:, None])
+            tl.store(v_cache_ptr + dst, v_lo, mask=mask_h[:, None])
+            tl.store(v_cache_ptr + dst + HALF, v_hi, mask=mask_h[:, None])
 
 
 def _check_inputs(key, value, positions, slot_mapping, rope_cache, query) -> tuple[int, int, int]:
@@ -175,17 +192,19 @@ def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, q
         return query_out
     q_arg = query if query is not None else key  # unused when ROTATE_QUERY is off
     o_arg = query_out if query_out is not None else key
-    _rope_cache_write_kernel[(t, kv_heads)](
-        key, value, q_arg, o_arg, positions, slot_mapping, rope_cache, k_cache, v_cache,
+    block_g = triton.next_power_of_2(group)
+    block_h = min(triton.next_power_of_2(kv_heads), max(1, HEADS_PER_PROGRAM // block_g))
+    _rope_cache_write_kernel[(t, triton.cdiv(kv_heads, block_h))](
+        key, value, q_arg, o_arg, positions, slot_mapping, rope_cache, k_cache, v_cache, kv_heads,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         q_arg.stride(0), q_arg.stride(1), o_arg.stride(0), o_arg.stride(1), rope_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         range_margin(kv_range[0]), range_margin(kv_range[1]),
-        HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], GROUP=group, BLOCK_G=triton.next_power_of_2(group),
+        HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], GROUP=group, BLOCK_G=block_g, BLOCK_H=block_h,
         QUANTIZE=quantize, ROTATE_QUERY=query is not None, K_SHRINK=kv_range[0] != 1.0, V_SHRINK=kv_range[1] != 1.0,
         # No FMA contraction: x * cos - y * sin rounds each product as torch does, so the rotated
         # fp16 key, and with it the KV4 row, is bit-identical to the reference.
-        num_warps=1, enable_fp_fusion=False,
+        num_warps=max(1, min(4, block_h * block_g * d // 1024)), enable_fp_fusion=False,
     )
     return query_out
 
