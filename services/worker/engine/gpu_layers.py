@@ -89,6 +89,14 @@ class W4A8Ops:
         variant = self.policy.variant(weight.kind, n, k, x8.shape[0])
         return w4a8_gemm.w4a8_gemm(x8, sx, weight, rowsum if weight.kind == "w4chn" else None, variant=variant)
 
+    def linear_add_(self, act, weight, residual: torch.Tensor) -> None:
+        """residual += linear(act, weight), the add in the GEMM's epilogue (no separate pass)."""
+        x8, sx, rowsum = act
+        n, k = weight.qweight.shape[0], weight.qweight.shape[1] * 2
+        variant = self.policy.variant(weight.kind, n, k, x8.shape[0])
+        w4a8_gemm.w4a8_gemm(x8, sx, weight, rowsum if weight.kind == "w4chn" else None, variant=variant,
+                            out=residual, accumulate=True)
+
 
 class Fp16Ops:
     """fp16 activations into cuBLAS fp16 GEMMs (weights (N, K) fp16)."""
@@ -104,3 +112,7 @@ class Fp16Ops:
 
     def linear(self, act: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(act, weight)
+
+    def linear_add_(self, act: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> None:
+        """residual += linear(act, weight): cuBLAS adds it in its epilogue (beta = 1)."""
+        residual.addmm_(act, weight.t())
