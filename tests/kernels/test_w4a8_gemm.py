@@ -116,30 +116,6 @@ def test_every_output_is_written_into_a_given_buffer():
     assert y.data_ptr() == out.data_ptr() and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("name,split_k", [("g128.n64m16.sk", 1), ("g128.n64m16.sk", 2), ("chn.n128m64.sk", 1),
-                                          ("chn.n64m16.sk", 3), ("chn.gemv.n8m4g4", 1), ("g128.gemv.n8m1g16", 2)])
-def test_accumulate_adds_into_out_as_an_fp16_add_would(name, split_k):
-    """accumulate (the residual add in the epilogue): out = fp16(out + fp16(y)), bit for bit what
-    `out += y` gives, on the plain, split-K and GEMV epilogues."""
-    variant = gemm.get_variant(name)
-    m = 1 if variant.gemv and variant.block_m == 1 else 3
-    n, k = 67, 384
-    kind = variant.kind
-    weight = _weight(kind, n, k, seed=21)
-    x8, sx = quantize_per_token(_activations(m, k, seed=22))
-    rowsum = x8.int().sum(-1).int() if kind == "w4chn" else None
-    y = gemm.w4a8_gemm(x8, sx, weight, rowsum, variant=name, split_k=split_k)
-    residual = (torch.randn(m, n, generator=torch.Generator().manual_seed(23)) * 4).half()
-    expected = residual.clone()
-    expected += y
-    out = residual.clone()
-    got = gemm.w4a8_gemm(x8, sx, weight, rowsum, variant=name, split_k=split_k, out=out, accumulate=True)
-    assert got.data_ptr() == out.data_ptr()
-    assert torch.equal(out, expected)
-    with pytest.raises(AssertionError, match="accumulate"):
-        gemm.w4a8_gemm(x8, sx, weight, rowsum, variant=name, accumulate=True)
-
-
 def test_default_variant_is_logged_once(caplog):
     m, n, k = 2, 67, 384
     weight = _weight("w4chn", n, k, seed=11)

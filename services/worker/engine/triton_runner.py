@@ -5,8 +5,8 @@ Per layer, on the fp16 residual stream x (T, H):
     rmsnorm_quant -> W4A8 GEMM qkv -> RoPE + KV4 cache write (q rotated in the same launch)
       -> attention: varlen prefill over the chunk's own K/V (chunks at position 0), or paged
          decode attention over the cache (decode tokens, chunks continuing a cached prefix)
-      -> quantize -> W4A8 GEMM o (+= into x) ; rmsnorm_quant -> W4A8 GEMM gate_up
-      -> silu_mul_quant -> W4A8 GEMM down (+= into x)
+      -> quantize -> W4A8 GEMM o -> x += ; rmsnorm_quant -> W4A8 GEMM gate_up
+      -> silu_mul_quant -> W4A8 GEMM down -> x +=
 
 The fp16 format (the baseline engine) runs the same graph with fp16 RMSNorm / SiLU*mul kernels,
 cuBLAS fp16 GEMMs and an fp16 paged cache. GEMM variants come from the artifact's
@@ -223,7 +223,7 @@ class TritonRunner:
         eps, ops = self.config.rms_norm_eps, self.ops
         qkv = ops.linear(ops.norm(x, w.attn_norm, eps), w.qkv)  # (T, q + 2kv) fp16
         attn = self._attention(i, qkv, st)  # (T, q) fp16
-        ops.linear_add_(ops.plain(attn), w.o, x)  # x += o(attn), the add in the GEMM epilogue
+        ops.linear_add_(ops.plain(attn), w.o, x)  # x += o(attn)
         gate_up = ops.linear(ops.norm(x, w.mlp_norm, eps), w.gate_up)  # (T, 2F) fp16
         ops.linear_add_(ops.silu_mul(gate_up), w.down, x)
 

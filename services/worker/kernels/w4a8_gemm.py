@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels.swar_ptx import SWAR_REGISTERS, high_plane, low_plane, swar_plane, swar_setup
-from services.worker.kernels.w4a8_gemv import _store_out, _w4a8_gemv_kernel
+from services.worker.kernels.w4a8_gemv import _w4a8_gemv_kernel
 from shared.formats.weights import GROUP_SIZE, W4ChannelWeight, W4G128ProgressiveWeight
 
 log = logging.getLogger(__name__)
@@ -82,9 +82,9 @@ def _split_k_epilogue_kernel(
     # strides
     stride_om, stride_on,
     # meta
-    HAS_ROWSUM: tl.constexpr, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr,
+    HAS_ROWSUM: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """out[m, n] (+)= (sum_s ws[s, m, n] [- rowsum[m] * zero[n]]) * sx[m] * col_scale[n], flat over M * N."""
+    """out[m, n] = (sum_s ws[s, m, n] [- rowsum[m] * zero[n]]) * sx[m] * col_scale[n], flat over M * N."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     m = offs // N
@@ -96,7 +96,7 @@ def _split_k_epilogue_kernel(
     if HAS_ROWSUM:
         y = y - tl.load(rowsum_ptr + m, mask=mask, other=0).to(tl.float32) * tl.load(zero_ptr + n, mask=mask).to(tl.float32)
     y = y * tl.load(sx_ptr + m, mask=mask) * tl.load(col_scale_ptr + n, mask=mask).to(tl.float32)
-    _store_out(out_ptr + m * stride_om + n * stride_on, y, mask, ACCUMULATE)
+    tl.store(out_ptr + m * stride_om + n * stride_on, y.to(tl.float16), mask=mask)
 
 
 @triton.jit
@@ -146,7 +146,7 @@ def _w4a8_g128_kernel(
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     ZERO_AFTER_DOT: tl.constexpr, DOT_FP16: tl.constexpr, SWAR: tl.constexpr, USE_SPLIT: tl.constexpr,
-    FAST_UNPACK: tl.constexpr, ACCUMULATE: tl.constexpr,
+    FAST_UNPACK: tl.constexpr,
 ):
     """acc (BLOCK_N, BLOCK_M) int32 = sum over groups of ((q - z) * s2) @ x8^T; fp16 out."""
     pid_n, pid_m = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -218,7 +218,7 @@ def _w4a8_g128_kernel(
         s1 = tl.load(s1_ptr + rn).to(tl.float32)  # (BN,)
         y = acc.to(tl.float32) * sx[None, :] * s1[:, None]
         out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
-        _store_out(out_ptrs, y, (offs_n < N)[:, None] & (offs_m < M)[None, :], ACCUMULATE)
+        tl.store(out_ptrs, y.to(tl.float16), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
 
 
 @triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT"])
@@ -232,7 +232,6 @@ def _w4a8_channel_kernel(
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ROWSUM: tl.constexpr, DOT_FP16: tl.constexpr, USE_SPLIT: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
 ):
     """acc (BLOCK_N, BLOCK_M) int32 = q @ x8^T on the raw codes; the zero term in the epilogue.
 
@@ -286,7 +285,7 @@ def _w4a8_channel_kernel(
             y = y - tl.load(rowsum_ptr + rm).to(tl.float32)[None, :] * zero[:, None]
         y = y * sx[None, :] * scale[:, None]
         out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
-        _store_out(out_ptrs, y, (offs_n < N)[:, None] & (offs_m < M)[None, :], ACCUMULATE)
+        tl.store(out_ptrs, y.to(tl.float16), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,8 +444,7 @@ def split_factor(variant: GemmVariant, M: int, N: int, K: int, device: torch.dev
     return max(1, min(want, groups // 4))
 
 
-def _check_common(x8: torch.Tensor, sx: torch.Tensor, N: int, K: int, out: torch.Tensor | None,
-                  accumulate: bool = False) -> torch.Tensor:
+def _check_common(x8: torch.Tensor, sx: torch.Tensor, N: int, K: int, out: torch.Tensor | None) -> torch.Tensor:
     assert x8.dim() == 2 and x8.dtype == torch.int8, f"x8: expected (M, K) int8, got {tuple(x8.shape)} {x8.dtype}"
     M = x8.shape[0]
     assert x8.shape[1] == K, f"x8 has K={x8.shape[1]}, the weight has K={K}"
@@ -454,7 +452,6 @@ def _check_common(x8: torch.Tensor, sx: torch.Tensor, N: int, K: int, out: torch
     assert sx.dtype == torch.float32 and sx.numel() == M, f"sx: expected ({M},) fp32, got {tuple(sx.shape)} {sx.dtype}"
     sx = sx.reshape(M)
     assert sx.stride(0) == 1 or M == 1, "sx must be contiguous"
-    assert out is not None or not accumulate, "accumulate adds into `out`: pass it"
     if out is not None:
         assert out.shape == (M, N) and out.dtype == torch.float16, f"out: expected ({M}, {N}) fp16"
         assert out.stride(1) == 1, f"out must be contiguous along N, strides {out.stride()}"
@@ -474,14 +471,14 @@ def _launch_grid(variant: GemmVariant, M: int, N: int, K: int, split_k: int | No
     return (tiles, split), per_split, split, ws
 
 
-def _split_k_epilogue(ws, split, sx, col_scale, zero, rowsum, out, accumulate: bool) -> None:
+def _split_k_epilogue(ws, split, sx, col_scale, zero, rowsum, out) -> None:
     M, N = out.shape
     block = 1024
     _split_k_epilogue_kernel[(triton.cdiv(M * N, block),)](
         ws, sx, col_scale, zero, sx if rowsum is None else rowsum, out,
         M, N, split,
         out.stride(0), out.stride(1),
-        HAS_ROWSUM=rowsum is not None, BLOCK=block, ACCUMULATE=accumulate, num_warps=4,
+        HAS_ROWSUM=rowsum is not None, BLOCK=block, num_warps=4,
     )
 
 
@@ -493,13 +490,11 @@ def w4a8_g128_gemm(
     *,
     split_k: int | None = None,
     out: torch.Tensor | None = None,
-    accumulate: bool = False,
 ) -> torch.Tensor:
-    """x8 (M, K) int8, sx (M,) fp32, progressive g128 weight (N, K) -> (M, N) fp16 (added into out
-    with accumulate)."""
+    """x8 (M, K) int8, sx (M,) fp32, progressive g128 weight (N, K) -> (M, N) fp16."""
     qw, s2, zero, s1 = weight.qweight, weight.s2, weight.zero, weight.s1
     N, K = qw.shape[0], qw.shape[1] * 2
-    sx = _check_common(x8, sx, N, K, out, accumulate)
+    sx = _check_common(x8, sx, N, K, out)
     M = x8.shape[0]
     ok, reason = variant.can_implement(M, N, K, weight.kind)
     assert ok, reason
@@ -517,11 +512,10 @@ def w4a8_g128_gemm(
         out.stride(0), out.stride(1),
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
         ZERO_AFTER_DOT=variant.zero_after_dot, DOT_FP16=variant.dot_fp16, SWAR=variant.swar,
-        USE_SPLIT=split > 1, FAST_UNPACK=x8.is_cuda, ACCUMULATE=accumulate,
-        num_warps=variant.num_warps, num_stages=variant.num_stages,
+        USE_SPLIT=split > 1, FAST_UNPACK=x8.is_cuda, num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     if split > 1:
-        _split_k_epilogue(ws, split, sx, s1, s1, None, out, accumulate)
+        _split_k_epilogue(ws, split, sx, s1, s1, None, out)
     return out
 
 
@@ -534,16 +528,14 @@ def w4a8_channel_gemm(
     *,
     split_k: int | None = None,
     out: torch.Tensor | None = None,
-    accumulate: bool = False,
 ) -> torch.Tensor:
-    """x8 (M, K) int8, sx (M,) fp32, rowsum (M,) int32 or None, per-channel weight -> (M, N) fp16
-    (added into out with accumulate).
+    """x8 (M, K) int8, sx (M,) fp32, rowsum (M,) int32 or None, per-channel weight -> (M, N) fp16.
 
     rowsum = x8.sum(-1) as the activation-quant kernels return it; without it the GEMM sums x8 itself.
     """
     qw, scale, zero = weight.qweight, weight.scale, weight.zero
     N, K = qw.shape[0], qw.shape[1] * 2
-    sx = _check_common(x8, sx, N, K, out, accumulate)
+    sx = _check_common(x8, sx, N, K, out)
     M = x8.shape[0]
     ok, reason = variant.can_implement(M, N, K, weight.kind)
     assert ok, reason
@@ -564,10 +556,10 @@ def w4a8_channel_gemm(
         x8.stride(0), x8.stride(1), qw.stride(0), qw.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
         HAS_ROWSUM=rowsum is not None, DOT_FP16=variant.dot_fp16, USE_SPLIT=split > 1,
-        FAST_UNPACK=x8.is_cuda, ACCUMULATE=accumulate, num_warps=variant.num_warps, num_stages=variant.num_stages,
+        FAST_UNPACK=x8.is_cuda, num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     if split > 1:
-        _split_k_epilogue(ws, split, sx, scale, zero, rowsum, out, accumulate)
+        _split_k_epilogue(ws, split, sx, scale, zero, rowsum, out)
     return out
 
 
@@ -588,12 +580,11 @@ def w4a8_gemv(
     *,
     split_k: int | None = None,
     out: torch.Tensor | None = None,
-    accumulate: bool = False,
 ) -> torch.Tensor:
     """The dp4a kernel of w4a8_gemv.py for M <= variant.block_m; same contract as w4a8_gemm."""
     qw = weight.qweight
     N, K = qw.shape[0], qw.shape[1] * 2
-    sx = _check_common(x8, sx, N, K, out, accumulate)
+    sx = _check_common(x8, sx, N, K, out)
     M = x8.shape[0]
     ok, reason = variant.can_implement(M, N, K, weight.kind)
     assert ok and variant.gemv, reason
@@ -617,14 +608,14 @@ def w4a8_gemv(
         M, N, K, per_split,
         x32.stride(0), qw32.stride(0), s2.stride(0), out.stride(0), out.stride(1),
         G128=g128, HAS_ROWSUM=rowsum is not None, BLOCK_N=variant.block_n, BLOCK_M=variant.block_m,
-        GROUPS_PER_STEP=variant.groups_per_step, USE_SPLIT=split > 1, FAST=x8.is_cuda, ACCUMULATE=accumulate,
+        GROUPS_PER_STEP=variant.groups_per_step, USE_SPLIT=split > 1, FAST=x8.is_cuda,
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     if split > 1:
         if g128:
-            _split_k_epilogue(ws, split, sx, col_scale, col_scale, None, out, accumulate)
+            _split_k_epilogue(ws, split, sx, col_scale, col_scale, None, out)
         else:
-            _split_k_epilogue(ws, split, sx, col_scale, zero, rowsum, out, accumulate)
+            _split_k_epilogue(ws, split, sx, col_scale, zero, rowsum, out)
     return out
 
 
@@ -637,13 +628,10 @@ def w4a8_gemm(
     *,
     split_k: int | None = None,
     out: torch.Tensor | None = None,
-    accumulate: bool = False,
 ) -> torch.Tensor:
     """y (M, N) fp16 = the W4A8 linear of shared/model/linear.py on pre-quantized activations.
 
     variant: a name from VARIANTS (a policy table's choice); None picks a safe default by M.
-    accumulate: out += y (out required), rounded as `out += y` in fp16 would round it: the
-    residual add of a decoder block done by the GEMM's epilogue instead of a separate pass.
     """
     if not isinstance(weight, (W4G128ProgressiveWeight, W4ChannelWeight)):
         raise TypeError(f"w4a8_gemm takes {KINDS} weights, got {type(weight).__name__}")
@@ -660,7 +648,7 @@ def w4a8_gemm(
         others = "; ".join(f"{v.name}: {v.can_implement(M, N, K, weight.kind)[1]}" for v in VARIANTS)
         raise ValueError(f"variant {variant} cannot run M={M} N={N} K={K} {weight.kind}: {reason}. All: {others}")
     if chosen.gemv:
-        return w4a8_gemv(x8, sx, weight, chosen, rowsum, split_k=split_k, out=out, accumulate=accumulate)
+        return w4a8_gemv(x8, sx, weight, chosen, rowsum, split_k=split_k, out=out)
     if isinstance(weight, W4G128ProgressiveWeight):
-        return w4a8_g128_gemm(x8, sx, weight, chosen, split_k=split_k, out=out, accumulate=accumulate)
-    return w4a8_channel_gemm(x8, sx, weight, chosen, rowsum, split_k=split_k, out=out, accumulate=accumulate)
+        return w4a8_g128_gemm(x8, sx, weight, chosen, split_k=split_k, out=out)
+    return w4a8_channel_gemm(x8, sx, weight, chosen, rowsum, split_k=split_k, out=out)

@@ -98,16 +98,6 @@ def _load_step(
     return w, x_lo, x_hi, s2, z
 
 
-@triton.jit
-def _store_out(out_ptrs, y, mask, ACCUMULATE: tl.constexpr):
-    """Store fp32 y as fp16; ACCUMULATE: out = fp16(out + fp16(y)) instead, the residual add
-    `x += linear(...)` done in the epilogue, rounded as torch's fp16 add rounds it."""
-    y16 = y.to(tl.float16)
-    if ACCUMULATE:
-        y16 = (tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + y16.to(tl.float32)).to(tl.float16)
-    tl.store(out_ptrs, y16, mask=mask)
-
-
 @triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT"])
 def _w4a8_gemv_kernel(
     # pointers: x and qweight as int32 words
@@ -118,7 +108,7 @@ def _w4a8_gemv_kernel(
     stride_xm, stride_qn, stride_sn, stride_om, stride_on,
     # meta
     G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    GROUPS_PER_STEP: tl.constexpr, USE_SPLIT: tl.constexpr, FAST: tl.constexpr, ACCUMULATE: tl.constexpr,
+    GROUPS_PER_STEP: tl.constexpr, USE_SPLIT: tl.constexpr, FAST: tl.constexpr,
 ):
     """acc (BLOCK_N, BLOCK_M) int32 over this program's K slice; BLOCK_M >= M (one program covers M).
 
@@ -174,4 +164,4 @@ def _w4a8_gemv_kernel(
             y = y - tl.load(rowsum_ptr + offs_m, mask=mask_m, other=0).to(tl.float32)[None, :] * zero[:, None]
         sx = tl.load(sx_ptr + offs_m, mask=mask_m, other=0.0)
         y = y * sx[None, :] * tl.load(col_scale_ptr + rn).to(tl.float32)[:, None]
-        _store_out(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on, y, out_mask, ACCUMULATE)
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on, y.to(tl.float16), mask=out_mask)
