@@ -268,7 +268,7 @@ def _qk_int16_tile(kw, q_hi_lo, q_hi_hi, q_lo_lo, q_lo_hi, FAST: tl.constexpr):
 
 @triton.jit
 def _kv4_load_tile(
-    k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w,
+    k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, offs_w,
     W: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     K_HALVES: tl.constexpr,
 ):
@@ -389,8 +389,8 @@ def _kv4_decode_fma_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
     # sizes
     qk_scale, num_kv_heads, num_partitions, partition_size, nibble_mask, nibble_one,
-    # strides (q/out in elements, caches in int32 words)
-    stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_ob, stride_oh,
+    # strides (q/out in elements, caches in int32 words; rows are W + 1 words apart: _check)
+    stride_qb, stride_qh, stride_cb, stride_ch, stride_bt, stride_ob, stride_oh,
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, QK_INT: tl.constexpr, FAST: tl.constexpr,
@@ -454,13 +454,13 @@ def _kv4_decode_fma_kernel(
         # math. The prologue's load is masked (there may be no full tile); the last iteration
         # reloads the last full tile (a cache hit) instead of branching.
         kw, kw2, ksz, vw, vsz = _kv4_load_tile(
-            k_ptr, v_ptr, bt_row, head_off, start, full_end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, True, QK_INT
+            k_ptr, v_ptr, bt_row, head_off, start, full_end, stride_cb, offs_w, W, BLOCK_SIZE, BLOCK_N, True, QK_INT
         )
         last_full = tl.maximum(full_end - BLOCK_N, start)
         for n0 in range(start, full_end, BLOCK_N):
             nxt = tl.minimum(n0 + BLOCK_N, last_full)
             kw_n, kw2_n, ksz_n, vw_n, vsz_n = _kv4_load_tile(
-                k_ptr, v_ptr, bt_row, head_off, nxt, end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, False, QK_INT
+                k_ptr, v_ptr, bt_row, head_off, nxt, end, stride_cb, offs_w, W, BLOCK_SIZE, BLOCK_N, False, QK_INT
             )
             m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
                 kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
@@ -470,7 +470,7 @@ def _kv4_decode_fma_kernel(
     else:
         for n0 in range(start, full_end, BLOCK_N):
             kw, kw2, ksz, vw, vsz = _kv4_load_tile(
-                k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, False, QK_INT
+                k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, offs_w, W, BLOCK_SIZE, BLOCK_N, False, QK_INT
             )
             m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
                 kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
@@ -478,7 +478,7 @@ def _kv4_decode_fma_kernel(
             )
     for n0 in range(full_end, end, BLOCK_N):  # at most one partial tile
         kw, kw2, ksz, vw, vsz = _kv4_load_tile(
-            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_w, W, BLOCK_SIZE, BLOCK_N, True, QK_INT
+            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, offs_w, W, BLOCK_SIZE, BLOCK_N, True, QK_INT
         )
         m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
             kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
@@ -837,7 +837,7 @@ def paged_decode_attention(
         _kv4_decode_fma_kernel[grid](
             query, k_words, v_words, block_tables, context_lens, out, part_m, part_l, part_o, *sizes,
             _NIBBLE_MASK, _FP32_ONE_BITS,
-            query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1), k_words.stride(2),
+            query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1),
             BLOCK_G=triton.next_power_of_2(group), PREFETCH=cfg.prefetch, QK_INT=cfg.qk_int16, FAST=query.is_cuda,
             **common,
