@@ -1,0 +1,142 @@
+"""SASS instruction counts of our Triton kernels, compiled for sm_90 on a machine without a GPU.
+
+    python3 bench/sass_count.py attention --block-n 32 --maxnreg 128 --qk-int16
+    python3 bench/sass_count.py attention --group 4 --block-n 16 --qk-int16 --split
+    python3 bench/sass_count.py act_quant --op silu --block 16384 --warps 16
+    python3 bench/sass_count.py kv_write --group 2 --block-h 8 --warps 4
+
+Triton compiles the kernel for an H100/H200 target (ptxas ships with the triton wheel), the
+integer arguments specialized as divisible by 16 the way real launches are; nvdisasm (also in
+the wheel) gives the SASS. It prints registers, stack (spills) and, for each loop of 300+
+instructions, its length and instruction mix: for the decode attention that is the cost of one
+tile, the figure that tracked the H200's times in sessions 8 and 9 (an issue-bound kernel whose
+loop did not get shorter did not get faster). The Triton here may not be the GPU image's (3.6):
+compare variants compiled by the same one, and confirm on the GPU (bench/attention.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+LOOP_MIN = 300  # shorter backward branches are reductions and tails, not the main loop
+
+
+def _tools() -> Path:
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def compile_sass(fn, pointer_types: dict[str, str], constexprs: dict, floats=(), num_warps=4, num_stages=1,
+                 maxnreg=None) -> dict:
+    """-> {"regs", "stack", "sass"} of fn compiled for sm_90 (pointer_types: arg -> "*fp16" etc.)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "fp32" if n in floats else "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constexprs and n not in floats}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in constexprs.items()}, attrs=attrs)
+    options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(_tools() / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([str(_tools() / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return {"regs": int(re.search(r"REG:(\d+)", usage).group(1)), "stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "sass": sass}
+
+
+def loops(sass: str) -> list[list[str]]:
+    """Instruction lists of the backward-branch loops of a disassembly (label .. branch)."""
+    instructions: list[str] = []
+    labels: dict[str, int] = {}
+    for line in sass.splitlines():
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+            continue
+        ins = re.search(r"/\*[0-9a-f]{4,}\*/\s*(.*?);", line)
+        if ins:
+            instructions.append(re.sub(r"^@!?U?P[T\d]+\s+", "", ins.group(1)).strip())
+    found = []
+    for i, ins in enumerate(instructions):
+        target = re.search(r"(\.L_x_\d+)", ins) if ins.startswith("BRA") else None
+        if target and labels.get(target.group(1), i + 1) <= i:
+            found.append(instructions[labels[target.group(1)] : i + 1])
+    return found
+
+
+def attention(a):
+    from services.worker.kernels import paged_attention as pa
+
+    pointers = {n: "*fp16" for n in ("q_ptr", "out_ptr")} | {n: "*i32" for n in ("k_ptr", "v_ptr", "block_tables_ptr", "context_lens_ptr")}
+    pointers |= {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_o_ptr")}
+    block_g = 1 << (a.group - 1).bit_length()
+    consts = dict(GROUP=a.group, BLOCK_G=block_g, HEAD_DIM=a.head_dim, BLOCK_SIZE=16, BLOCK_N=a.block_n, SPLIT=a.split,
+                  PREFETCH=not a.no_prefetch, QK_INT=a.qk_int16, FAST=True)
+    return compile_sass(pa._kv4_decode_fma_kernel, pointers, consts, floats=("qk_scale",), num_warps=a.warps, maxnreg=a.maxnreg), a.block_n
+
+
+def act_quant(a):
+    from services.worker.kernels import act_quant as aq
+
+    pointers = {"in_ptr": "*fp16", "w_ptr": "*fp16", "x8_ptr": "*i8", "scale_ptr": "*fp32", "rowsum_ptr": "*i32"}
+    consts = dict(OP={"quantize": 0, "rmsnorm": 1, "silu": 2}[a.op], BLOCK=a.block, ONE_PASS=not a.chunked)
+    return compile_sass(aq._act_quant_kernel, pointers, consts, floats=("eps",), num_warps=a.warps), None
+
+
+def kv_write(a):
+    from services.worker.kernels import kv4_cache as kc
+
+    pointers = {n: "*fp16" for n in ("key_ptr", "value_ptr", "query_ptr", "query_out_ptr")}
+    pointers |= {"positions_ptr": "*i32", "slots_ptr": "*i64", "rope_ptr": "*fp32", "k_cache_ptr": "*u8", "v_cache_ptr": "*u8"}
+    consts = dict(HEAD_DIM=a.head_dim, BLOCK_SIZE=16, GROUP=a.group, BLOCK_G=1 << (a.group - 1).bit_length(), BLOCK_H=a.block_h,
+                  QUANTIZE=True, ROTATE_QUERY=True, K_SHRINK=False, V_SHRINK=True)
+    return compile_sass(kc._rope_cache_write_kernel, pointers, consts, floats=("k_margin", "v_margin"), num_warps=a.warps), None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="kernel", required=True)
+    att = sub.add_parser("attention", help="the KV4 decode 'fma' kernel")
+    att.add_argument("--group", type=int, default=1)
+    att.add_argument("--head-dim", type=int, default=128)
+    att.add_argument("--block-n", type=int, default=32)
+    att.add_argument("--warps", type=int, default=1)
+    att.add_argument("--maxnreg", type=int)
+    att.add_argument("--qk-int16", action="store_true")
+    att.add_argument("--split", action="store_true", help="the partitioned variant (partials + reduction)")
+    att.add_argument("--no-prefetch", action="store_true")
+    aq = sub.add_parser("act_quant", help="rmsnorm / silu / plain per-token int8 quantization")
+    aq.add_argument("--op", choices=("quantize", "rmsnorm", "silu"), default="silu")
+    aq.add_argument("--block", type=int, default=16384)
+    aq.add_argument("--chunked", action="store_true")
+    aq.add_argument("--warps", type=int, default=16)
+    kv = sub.add_parser("kv_write", help="RoPE + KV4 cache write")
+    kv.add_argument("--group", type=int, default=2, help="query heads per KV head as the runner passes them (q + k in prefill: 2)")
+    kv.add_argument("--head-dim", type=int, default=128)
+    kv.add_argument("--block-h", type=int, default=8)
+    kv.add_argument("--warps", type=int, default=4)
+    a = p.parse_args()
+    result, tile_tokens = {"attention": attention, "act_quant": act_quant, "kv_write": kv_write}[a.kernel](a)
+    total = len(re.findall(r"/\*[0-9a-f]{4,}\*/", result["sass"]))
+    print(f"{a.kernel}: {result['regs']} registers, {result['stack']} bytes of stack, {total} instructions")
+    for body in (b for b in loops(result["sass"]) if len(b) >= LOOP_MIN):
+        per = f" ({len(body) * 32 / tile_tokens:.0f} per 32 tokens)" if tile_tokens else ""
+        mix = collections.Counter(ins.split()[0] for ins in body).most_common(12)
+        print(f"  loop of {len(body)} instructions{per}: " + " ".join(f"{op} {n}" for op, n in mix))
+
+
+if __name__ == "__main__":
+    main()
