@@ -52,9 +52,14 @@ def compile_sass(fn, pointer_types: dict[str, str], constexprs: dict, floats=(),
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(_tools() / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([str(_tools() / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    return {"regs": int(re.search(r"REG:(\d+)", usage).group(1)), "stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "sass": sass}
+        usage = _run(_tools() / "cuobjdump", "-res-usage", cubin)
+        sass = _run(_tools() / "nvdisasm", "-c", cubin)
+    regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+    return {"regs": regs, "stack": stack, "sass": sass}
+
+
+def _run(tool: Path, *args) -> str:
+    return subprocess.run([str(tool), *map(str, args)], capture_output=True, text=True, check=True).stdout
 
 
 def loops(sass: str) -> list[list[str]]:
@@ -78,14 +83,17 @@ def loops(sass: str) -> list[list[str]]:
 
 
 def attention(a):
+    import triton
+
     from services.worker.kernels import paged_attention as pa
 
-    pointers = {n: "*fp16" for n in ("q_ptr", "out_ptr")} | {n: "*i32" for n in ("k_ptr", "v_ptr", "block_tables_ptr", "context_lens_ptr")}
+    pointers = {n: "*fp16" for n in ("q_ptr", "out_ptr")}
+    pointers |= {n: "*i32" for n in ("k_ptr", "v_ptr", "block_tables_ptr", "context_lens_ptr")}
     pointers |= {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_o_ptr")}
-    block_g = 1 << (a.group - 1).bit_length()
-    consts = dict(GROUP=a.group, BLOCK_G=block_g, HEAD_DIM=a.head_dim, BLOCK_SIZE=16, BLOCK_N=a.block_n, SPLIT=a.split,
-                  PREFETCH=not a.no_prefetch, QK_INT=a.qk_int16, FAST=True)
-    return compile_sass(pa._kv4_decode_fma_kernel, pointers, consts, floats=("qk_scale",), num_warps=a.warps, maxnreg=a.maxnreg), a.block_n
+    consts = dict(GROUP=a.group, BLOCK_G=triton.next_power_of_2(a.group), HEAD_DIM=a.head_dim, BLOCK_SIZE=16,
+                  BLOCK_N=a.block_n, SPLIT=a.split, PREFETCH=not a.no_prefetch, QK_INT=a.qk_int16, FAST=True)
+    sass = compile_sass(pa._kv4_decode_fma_kernel, pointers, consts, floats=("qk_scale",), num_warps=a.warps, maxnreg=a.maxnreg)
+    return sass, a.block_n
 
 
 def act_quant(a):
@@ -97,11 +105,13 @@ def act_quant(a):
 
 
 def kv_write(a):
+    import triton
+
     from services.worker.kernels import kv4_cache as kc
 
     pointers = {n: "*fp16" for n in ("key_ptr", "value_ptr", "query_ptr", "query_out_ptr")}
     pointers |= {"positions_ptr": "*i32", "slots_ptr": "*i64", "rope_ptr": "*fp32", "k_cache_ptr": "*u8", "v_cache_ptr": "*u8"}
-    consts = dict(HEAD_DIM=a.head_dim, BLOCK_SIZE=16, GROUP=a.group, BLOCK_G=1 << (a.group - 1).bit_length(), BLOCK_H=a.block_h,
+    consts = dict(HEAD_DIM=a.head_dim, BLOCK_SIZE=16, GROUP=a.group, BLOCK_G=triton.next_power_of_2(a.group), BLOCK_H=a.block_h,
                   QUANTIZE=True, ROTATE_QUERY=True, K_SHRINK=False, V_SHRINK=True)
     return compile_sass(kc._rope_cache_write_kernel, pointers, consts, floats=("k_margin", "v_margin"), num_warps=a.warps), None
 
@@ -124,7 +134,8 @@ def main() -> None:
     aq.add_argument("--chunked", action="store_true")
     aq.add_argument("--warps", type=int, default=16)
     kv = sub.add_parser("kv_write", help="RoPE + KV4 cache write")
-    kv.add_argument("--group", type=int, default=2, help="query heads per KV head as the runner passes them (q + k in prefill: 2)")
+    kv.add_argument("--group", type=int, default=2,
+                    help="query heads per KV head as the runner passes them (q + k in prefill: 2)")
     kv.add_argument("--head-dim", type=int, default=128)
     kv.add_argument("--block-h", type=int, default=8)
     kv.add_argument("--warps", type=int, default=4)

@@ -95,6 +95,7 @@ def _rope_cache_write_kernel(
     offs = tl.arange(0, HALF)
     offs_h = h0 + tl.arange(0, BLOCK_H)
     mask_h = offs_h < kv_heads
+    rows_mask = mask_h[:, None]  # (BLOCK_H, 1): the tile's real KV heads
 
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     cos = tl.load(rope_ptr + pos * stride_rope + offs)[None, :]  # (1, HALF) fp32
@@ -117,24 +118,24 @@ def _rope_cache_write_kernel(
     slot = tl.load(slots_ptr + tok).to(tl.int64)
     if slot >= 0:
         k_ptrs = key_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs[None, :]  # (BLOCK_H, HALF)
-        k_lo = tl.load(k_ptrs, mask=mask_h[:, None], other=0.0).to(tl.float32)
-        k_hi = tl.load(k_ptrs + HALF, mask=mask_h[:, None], other=0.0).to(tl.float32)
+        k_lo = tl.load(k_ptrs, mask=rows_mask, other=0.0).to(tl.float32)
+        k_hi = tl.load(k_ptrs + HALF, mask=rows_mask, other=0.0).to(tl.float32)
         # Round the rotated key to fp16 first: the reference quantizes the fp16 rotated key.
         r_lo = (k_lo * cos - k_hi * sin).to(tl.float16)
         r_hi = (k_hi * cos + k_lo * sin).to(tl.float16)
         v_ptrs = value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs[None, :]
-        v_lo = tl.load(v_ptrs, mask=mask_h[:, None], other=0.0)
-        v_hi = tl.load(v_ptrs + HALF, mask=mask_h[:, None], other=0.0)
+        v_lo = tl.load(v_ptrs, mask=rows_mask, other=0.0)
+        v_hi = tl.load(v_ptrs + HALF, mask=rows_mask, other=0.0)
         row = (slot // BLOCK_SIZE) * stride_cb + offs_h * stride_ch + (slot % BLOCK_SIZE) * stride_cs  # (BLOCK_H,)
         if QUANTIZE:
             _store_kv4_rows(k_cache_ptr + row, mask_h, r_lo.to(tl.float32), r_hi.to(tl.float32), k_margin, HALF, K_SHRINK)
             _store_kv4_rows(v_cache_ptr + row, mask_h, v_lo.to(tl.float32), v_hi.to(tl.float32), v_margin, HALF, V_SHRINK)
         else:
             dst = row[:, None] + offs[None, :]
-            tl.store(k_cache_ptr + dst, r_lo, mask=mask_h[:, None])
-            tl.store(k_cache_ptr + dst + HALF, r_hi, mask=mask_h[:, None])
-            tl.store(v_cache_ptr + dst, v_lo, mask=mask_h[:, None])
-            tl.store(v_cache_ptr + dst + HALF, v_hi, mask=mask_h[:, None])
+            tl.store(k_cache_ptr + dst, r_lo, mask=rows_mask)
+            tl.store(k_cache_ptr + dst + HALF, r_hi, mask=rows_mask)
+            tl.store(v_cache_ptr + dst, v_lo, mask=rows_mask)
+            tl.store(v_cache_ptr + dst + HALF, v_hi, mask=rows_mask)
 
 
 def _check_inputs(key, value, positions, slot_mapping, rope_cache, query) -> tuple[int, int, int]:
