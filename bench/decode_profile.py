@@ -11,6 +11,10 @@ Every sequence sits at `context` tokens (its KV on scattered blocks); the step i
 fp16 GEMM (cuBLAS: lm_head, or every linear of the fp16 engine), KV write, activation quantization
 and norms, and the rest; each group's share of the summed kernel time is reported beside the
 step's wall time between CUDA events (kernel time + gaps).
+
+With --graph the step is captured into a CUDA graph and replayed, as the engine's decode steps
+are: the report adds the replay's wall time, the kernels' span on the GPU timeline, the idle time
+between consecutive kernels and where the largest of those gaps sit (kernel before -> after).
 """
 
 from __future__ import annotations
@@ -44,6 +48,31 @@ def group_of(name: str) -> str:
     return "other (embedding, residual adds, copies)"
 
 
+def timeline(prof, repeats: int) -> dict:
+    """GPU timeline of the profiled replays: kernels' span and busy time per step, the idle time between
+    consecutive kernels, and the largest gaps by the (kernel before, kernel after) pair."""
+    kernels = sorted(
+        (e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type().name == "CUDA" and e.duration_ns() > 0 and not e.name().startswith("Memcpy")
+    )
+    busy = sum(end - start for start, end, _ in kernels)
+    gaps: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for (_, prev_end, prev), (start, _, nxt) in zip(kernels, kernels[1:]):
+        gaps[(prev[:60], nxt[:60])].append(max(0, start - prev_end) / 1e3)
+    idle = sum(sum(v) for v in gaps.values())
+    largest = sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {
+        "kernels_per_step": len(kernels) / repeats,
+        "span_ms_per_step": (kernels[-1][1] - kernels[0][0]) / 1e6 / repeats if kernels else 0.0,
+        "busy_ms_per_step": busy / 1e6 / repeats,
+        "idle_between_kernels_ms_per_step": idle / 1e3 / repeats,
+        "largest_gaps": [{"before": b, "after": n, "count_per_step": len(v) / repeats,
+                          "us_per_step": round(sum(v) / repeats, 2), "mean_us": round(sum(v) / len(v), 2)}
+                         for (b, n), v in largest],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--format", default="w4a8kv4-chn", choices=("w4a8kv4-chn", "w4a8kv4-g128", "fp16"))
@@ -51,8 +80,11 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1280)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prefill", action="store_true", help="profile a prefill step of batch x context prompt tokens")
+    p.add_argument("--graph", action="store_true", help="replay the step as a CUDA graph and report the gaps between its kernels")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
+    if a.graph and a.prefill:
+        p.error("--graph profiles decode steps (the engine runs prefill eagerly)")
 
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -79,11 +111,20 @@ def main() -> None:
     for _ in range(3):
         runner._forward(st)
     torch.cuda.synchronize()
+    step = lambda: runner._forward(st)  # noqa: E731
+    if a.graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            runner._forward(st)
+        step = graph.replay
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start.record()
         for _ in range(a.repeats):
-            runner._forward(st)
+            step()
         end.record()
         torch.cuda.synchronize()
     step_ms = start.elapsed_time(end) / a.repeats
@@ -100,12 +141,14 @@ def main() -> None:
         "machine": gpu_machine(dev),
         "model": "Llama-2-7B shape, random weights (bench/random_model.py)",
         "step": "prefill" if a.prefill else "decode", "format": a.format, "batch": a.batch, "context": a.context,
-        "step_wall_ms_eager": round(step_ms, 3), "kernel_ms_per_step": round(total, 3),
+        ("step_wall_ms_graph" if a.graph else "step_wall_ms_eager"): round(step_ms, 3), "kernel_ms_per_step": round(total, 3),
         "groups": {g: {"ms": round(ms, 3), "share": round(ms / total, 3)} for g, ms in sorted(groups.items(), key=lambda kv: -kv[1])},
         "kernels": {k: round(v, 4) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]},
         "checks": [],
     }
-    print(json.dumps({k: result[k] for k in ("step", "format", "batch", "context", "step_wall_ms_eager", "kernel_ms_per_step", "groups", "kernels")}, indent=1))
+    if a.graph:
+        result["timeline"] = timeline(prof, a.repeats)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("command", "machine", "model", "checks")}, indent=1))
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -306,6 +306,15 @@ class GemmVariant:
     groups_per_step: int = 1  # gemv: 128-groups of K read per loop step
     max_m: int | None = None
     group_m: int = 8
+    # Register cap per thread (ptxas .maxnreg). An 8-warp n128m128 tile compiles to ~138 registers:
+    # one CTA per SM, whose wgmma waits (each dot completes before the next dequantization starts)
+    # leave the tensor cores idle; at 128 two CTAs share an SM and cover each other's waits.
+    maxnreg: int | None = None
+
+    @property
+    def launch_options(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages,
+                **({"maxnreg": self.maxnreg} if self.maxnreg else {})}
 
     def can_implement(self, M: int, N: int, K: int, fmt: str) -> tuple[bool, str]:
         if fmt != self.kind:
@@ -354,6 +363,9 @@ VARIANTS: tuple[GemmVariant, ...] = (
     _v("g128.n64m128.swar", G128, 64, 128, 4, 4, swar=True),
     _v("g128.n128m128.sk.swar", G128, 128, 128, 8, 3, split_k=True, swar=True),
     _v("g128.n64m256.swar", G128, 64, 256, 8, 3, swar=True),
+    # Two 8-warp CTAs per SM (see GemmVariant.maxnreg).
+    _v("g128.n128m128.swar.r128", G128, 128, 128, 8, 3, swar=True, maxnreg=128),
+    _v("g128.n128m128.sk.swar.r128", G128, 128, 128, 8, 3, split_k=True, swar=True, maxnreg=128),
     _v("chn.n64m16.sk", CHN, 64, 16, 4, 4, split_k=True),
     _v("chn.n128m16.sk", CHN, 128, 16, 4, 4, split_k=True),
     _v("chn.n64m16.sk.f16", CHN, 64, 16, 4, 4, split_k=True, dot_fp16=True, max_m=16),
@@ -364,6 +376,9 @@ VARIANTS: tuple[GemmVariant, ...] = (
     _v("chn.n64m128", CHN, 64, 128, 4, 4),
     _v("chn.n128m128.sk", CHN, 128, 128, 8, 3, split_k=True),
     _v("chn.n64m256", CHN, 64, 256, 8, 3),
+    _v("chn.n128m128.r128", CHN, 128, 128, 8, 3, maxnreg=128),
+    _v("chn.n128m128.sk.r128", CHN, 128, 128, 8, 3, split_k=True, maxnreg=128),
+    _v("chn.n128m128.s4.r128", CHN, 128, 128, 8, 4, maxnreg=128),
     # Decode at batch 1..4: a weight stream with dp4a, no MMA tile padding M to 16.
     *(_gemv(kind, bn, bm, gps) for kind in KINDS
       for bn, bm, gps in ((4, 1, 16), (8, 1, 16), (16, 1, 8), (32, 1, 4), (8, 4, 4))),
@@ -512,7 +527,7 @@ def w4a8_g128_gemm(
         out.stride(0), out.stride(1),
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
         ZERO_AFTER_DOT=variant.zero_after_dot, DOT_FP16=variant.dot_fp16, SWAR=variant.swar,
-        USE_SPLIT=split > 1, FAST_UNPACK=x8.is_cuda, num_warps=variant.num_warps, num_stages=variant.num_stages,
+        USE_SPLIT=split > 1, FAST_UNPACK=x8.is_cuda, **variant.launch_options,
     )
     if split > 1:
         _split_k_epilogue(ws, split, sx, s1, s1, None, out)
@@ -556,7 +571,7 @@ def w4a8_channel_gemm(
         x8.stride(0), x8.stride(1), qw.stride(0), qw.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
         HAS_ROWSUM=rowsum is not None, DOT_FP16=variant.dot_fp16, USE_SPLIT=split > 1,
-        FAST_UNPACK=x8.is_cuda, num_warps=variant.num_warps, num_stages=variant.num_stages,
+        FAST_UNPACK=x8.is_cuda, **variant.launch_options,
     )
     if split > 1:
         _split_k_epilogue(ws, split, sx, scale, zero, rowsum, out)
@@ -609,7 +624,7 @@ def w4a8_gemv(
         x32.stride(0), qw32.stride(0), s2.stride(0), out.stride(0), out.stride(1),
         G128=g128, HAS_ROWSUM=rowsum is not None, BLOCK_N=variant.block_n, BLOCK_M=variant.block_m,
         GROUPS_PER_STEP=variant.groups_per_step, USE_SPLIT=split > 1, FAST=x8.is_cuda,
-        num_warps=variant.num_warps, num_stages=variant.num_stages,
+        **variant.launch_options,
     )
     if split > 1:
         if g128:
