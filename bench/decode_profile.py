@@ -54,7 +54,9 @@ def timeline(prof, repeats: int) -> dict:
     kernels = sorted(
         (e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
         for e in prof.profiler.kineto_results.events()
-        if e.device_type().name == "CUDA" and e.duration_ns() > 0 and not e.name().startswith("Memcpy")
+        # Kernels only: not copies, and not the GPU-side spans of profiler ranges (record_function)
+        if e.device_type().name == "CUDA" and e.duration_ns() > 0 and not e.is_user_annotation()
+        and not e.name().startswith(("Memcpy", "Memset"))
     )
     busy = sum(end - start for start, end, _ in kernels)
     gaps: dict[tuple[str, str], list[float]] = defaultdict(list)
