@@ -43,13 +43,14 @@ class Int8Gemm:
     EXACT_FP32_K = 1024
 
     def __init__(self, w8: torch.Tensor, cpu_backend: str | None = None):
-        self.w8 = w8  # (N, K) int8
         if w8.device.type == "cuda":
             self.backend = "cuda"
         else:
             self.backend = cpu_backend or measured_cpu_backend()
             if self.backend not in CPU_BACKENDS:
                 raise ValueError(f"unknown CPU int8 GEMM backend {self.backend!r}; one of {CPU_BACKENDS}")
+        # The fp32 backend keeps only its fp32 slices: the int8 copy beside them would be dead weight.
+        self.w8 = None if self.backend == "fp32" else w8  # (N, K) int8
         self._chunks = self._fp32_chunks(w8) if self.backend == "fp32" else []
 
     @classmethod
