@@ -58,7 +58,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from bench.e2e import kernel_policy
-    from bench.e2e_engine import _NoText, make_engine  # noqa: F401
+    from bench.e2e_engine import make_engine
     from bench.random_model import LLAMA2_7B, RandomArtifact
     from services.worker.engine.sequence import SamplingOptions
     from services.worker.engine.triton_runner import TritonRunner, TritonRunnerSettings
