@@ -15,6 +15,7 @@ operator turned fallback off (or before a promote or a new canary) does not trip
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 
@@ -26,6 +27,13 @@ from shared.registry import Registry, RegistryError
 
 log = logging.getLogger(__name__)
 ACTOR = "auto"
+
+
+class GuardAction(enum.Enum):
+    """What the guard does to a deployment over budget."""
+
+    FALLBACK = "fallback"  # the quantized stable: everything to the fp16 baseline (and any canary aborted)
+    ABORT = "canary abort"  # the canary: its traffic back to the stable
 
 
 class AutoFallback:
@@ -55,16 +63,16 @@ class AutoFallback:
                     f"({stats.requests} requests)")
         return None
 
-    def verdict(self, view: DeploymentView, now: float | None = None) -> tuple[str, str] | None:
-        """("fallback", reason), ("abort", reason) or None: what the guard does to this deployment now."""
+    def verdict(self, view: DeploymentView, now: float | None = None) -> tuple[GuardAction, str] | None:
+        """(action, reason), or None: what the guard does to this deployment now."""
         if view.fallback:
             return None  # everything already goes to the baseline
         if view.baseline is not None and view.stable is not None and view.stable.format != "fp16":
             reason = self.arm_breach(view, "stable", now)
             if reason is not None:
-                return "fallback", reason
+                return GuardAction.FALLBACK, reason
         reason = self.arm_breach(view, "canary", now)
-        return ("abort", reason) if reason is not None else None
+        return (GuardAction.ABORT, reason) if reason is not None else None
 
     async def check(self) -> list[str]:
         """One pass over the deployments this gateway serves; returns the names it acted on."""
@@ -78,17 +86,17 @@ class AutoFallback:
             if verdict is None:
                 continue
             action, reason = verdict
-            log.warning("deployment %s: automatic %s: %s", name, "fallback" if action == "fallback" else "canary abort", reason)
+            log.warning("deployment %s: automatic %s: %s", name, action.value, reason)
             self.deployments.put(await asyncio.to_thread(self._act, name, action, reason))
             acted.append(name)
         return acted
 
-    def _act(self, name: str, action: str, reason: str) -> DeploymentView:
+    def _act(self, name: str, action: GuardAction, reason: str) -> DeploymentView:
         with self.registry.transaction() as session:
             deployment = reg.get_deployment(session, name)
             if deployment.canary_artifact_id is not None:
                 deployment = reg.abort_rollout(session, name, actor=ACTOR, reason=reason)
-            if action == "fallback":
+            if action is GuardAction.FALLBACK:
                 deployment = reg.set_fallback(session, name, True, actor=ACTOR, reason=reason)
             return view_of(session, deployment)
 
