@@ -91,14 +91,13 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.e2e import kernel_policy
-    from bench.random_model import LLAMA2_7B, RandomArtifact
+    from bench.e2e import llama2_7b_artifact
     from services.worker.engine.runner import SequenceChunk, StepBatch
     from services.worker.engine.step_inputs import build_host_step, to_device
     from services.worker.engine.triton_runner import TritonRunner, TritonRunnerSettings
 
     dev = torch.device("cuda")
-    reader = RandomArtifact(LLAMA2_7B, a.format, dev, kernel_policy=kernel_policy() if a.format != "fp16" else None)
+    reader = llama2_7b_artifact(a.format, dev)
     max_len = a.context + 1
     runner = TritonRunner(reader, "cuda", 16, TritonRunnerSettings(max_model_len=max_len, cuda_graphs=False))
     per_seq = -(-max_len // runner.block_size)

@@ -49,6 +49,14 @@ def kernel_policy() -> dict:
     return from_best_variant(best)
 
 
+def llama2_7b_artifact(fmt: str, device):
+    """The benches' Llama-2-7B-shaped random artifact in `fmt` on `device`; the quantized formats carry
+    the policy table from the H200's kernels.json (an fp16 artifact has none)."""
+    from bench.random_model import LLAMA2_7B, RandomArtifact
+
+    return RandomArtifact(LLAMA2_7B, fmt, device, kernel_policy=kernel_policy() if fmt != "fp16" else None)
+
+
 class Bench:
     def __init__(self, args):
         import torch
@@ -92,13 +100,12 @@ class Bench:
 
     def part_engine(self, key: str) -> None:
         from bench.e2e_driver import generate, max_batch_for_budget, warm_up
-        from bench.random_model import LLAMA2_7B, RandomArtifact
         from services.worker.engine.triton_runner import TritonRunner, TritonRunnerSettings
 
         torch, a = self.torch, self.args
         fmt = FORMATS[key]
         t0 = time.perf_counter()
-        reader = RandomArtifact(LLAMA2_7B, fmt, torch.device("cuda"), kernel_policy=kernel_policy() if key != "fp16" else None)
+        reader = llama2_7b_artifact(fmt, torch.device("cuda"))
         total = a.prompt + a.output
         runner = TritonRunner(reader, "cuda", 16, TritonRunnerSettings(max_model_len=total, max_batch_tokens=a.prefill_tokens))
         gc.collect()

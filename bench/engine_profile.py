@@ -57,14 +57,13 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.e2e import kernel_policy
+    from bench.e2e import llama2_7b_artifact
     from bench.e2e_engine import make_engine
-    from bench.random_model import LLAMA2_7B, RandomArtifact
     from services.worker.engine.sequence import SamplingOptions
     from services.worker.engine.triton_runner import TritonRunner, TritonRunnerSettings
 
     dev = torch.device("cuda")
-    reader = RandomArtifact(LLAMA2_7B, a.format, dev, kernel_policy=kernel_policy() if a.format != "fp16" else None)
+    reader = llama2_7b_artifact(a.format, dev)
     # Long enough that no request finishes before the window ends: the first admitted ones decode
     # through the whole prefill phase (about batch x prompt / prefill_tokens steps) first.
     prefill_steps = -(-a.batch * a.prompt // a.prefill_tokens)
@@ -96,15 +95,14 @@ def main() -> None:
     while engine.step():
         pass
 
-    host: dict[str, float] = defaultdict(float)
+    host: dict[str, float] = defaultdict(float)  # ms per iteration (inclusive) by op or engine: range
+    by_kernel: dict[str, float] = defaultdict(float)  # GPU ms per iteration by kernel group
     for evt in prof.key_averages():
         if evt.device_type.name == "CPU" and evt.cpu_time_total > 0:
-            host[evt.key] += evt.cpu_time_total / 1e3 / a.steps  # ms per iteration (inclusive)
-    labelled = {k: v for k, v in host.items() if k.startswith("engine:")}
-    by_kernel: dict[str, float] = defaultdict(float)
-    for evt in prof.key_averages():
-        if evt.device_type.name == "CUDA" and evt.self_device_time_total > 0 and not evt.key.startswith("engine:"):
+            host[evt.key] += evt.cpu_time_total / 1e3 / a.steps
+        elif evt.device_type.name == "CUDA" and evt.self_device_time_total > 0 and not evt.key.startswith("engine:"):
             by_kernel[group_of(evt.key)] += evt.self_device_time_total / 1e3 / a.steps
+    labelled = {k: v for k, v in host.items() if k.startswith("engine:")}
 
     # The graph replay alone at the profiled window's context, for comparison.
     graph_ms = None
