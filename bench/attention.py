@@ -34,11 +34,11 @@ CHECK_NAME = "KV4 decode attention vs SDPA fp16 (B=64, H=32, ctx=1536, D=128)"
 CHECK_TARGET = 3.0
 
 
-def _cfg(variant, block_n, num_warps, prefetch, maxnreg, qk_int16=False, whole_context=False, pv_half2=False):
+def _cfg(variant, block_n, num_warps, prefetch, maxnreg, qk_int16=False):
     """A sweep entry: a DecodeConfig at partition 512 (the partitions are swept on the best one)."""
     from services.worker.kernels.paged_attention import DecodeConfig
 
-    return DecodeConfig(variant, block_n, 512, num_warps, 1, prefetch, maxnreg, qk_int16, whole_context, pv_half2)
+    return DecodeConfig(variant, block_n, 512, num_warps, 1, prefetch, maxnreg, qk_int16)
 
 
 # Launches swept at each point; partitions swept on the best.
@@ -50,16 +50,10 @@ QK16_SWEEP = [_cfg("fma", 32, 1, True, 128, True), _cfg("fma", 32, 1, True, None
               _cfg("fma", 32, 1, True, 96, True), _cfg("fma", 32, 1, False, None, True),
               _cfg("fma", 64, 1, True, 168, True), _cfg("fma", 64, 1, True, 128, True),
               _cfg("fma", 16, 1, True, 128, True)]
-# fp16-pair value sums (HFMA2) on top of the integer scores, one program per sequence where it fits.
-PV16_SWEEP = [_cfg("fma", 32, 1, True, 128, True, True, True), _cfg("fma", 32, 1, True, None, True, True, True),
-              _cfg("fma", 32, 1, True, 168, True, True, True), _cfg("fma", 64, 1, True, 128, True, True, True),
-              _cfg("fma", 64, 1, True, 168, True, True, True), _cfg("fma", 16, 1, True, 128, True, True, True),
-              _cfg("fma", 32, 1, True, 128, True, False, True)]
 FP16_SWEEP = [_cfg("fma", 32, 1, False, None), _cfg("fma", 16, 1, False, None)]
 GQA_SWEEP = [_cfg("fma", 16, 1, False, None), _cfg("fma", 16, 1, True, None), _cfg("fma", 16, 1, True, 168),
              _cfg("fma", 32, 1, True, 200), _cfg("dot", 32, 2, False, None), _cfg("dot", 64, 2, False, None),
-             _cfg("fma", 16, 1, True, None, True), _cfg("fma", 32, 1, True, 168, True),
-             _cfg("fma", 16, 1, True, None, True, True, True), _cfg("fma", 32, 1, True, 168, True, True, True)]
+             _cfg("fma", 16, 1, True, None, True), _cfg("fma", 32, 1, True, 168, True)]
 PARTITIONS = [256, 512, 1024, 2048]
 WRITE_TOKENS = (64, 16384)  # a decode step of 64 sequences, a prefill chunk
 WRITE_SHAPE = dict(heads=32, kv_heads=32, head_dim=128)
@@ -168,8 +162,7 @@ class Bench:
             fn = lambda: paged_decode_attention(q, kcache, vcache, tables, lens, max_context_len=ctx, config=cfg)  # noqa: E731
             label = (f"{kind} {cfg.variant} n{cfg.block_n} w{cfg.num_warps} p{cfg.partition_size}"
                      f"{' prefetch' if cfg.prefetch and cfg.variant == 'fma' and kv4 else ''} r{cfg.maxnreg or '-'}"
-                     f"{' qk16' if cfg.qk_int16 else ''}{' whole' if cfg.whole_context else ''}"
-                     f"{' pv16' if cfg.pv_half2 else ''}")
+                     f"{' qk16' if cfg.qk_int16 else ''}")
             try:
                 ok, rel = self.check_decode(fn(), ref)
             except Exception as e:  # a config that does not compile is a result, not a crash
@@ -384,25 +377,25 @@ def main() -> None:
         for batch, ctx, *kv_heads in args.points:
             kv_heads = kv_heads[0] if kv_heads else 32
             print(f"batch {batch}, context {ctx}, kv heads {kv_heads}:", flush=True)
-            sweep = KV4_SWEEP[3:4] + QK16_SWEEP + PV16_SWEEP if kv_heads == 32 else GQA_SWEEP[1:2] + GQA_SWEEP[6:]
+            sweep = KV4_SWEEP[3:4] + QK16_SWEEP if kv_heads == 32 else GQA_SWEEP[1:2] + GQA_SWEEP[6:]
             bench.decode_point(f"b{batch}_ctx{ctx}" + (f"_kv{kv_heads}" if kv_heads != 32 else ""), batch, 32, kv_heads,
                                ctx, 128, sweep=sweep, partitions=PARTITIONS, fp16=False, sdpa=False)
         return
     try:
         bench.copy_bandwidth()
         print("main point:", MAIN, flush=True)
-        main_rows = bench.decode_point("main", **MAIN, sweep=[] if args.quick else KV4_SWEEP + QK16_SWEEP + PV16_SWEEP,
+        main_rows = bench.decode_point("main", **MAIN, sweep=[] if args.quick else KV4_SWEEP + QK16_SWEEP,
                                        partitions=() if args.quick else PARTITIONS)
         bench.summarize(main_rows)
         if not args.quick:
             for ctx in (512, 4096):
                 print(f"context {ctx}:", flush=True)
-                bench.decode_point(f"ctx{ctx}", 64, 32, 32, ctx, 128, sweep=KV4_SWEEP[:4] + QK16_SWEEP[:2] + PV16_SWEEP[:2], partitions=(256, 1024), fp16=True)
+                bench.decode_point(f"ctx{ctx}", 64, 32, 32, ctx, 128, sweep=KV4_SWEEP[:4] + QK16_SWEEP[:2], partitions=(256, 1024), fp16=True)
             print("GQA 32/8, context 1536 and 4096:", flush=True)
             bench.decode_point("gqa32x8_ctx1536", 64, 32, 8, 1536, 128, sweep=GQA_SWEEP, partitions=(256, 1024))
             bench.decode_point("gqa32x8_ctx4096", 64, 32, 8, 4096, 128, sweep=GQA_SWEEP[:4] + GQA_SWEEP[6:], partitions=(1024,))
             print("batch 8, context 4096 (split path matters):", flush=True)
-            bench.decode_point("b8_ctx4096", 8, 32, 32, 4096, 128, sweep=KV4_SWEEP[:3] + QK16_SWEEP[:2] + PV16_SWEEP[:1] + PV16_SWEEP[-1:], partitions=(256, 1024))
+            bench.decode_point("b8_ctx4096", 8, 32, 32, 4096, 128, sweep=KV4_SWEEP[:3] + QK16_SWEEP[:2], partitions=(256, 1024))
             print("cache writes:", flush=True)
             bench.writes()
             print("prefill:", flush=True)

@@ -91,8 +91,7 @@ def attention(a):
     pointers |= {n: "*i32" for n in ("k_ptr", "v_ptr", "block_tables_ptr", "context_lens_ptr")}
     pointers |= {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_o_ptr")}
     consts = dict(GROUP=a.group, BLOCK_G=triton.next_power_of_2(a.group), HEAD_DIM=a.head_dim, BLOCK_SIZE=16,
-                  BLOCK_N=a.block_n, SPLIT=a.split, PREFETCH=not a.no_prefetch, QK_INT=a.qk_int16, FAST=True,
-                  PV_HALF2=a.pv_half2)
+                  BLOCK_N=a.block_n, SPLIT=a.split, PREFETCH=not a.no_prefetch, QK_INT=a.qk_int16, FAST=True)
     sass = compile_sass(pa._kv4_decode_fma_kernel, pointers, consts, floats=("qk_scale",), num_warps=a.warps, maxnreg=a.maxnreg)
     return sass, a.block_n
 
@@ -127,7 +126,6 @@ def main() -> None:
     att.add_argument("--warps", type=int, default=1)
     att.add_argument("--maxnreg", type=int)
     att.add_argument("--qk-int16", action="store_true")
-    att.add_argument("--pv-half2", action="store_true", help="fp16-pair value sums (HFMA2)")
     att.add_argument("--split", action="store_true", help="the partitioned variant (partials + reduction)")
     att.add_argument("--no-prefetch", action="store_true")
     aq = sub.add_parser("act_quant", help="rmsnorm / silu / plain per-token int8 quantization")

@@ -53,11 +53,11 @@ def _paged_batch(lengths, kv_heads, group, head_dim, kv4, seed, spare_blocks=3):
     return query, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32)
 
 
-def _assert_close(out: torch.Tensor, ref: torch.Tensor, atol: float = 2e-3) -> None:
+def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert out.dtype == torch.float16 and out.shape == ref.shape
     assert torch.isfinite(out).all()
     err = (out.float() - ref.float()).abs()
-    assert (err <= atol + 4e-3 * ref.float().abs()).all(), f"max error {err.max().item():.3g}"
+    assert (err <= 2e-3 + 4e-3 * ref.float().abs()).all(), f"max error {err.max().item():.3g}"
     assert err.norm() / ref.float().norm().clamp_min(1e-6) < 2e-3
 
 
@@ -93,27 +93,9 @@ def test_int16_scores_match_reference(head_dim, kv_heads, group, lengths, partit
     fp32 planes, for large logits (q_gain 6: one token dominates) and an empty sequence too."""
     q, k_cache, v_cache, tables, lens = _paged_batch(lengths, kv_heads, group, head_dim, True, seed=head_dim + group)
     q = (q.float() * q_gain).half()
-    ref = paged_decode_reference(q, k_cache, v_cache, tables, lens)
-    for pv_half2 in (False, True):
-        config = DecodeConfig(block_n=16, partition_size=partition, num_warps=1, prefetch=prefetch, qk_int16=True,
-                              pv_half2=pv_half2)
-        _assert_close(paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config), ref)
-
-
-@pytest.mark.parametrize("v_gain", [1e-3, 400.0])
-def test_half2_value_sums_hold_small_and_large_values(v_gain):
-    """pv_half2 sums fp16 products inside a tile: values a thousand times smaller or hundreds of
-    times larger than usual (V scales near fp16's underflow / sums that would overflow without the
-    tile's scale factored out) keep the fp32 tolerance; a mixed-length batch and a split context."""
-    lengths = [600, 129, 7]
-    q, k_cache, v_cache, tables, lens = _paged_batch(lengths, 1, 2, 64, False, seed=11)
-    v_cache = encode_rows((v_cache.float().nan_to_num() * v_gain).half())
-    k_cache = encode_rows(k_cache.nan_to_num())
-    config = DecodeConfig(block_n=32, partition_size=256, num_warps=1, qk_int16=True, pv_half2=True)
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config, max_context_len=600)
-    # The absolute part of the tolerance scales with the values (an fp16 output of a few thousand
-    # is itself only good to a unit or two).
-    _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens), atol=2e-3 * max(v_gain, 1.0))
+    config = DecodeConfig(block_n=16, partition_size=partition, num_warps=1, prefetch=prefetch, qk_int16=True)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config)
+    _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
 
 
 @pytest.mark.parametrize("kv4", [True, False])

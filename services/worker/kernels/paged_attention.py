@@ -49,13 +49,6 @@ LOG2E = 1.4426950408889634
 # instructions in the inner loop); as arguments they stay in registers across the loop.
 _NIBBLE_MASK = 0x78000  # bits 15..18; bits 19..22 is this << 4
 _FP32_ONE_BITS = 0x3F800000
-# _pv_half2_products' operands, kernel arguments for the same reason: the low nibbles of bytes 0
-# and 2 (the high nibbles are this << 4), and the fp16 pairs (1024, 1024), (-1032, -1032) and
-# (-1152, -1152).
-_PAIR_MASK = 0x000F000F
-_FP16X2_1024_BITS = 0x64006400
-_FP16X2_MINUS_1032_BITS = 0xE408E408
-_FP16X2_MINUS_1152_BITS = 0xE480E480
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,9 +68,6 @@ class DecodeConfig:
     # Take each sequence's whole context in one program (no partials, no reduction kernel) when
     # the batch alone gives every SM WHOLE_CONTEXT_PROGRAMS_PER_SM programs; see partition_for.
     whole_context: bool = False
-    # KV4 "fma": value sums as fp16 pairs (HFMA2, two codes an instruction) within each tile, folded
-    # into the fp32 accumulators once per tile (see _pv_half2_products).
-    pv_half2: bool = False
 
     def __post_init__(self):
         if self.variant not in ("fma", "dot"):
@@ -88,8 +78,6 @@ class DecodeConfig:
             raise ValueError(f"partition_size {self.partition_size} is not a multiple of block_n {self.block_n}")
         if self.qk_int16 and self.variant != "fma":
             raise ValueError(f"qk_int16 is a mode of the KV4 'fma' kernel, not of {self.variant!r}")
-        if self.pv_half2 and self.variant != "fma":
-            raise ValueError(f"pv_half2 is a mode of the KV4 'fma' kernel, not of {self.variant!r}")
 
 
 # Measured on the H200 (session 8, group 1, qk_int16): at batch 64 / context 1536 (2048 programs,
@@ -279,106 +267,6 @@ def _qk_int16_tile(kw, q_hi_lo, q_hi_hi, q_lo_lo, q_lo_hi, FAST: tl.constexpr):
 
 
 @triton.jit
-def _half_bits(x):
-    """fp16 tensor -> int32 holding its 16 bits in the low half."""
-    return x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-
-
-@triton.jit
-def _low_half(w):
-    """The fp16 in bits 0..15 of int32 w, as fp32."""
-    return (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _high_half(w):
-    """The fp16 in bits 16..31 of int32 w, as fp32."""
-    return ((w >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _add_f16x2(a, b):
-    """tl.reduce combine: the fp16 pairs of a and b added lane by lane (HADD2)."""
-    return tl.inline_asm_elementwise(
-        asm="add.rn.f16x2 $0, $1, $2;", constraints="=r,r,r", args=[a, b], dtype=tl.int32, is_pure=True, pack=1,
-    )
-
-
-@triton.jit
-def _add_f16x2_spelled(a, b):
-    """_add_f16x2 in plain Triton (the interpreter runs no PTX)."""
-    lo = _low_half(a).to(tl.float16) + _low_half(b).to(tl.float16)
-    hi = _high_half(a).to(tl.float16) + _high_half(b).to(tl.float16)
-    return _half_bits(lo) | (_half_bits(hi) << 16)
-
-
-@triton.jit
-def _centered_code_pairs(vw, mask_lo, mask_hi, magic, center_lo, center_hi, FAST: tl.constexpr):
-    """V code words (int32, any shape) -> their 8 codes minus 8 as four fp16 pairs (int32 each):
-    (byte 0, byte 2) low nibbles, their high nibbles (x 16), then bytes 1 and 3 alike.
-
-    The rest are registers: mask_lo / mask_hi select the low / high nibbles of bytes 0 and 2
-    (_PAIR_MASK, << 4), magic is the fp16 pair (1024, 1024), center_lo / center_hi the pairs -1032 /
-    -1152. An AND/OR (one LOP3) puts a nibble pair under the mantissa of 1024 (1024 + c, or
-    1024 + 16 c for high nibbles) and one HADD2 takes away 1024 + 8: exact, two codes per two
-    instructions. Centered codes keep a tile's fp16 sums small (a random walk rather than
-    BLOCK_N x 15), so their rounding stays far below the fp32 tolerance.
-    """
-    if FAST:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t, h;
-            and.b32 t, $4, $5;
-            or.b32 t, t, $7;
-            add.rn.f16x2 $0, t, $8;
-            and.b32 t, $4, $6;
-            or.b32 t, t, $7;
-            add.rn.f16x2 $1, t, $9;
-            shr.u32 h, $4, 8;
-            and.b32 t, h, $5;
-            or.b32 t, t, $7;
-            add.rn.f16x2 $2, t, $8;
-            and.b32 t, h, $6;
-            or.b32 t, t, $7;
-            add.rn.f16x2 $3, t, $9;
-            }""",
-            constraints="=r,=r,=r,=r,r,r,r,r,r,r",
-            args=[vw, mask_lo, mask_hi, magic, center_lo, center_hi],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
-        )
-    c0 = _half_pair(((vw & 0xF) - 8).to(tl.float32), (((vw >> 16) & 0xF) - 8).to(tl.float32))
-    c1 = _half_pair((((vw >> 4) & 0xF) - 8).to(tl.float32) * 16, (((vw >> 20) & 0xF) - 8).to(tl.float32) * 16)
-    c2 = _half_pair((((vw >> 8) & 0xF) - 8).to(tl.float32), (((vw >> 24) & 0xF) - 8).to(tl.float32))
-    c3 = _half_pair((((vw >> 12) & 0xF) - 8).to(tl.float32) * 16, (((vw >> 28) & 0xF) - 8).to(tl.float32) * 16)
-    return c0, c1, c2, c3
-
-
-@triton.jit
-def _mul_f16x2(a, b, FAST: tl.constexpr):
-    """The fp16 pairs of a and b (int32, one shape) multiplied lane by lane, rounded once (HMUL2)."""
-    if FAST:
-        return tl.inline_asm_elementwise(
-            asm="mul.rn.f16x2 $0, $1, $2;", constraints="=r,r,r", args=[a, b], dtype=tl.int32, is_pure=True, pack=1,
-        )
-    # fp16 x fp16 is exact in fp32 (22 bits): one rounding to fp16, as the HMUL2's.
-    return _half_pair(_low_half(a) * _low_half(b), _high_half(a) * _high_half(b))
-
-
-@triton.jit
-def _half_pair(lo, hi):
-    """Two fp32 tensors rounded to fp16 and packed into int32 (lo in bits 0..15)."""
-    return _half_bits(lo.to(tl.float16)) | (_half_bits(hi.to(tl.float16)) << 16)
-
-
-@triton.jit
-def _sum_f16x2(x, FAST: tl.constexpr):
-    """(G, N, W) fp16 pairs summed over the tokens (axis 1) in fp16: (G, W)."""
-    if FAST:
-        return tl.reduce(x, 1, _add_f16x2)
-    return tl.reduce(x, 1, _add_f16x2_spelled)
-
-
-@triton.jit
 def _kv4_load_tile(
     k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, offs_w,
     W: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
@@ -440,11 +328,10 @@ def _kv4_load_tile(
 
 @triton.jit
 def _kv4_fma_tile(
-    kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, pair_mask, pair_magic, pair_center, pair_center_hi,
+    kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one,
     q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
     m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, QK_INT: tl.constexpr, FAST: tl.constexpr,
-    PV_HALF2: tl.constexpr,
 ):
     """Online-softmax update with one tile of raw KV4 words; MASKED only for a partial last tile.
 
@@ -478,39 +365,9 @@ def _kv4_fma_tile(
         s = tl.where(offs_n < end, s, float("-inf"))
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
 
-    acc_z = acc_z * alpha + tl.sum(p * v_zero, axis=1)
-    if PV_HALF2:
-        # Weights relative to the tile's largest V scale, in [0, 1]: the fp16 sums of up to
-        # BLOCK_N x 240 stay far from overflow and the weights of small scales from underflow.
-        smax = tl.max(v_scale, axis=1)  # (1,)
-        smax = tl.where(smax > 0, smax, 1.0)
-        w16 = (p * (v_scale * (1.0 / smax)[:, None])).to(tl.float16)  # (G, N)
-        # The 8s the products take away come back as 8 sum(p scale) (pw_sum), in fp32.
-        pw_sum = pw_sum * alpha + tl.sum(w16.to(tl.float32), axis=1) * smax
-        wb = _half_bits(w16)
-        w2 = (wb | (wb << 16))[:, :, None]  # (G, N, 1): the weight in both halves
-        # Codes once per word, products per query head: (G, N, W) fp16 pairs of (c - 8) w.
-        c0, c1, c2, c3 = _centered_code_pairs(vw, pair_mask, pair_mask << 4, pair_magic, pair_center, pair_center_hi, FAST)
-        h0 = _mul_f16x2(*tl.broadcast(c0, w2), FAST)
-        h1 = _mul_f16x2(*tl.broadcast(c1, w2), FAST)
-        h2 = _mul_f16x2(*tl.broadcast(c2, w2), FAST)
-        h3 = _mul_f16x2(*tl.broadcast(c3, w2), FAST)
-        s0 = _sum_f16x2(h0, FAST)  # (G, W): planes 0 and 4
-        s1 = _sum_f16x2(h1, FAST)  # planes 1 and 5 (x 16)
-        s2 = _sum_f16x2(h2, FAST)  # planes 2 and 6
-        s3 = _sum_f16x2(h3, FAST)  # planes 3 and 7 (x 16)
-        sm = smax[:, None]
-        acc0 = acc0 * alpha[:, None] + _low_half(s0) * sm
-        acc4 = acc4 * alpha[:, None] + _high_half(s0) * sm
-        acc1 = acc1 * alpha[:, None] + _low_half(s1) * sm
-        acc5 = acc5 * alpha[:, None] + _high_half(s1) * sm
-        acc2 = acc2 * alpha[:, None] + _low_half(s2) * sm
-        acc6 = acc6 * alpha[:, None] + _high_half(s2) * sm
-        acc3 = acc3 * alpha[:, None] + _low_half(s3) * sm
-        acc7 = acc7 * alpha[:, None] + _high_half(s3) * sm
-        return m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
     pw = p * v_scale  # (G, N)
     pw_sum = pw_sum * alpha + tl.sum(pw, axis=1)
+    acc_z = acc_z * alpha + tl.sum(p * v_zero, axis=1)
     y0 = vw << 15
     y1 = vw << 7
     y2 = vw >> 1
@@ -531,13 +388,12 @@ def _kv4_decode_fma_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
     # sizes
-    qk_scale, num_kv_heads, num_partitions, partition_size, nibble_mask, nibble_one, pair_mask, pair_magic, pair_center, pair_center_hi,
+    qk_scale, num_kv_heads, num_partitions, partition_size, nibble_mask, nibble_one,
     # strides (q/out in elements, caches in int32 words; rows are W + 1 words apart: _check)
     stride_qb, stride_qh, stride_cb, stride_ch, stride_bt, stride_ob, stride_oh,
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, QK_INT: tl.constexpr, FAST: tl.constexpr,
-    PV_HALF2: tl.constexpr,
 ):
     W: tl.constexpr = HEAD_DIM // 8  # int32 code words per row; word W holds scale and zero
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -607,8 +463,8 @@ def _kv4_decode_fma_kernel(
                 k_ptr, v_ptr, bt_row, head_off, nxt, end, stride_cb, offs_w, W, BLOCK_SIZE, BLOCK_N, False, QK_INT
             )
             m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
-                kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, pair_mask, pair_magic, pair_center, pair_center_hi, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
-                m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, False, QK_INT, FAST, PV_HALF2,
+                kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
+                m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, False, QK_INT, FAST,
             )
             kw, kw2, ksz, vw, vsz = kw_n, kw2_n, ksz_n, vw_n, vsz_n
     else:
@@ -617,30 +473,30 @@ def _kv4_decode_fma_kernel(
                 k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, offs_w, W, BLOCK_SIZE, BLOCK_N, False, QK_INT
             )
             m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
-                kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, pair_mask, pair_magic, pair_center, pair_center_hi, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
-                m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, False, QK_INT, FAST, PV_HALF2,
+                kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
+                m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, False, QK_INT, FAST,
             )
     for n0 in range(full_end, end, BLOCK_N):  # at most one partial tile
         kw, kw2, ksz, vw, vsz = _kv4_load_tile(
             k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, offs_w, W, BLOCK_SIZE, BLOCK_N, True, QK_INT
         )
         m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
-            kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, pair_mask, pair_magic, pair_center, pair_center_hi, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
-            m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, True, QK_INT, FAST, PV_HALF2,
+            kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
+            m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, True, QK_INT, FAST,
         )
 
     out_rows, denom, valid = _epilogue_rows(
         b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
         num_partitions, stride_ob, stride_oh, GROUP, HEAD_DIM, SPLIT,
     )
-    _store_plane(out_rows, acc0, pw_sum, acc_z, denom, valid, offs_w, 0, HALF, SPLIT, PV_HALF2)
-    _store_plane(out_rows, acc1, pw_sum, acc_z, denom, valid, offs_w, 1, HALF, SPLIT, PV_HALF2)
-    _store_plane(out_rows, acc2, pw_sum, acc_z, denom, valid, offs_w, 2, HALF, SPLIT, PV_HALF2)
-    _store_plane(out_rows, acc3, pw_sum, acc_z, denom, valid, offs_w, 3, HALF, SPLIT, PV_HALF2)
-    _store_plane(out_rows, acc4, pw_sum, acc_z, denom, valid, offs_w, 4, HALF, SPLIT, PV_HALF2)
-    _store_plane(out_rows, acc5, pw_sum, acc_z, denom, valid, offs_w, 5, HALF, SPLIT, PV_HALF2)
-    _store_plane(out_rows, acc6, pw_sum, acc_z, denom, valid, offs_w, 6, HALF, SPLIT, PV_HALF2)
-    _store_plane(out_rows, acc7, pw_sum, acc_z, denom, valid, offs_w, 7, HALF, SPLIT, PV_HALF2)
+    _store_plane(out_rows, acc0, pw_sum, acc_z, denom, valid, offs_w, 0, HALF, SPLIT)
+    _store_plane(out_rows, acc1, pw_sum, acc_z, denom, valid, offs_w, 1, HALF, SPLIT)
+    _store_plane(out_rows, acc2, pw_sum, acc_z, denom, valid, offs_w, 2, HALF, SPLIT)
+    _store_plane(out_rows, acc3, pw_sum, acc_z, denom, valid, offs_w, 3, HALF, SPLIT)
+    _store_plane(out_rows, acc4, pw_sum, acc_z, denom, valid, offs_w, 4, HALF, SPLIT)
+    _store_plane(out_rows, acc5, pw_sum, acc_z, denom, valid, offs_w, 5, HALF, SPLIT)
+    _store_plane(out_rows, acc6, pw_sum, acc_z, denom, valid, offs_w, 6, HALF, SPLIT)
+    _store_plane(out_rows, acc7, pw_sum, acc_z, denom, valid, offs_w, 7, HALF, SPLIT)
 
 
 @triton.jit
@@ -668,15 +524,10 @@ def _epilogue_rows(
 
 @triton.jit
 def _store_plane(
-    out_rows, acc, pw_sum, acc_z, denom, valid, offs_w, S: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
-    PV_HALF2: tl.constexpr,
+    out_rows, acc, pw_sum, acc_z, denom, valid, offs_w, S: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr
 ):
-    """Plane S of the value sum plus sum p zero: sum p scale c = (acc - sum pw) * 2^(8 - 4 (S % 2)), or
-    with PV_HALF2 acc (sum p scale (c - 8), times 16 for the high nibbles) plus 8 sum pw."""
-    if PV_HALF2:
-        vals = (acc * (1.0 / (1 << (4 * (S % 2)))) + 8.0 * pw_sum[:, None] + acc_z[:, None]) / denom[:, None]
-    else:
-        vals = ((acc - pw_sum[:, None]) * (1 << (8 - 4 * (S % 2))) + acc_z[:, None]) / denom[:, None]
+    """Plane S of the value sum: sum p scale c = (acc - sum pw) * 2^(8 - 4 (S % 2)), plus sum p zero."""
+    vals = ((acc - pw_sum[:, None]) * (1 << (8 - 4 * (S % 2))) + acc_z[:, None]) / denom[:, None]
     ptrs = out_rows[:, None] + _plane_dims(offs_w, S, HALF)[None, :]
     if SPLIT:
         tl.store(ptrs, vals, mask=valid[:, None])
@@ -950,8 +801,8 @@ def paged_decode_attention(
     kv4, kv_heads, group = _check(query, k_cache, v_cache, block_tables, context_lens)
     b, heads, d = query.shape
     cfg = config or default_config(kv4, group, d)
-    if not kv4 and (cfg.variant != "fma" or cfg.qk_int16 or cfg.pv_half2):
-        raise ValueError(f"the fp16 cache has only the 'fma' kernel without qk_int16 or pv_half2, not {cfg}")
+    if not kv4 and (cfg.variant != "fma" or cfg.qk_int16):
+        raise ValueError(f"the fp16 cache has only the 'fma' kernel without qk_int16, not {cfg}")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if max_context_len is None:
         max_context_len = int(context_lens.max().item()) if b else 0
@@ -985,12 +836,10 @@ def paged_decode_attention(
         k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)
         _kv4_decode_fma_kernel[grid](
             query, k_words, v_words, block_tables, context_lens, out, part_m, part_l, part_o, *sizes,
-            _NIBBLE_MASK, _FP32_ONE_BITS, _PAIR_MASK, _FP16X2_1024_BITS, _FP16X2_MINUS_1032_BITS,
-            _FP16X2_MINUS_1152_BITS,
+            _NIBBLE_MASK, _FP32_ONE_BITS,
             query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1),
             BLOCK_G=triton.next_power_of_2(group), PREFETCH=cfg.prefetch, QK_INT=cfg.qk_int16, FAST=query.is_cuda,
-            PV_HALF2=cfg.pv_half2,
             **common,
         )
     else:
