@@ -51,6 +51,27 @@ def test_rmsnorm_quant(m, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k", SHAPES)
+def test_rmsnorm_quant_adds_the_residual_first(m, k, dtype):
+    """add=y: x becomes x + y in place (exactly torch's x += y in x's dtype, strided y too) and the
+    quantized norm is that of the sum."""
+    x = _input(m, k, dtype, seed=m * k + 1)
+    y = _input(m, 2 * k, dtype, seed=m * k + 2)[:, ::2].contiguous()
+    y = torch.cat([y, y], dim=1)[:, :k]  # rows k apart in a buffer 2k wide: a row stride unlike x's
+    expected = x + y
+    weight = 1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(1))
+    got = rmsnorm_quant(x, weight, 1e-6, add=y)
+    assert torch.equal(x, expected)
+    _assert_quantized(got, rms_norm(expected, weight, 1e-6))
+
+
+def test_rmsnorm_quant_refuses_a_mismatched_add():
+    x = torch.zeros(3, 64)
+    with pytest.raises(ValueError, match="add: expected shape"):
+        rmsnorm_quant(x, torch.ones(64), 1e-6, add=torch.zeros(3, 32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,f", SHAPES)
 def test_silu_mul_quant(m, f, dtype):
     gate_up = _input(m, 2 * f, dtype, seed=m + f)

@@ -74,8 +74,9 @@ class W4A8Ops:
     def __init__(self, policy: GemmPolicy):
         self.policy = policy
 
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float):
-        return act_quant.rmsnorm_quant(x, weight, eps)
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None):
+        """Quantized RMSNorm of x, after x += add (a GEMM output linear_into_residual left for it) in the same kernel."""
+        return act_quant.rmsnorm_quant(x, weight, eps, add=add)
 
     def silu_mul(self, gate_up: torch.Tensor):
         return act_quant.silu_mul_quant(gate_up)
@@ -89,17 +90,20 @@ class W4A8Ops:
         variant = self.policy.variant(weight.kind, n, k, x8.shape[0])
         return w4a8_gemm.w4a8_gemm(x8, sx, weight, rowsum if weight.kind == "w4chn" else None, variant=variant)
 
-    def linear_add_(self, act, weight, residual: torch.Tensor) -> None:
-        """residual += linear(act, weight). A separate add: the add in the GEMM's epilogue (a load of
-        the output tile there) made the H200's prefill GEMMs 15% slower (90.3 -> 103.8 ms of an
-        8192-token step) for 2.9 ms of adds saved."""
-        residual += self.linear(act, weight)
+    def linear_into_residual(self, act, weight, residual: torch.Tensor) -> torch.Tensor:
+        """residual += linear(act, weight), left to the next norm: returns the GEMM output, which the
+        caller passes to norm(add=...) (or adds itself when no norm follows). Not in the GEMM's
+        epilogue: a load of the output tile there made the H200's prefill GEMMs 15% slower (90.3 ->
+        103.8 ms of an 8192-token step) for 2.9 ms of separate adds saved."""
+        return self.linear(act, weight)
 
 
 class Fp16Ops:
     """fp16 activations into cuBLAS fp16 GEMMs (weights (N, K) fp16)."""
 
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None) -> torch.Tensor:
+        if add is not None:
+            x += add
         return rmsnorm_fp16(x, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -111,6 +115,6 @@ class Fp16Ops:
     def linear(self, act: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(act, weight)
 
-    def linear_add_(self, act: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> None:
-        """residual += linear(act, weight): cuBLAS adds it in its epilogue (beta = 1)."""
+    def linear_into_residual(self, act: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> None:
+        """residual += linear(act, weight) now: cuBLAS adds it in its epilogue (beta = 1); nothing left over."""
         residual.addmm_(act, weight.t())

@@ -2,11 +2,12 @@
 
 Per layer, on the fp16 residual stream x (T, H):
 
-    rmsnorm_quant -> W4A8 GEMM qkv -> RoPE + KV4 cache write (q rotated in the same launch)
+    (x += previous down) + rmsnorm_quant -> W4A8 GEMM qkv -> RoPE + KV4 cache write (q rotated
+      in the same launch)
       -> attention: varlen prefill over the chunk's own K/V (chunks at position 0), or paged
          decode attention over the cache (decode tokens, chunks continuing a cached prefix)
-      -> quantize -> W4A8 GEMM o -> x += ; rmsnorm_quant -> W4A8 GEMM gate_up
-      -> silu_mul_quant -> W4A8 GEMM down -> x +=
+      -> quantize -> W4A8 GEMM o ; (x += o) + rmsnorm_quant -> W4A8 GEMM gate_up
+      -> silu_mul_quant -> W4A8 GEMM down (added to x by the next layer's norm kernel)
 
 The fp16 format (the baseline engine) runs the same graph with fp16 RMSNorm / SiLU*mul kernels,
 cuBLAS fp16 GEMMs and an fp16 paged cache. GEMM variants come from the artifact's
@@ -211,21 +212,30 @@ class TritonRunner:
         """-> (rows, vocab) fp32 logits of st.logit_rows (all rows when None)."""
         c = self.config
         x = F.embedding(st.tokens, self.weights.embed)  # (T, H) fp16 residual stream
+        pending = None  # a GEMM output still to be added to x (see _layer)
         for i, layer in enumerate(self.weights.layers):
-            self._layer(i, layer, x, st)
+            pending = self._layer(i, layer, x, pending, st)
+        if pending is not None:
+            x += pending
         if st.logit_rows is not None:
             x = x.index_select(0, st.logit_rows)
         h = rmsnorm_fp16(x, self.weights.final_norm, c.rms_norm_eps)  # (n, H) fp16
         return F.linear(h, self.weights.lm_head).float()  # (n, V)
 
-    def _layer(self, i: int, w: LayerWeights, x: torch.Tensor, st: StepTensors) -> None:
-        """One decoder block, in place on x (T, H) fp16."""
+    def _layer(self, i: int, w: LayerWeights, x: torch.Tensor, pending: torch.Tensor | None,
+               st: StepTensors) -> torch.Tensor | None:
+        """One decoder block, in place on x (T, H) fp16.
+
+        A residual add is either done by the GEMM (fp16: cuBLAS's epilogue) or left pending for the
+        next norm's kernel (W4A8: the add fused into rmsnorm_quant): `pending` comes in from the
+        previous block's down projection, and the return value is this block's.
+        """
         eps, ops = self.config.rms_norm_eps, self.ops
-        qkv = ops.linear(ops.norm(x, w.attn_norm, eps), w.qkv)  # (T, q + 2kv) fp16
+        qkv = ops.linear(ops.norm(x, w.attn_norm, eps, add=pending), w.qkv)  # (T, q + 2kv) fp16
         attn = self._attention(i, qkv, st)  # (T, q) fp16
-        ops.linear_add_(ops.plain(attn), w.o, x)  # x += o(attn)
-        gate_up = ops.linear(ops.norm(x, w.mlp_norm, eps), w.gate_up)  # (T, 2F) fp16
-        ops.linear_add_(ops.silu_mul(gate_up), w.down, x)
+        pending = ops.linear_into_residual(ops.plain(attn), w.o, x)  # x += o(attn), now or in the next norm
+        gate_up = ops.linear(ops.norm(x, w.mlp_norm, eps, add=pending), w.gate_up)  # (T, 2F) fp16
+        return ops.linear_into_residual(ops.silu_mul(gate_up), w.down, x)
 
     def _attention(self, i: int, qkv: torch.Tensor, st: StepTensors) -> torch.Tensor:
         c = self.config

@@ -1,6 +1,7 @@
 """Fused per-token int8 activation quantization: the op before each W4A8 GEMM writes its input.
 
-    rmsnorm_quant(x, weight, eps)  -> before qkv and gate_up  (shared/model/llama.py rms_norm)
+    rmsnorm_quant(x, weight, eps)  -> before qkv and gate_up  (shared/model/llama.py rms_norm);
+                                      with add=y, x += y first (the residual add, in place)
     silu_mul_quant(gate_up)        -> before down             (silu(gate) * up, gate_up = [gate | up])
     quantize(x)                    -> before o_proj
 
@@ -56,13 +57,26 @@ def _quantize_store(v, inv_scale, x8_row, offs, mask):
 
 
 @triton.jit
+def _add_residual(in_row, add_row, offs, mask):
+    """x += y on one chunk of a row, rounded to x's dtype as torch's in-place add; returns the sum in fp32."""
+    x = tl.load(in_row + offs, mask=mask, other=0.0).to(tl.float32) + tl.load(add_row + offs, mask=mask, other=0.0).to(tl.float32)
+    x = x.to(in_row.dtype.element_ty)
+    tl.store(in_row + offs, x, mask=mask)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _act_quant_kernel(
-    in_ptr, w_ptr, x8_ptr, scale_ptr, rowsum_ptr,
+    in_ptr, w_ptr, x8_ptr, scale_ptr, rowsum_ptr, add_ptr,
     K, eps,
-    stride_im, stride_qm,
-    OP: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+    stride_im, stride_qm, stride_am,
+    OP: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, ADD: tl.constexpr,
 ):
     """One row per program. OP 0: x (M, K); OP 1: rms_norm(x) * w; OP 2: silu(gate) * up of [gate | up] (M, 2K).
+
+    ADD (OP 1): x += y (add_ptr) first, stored back into x, and the norm taken of the stored sum:
+    the residual add that follows a GEMM, without a kernel of its own (one read of x and y, one
+    write of x, where a separate add reads both, writes x, and the norm reads x again).
 
     ONE_PASS (the row fits one BLOCK): the row is read once and held in registers, and silu /
     the norm are computed once: a decode step's rows are few, so each program's latency is the
@@ -77,10 +91,15 @@ def _act_quant_kernel(
         mask = offs < K
         inv_rms = 1.0
         if OP == 1:
-            x = tl.load(in_row + offs, mask=mask, other=0.0).to(tl.float32)
+            if ADD:
+                x = _add_residual(in_row, add_ptr + row * stride_am, offs, mask)
+            else:
+                x = tl.load(in_row + offs, mask=mask, other=0.0).to(tl.float32)
             mean_sq = tl.math.div_rn(tl.sum(x * x, axis=0), K.to(tl.float32))
             inv_rms = tl.math.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
-        v = _values(in_row, w_ptr, offs, mask, K, inv_rms, OP)
+            v = x * inv_rms * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            v = _values(in_row, w_ptr, offs, mask, K, inv_rms, OP)
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=0), 127.0), 1e-8)
         rowsum = tl.sum(_quantize_store(v, tl.math.div_rn(1.0, scale), x8_row, offs, mask), axis=0)
     else:
@@ -89,7 +108,10 @@ def _act_quant_kernel(
             sum_sq = tl.zeros((BLOCK,), dtype=tl.float32)
             for start in range(0, K, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
-                x = tl.load(in_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+                if ADD:  # the later passes re-read the stored sum (each thread its own values)
+                    x = _add_residual(in_row, add_ptr + row * stride_am, offs, offs < K)
+                else:
+                    x = tl.load(in_row + offs, mask=offs < K, other=0.0).to(tl.float32)
                 sum_sq += x * x
             mean_sq = tl.math.div_rn(tl.sum(sum_sq, axis=0), K.to(tl.float32))
             inv_rms = tl.math.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
@@ -127,30 +149,40 @@ def _outputs(m: int, k: int, device: torch.device):
     return x8, scale, rowsum
 
 
-def _launch(op: int, src: torch.Tensor, weight: torch.Tensor | None, k: int, eps: float = 0.0):
+def _launch(op: int, src: torch.Tensor, weight: torch.Tensor | None, k: int, eps: float = 0.0,
+            add: torch.Tensor | None = None):
     m = src.shape[0]
     x8, scale, rowsum = _outputs(m, k, src.device)
     one_pass = k <= ONE_PASS_MAX and (op != 2 or m <= SILU_ONE_PASS_MAX_ROWS)
     block = triton.next_power_of_2(k) if one_pass else CHUNK
     if m:
         _act_quant_kernel[(m,)](
-            src, src if weight is None else weight, x8, scale, rowsum,
+            src, src if weight is None else weight, x8, scale, rowsum, src if add is None else add,
             k, eps,
-            src.stride(0), x8.stride(0),
-            OP=op, BLOCK=block, ONE_PASS=one_pass,
+            src.stride(0), x8.stride(0), 0 if add is None else add.stride(0),
+            OP=op, BLOCK=block, ONE_PASS=one_pass, ADD=add is not None,
             # one pass: 16 values a thread up to 8 warps (Llama-2-7B's 11008: 16 warps, 32 each); chunks: 8
             num_warps=max(1, min(16, block // 512)) if one_pass else max(1, min(4, block // 256)),
         )
     return x8, scale, rowsum
 
 
-def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float):
-    """x (M, K) residual stream, weight (K,) -> x8 (M, K) int8, scale (M,) fp32, rowsum (M,) int32."""
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None):
+    """x (M, K) residual stream, weight (K,) -> x8 (M, K) int8, scale (M,) fp32, rowsum (M,) int32.
+
+    With add (M, K): x += add first, in place (rounded to x's dtype, as `x += add`), and the
+    quantized norm is that of the sum.
+    """
     _check_rows("rmsnorm_quant x", x, x.shape[-1])
     m, k = x.shape
     assert weight.shape == (k,) and weight.stride(0) == 1, f"weight: expected ({k},) contiguous, got {tuple(weight.shape)}"
     assert weight.device == x.device
-    return _launch(1, x, weight, k, eps)
+    if add is not None:
+        _check_rows("rmsnorm_quant add", add, add.shape[-1])
+        if add.shape != x.shape or add.device != x.device:
+            raise ValueError(f"rmsnorm_quant add: expected shape {tuple(x.shape)} on {x.device}, "
+                             f"got {tuple(add.shape)} on {add.device}")
+    return _launch(1, x, weight, k, eps, add)
 
 
 def silu_mul_quant(gate_up: torch.Tensor):
