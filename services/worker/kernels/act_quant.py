@@ -149,20 +149,27 @@ def _outputs(m: int, k: int, device: torch.device):
     return x8, scale, rowsum
 
 
-def _launch(op: int, src: torch.Tensor, weight: torch.Tensor | None, k: int, eps: float = 0.0,
-            add: torch.Tensor | None = None):
-    m = src.shape[0]
-    x8, scale, rowsum = _outputs(m, k, src.device)
+def launch_plan(op: int, m: int, k: int) -> tuple[bool, int, int]:
+    """(one_pass, BLOCK, num_warps) of an OP over m rows of k values (bench/act_quant_paths.py
+    times the alternatives)."""
     one_pass = k <= ONE_PASS_MAX and (op != 2 or m <= SILU_ONE_PASS_MAX_ROWS)
     block = triton.next_power_of_2(k) if one_pass else CHUNK
+    # one pass: 16 values a thread up to 8 warps (Llama-2-7B's 11008: 16 warps, 32 each); chunks: 8
+    num_warps = max(1, min(16, block // 512)) if one_pass else max(1, min(4, block // 256))
+    return one_pass, block, num_warps
+
+
+def _launch(op: int, src: torch.Tensor, weight: torch.Tensor | None, k: int, eps: float = 0.0,
+            add: torch.Tensor | None = None, plan: tuple[bool, int, int] | None = None):
+    m = src.shape[0]
+    x8, scale, rowsum = _outputs(m, k, src.device)
+    one_pass, block, num_warps = plan or launch_plan(op, m, k)
     if m:
         _act_quant_kernel[(m,)](
             src, src if weight is None else weight, x8, scale, rowsum, src if add is None else add,
             k, eps,
             src.stride(0), x8.stride(0), 0 if add is None else add.stride(0),
-            OP=op, BLOCK=block, ONE_PASS=one_pass, ADD=add is not None,
-            # one pass: 16 values a thread up to 8 warps (Llama-2-7B's 11008: 16 warps, 32 each); chunks: 8
-            num_warps=max(1, min(16, block // 512)) if one_pass else max(1, min(4, block // 256)),
+            OP=op, BLOCK=block, ONE_PASS=one_pass, ADD=add is not None, num_warps=num_warps,
         )
     return x8, scale, rowsum
 
