@@ -8,7 +8,7 @@ act_quant.py launch_plan's choice, one pass with 4 / 8 / 16 warps, chunks of 204
 warps) is checked against the default plan's output (codes within one, same scales to fp32
 rounding) and timed the way bench/kernels.py times kernels (a CUDA graph of calls on distinct
 inputs, L2 cleared before each replay). The fastest plan per (op, M) is what launch_plan's
-constants (ONE_PASS_MAX, SILU_ONE_PASS_MAX_ROWS, the warps) should encode. GPU only.
+rules (ONE_PASS_MAX, the warps per block) should encode. GPU only.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main() -> None:
             def call(i, plan):
                 return act_quant._launch(op, srcs[i], weight if op == 1 else None, k, 1e-6, adds[i], plan)
 
-            default = act_quant.launch_plan(op, m, k)
+            default = act_quant.launch_plan(k)
             # The fused add writes x: check on copies so every plan quantizes the same sums.
             keep = [s.clone() for s in srcs]
             ref = call(0, default)

@@ -25,11 +25,11 @@ import triton.language as tl
 # Adding and subtracting 1.5 * 2^23 rounds an fp32 |v| < 2^22 to the nearest integer, ties to
 # even (torch.round's rule); the interpreter has no libdevice rint.
 _ROUND_MAGIC = tl.constexpr(12582912.0)
-ONE_PASS_MAX = 16384  # widest row held in registers (fp32 values of one row per program)
-# silu(gate) * up in one pass (16 warps a row at F = 11008) pays while rows are few: on the H200 it
-# took 22.9 us against 25.4 at 256 rows, but 292 against 174 at 4096, where the chunked path's
-# 4-warp programs fill the SMs better. The cut lies between the two measured points.
-SILU_ONE_PASS_MAX_ROWS = 512
+# Widest row held in registers (fp32 values of one row per program), for every op and row count:
+# on the H200 (bench/results/h200/act_quant_paths.json) one pass beat chunks at every M from 1 to
+# 8192, silu_mul_quant at F = 11008 by 1.35x at 4096 rows (77.2 against 104.1 us). (Before the
+# per-element divisions went, session 9, chunks had won from about 512 rows.)
+ONE_PASS_MAX = 16384
 CHUNK = 2048  # chunk of the multi-pass path for wider rows
 
 
@@ -149,10 +149,10 @@ def _outputs(m: int, k: int, device: torch.device):
     return x8, scale, rowsum
 
 
-def launch_plan(op: int, m: int, k: int) -> tuple[bool, int, int]:
-    """(one_pass, BLOCK, num_warps) of an OP over m rows of k values (bench/act_quant_paths.py
-    times the alternatives)."""
-    one_pass = k <= ONE_PASS_MAX and (op != 2 or m <= SILU_ONE_PASS_MAX_ROWS)
+def launch_plan(k: int) -> tuple[bool, int, int]:
+    """(one_pass, BLOCK, num_warps) for rows of k values, whatever the op and row count
+    (bench/act_quant_paths.py times the alternatives per op and M)."""
+    one_pass = k <= ONE_PASS_MAX
     block = triton.next_power_of_2(k) if one_pass else CHUNK
     # one pass: 16 values a thread up to 8 warps (Llama-2-7B's 11008: 16 warps, 32 each); chunks: 8
     num_warps = max(1, min(16, block // 512)) if one_pass else max(1, min(4, block // 256))
@@ -163,7 +163,7 @@ def _launch(op: int, src: torch.Tensor, weight: torch.Tensor | None, k: int, eps
             add: torch.Tensor | None = None, plan: tuple[bool, int, int] | None = None):
     m = src.shape[0]
     x8, scale, rowsum = _outputs(m, k, src.device)
-    one_pass, block, num_warps = plan or launch_plan(op, m, k)
+    one_pass, block, num_warps = plan or launch_plan(k)
     if m:
         _act_quant_kernel[(m,)](
             src, src if weight is None else weight, x8, scale, rowsum, src if add is None else add,
