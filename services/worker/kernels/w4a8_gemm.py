@@ -153,7 +153,6 @@ def _w4a8_g128_kernel(
     pid_k = tl.program_id(1)
     HALF_K: tl.constexpr = 64
     OP_DTYPE: tl.constexpr = tl.float16 if DOT_FP16 else tl.int8
-    tl.static_assert(not (FP8 and (DOT_FP16 or USE_SPLIT or not HAS_ROWSUM)), "FP8: no .f16, split-K or in-kernel rowsum")
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, HALF_K)
@@ -168,8 +167,6 @@ def _w4a8_g128_kernel(
     z_ptrs = zero_ptr + rn * stride_sn + g_start * stride_sg
     if DOT_FP16:
         acc_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x-major: mma.sync, both operands in registers
-    if FP8:
-        acc_f = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     s2 = tl.load(s2_ptrs)
     z = tl.load(z_ptrs)
@@ -235,14 +232,8 @@ def _w4a8_channel_kernel(
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ROWSUM: tl.constexpr, DOT_FP16: tl.constexpr, USE_SPLIT: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    FP8: tl.constexpr = False,
 ):
     """acc (BLOCK_N, BLOCK_M) int32 = q @ x8^T on the raw codes; the zero term in the epilogue.
-
-    FP8 (experiment, bench/gemm_fp8_experiment.py): x holds e4m3 activations and the MMA is fp8 x
-    fp8 into fp32. A nibble byte c read as e4m3 is exactly c * 2^-9 (0..7 are the subnormals
-    m * 2^-9, 8..15 exponent 1: (8 + m) * 2^-9), so the unpacking is the int8 path's and the 2^9
-    comes back in the epilogue; rowsum is then the fp32 sum of the e4m3 values.
 
     Without a rowsum input, each K slice sums its own x8 columns and subtracts zero * that
     partial sum in int32 (the correction is linear in K, so slices stay independent).
@@ -251,7 +242,6 @@ def _w4a8_channel_kernel(
     pid_k = tl.program_id(1)
     HALF_K: tl.constexpr = 64
     OP_DTYPE: tl.constexpr = tl.float16 if DOT_FP16 else tl.int8
-    tl.static_assert(not (FP8 and (DOT_FP16 or USE_SPLIT or not HAS_ROWSUM)), "FP8: no .f16, split-K or in-kernel rowsum")
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, HALF_K)
@@ -263,8 +253,6 @@ def _w4a8_channel_kernel(
     x_ptrs = x_ptr + rm[None, :] * stride_xm + (g_start * 2 * HALF_K + offs_h)[:, None] * stride_xk
     if DOT_FP16:
         acc_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x-major: mma.sync, both operands in registers
-    if FP8:
-        acc_f = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     x_sum = tl.zeros((BLOCK_M,), dtype=tl.int32)
     for _ in range(g_start, g_end):
@@ -275,9 +263,6 @@ def _w4a8_channel_kernel(
         if DOT_FP16:
             acc_f = tl.dot(tl.trans(x_lo.to(tl.float16)), tl.trans(q_lo), acc_f)
             acc_f = tl.dot(tl.trans(x_hi.to(tl.float16)), tl.trans(q_hi), acc_f)
-        elif FP8:
-            acc_f = tl.dot(q_lo.to(tl.float8e4nv, bitcast=True), x_lo, acc_f)
-            acc_f = tl.dot(q_hi.to(tl.float8e4nv, bitcast=True), x_hi, acc_f)
         else:
             acc = tl.dot(q_lo, x_lo, acc, out_dtype=tl.int32)
             acc = tl.dot(q_hi, x_hi, acc, out_dtype=tl.int32)
@@ -295,7 +280,7 @@ def _w4a8_channel_kernel(
     else:
         sx = tl.load(sx_ptr + rm)
         scale = tl.load(scale_ptr + rn).to(tl.float32)
-        y = acc_f * 512.0 if FP8 else acc.to(tl.float32)
+        y = acc.to(tl.float32)
         if HAS_ROWSUM:
             y = y - tl.load(rowsum_ptr + rm).to(tl.float32)[None, :] * zero[:, None]
         y = y * sx[None, :] * scale[:, None]
