@@ -3,6 +3,7 @@
     python3 bench/sass_count.py attention --block-n 32 --maxnreg 128 --qk-int16
     python3 bench/sass_count.py attention --group 4 --block-n 16 --qk-int16 --split
     python3 bench/sass_count.py act_quant --op silu --block 16384 --warps 16
+    python3 bench/sass_count.py act_quant --op rmsnorm --block 4096 --warps 8 --add
     python3 bench/sass_count.py kv_write --group 2 --block-h 8 --warps 4
 
 Triton compiles the kernel for an H100/H200 target (ptxas ships with the triton wheel), the
@@ -99,8 +100,10 @@ def attention(a):
 def act_quant(a):
     from services.worker.kernels import act_quant as aq
 
-    pointers = {"in_ptr": "*fp16", "w_ptr": "*fp16", "x8_ptr": "*i8", "scale_ptr": "*fp32", "rowsum_ptr": "*i32"}
-    consts = dict(OP={"quantize": 0, "rmsnorm": 1, "silu": 2}[a.op], BLOCK=a.block, ONE_PASS=not a.chunked)
+    pointers = {"in_ptr": "*fp16", "w_ptr": "*fp16", "x8_ptr": "*i8", "scale_ptr": "*fp32", "rowsum_ptr": "*i32",
+                "add_ptr": "*fp16"}
+    consts = dict(OP={"quantize": 0, "rmsnorm": 1, "silu": 2}[a.op], BLOCK=a.block, ONE_PASS=not a.chunked,
+                  ADD=a.add)
     return compile_sass(aq._act_quant_kernel, pointers, consts, floats=("eps",), num_warps=a.warps), None
 
 
@@ -132,6 +135,7 @@ def main() -> None:
     aq.add_argument("--op", choices=("quantize", "rmsnorm", "silu"), default="silu")
     aq.add_argument("--block", type=int, default=16384)
     aq.add_argument("--chunked", action="store_true")
+    aq.add_argument("--add", action="store_true", help="rmsnorm with the residual add fused (add=y)")
     aq.add_argument("--warps", type=int, default=16)
     kv = sub.add_parser("kv_write", help="RoPE + KV4 cache write")
     kv.add_argument("--group", type=int, default=2,
