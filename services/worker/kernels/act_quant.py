@@ -34,11 +34,17 @@ CHUNK = 2048  # chunk of the multi-pass path for wider rows
 
 
 @triton.jit
+def _normed(x, w_ptr, offs, mask, inv_rms):
+    """rms_norm(x) * w of fp32 values x at offs, given the row's 1 / rms."""
+    return x * inv_rms * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _values(in_ptr, w_ptr, offs, mask, F, inv_rms, OP: tl.constexpr):
     """The fp32 values to quantize at offs of one row: x, rms_norm(x) * w, or silu(gate) * up."""
     x = tl.load(in_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if OP == 1:
-        x = x * inv_rms * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _normed(x, w_ptr, offs, mask, inv_rms)
     elif OP == 2:
         up = tl.load(in_ptr + F + offs, mask=mask, other=0.0).to(tl.float32)
         x = tl.math.fdiv(x, 1.0 + tl.exp(-x)) * up  # the approximate division (div.full.f32)
@@ -97,7 +103,7 @@ def _act_quant_kernel(
                 x = tl.load(in_row + offs, mask=mask, other=0.0).to(tl.float32)
             mean_sq = tl.math.div_rn(tl.sum(x * x, axis=0), K.to(tl.float32))
             inv_rms = tl.math.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
-            v = x * inv_rms * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            v = _normed(x, w_ptr, offs, mask, inv_rms)  # x already in registers
         else:
             v = _values(in_row, w_ptr, offs, mask, K, inv_rms, OP)
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=0), 127.0), 1e-8)
