@@ -50,6 +50,9 @@ QK16_SWEEP = [_cfg("fma", 32, 1, True, 128, True), _cfg("fma", 32, 1, True, None
               _cfg("fma", 32, 1, True, 96, True), _cfg("fma", 32, 1, False, None, True),
               _cfg("fma", 64, 1, True, 168, True), _cfg("fma", 64, 1, True, 128, True),
               _cfg("fma", 16, 1, True, 128, True)]
+# Scores on the int8 tensor cores (paged_attention_mma.py; group 1, head_dim 128).
+MMA_SWEEP = [_cfg("mma", 32, 1, True, None), _cfg("mma", 32, 1, False, None), _cfg("mma", 32, 1, True, 128),
+             _cfg("mma", 32, 1, False, 96)]
 FP16_SWEEP = [_cfg("fma", 32, 1, False, None), _cfg("fma", 16, 1, False, None)]
 GQA_SWEEP = [_cfg("fma", 16, 1, False, None), _cfg("fma", 16, 1, True, None), _cfg("fma", 16, 1, True, 168),
              _cfg("fma", 32, 1, True, 200), _cfg("dot", 32, 2, False, None), _cfg("dot", 64, 2, False, None),
@@ -161,7 +164,7 @@ class Bench:
         def run(kind, cfg, kcache, vcache, tables, lens, ref, kv4):
             fn = lambda: paged_decode_attention(q, kcache, vcache, tables, lens, max_context_len=ctx, config=cfg)  # noqa: E731
             label = (f"{kind} {cfg.variant} n{cfg.block_n} w{cfg.num_warps} p{cfg.partition_size}"
-                     f"{' prefetch' if cfg.prefetch and cfg.variant == 'fma' and kv4 else ''} r{cfg.maxnreg or '-'}"
+                     f"{' prefetch' if cfg.prefetch and cfg.variant in ('fma', 'mma') and kv4 else ''} r{cfg.maxnreg or '-'}"
                      f"{' qk16' if cfg.qk_int16 else ''}")
             try:
                 ok, rel = self.check_decode(fn(), ref)
@@ -377,25 +380,25 @@ def main() -> None:
         for batch, ctx, *kv_heads in args.points:
             kv_heads = kv_heads[0] if kv_heads else 32
             print(f"batch {batch}, context {ctx}, kv heads {kv_heads}:", flush=True)
-            sweep = KV4_SWEEP[3:4] + QK16_SWEEP if kv_heads == 32 else GQA_SWEEP[1:2] + GQA_SWEEP[6:]
+            sweep = KV4_SWEEP[3:4] + QK16_SWEEP + MMA_SWEEP if kv_heads == 32 else GQA_SWEEP[1:2] + GQA_SWEEP[6:]
             bench.decode_point(f"b{batch}_ctx{ctx}" + (f"_kv{kv_heads}" if kv_heads != 32 else ""), batch, 32, kv_heads,
                                ctx, 128, sweep=sweep, partitions=PARTITIONS, fp16=False, sdpa=False)
         return
     try:
         bench.copy_bandwidth()
         print("main point:", MAIN, flush=True)
-        main_rows = bench.decode_point("main", **MAIN, sweep=[] if args.quick else KV4_SWEEP + QK16_SWEEP,
+        main_rows = bench.decode_point("main", **MAIN, sweep=[] if args.quick else KV4_SWEEP + QK16_SWEEP + MMA_SWEEP,
                                        partitions=() if args.quick else PARTITIONS)
         bench.summarize(main_rows)
         if not args.quick:
             for ctx in (512, 4096):
                 print(f"context {ctx}:", flush=True)
-                bench.decode_point(f"ctx{ctx}", 64, 32, 32, ctx, 128, sweep=KV4_SWEEP[:4] + QK16_SWEEP[:2], partitions=(256, 1024), fp16=True)
+                bench.decode_point(f"ctx{ctx}", 64, 32, 32, ctx, 128, sweep=KV4_SWEEP[:4] + QK16_SWEEP[:2] + MMA_SWEEP[:2], partitions=(256, 1024), fp16=True)
             print("GQA 32/8, context 1536 and 4096:", flush=True)
             bench.decode_point("gqa32x8_ctx1536", 64, 32, 8, 1536, 128, sweep=GQA_SWEEP, partitions=(256, 1024))
             bench.decode_point("gqa32x8_ctx4096", 64, 32, 8, 4096, 128, sweep=GQA_SWEEP[:4] + GQA_SWEEP[6:], partitions=(1024,))
             print("batch 8, context 4096 (split path matters):", flush=True)
-            bench.decode_point("b8_ctx4096", 8, 32, 32, 4096, 128, sweep=KV4_SWEEP[:3] + QK16_SWEEP[:2], partitions=(256, 1024))
+            bench.decode_point("b8_ctx4096", 8, 32, 32, 4096, 128, sweep=KV4_SWEEP[:3] + QK16_SWEEP[:2] + MMA_SWEEP[:2], partitions=(256, 1024))
             print("cache writes:", flush=True)
             bench.writes()
             print("prefill:", flush=True)

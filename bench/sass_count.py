@@ -91,6 +91,10 @@ def attention(a):
     pointers = {n: "*fp16" for n in ("q_ptr", "out_ptr")}
     pointers |= {n: "*i32" for n in ("k_ptr", "v_ptr", "block_tables_ptr", "context_lens_ptr")}
     pointers |= {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_o_ptr")}
+    if a.mma:  # scores on the int8 tensor cores (paged_attention_mma.py): one warp, 32-token tiles
+        consts = dict(HEAD_DIM=a.head_dim, BLOCK_SIZE=16, SPLIT=a.split, PREFETCH=not a.no_prefetch, FAST=True)
+        sass = compile_sass(pa._kv4_decode_mma_kernel, pointers, consts, floats=("qk_scale",), num_warps=1, maxnreg=a.maxnreg)
+        return sass, 32
     consts = dict(GROUP=a.group, BLOCK_G=triton.next_power_of_2(a.group), HEAD_DIM=a.head_dim, BLOCK_SIZE=16,
                   BLOCK_N=a.block_n, SPLIT=a.split, PREFETCH=not a.no_prefetch, QK_INT=a.qk_int16, FAST=True)
     sass = compile_sass(pa._kv4_decode_fma_kernel, pointers, consts, floats=("qk_scale",), num_warps=a.warps, maxnreg=a.maxnreg)
@@ -122,7 +126,7 @@ def kv_write(a):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="kernel", required=True)
-    att = sub.add_parser("attention", help="the KV4 decode 'fma' kernel")
+    att = sub.add_parser("attention", help="the KV4 decode 'fma' kernel (or with --mma the 'mma' one)")
     att.add_argument("--group", type=int, default=1)
     att.add_argument("--head-dim", type=int, default=128)
     att.add_argument("--block-n", type=int, default=32)
@@ -131,6 +135,7 @@ def main() -> None:
     att.add_argument("--qk-int16", action="store_true")
     att.add_argument("--split", action="store_true", help="the partitioned variant (partials + reduction)")
     att.add_argument("--no-prefetch", action="store_true")
+    att.add_argument("--mma", action="store_true", help="the 'mma' kernel (int8 tensor-core scores, head_dim 128)")
     aq = sub.add_parser("act_quant", help="rmsnorm / silu / plain per-token int8 quantization")
     aq.add_argument("--op", choices=("quantize", "rmsnorm", "silu"), default="silu")
     aq.add_argument("--block", type=int, default=16384)

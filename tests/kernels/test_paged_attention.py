@@ -98,6 +98,30 @@ def test_int16_scores_match_reference(head_dim, kv_heads, group, lengths, partit
     _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
 
 
+@pytest.mark.parametrize(
+    "lengths,partition,prefetch,q_gain",
+    [([1, 15, 17, 33, 100, 0], 512, True, 1.0), ([40, 64, 31, 96], 32, True, 1.0),
+     ([1, 15, 17, 33, 100], 64, False, 6.0), ([130, 0, 7], 64, True, 6.0)],
+)
+def test_mma_scores_match_reference(lengths, partition, prefetch, q_gain):
+    """The 'mma' kernel (int8 tensor-core scores, written lane by lane; the interpreter emulates the
+    MMA and the shuffles over the fragments): partial tiles, empty sequences, the split path
+    (partitions of 32 / 64), large logits (q_gain 6) and garbage rows past each context."""
+    q, k_cache, v_cache, tables, lens = _paged_batch(lengths, 2, 1, 128, True, seed=len(lengths) + partition)
+    q = (q.float() * q_gain).half()
+    config = DecodeConfig("mma", block_n=32, partition_size=partition, num_warps=1, prefetch=prefetch)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config)
+    _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
+
+
+def test_mma_refuses_what_it_does_not_cover():
+    q, k_cache, v_cache, tables, lens = _paged_batch([20], 1, 2, 128, True, seed=1)
+    with pytest.raises(ValueError, match="one query head per KV head"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, config=DecodeConfig("mma", block_n=32, num_warps=1))
+    with pytest.raises(ValueError, match="32-token tiles"):
+        DecodeConfig("mma", block_n=16, num_warps=1)
+
+
 @pytest.mark.parametrize("kv4", [True, False])
 def test_long_context_takes_the_split_path(kv4):
     """600 tokens over partitions of 128: five partials per head, the last one partial, reduced."""

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.paged_attention_mma import _kv4_decode_mma_kernel
 from services.worker.kernels.w4a8_gemv import _dot_chn
 
 LOG2E = 1.4426950408889634
@@ -55,7 +56,7 @@ _FP32_ONE_BITS = 0x3F800000
 class DecodeConfig:
     """Launch parameters of the decode kernels (tuned offline per GPU; see bench/attention.py)."""
 
-    variant: str = "fma"  # "fma" (CUDA cores) or, KV4 only, "dot" (tensor cores)
+    variant: str = "fma"  # "fma" (CUDA cores) or, KV4 only, "dot" (tensor cores) or "mma" (int8 MMA scores)
     block_n: int = 64  # tokens per inner-loop tile
     partition_size: int = 512  # tokens per program; a multiple of block_n
     num_warps: int = 4
@@ -70,8 +71,11 @@ class DecodeConfig:
     whole_context: bool = False
 
     def __post_init__(self):
-        if self.variant not in ("fma", "dot"):
-            raise ValueError(f"variant {self.variant!r} is not one of 'fma', 'dot'")
+        if self.variant not in ("fma", "dot", "mma"):
+            raise ValueError(f"variant {self.variant!r} is not one of 'fma', 'dot', 'mma'")
+        if self.variant == "mma" and (self.block_n != 32 or self.num_warps != 1):
+            raise ValueError(f"the 'mma' kernel runs one warp on 32-token tiles, not block_n {self.block_n} / "
+                             f"num_warps {self.num_warps}")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n {self.block_n} must be a power of two >= 16")
         if self.partition_size % self.block_n:
@@ -803,6 +807,9 @@ def paged_decode_attention(
     cfg = config or default_config(kv4, group, d)
     if not kv4 and (cfg.variant != "fma" or cfg.qk_int16):
         raise ValueError(f"the fp16 cache has only the 'fma' kernel without qk_int16, not {cfg}")
+    if cfg.variant == "mma" and (group != 1 or d != 128 or k_cache.shape[2] % 16):
+        raise ValueError(f"the 'mma' kernel takes one query head per KV head, head_dim 128 and pages of a multiple "
+                         f"of 16 tokens, not group {group}, head_dim {d}, pages of {k_cache.shape[2]}")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if max_context_len is None:
         max_context_len = int(context_lens.max().item()) if b else 0
@@ -841,6 +848,16 @@ def paged_decode_attention(
             block_tables.stride(0), out.stride(0), out.stride(1),
             BLOCK_G=triton.next_power_of_2(group), PREFETCH=cfg.prefetch, QK_INT=cfg.qk_int16, FAST=query.is_cuda,
             **common,
+        )
+    elif cfg.variant == "mma":
+        k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)
+        _kv4_decode_mma_kernel[grid](
+            query, k_words, v_words, block_tables, context_lens, out, part_m, part_l, part_o, *sizes,
+            _NIBBLE_MASK, _FP32_ONE_BITS,
+            query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], SPLIT=split, PREFETCH=cfg.prefetch, FAST=query.is_cuda, num_warps=1,
+            num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         )
     else:
         _kv4_decode_dot_kernel[grid](

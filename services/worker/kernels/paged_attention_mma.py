@@ -1,0 +1,482 @@
+"""KV4 paged decode attention, one query head per KV head, with the scores on the int8 tensor cores.
+
+The "fma" kernel of paged_attention.py is issue-bound, and most of its instructions outside the
+value sums go to the scores: four dp4a per code word, then shuffles to add each row's words up
+across 8 lanes, and a softmax computed 8 times over (every lane of a row holds its score). Here one
+`mma.sync.m16n8k32` (u8 x s8 -> s32) takes 16 tokens x 32 dims of K codes against the query's
+int16 bytes, and the scores come out whole in a quarter of the lanes.
+
+Written lane by lane: with num_warps=1 a (32,) tensor holds one value per lane (element i in lane
+i), so the kernel decides which lane holds what, as the MMA's fragments require (PTX ISA,
+m16n8k32 with 8-bit operands; lane l, g = l // 4, t = l % 4):
+    A (16 x 32, rows): a0 = row g, k 4t..4t+3 (one byte each); a1 = row g + 8; a2, a3 the same rows, k 16 + 4t..
+    B (32 x 8, cols):  b0 = col g, k 4t..4t+3;  b1 = col g, k 16 + 4t..
+    C (16 x 8):        c0, c1 = row g, cols 2t, 2t + 1;  c2, c3 = row g + 8
+A's rows are the 16 slots of a page-aligned group of tokens. Byte j of K code word w holds dims
+4w + j (low nibble) and 4w + j + D/2 (high nibble), so `word & 0x0F0F0F0F` of words 8c + t and
+8c + 4 + t is the A fragment of dims 32c..32c + 31 in order, and the high nibbles (one shift more)
+of dims D/2 + 32c... B's column 0 holds the high bytes and column 1 the low bytes of the query
+rounded to int16 (as the "fma" kernel's qk_int16), the other columns zero: score = 256 c0 + c1,
+exact, in the lanes with t = 0. Four shuffles hand token n's score to lane n for the softmax.
+
+The value sums stay on the CUDA cores (one LOP3 and one FFMA per code, as in the "fma" kernel,
+whose docstring gives the 1 + c * 2^-k trick): lane l takes code words 2 (l % 8) and 2 (l % 8) + 1
+of tokens 8 (l // 8) .. 8 (l // 8) + 7 of each 32-token tile, keeps 16 per-lane fp32 sums and
+adds the four lanes of a word together once, at the end.
+
+On the GPU the MMA and the shuffles are inline PTX; under TRITON_INTERPRET they are emulated over
+the 32 lanes with gathers, fragment layout included, so the CPU tests check the bookkeeping.
+Head_dim 128, page sizes a multiple of 16 (launcher: paged_attention.py, variant "mma").
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+TILE = tl.constexpr(32)  # tokens per loop iteration: two MMA row groups of 16
+
+
+# ---------------------------------------------------------------------------------------------
+# warp primitives (inline PTX on the GPU, gathers over the lanes in the interpreter)
+
+
+@triton.jit
+def _shfl(x, src, FAST: tl.constexpr):
+    """x (32,) int32 of lane src[i], for every lane i (shfl.sync.idx)."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            asm="shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;",
+            constraints="=r,r,r", args=[x, src], dtype=tl.int32, is_pure=True, pack=1,
+        )
+    return tl.gather(x, src, 0)
+
+
+@triton.jit
+def _shfl_f32(x, src, FAST: tl.constexpr):
+    return _shfl(x.to(tl.int32, bitcast=True), src, FAST).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bytes_of(regs, reg, lane, byte, R: tl.constexpr, SIGNED: tl.constexpr):
+    """Byte `byte` of register `reg` of lane `lane` (all (E,) int32) from regs (32 * R,) laid out lane-major."""
+    v = tl.gather(regs, lane * R + reg, 0) >> (8 * byte)
+    if SIGNED:
+        return (v << 24) >> 24
+    return v & 0xFF
+
+
+@triton.jit
+def _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """mma.m16n8k32 u8 x s8 + s32 over the 32 lanes' fragments (see the module docstring)."""
+    regs_a = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (128,))  # lane * 4 + register (join adds the last axis)
+    e = tl.arange(0, 512)
+    row, k = e // 32, e % 32
+    a = _bytes_of(regs_a, (row // 8) + 2 * (k // 16), 4 * (row % 8) + (k % 16) // 4, k % 4, 4, False)
+    regs_b = tl.reshape(tl.join(b0, b1), (64,))
+    e = tl.arange(0, 256)
+    k, col = e // 8, e % 8
+    b = _bytes_of(regs_b, k // 16, 4 * col + (k % 16) // 4, k % 4, 2, True)
+    d = tl.reshape(tl.sum(tl.reshape(a, (16, 32, 1)) * tl.reshape(b, (1, 32, 8)), axis=1), (128,))  # row * 8 + col
+    lane = tl.arange(0, 32)
+    at = (lane // 4) * 8 + 2 * (lane % 4)
+    return (c0 + tl.gather(d, at, 0), c1 + tl.gather(d, at + 1, 0),
+            c2 + tl.gather(d, at + 64, 0), c3 + tl.gather(d, at + 65, 0))
+
+
+@triton.jit
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FAST: tl.constexpr):
+    if FAST:
+        return tl.inline_asm_elementwise(
+            asm="mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+                "{$10, $11, $12, $13};",
+            constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
+            args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=1,
+        )
+    return _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+
+# ---------------------------------------------------------------------------------------------
+# pieces
+
+
+@triton.jit
+def _query_fragment(q_row, inv, g, t, base: tl.constexpr):
+    """B fragment register of query dims base + 4t .. base + 4t + 3: in column 0 (lanes g = 0) the
+    high bytes, in column 1 the low bytes of q * inv rounded to int16 (q16 = 256 hi + lo), else 0."""
+    packed = tl.zeros(g.shape, tl.int32)
+    for j in tl.static_range(4):
+        x = tl.load(q_row + base + 4 * t + j).to(tl.float32) * inv
+        q16 = tl.floor(x + 0.5).to(tl.int32)
+        hi = (q16 + 128) >> 8
+        byte = tl.where(g == 0, hi, tl.where(g == 1, q16 - hi * 256, 0))
+        packed |= (byte & 0xFF) << (8 * j)
+    return packed
+
+
+@triton.jit
+def _scores16(w0, w1, w2, w3, w4, w5, w6, w7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, FAST: tl.constexpr):
+    """Integer scores of a group of 16 tokens from lane (g, t)'s K words t, 4 + t, 8 + t, 12 + t of
+    slot g (w0..w3) and of slot g + 8 (w4..w7), against the query fragments
+    qb[(half * 2 + c) * 2 + reg]: -> (slot g's, slot g + 8's), valid in the lanes with t = 0."""
+    lo = 0x0F0F0F0F
+    c0 = tl.zeros(w0.shape, tl.int32)
+    c1 = c0
+    c2 = c0
+    c3 = c0
+    # low nibbles: dims 0..31 (words 0..7), 32..63 (words 8..15); high nibbles: dims 64.., 96..
+    c0, c1, c2, c3 = _mma(w0 & lo, w4 & lo, w1 & lo, w5 & lo, qb0, qb1, c0, c1, c2, c3, FAST)
+    c0, c1, c2, c3 = _mma(w2 & lo, w6 & lo, w3 & lo, w7 & lo, qb2, qb3, c0, c1, c2, c3, FAST)
+    c0, c1, c2, c3 = _mma((w0 >> 4) & lo, (w4 >> 4) & lo, (w1 >> 4) & lo, (w5 >> 4) & lo, qb4, qb5,
+                          c0, c1, c2, c3, FAST)
+    c0, c1, c2, c3 = _mma((w2 >> 4) & lo, (w6 >> 4) & lo, (w3 >> 4) & lo, (w7 >> 4) & lo, qb6, qb7,
+                          c0, c1, c2, c3, FAST)
+    return c0 * 256 + c1, c2 * 256 + c3
+
+
+@triton.jit
+def _nibble(x, mask, one):
+    """The nibble under `mask` of int32 x as fp32 1 + c * 2^-k (see paged_attention._nibble)."""
+    return ((x & mask) | one).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pv_word(w, pw, a0, a1, a2, a3, a4, a5, a6, a7, mask_lo, mask_hi, one):
+    """The 8 planes of code word w (one token's) times the token's weight pw, added to a0..a7."""
+    x0 = w << 15
+    x1 = w << 7
+    x2 = w >> 1
+    x3 = w >> 9
+    a0 += pw * _nibble(x0, mask_lo, one)
+    a1 += pw * _nibble(x0, mask_hi, one)
+    a2 += pw * _nibble(x1, mask_lo, one)
+    a3 += pw * _nibble(x1, mask_hi, one)
+    a4 += pw * _nibble(x2, mask_lo, one)
+    a5 += pw * _nibble(x2, mask_hi, one)
+    a6 += pw * _nibble(x3, mask_lo, one)
+    a7 += pw * _nibble(x3, mask_hi, one)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _store_plane(out_row, lane, w, a, pw_sum, z_sum, denom, ok, S: tl.constexpr, HALF: tl.constexpr,
+                 FAST: tl.constexpr, SPLIT: tl.constexpr):
+    """Adds the four token-group lanes of plane S of word w together; lanes 0..7 store its dim:
+    (sum pw (1 + c 2^-k) - sum pw) * 2^k + sum p zero, over denom."""
+    a += _shfl_f32(a, lane ^ 8, FAST)
+    a += _shfl_f32(a, lane ^ 16, FAST)
+    val = ((a - pw_sum) * (1 << (8 - 4 * (S % 2))) + z_sum) / denom
+    ptrs = out_row + 4 * w + S // 2 + (S % 2) * HALF
+    if SPLIT:
+        tl.store(ptrs, val, mask=(lane < 8) & ok)
+    else:
+        tl.store(ptrs, val.to(tl.float16), mask=lane < 8)
+
+
+@triton.jit
+def _store_word_planes(out_row, lane, w, a0, a1, a2, a3, a4, a5, a6, a7, pw_sum, z_sum, denom, ok,
+                       HALF: tl.constexpr, FAST: tl.constexpr, SPLIT: tl.constexpr):
+    _store_plane(out_row, lane, w, a0, pw_sum, z_sum, denom, ok, 0, HALF, FAST, SPLIT)
+    _store_plane(out_row, lane, w, a1, pw_sum, z_sum, denom, ok, 1, HALF, FAST, SPLIT)
+    _store_plane(out_row, lane, w, a2, pw_sum, z_sum, denom, ok, 2, HALF, FAST, SPLIT)
+    _store_plane(out_row, lane, w, a3, pw_sum, z_sum, denom, ok, 3, HALF, FAST, SPLIT)
+    _store_plane(out_row, lane, w, a4, pw_sum, z_sum, denom, ok, 4, HALF, FAST, SPLIT)
+    _store_plane(out_row, lane, w, a5, pw_sum, z_sum, denom, ok, 5, HALF, FAST, SPLIT)
+    _store_plane(out_row, lane, w, a6, pw_sum, z_sum, denom, ok, 6, HALF, FAST, SPLIT)
+    _store_plane(out_row, lane, w, a7, pw_sum, z_sum, denom, ok, 7, HALF, FAST, SPLIT)
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel
+
+
+@triton.jit
+def _pages(bt_row, n0, end, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Physical pages of the tile's two groups of 16 tokens (page 0 past the context)."""
+    if MASKED:
+        page0 = tl.load(bt_row + n0 // BLOCK_SIZE, mask=n0 < end, other=0)
+        page1 = tl.load(bt_row + (n0 + 16) // BLOCK_SIZE, mask=n0 + 16 < end, other=0)
+    else:
+        page0 = tl.load(bt_row + n0 // BLOCK_SIZE)
+        page1 = tl.load(bt_row + (n0 + 16) // BLOCK_SIZE)
+    return page0, page1
+
+
+@triton.jit
+def _tile_loads(k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, lane, g, t,
+                BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, W: tl.constexpr):
+    """Every word a lane needs of tokens [n0, n0 + 32): its K words of the two MMA row groups
+    (_scores16's w0..w7 each), its token's K and V scale/zero words (lane n: token n0 + n; 0 past
+    the context, whose fp16 bits may be NaN), and its V words 2 (lane % 8) (x0..x7) and
+    2 (lane % 8) + 1 (y0..y7) of tokens n0 + 8 (lane // 8) + i. Rows past the context are read
+    unmasked (their page is a real one, page 0 at worst): their scores are masked and their
+    weights are 0."""
+    ROW: tl.constexpr = W + 1  # words per page row: W code words, then scale and zero
+    base0 = page0 * stride_cb + head_off + (n0 % BLOCK_SIZE) * ROW  # word offset of the group's slot 0
+    base1 = page1 * stride_cb + head_off + ((n0 + 16) % BLOCK_SIZE) * ROW
+    r0 = base0 + g * ROW + t
+    r1 = base1 + g * ROW + t
+    k0 = tl.load(k_ptr + r0)
+    k1 = tl.load(k_ptr + r0 + 4)
+    k2 = tl.load(k_ptr + r0 + 8)
+    k3 = tl.load(k_ptr + r0 + 12)
+    k4 = tl.load(k_ptr + r0 + 8 * ROW)
+    k5 = tl.load(k_ptr + r0 + 8 * ROW + 4)
+    k6 = tl.load(k_ptr + r0 + 8 * ROW + 8)
+    k7 = tl.load(k_ptr + r0 + 8 * ROW + 12)
+    j0 = tl.load(k_ptr + r1)
+    j1 = tl.load(k_ptr + r1 + 4)
+    j2 = tl.load(k_ptr + r1 + 8)
+    j3 = tl.load(k_ptr + r1 + 12)
+    j4 = tl.load(k_ptr + r1 + 8 * ROW)
+    j5 = tl.load(k_ptr + r1 + 8 * ROW + 4)
+    j6 = tl.load(k_ptr + r1 + 8 * ROW + 8)
+    j7 = tl.load(k_ptr + r1 + 8 * ROW + 12)
+    my_row = tl.where(lane < 16, base0, base1) + (lane % 16) * ROW + W
+    if MASKED:
+        valid = n0 + lane < end
+        ksz = tl.load(k_ptr + my_row, mask=valid, other=0)
+        vsz = tl.load(v_ptr + my_row, mask=valid, other=0)
+    else:
+        ksz = tl.load(k_ptr + my_row)
+        vsz = tl.load(v_ptr + my_row)
+    group = lane // 8
+    vr = tl.where(group < 2, base0, base1) + (group % 2) * (8 * ROW) + 2 * (lane % 8)
+    x0 = tl.load(v_ptr + vr)
+    x1 = tl.load(v_ptr + vr + ROW)
+    x2 = tl.load(v_ptr + vr + 2 * ROW)
+    x3 = tl.load(v_ptr + vr + 3 * ROW)
+    x4 = tl.load(v_ptr + vr + 4 * ROW)
+    x5 = tl.load(v_ptr + vr + 5 * ROW)
+    x6 = tl.load(v_ptr + vr + 6 * ROW)
+    x7 = tl.load(v_ptr + vr + 7 * ROW)
+    y0 = tl.load(v_ptr + vr + 1)
+    y1 = tl.load(v_ptr + vr + ROW + 1)
+    y2 = tl.load(v_ptr + vr + 2 * ROW + 1)
+    y3 = tl.load(v_ptr + vr + 3 * ROW + 1)
+    y4 = tl.load(v_ptr + vr + 4 * ROW + 1)
+    y5 = tl.load(v_ptr + vr + 5 * ROW + 1)
+    y6 = tl.load(v_ptr + vr + 6 * ROW + 1)
+    y7 = tl.load(v_ptr + vr + 7 * ROW + 1)
+    return (k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
+            x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7)
+
+
+@triton.jit
+def _pv_token(pw, i: tl.constexpr, x, y, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+              lane, mask_lo, mask_hi, one, FAST: tl.constexpr):
+    """Adds token 8 (lane // 8) + i's weighted V words x (-> a0..a7) and y (-> b0..b7)."""
+    w_i = _shfl_f32(pw, 8 * (lane // 8) + i, FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_word(x, w_i, a0, a1, a2, a3, a4, a5, a6, a7, mask_lo, mask_hi, one)
+    b0, b1, b2, b3, b4, b5, b6, b7 = _pv_word(y, w_i, b0, b1, b2, b3, b4, b5, b6, b7, mask_lo, mask_hi, one)
+    return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
+
+
+@triton.jit
+def _tile_math(
+    k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
+    x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
+    n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
+    m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+    MASKED: tl.constexpr, FAST: tl.constexpr,
+):
+    """Online-softmax update with the words of tokens [n0, n0 + 32) (_tile_loads); MASKED only for
+    a partial last tile. l_p, pw_p, z_p: this lane's parts of the softmax sum, of sum p * v_scale
+    and of sum p * v_zero; a0..a7, b0..b7: the plane sums of this lane's two V words."""
+    s00, s01 = _scores16(k0, k1, k2, k3, k4, k5, k6, k7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, FAST)
+    s10, s11 = _scores16(j0, j1, j2, j3, j4, j5, j6, j7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, FAST)
+    # lane n takes token n's score from lane 4 (n % 8) (slot n % 8 or n % 8 + 8 of its group)
+    src = 4 * (lane % 8)
+    x00 = _shfl(s00, src, FAST)
+    x01 = _shfl(s01, src, FAST)
+    x10 = _shfl(s10, src, FAST)
+    x11 = _shfl(s11, src, FAST)
+    score = tl.where(lane < 16, tl.where(lane < 8, x00, x01), tl.where(lane < 24, x10, x11))
+
+    k_scale = (ksz & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    k_zero = ((ksz >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    v_scale = (vsz & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    v_zero = ((vsz >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    s = score.to(tl.float32) * q_step * k_scale + q_sum * k_zero  # log2 units
+    if MASKED:
+        s = tl.where(n0 + lane < end, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    pw = p * v_scale  # 0 past the context
+    l_p = l_p * alpha + p
+    pw_p = pw_p * alpha + pw
+    z_p = z_p * alpha + p * v_zero
+
+    a0 *= alpha
+    a1 *= alpha
+    a2 *= alpha
+    a3 *= alpha
+    a4 *= alpha
+    a5 *= alpha
+    a6 *= alpha
+    a7 *= alpha
+    b0 *= alpha
+    b1 *= alpha
+    b2 *= alpha
+    b3 *= alpha
+    b4 *= alpha
+    b5 *= alpha
+    b6 *= alpha
+    b7 *= alpha
+    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _pv_token(
+        pw, 0, x0, y0, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, lane, mask_lo, mask_hi, one, FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _pv_token(
+        pw, 1, x1, y1, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, lane, mask_lo, mask_hi, one, FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _pv_token(
+        pw, 2, x2, y2, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, lane, mask_lo, mask_hi, one, FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _pv_token(
+        pw, 3, x3, y3, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, lane, mask_lo, mask_hi, one, FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _pv_token(
+        pw, 4, x4, y4, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, lane, mask_lo, mask_hi, one, FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _pv_token(
+        pw, 5, x5, y5, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, lane, mask_lo, mask_hi, one, FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _pv_token(
+        pw, 6, x6, y6, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, lane, mask_lo, mask_hi, one, FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _pv_token(
+        pw, 7, x7, y7, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, lane, mask_lo, mask_hi, one, FAST)
+    return m_new, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
+
+
+@triton.jit
+def _kv4_decode_mma_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
+    # sizes
+    qk_scale, num_kv_heads, num_partitions, partition_size, nibble_mask, nibble_one,
+    # strides (q/out in elements, caches in int32 words; rows are W + 1 words apart)
+    stride_qb, stride_qh, stride_cb, stride_ch, stride_bt, stride_ob, stride_oh,
+    # meta
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, FAST: tl.constexpr,
+):
+    W: tl.constexpr = HEAD_DIM // 8
+    HALF: tl.constexpr = HEAD_DIM // 2
+    tl.static_assert(HEAD_DIM == 128, "the mma decode kernel is written for head_dim 128")
+    tl.static_assert(BLOCK_SIZE % 16 == 0, "the mma decode kernel needs pages of a multiple of 16 tokens")
+    bh = tl.program_id(0)
+    part = tl.program_id(1)
+    b = bh // num_kv_heads
+    kvh = bh % num_kv_heads
+    ctx = tl.load(context_lens_ptr + b)
+    start = part * partition_size
+    end = tl.minimum(start + partition_size, ctx)
+    full_end = start + tl.maximum(end - start, 0) // TILE * TILE
+
+    lane = tl.arange(0, 32)
+    g = lane // 4
+    t = lane % 4
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + kvh * stride_qh
+    q_full = tl.load(q_row + tl.arange(0, HEAD_DIM)).to(tl.float32)
+    q_sum = tl.sum(q_full, axis=0) * qk_scale
+    q_max = tl.max(tl.abs(q_full), axis=0) * qk_scale
+    q_step = tl.where(q_max > 0, q_max / 32512.0, 1.0)  # |q16| <= 32512 keeps the high byte in [-127, 127]
+    inv = qk_scale / q_step
+    qb0 = _query_fragment(q_row, inv, g, t, 0)
+    qb1 = _query_fragment(q_row, inv, g, t, 16)
+    qb2 = _query_fragment(q_row, inv, g, t, 32)
+    qb3 = _query_fragment(q_row, inv, g, t, 48)
+    qb4 = _query_fragment(q_row, inv, g, t, HALF)
+    qb5 = _query_fragment(q_row, inv, g, t, HALF + 16)
+    qb6 = _query_fragment(q_row, inv, g, t, HALF + 32)
+    qb7 = _query_fragment(q_row, inv, g, t, HALF + 48)
+
+    m_i = tl.full([], float("-inf"), tl.float32)
+    zero = tl.zeros((32,), tl.float32)
+    l_p = zero
+    pw_p = zero
+    z_p = zero
+    a0 = zero
+    a1 = zero
+    a2 = zero
+    a3 = zero
+    a4 = zero
+    a5 = zero
+    a6 = zero
+    a7 = zero
+    b0 = zero
+    b1 = zero
+    b2 = zero
+    b3 = zero
+    b4 = zero
+    b5 = zero
+    b6 = zero
+    b7 = zero
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    head_off = kvh * stride_ch
+    mask_lo = nibble_mask
+    mask_hi = nibble_mask << 4
+    one = nibble_one
+    if PREFETCH:
+        # Software pipelining by one tile: tile i + 1's pages and words are in flight during tile
+        # i's math. The prologue's loads are masked (there may be no full tile); the last
+        # iteration reloads the last full tile (cache hits) instead of branching.
+        page0, page1 = _pages(bt_row, start, end, BLOCK_SIZE, True)
+        (k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
+         x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7) = _tile_loads(
+            k_ptr, v_ptr, page0, page1, head_off, start, end, stride_cb, lane, g, t, BLOCK_SIZE, True, W)
+        last_full = tl.maximum(full_end - TILE, start)
+        for n0 in range(start, full_end, TILE):
+            nxt = tl.minimum(n0 + TILE, last_full)
+            page0, page1 = _pages(bt_row, nxt, end, BLOCK_SIZE, False)
+            (nk0, nk1, nk2, nk3, nk4, nk5, nk6, nk7, nj0, nj1, nj2, nj3, nj4, nj5, nj6, nj7, nksz, nvsz,
+             nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, ny0, ny1, ny2, ny3, ny4, ny5, ny6, ny7) = _tile_loads(
+                k_ptr, v_ptr, page0, page1, head_off, nxt, end, stride_cb, lane, g, t, BLOCK_SIZE, False, W)
+            m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _tile_math(
+                k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
+                x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
+                n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
+                m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, False, FAST,
+            )
+            k0, k1, k2, k3, k4, k5, k6, k7 = nk0, nk1, nk2, nk3, nk4, nk5, nk6, nk7
+            j0, j1, j2, j3, j4, j5, j6, j7 = nj0, nj1, nj2, nj3, nj4, nj5, nj6, nj7
+            ksz, vsz = nksz, nvsz
+            x0, x1, x2, x3, x4, x5, x6, x7 = nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7
+            y0, y1, y2, y3, y4, y5, y6, y7 = ny0, ny1, ny2, ny3, ny4, ny5, ny6, ny7
+    else:
+        for n0 in range(start, full_end, TILE):
+            page0, page1 = _pages(bt_row, n0, end, BLOCK_SIZE, False)
+            (k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
+             x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7) = _tile_loads(
+                k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, lane, g, t, BLOCK_SIZE, False, W)
+            m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _tile_math(
+                k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
+                x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
+                n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
+                m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, False, FAST,
+            )
+    for n0 in range(full_end, end, TILE):  # at most one partial tile
+        page0, page1 = _pages(bt_row, n0, end, BLOCK_SIZE, True)
+        (k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
+         x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7) = _tile_loads(
+            k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, lane, g, t, BLOCK_SIZE, True, W)
+        m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _tile_math(
+            k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
+            x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
+            n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
+            m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, True, FAST,
+        )
+
+    l_i = tl.sum(l_p, axis=0)
+    pw_sum = tl.sum(pw_p, axis=0)
+    z_sum = tl.sum(z_p, axis=0)
+    ok = start < ctx  # a partition past the context stores nothing (the reduction never reads it)
+    if SPLIT:
+        idx = bh.to(tl.int64) * num_partitions + part
+        tl.store(part_m_ptr + idx, m_i, mask=ok)
+        tl.store(part_l_ptr + idx, l_i, mask=ok)
+        ok = (lane * 0 + start) < ctx  # per lane, for the plane stores
+        out_row = part_o_ptr + idx * HEAD_DIM
+        denom = 1.0
+    else:
+        out_row = out_ptr + b.to(tl.int64) * stride_ob + kvh * stride_oh
+        denom = tl.where(l_i > 0, l_i, 1.0)
+    w = 2 * (lane % 8)
+    _store_word_planes(out_row, lane, w, a0, a1, a2, a3, a4, a5, a6, a7, pw_sum, z_sum, denom, ok, HALF, FAST, SPLIT)
+    _store_word_planes(out_row, lane, w + 1, b0, b1, b2, b3, b4, b5, b6, b7, pw_sum, z_sum, denom, ok, HALF, FAST, SPLIT)
