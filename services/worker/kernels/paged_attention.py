@@ -117,7 +117,9 @@ def choose_kv4_variant(group: int) -> str:
 # integer scores (session 8): 160.4 -> 143.7 us at batch 64 / context 1536, 487.5 -> 437.2 us at
 # batch 256 / context 1280 (bench/results/h200/attention_points.json). GQA 32/8 at batch 64 /
 # context 1536 (512 programs): partitions of 256 took 107.6-107.9 us in three runs, 512 115-130
-# (bench/results/h200/attention_points_gqa.json).
+# (bench/results/h200/attention_points_gqa.json). Group 1 at head_dim 128 on pages of a multiple of
+# 16 tokens takes the "mma" kernel (session 12, scores on the int8 tensor cores):
+# MMA_GROUP1 below, with the measurements.
 _DEFAULTS = {
     ("kv4", 1): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
                              qk_int16=True, whole_context=True),
@@ -130,10 +132,17 @@ _DEFAULTS = {
 }
 
 
-def default_config(kv4: bool, group: int, head_dim: int) -> DecodeConfig:
-    """The tuned launch for this cache and group size (head_dim 64 uses the head_dim 128 entries)."""
+MMA_GROUP1 = DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
+                          whole_context=True)
+
+
+def default_config(kv4: bool, group: int, head_dim: int, block_size: int = 16) -> DecodeConfig:
+    """The tuned launch for this cache, group size and page size (head_dim 64 uses the head_dim 128
+    entries of the "fma" kernel)."""
     if not kv4:
         return _DEFAULTS[("fp16", 1)]
+    if group == 1 and head_dim == 128 and block_size % 16 == 0:
+        return MMA_GROUP1
     return _DEFAULTS[("kv4", min(triton.next_power_of_2(group), 8))]
 
 
@@ -804,7 +813,7 @@ def paged_decode_attention(
     """
     kv4, kv_heads, group = _check(query, k_cache, v_cache, block_tables, context_lens)
     b, heads, d = query.shape
-    cfg = config or default_config(kv4, group, d)
+    cfg = config or default_config(kv4, group, d, k_cache.shape[2])
     if not kv4 and (cfg.variant != "fma" or cfg.qk_int16):
         raise ValueError(f"the fp16 cache has only the 'fma' kernel without qk_int16, not {cfg}")
     if cfg.variant == "mma" and (group != 1 or d != 128 or k_cache.shape[2] % 16):
