@@ -7,7 +7,7 @@ at a time. With more than one partition per sequence, each program writes its pa
 (max, sum, unnormalized output) and a reduction kernel combines them; with one partition the
 program writes the final fp16 output itself.
 
-Two KV4 kernels, chosen per group size (see choose_kv4_variant):
+Three KV4 kernels, chosen per group size (see default_config):
   * "fma": CUDA-core fp32 math on the page rows read as int32 words (a row is D/8 code words and
     one scale/zero word). Byte i of word w holds dims 4w + i (low nibble) and 4w + i + D/2 (high
     nibble): 8 "planes" per word. One shift puts a byte at bits 15..22 and one AND/OR per nibble
@@ -18,6 +18,9 @@ Two KV4 kernels, chosen per group size (see choose_kv4_variant):
     With qk_int16 the scores are integer sums instead: the query rounded to int16 per head and
     split into high and low bytes meets each code word in four dp4a (4 byte products into int32):
     9 instructions per word where the fp32 planes take 20.
+  * "mma" (paged_attention_mma.py): one query head per KV head at head_dim 128: the scores on the
+    int8 tensor cores (mma.sync, written lane by lane), the value sums as in "fma". The default
+    for that case.
   * "dot": tensor cores (tl.dot) on nibble halves converted to fp16, query heads padded to 16.
     Pays for itself once a KV group has many query heads.
 The fp16 cache has an "fma" kernel of the same structure (fp32 math on fp16 rows).
@@ -103,11 +106,6 @@ def partition_for(cfg: DecodeConfig, programs: int, max_context_len: int, sms: i
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
-
-
-def choose_kv4_variant(group: int) -> str:
-    """CUDA-core math while a KV group has few query heads, tensor cores beyond."""
-    return "fma" if group <= 4 else "dot"
 
 
 # The launch the engine gets, per cache and group size (rounded up to a power of two, at most 8):
