@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels.paged_attention_mma import _kv4_decode_mma_kernel
+from services.worker.kernels.paged_decode_parts import _nibble, _program_span, _scale_zero
 from services.worker.kernels.w4a8_gemv import _dot_chn
 
 LOG2E = 1.4426950408889634
@@ -149,14 +150,6 @@ def default_config(kv4: bool, group: int, head_dim: int, block_size: int = 16) -
 
 
 @triton.jit
-def _scale_zero(words):
-    """(N,) int32 tail words -> fp16 scale (low half) and zero (high half), as fp32."""
-    scale = (words & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    zero = ((words >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return scale, zero
-
-
-@triton.jit
 def _online_softmax(s, m_i, l_i):
     """s (G, N) fp32 scores in log2 units (masked = -inf) -> p, alpha, new max, new sum."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -167,18 +160,6 @@ def _online_softmax(s, m_i, l_i):
 
 # ---------------------------------------------------------------------------------------------
 # KV4, CUDA cores
-
-
-@triton.jit
-def _nibble(x, mask, one):
-    """The nibble under `mask` (bits 15..18 or 19..22) of int32 x as fp32 1 + c * 2^-8 or 1 + c * 2^-4.
-
-    One AND/OR (a LOP3) puts the nibble in the top of the mantissa of 1.0 (`one`): exact, and no
-    int-to-float conversion. The 1 is taken back out through sums of the query (scores) and of
-    the weights (values); with the nibble in the top mantissa bits that subtraction costs only a
-    few bits of fp32.
-    """
-    return ((x & mask) | one).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -408,14 +389,7 @@ def _kv4_decode_fma_kernel(
 ):
     W: tl.constexpr = HEAD_DIM // 8  # int32 code words per row; word W holds scale and zero
     HALF: tl.constexpr = HEAD_DIM // 2
-    bh = tl.program_id(0)
-    part = tl.program_id(1)
-    b = bh // num_kv_heads
-    kvh = bh % num_kv_heads
-    ctx = tl.load(context_lens_ptr + b)
-    start = part * partition_size
-    end = tl.minimum(start + partition_size, ctx)
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    bh, part, b, kvh, ctx, start, end, full_end = _program_span(context_lens_ptr, num_kv_heads, partition_size, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     mask_g = offs_g < GROUP
@@ -592,14 +566,7 @@ def _fp16_decode_fma_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    part = tl.program_id(1)
-    b = bh // num_kv_heads
-    kvh = bh % num_kv_heads
-    ctx = tl.load(context_lens_ptr + b)
-    start = part * partition_size
-    end = tl.minimum(start + partition_size, ctx)
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    bh, part, b, kvh, ctx, start, end, full_end = _program_span(context_lens_ptr, num_kv_heads, partition_size, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     mask_g = offs_g < GROUP
@@ -661,13 +628,7 @@ def _kv4_decode_dot_kernel(
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
-    bh = tl.program_id(0)
-    part = tl.program_id(1)
-    b = bh // num_kv_heads
-    kvh = bh % num_kv_heads
-    ctx = tl.load(context_lens_ptr + b)
-    start = part * partition_size
-    end = tl.minimum(start + partition_size, ctx)
+    bh, part, b, kvh, ctx, start, end, _ = _program_span(context_lens_ptr, num_kv_heads, partition_size, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     mask_g = offs_g < GROUP

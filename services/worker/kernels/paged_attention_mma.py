@@ -34,6 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from services.worker.kernels.paged_decode_parts import _nibble, _program_span, _scale_zero
+
 TILE = tl.constexpr(32)  # tokens per loop iteration: two MMA row groups of 16
 
 
@@ -133,12 +135,6 @@ def _scores16(w0, w1, w2, w3, w4, w5, w6, w7, qb0, qb1, qb2, qb3, qb4, qb5, qb6,
     c0, c1, c2, c3 = _mma((w2 >> 4) & lo, (w6 >> 4) & lo, (w3 >> 4) & lo, (w7 >> 4) & lo, qb6, qb7,
                           c0, c1, c2, c3, FAST)
     return c0 * 256 + c1, c2 * 256 + c3
-
-
-@triton.jit
-def _nibble(x, mask, one):
-    """The nibble under `mask` of int32 x as fp32 1 + c * 2^-k (see paged_attention._nibble)."""
-    return ((x & mask) | one).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -294,10 +290,8 @@ def _tile_math(
     x11 = _shfl(s11, src, FAST)
     score = tl.where(lane < 16, tl.where(lane < 8, x00, x01), tl.where(lane < 24, x10, x11))
 
-    k_scale = (ksz & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    k_zero = ((ksz >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    v_scale = (vsz & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    v_zero = ((vsz >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    k_scale, k_zero = _scale_zero(ksz)
+    v_scale, v_zero = _scale_zero(vsz)
     s = score.to(tl.float32) * q_step * k_scale + q_sum * k_zero  # log2 units
     if MASKED:
         s = tl.where(n0 + lane < end, s, float("-inf"))
@@ -360,14 +354,7 @@ def _kv4_decode_mma_kernel(
     HALF: tl.constexpr = HEAD_DIM // 2
     tl.static_assert(HEAD_DIM == 128, "the mma decode kernel is written for head_dim 128")
     tl.static_assert(BLOCK_SIZE % 16 == 0, "the mma decode kernel needs pages of a multiple of 16 tokens")
-    bh = tl.program_id(0)
-    part = tl.program_id(1)
-    b = bh // num_kv_heads
-    kvh = bh % num_kv_heads
-    ctx = tl.load(context_lens_ptr + b)
-    start = part * partition_size
-    end = tl.minimum(start + partition_size, ctx)
-    full_end = start + tl.maximum(end - start, 0) // TILE * TILE
+    bh, part, b, kvh, ctx, start, end, full_end = _program_span(context_lens_ptr, num_kv_heads, partition_size, TILE)
 
     lane = tl.arange(0, 32)
     g = lane // 4

@@ -1,0 +1,41 @@
+"""Pieces the paged decode attention kernels share (paged_attention.py, paged_attention_mma.py)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _program_span(context_lens_ptr, num_kv_heads, partition_size, BLOCK_N: tl.constexpr):
+    """This program's (sequence * KV head, partition), sequence, KV head, context length, and its
+    tokens [start, end) of which [start, full_end) fill whole BLOCK_N tiles."""
+    bh = tl.program_id(0)
+    part = tl.program_id(1)
+    b = bh // num_kv_heads
+    kvh = bh % num_kv_heads
+    ctx = tl.load(context_lens_ptr + b)
+    start = part * partition_size
+    end = tl.minimum(start + partition_size, ctx)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    return bh, part, b, kvh, ctx, start, end, full_end
+
+
+@triton.jit
+def _scale_zero(words):
+    """(N,) int32 tail words -> fp16 scale (low half) and zero (high half), as fp32."""
+    scale = (words & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    zero = ((words >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return scale, zero
+
+
+@triton.jit
+def _nibble(x, mask, one):
+    """The nibble under `mask` (bits 15..18 or 19..22) of int32 x as fp32 1 + c * 2^-8 or 1 + c * 2^-4.
+
+    One AND/OR (a LOP3) puts the nibble in the top of the mantissa of 1.0 (`one`): exact, and no
+    int-to-float conversion. The 1 is taken back out through sums of the query (scores) and of
+    the weights (values); with the nibble in the top mantissa bits that subtraction costs only a
+    few bits of fp32.
+    """
+    return ((x & mask) | one).to(tl.float32, bitcast=True)
