@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels.paged_attention_mma import _kv4_decode_mma_kernel
-from services.worker.kernels.paged_decode_parts import _nibble, _program_span, _scale_zero
+from services.worker.kernels.paged_decode_parts import _bytes_at_15, _nibble, _program_span, _scale_zero
 from services.worker.kernels.w4a8_gemv import _dot_chn
 
 LOG2E = 1.4426950408889634
@@ -131,8 +131,16 @@ _DEFAULTS = {
 }
 
 
+# Session 12, one H200 run against the "fma" entry above: 134.6 -> 126.3 us at batch 64 / context
+# 1536 and 417.0 -> 374.9 us at batch 256 / context 1280 (bench/results/h200/attention_points_mma.json);
+# 123.3 us, 2.96x SDPA, in bench/results/h200/attention.json.
 MMA_GROUP1 = DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
                           whole_context=True)
+
+
+def _mma_covers(group: int, head_dim: int, block_size: int) -> bool:
+    """The shapes the "mma" kernel is written for (paged_attention_mma.py)."""
+    return group == 1 and head_dim == 128 and block_size % 16 == 0
 
 
 def default_config(kv4: bool, group: int, head_dim: int, block_size: int = 16) -> DecodeConfig:
@@ -140,7 +148,7 @@ def default_config(kv4: bool, group: int, head_dim: int, block_size: int = 16) -
     entries of the "fma" kernel)."""
     if not kv4:
         return _DEFAULTS[("fp16", 1)]
-    if group == 1 and head_dim == 128 and block_size % 16 == 0:
+    if _mma_covers(group, head_dim, block_size):
         return MMA_GROUP1
     return _DEFAULTS[("kv4", min(triton.next_power_of_2(group), 8))]
 
@@ -338,10 +346,7 @@ def _kv4_fma_tile(
         qk = tl.sum(dots, axis=2).to(tl.float32) * q_bias[:, None]
     else:
         # Each byte in turn at bits 15..22; its two nibbles become planes 2 * byte and 2 * byte + 1.
-        x0 = kw << 15
-        x1 = kw << 7
-        x2 = kw >> 1
-        x3 = kw >> 9
+        x0, x1, x2, x3 = _bytes_at_15(kw)
         t = _nibble(x0, mask_lo, one) * q0[:, None, :]  # (G, N, W)
         t += _nibble(x0, mask_hi, one) * q1[:, None, :]
         t += _nibble(x1, mask_lo, one) * q2[:, None, :]
@@ -360,10 +365,7 @@ def _kv4_fma_tile(
     pw = p * v_scale  # (G, N)
     pw_sum = pw_sum * alpha + tl.sum(pw, axis=1)
     acc_z = acc_z * alpha + tl.sum(p * v_zero, axis=1)
-    y0 = vw << 15
-    y1 = vw << 7
-    y2 = vw >> 1
-    y3 = vw >> 9
+    y0, y1, y2, y3 = _bytes_at_15(vw)
     acc0 = _pv_plane(acc0, alpha, pw, _nibble(y0, mask_lo, one))
     acc1 = _pv_plane(acc1, alpha, pw, _nibble(y0, mask_hi, one))
     acc2 = _pv_plane(acc2, alpha, pw, _nibble(y1, mask_lo, one))
@@ -775,7 +777,7 @@ def paged_decode_attention(
     cfg = config or default_config(kv4, group, d, k_cache.shape[2])
     if not kv4 and (cfg.variant != "fma" or cfg.qk_int16):
         raise ValueError(f"the fp16 cache has only the 'fma' kernel without qk_int16, not {cfg}")
-    if cfg.variant == "mma" and (group != 1 or d != 128 or k_cache.shape[2] % 16):
+    if cfg.variant == "mma" and not _mma_covers(group, d, k_cache.shape[2]):
         raise ValueError(f"the 'mma' kernel takes one query head per KV head, head_dim 128 and pages of a multiple "
                          f"of 16 tokens, not group {group}, head_dim {d}, pages of {k_cache.shape[2]}")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from services.worker.kernels.paged_decode_parts import _nibble, _program_span, _scale_zero
+from services.worker.kernels.paged_decode_parts import _bytes_at_15, _nibble, _program_span, _scale_zero
 
 TILE = tl.constexpr(32)  # tokens per loop iteration: two MMA row groups of 16
 
@@ -140,10 +140,7 @@ def _scores16(w0, w1, w2, w3, w4, w5, w6, w7, qb0, qb1, qb2, qb3, qb4, qb5, qb6,
 @triton.jit
 def _pv_word(w, pw, a0, a1, a2, a3, a4, a5, a6, a7, mask_lo, mask_hi, one):
     """The 8 planes of code word w (one token's) times the token's weight pw, added to a0..a7."""
-    x0 = w << 15
-    x1 = w << 7
-    x2 = w >> 1
-    x3 = w >> 9
+    x0, x1, x2, x3 = _bytes_at_15(w)
     a0 += pw * _nibble(x0, mask_lo, one)
     a1 += pw * _nibble(x0, mask_hi, one)
     a2 += pw * _nibble(x1, mask_lo, one)

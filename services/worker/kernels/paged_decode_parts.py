@@ -30,6 +30,13 @@ def _scale_zero(words):
 
 
 @triton.jit
+def _bytes_at_15(w):
+    """Each byte of code words w shifted to bits 15..22, where _nibble reads its two nibbles
+    (byte 0, 1, 2, 3 in turn: planes 2 * byte and 2 * byte + 1)."""
+    return w << 15, w << 7, w >> 1, w >> 9
+
+
+@triton.jit
 def _nibble(x, mask, one):
     """The nibble under `mask` (bits 15..18 or 19..22) of int32 x as fp32 1 + c * 2^-8 or 1 + c * 2^-4.
 
