@@ -51,6 +51,26 @@ def test_decodes_run_before_prefill_chunks_and_budget_is_shared():
     assert out.num_tokens == 6
 
 
+def test_a_prompt_is_cut_only_when_the_step_has_no_prefill_yet():
+    """Two 6-token prompts under a budget of 10: the second does not fit whole behind the first and
+    waits for the next step rather than being cut (its rest would attend row by row)."""
+    sched = Scheduler(BlockManager(64, 4), max_running=4, max_batch_tokens=10)
+    a, b, c = _seq(1, 6), _seq(2, 6), _seq(3, 30)
+    for s in (a, b):
+        sched.add(s)
+    out = _step(sched)
+    assert [(x.seq.seq_id, x.start, x.num_tokens) for x in out.chunks] == [(1, 0, 6)]
+    sched.add(c)
+    out = _step(sched)
+    # a's decode, b whole; c would only fit cut and the step already prefills: it waits.
+    assert [(x.seq.seq_id, x.start, x.num_tokens) for x in out.chunks] == [(1, 6, 1), (2, 0, 6)]
+    out = _step(sched)
+    # Only decodes so far: c is cut to the rest of the budget, and its next chunk continues it.
+    assert [(x.seq.seq_id, x.start, x.num_tokens) for x in out.chunks] == [(1, 7, 1), (2, 6, 1), (3, 0, 8)]
+    out = _step(sched)
+    assert [(x.seq.seq_id, x.start, x.num_tokens) for x in out.chunks] == [(1, 8, 1), (2, 7, 1), (3, 8, 8)]
+
+
 def test_max_running_and_first_come_first_served():
     sched = Scheduler(BlockManager(64, 4), max_running=2, max_batch_tokens=100)
     seqs = [_seq(i, 4) for i in range(1, 5)]

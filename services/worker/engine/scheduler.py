@@ -3,7 +3,10 @@
 Each step has a token budget (max_batch_tokens, the chunked-prefill budget). Running sequences
 go first, decodes (one token each) before prefill chunks so a long prompt cannot stall the tokens
 of sequences already generating; then waiting sequences are admitted in arrival order while the
-budget, the running limit and the free blocks allow. Order is by arrival everywhere (first come,
+budget, the running limit and the free blocks allow. A prompt is cut to the rest of the budget only
+when the step has no prefill tokens yet (a prompt longer than the budget, or one behind many
+decodes): otherwise it waits whole for the next step, because the rest of a cut prompt runs
+through the decode attention kernel one row per token, far dearer than prefill attention. Order is by arrival everywhere (first come,
 first served): a waiting request is never overtaken by a later one, and when blocks run out the
 latest-arrived running sequence is preempted (its blocks freed, its tokens recomputed later).
 """
@@ -75,6 +78,7 @@ class Scheduler:
                 continue
             (decodes if s.num_uncomputed == 1 else prefills).append(s)
         slots_per_block = self.blocks.block_size
+        prefilling = False  # does the step carry prefill tokens yet
         for seq in decodes + prefills:
             if budget == 0:
                 break
@@ -89,10 +93,13 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             scheduled.add(seq.seq_id)
             budget -= n
+            prefilling |= seq.num_uncomputed > 1
         # After a preemption the cache is full: admitting now would only preempt again.
         while not out.preempted and self.waiting and len(self.running) < self.max_running and budget > 0:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed, budget)
+            if n < seq.num_uncomputed and prefilling:
+                break  # waits whole for the next step (see the module docstring)
             # Keep one spare block per running sequence so that admitting does not force the
             # running ones to preempt each other on their next block boundary.
             reserve = len(self.running)
@@ -104,6 +111,7 @@ class Scheduler:
             self.blocks.grow(seq.block_table, n)
             out.chunks.append(ScheduledChunk(seq, 0, n))
             budget -= n
+            prefilling = True
         return out
 
     def on_computed(self, chunk: ScheduledChunk) -> None:
