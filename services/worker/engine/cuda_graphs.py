@@ -52,8 +52,8 @@ class DecodeGraphs:
         # max_context = max_model_len: the decode kernel's partition grid is fixed at capture.
         return StepTensors(
             tokens=self.tokens[:b], positions=self.positions[:b], slots=self.slots[:b],
-            prefill_rows=None, cu_seqlens=None, max_seqlen=0,
-            paged_rows=None, block_tables=self.block_tables[:b], context_lens=self.context_lens[:b],
+            num_prefill=0, cu_seqlens=None, max_seqlen=0,
+            block_tables=self.block_tables[:b], context_lens=self.context_lens[:b],
             max_context=self.max_model_len, logit_rows=None,
         )
 

@@ -28,10 +28,9 @@ class HostStep:
     tokens: np.ndarray  # (T,) int64
     positions: np.ndarray  # (T,) int32
     slots: np.ndarray  # (T,) int64, block * block_size + offset
-    prefill_rows: np.ndarray  # (Tp,) int64 rows of chunks starting at position 0
-    cu_seqlens: np.ndarray  # (Bp + 1,) int32 over those rows
+    num_prefill: int  # rows [0, Tp) are the chunks starting at position 0, rows [Tp, T) attend through the cache
+    cu_seqlens: np.ndarray  # (Bp + 1,) int32 over the prefill rows
     max_seqlen: int
-    paged_rows: np.ndarray  # (Tq,) int64 rows attending through the cache
     block_tables: np.ndarray  # (Tq, max_blocks) int32
     context_lens: np.ndarray  # (Tq,) int32 = position + 1
     max_context: int
@@ -45,10 +44,9 @@ class StepTensors:
     tokens: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
-    prefill_rows: torch.Tensor | None  # None with cu_seqlens set: every row is a prefill row
+    num_prefill: int  # rows [0, num_prefill) are prefill rows, the rest paged
     cu_seqlens: torch.Tensor | None  # None: no prefill rows
     max_seqlen: int
-    paged_rows: torch.Tensor | None  # None with block_tables set: every row is paged
     block_tables: torch.Tensor | None  # None: no paged rows
     context_lens: torch.Tensor | None
     max_context: int
@@ -59,10 +57,14 @@ def build_host_step(batch: StepBatch, block_size: int, max_blocks: int, max_mode
     if batch.is_decode_only:
         return _build_decode_step(batch, block_size, max_blocks, max_model_len)
     tokens, positions, slots, logit_rows = [], [], [], []
-    prefill_rows, cu, paged_rows, tables, ctx = [], [0], [], [], []
+    cu, tables, ctx = [0], [], []
     max_seqlen = max_context = 0
     row = 0
-    for chunk in batch.chunks:
+    # Prefill chunks (from position 0) take the first rows, so that attention splits the step by
+    # slicing rather than by gathering rows; logits still come back in batch order.
+    order = sorted(range(len(batch.chunks)), key=lambda i: batch.chunks[i].start_position != 0)
+    for i in order:
+        chunk = batch.chunks[i]
         n, start = len(chunk.token_ids), chunk.start_position
         if n == 0:
             raise ValueError(f"sequence {chunk.seq_id}: empty chunk")
@@ -82,18 +84,15 @@ def build_host_step(batch: StepBatch, block_size: int, max_blocks: int, max_mode
         tokens.append(np.asarray(chunk.token_ids, dtype=np.int64))
         positions.append(pos)
         slots.append(table[pos // block_size] * block_size + pos % block_size)
-        rows = np.arange(row, row + n, dtype=np.int64)
         if start == 0:
-            prefill_rows.append(rows)
             cu.append(cu[-1] + n)
             max_seqlen = max(max_seqlen, n)
         else:
-            paged_rows.append(rows)
             tables.extend([table] * n)
             ctx.append(pos + 1)
             max_context = max(max_context, start + n)
         if chunk.want_logits:
-            logit_rows.append(row + n - 1)
+            logit_rows.append((i, row + n - 1))
         row += n
     block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
     for i, table in enumerate(tables):
@@ -103,30 +102,27 @@ def build_host_step(batch: StepBatch, block_size: int, max_blocks: int, max_mode
         tokens=cat(tokens, np.int64),
         positions=cat(positions, np.int32),
         slots=cat(slots, np.int64),
-        prefill_rows=cat(prefill_rows, np.int64),
+        num_prefill=cu[-1],
         cu_seqlens=np.asarray(cu, dtype=np.int32),
         max_seqlen=max_seqlen,
-        paged_rows=cat(paged_rows, np.int64),
         block_tables=block_tables,
         context_lens=cat(ctx, np.int32),
         max_context=max_context,
-        logit_rows=np.asarray(logit_rows, dtype=np.int64),
+        logit_rows=np.asarray([r for _, r in sorted(logit_rows)], dtype=np.int64),
     )
 
 
 def to_device(host: HostStep, device: torch.device) -> StepTensors:
     t = lambda a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731
     total = len(host.tokens)
-    has_prefill, has_paged = len(host.prefill_rows) > 0, len(host.paged_rows) > 0
-    mixed = has_prefill and has_paged
+    has_prefill, has_paged = host.num_prefill > 0, host.num_prefill < total
     return StepTensors(
         tokens=t(host.tokens),
         positions=t(host.positions),
         slots=t(host.slots),
-        prefill_rows=t(host.prefill_rows) if mixed else None,
+        num_prefill=host.num_prefill,
         cu_seqlens=t(host.cu_seqlens) if has_prefill else None,
         max_seqlen=host.max_seqlen,
-        paged_rows=t(host.paged_rows) if mixed else None,
         block_tables=t(host.block_tables) if has_paged else None,
         context_lens=t(host.context_lens) if has_paged else None,
         max_context=host.max_context,
@@ -162,10 +158,9 @@ def _build_decode_step(batch: StepBatch, block_size: int, max_blocks: int, max_m
         tokens=tokens,
         positions=positions.astype(np.int32),
         slots=slots,
-        prefill_rows=np.zeros(0, np.int64),
+        num_prefill=0,
         cu_seqlens=np.zeros(1, np.int32),
         max_seqlen=0,
-        paged_rows=rows,
         block_tables=block_tables,
         context_lens=(positions + 1).astype(np.int32),
         max_context=int(positions.max()) + 1,

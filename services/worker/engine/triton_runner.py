@@ -257,11 +257,11 @@ class TritonRunner:
             out = self._paged(i, q_rot, st)
         else:
             out = torch.empty((t, heads, d), dtype=torch.float16, device=qkv.device)
-            pre, paged = st.prefill_rows, st.paged_rows
-            out[pre] = prefill_attention.prefill_attention(
-                q_rot[pre], rotated[pre, heads:], v[pre], st.cu_seqlens, max_seqlen=st.max_seqlen
+            n = st.num_prefill  # prefill rows first (build_host_step): slices, no row gathers
+            out[:n] = prefill_attention.prefill_attention(
+                q_rot[:n], rotated[:n, heads:], v[:n], st.cu_seqlens, max_seqlen=st.max_seqlen
             )
-            out[paged] = self._paged(i, q_rot[paged], st)
+            out[n:] = self._paged(i, q_rot[n:], st)
         return out.reshape(t, c.q_size)
 
     def _paged(self, i: int, q: torch.Tensor, st: StepTensors) -> torch.Tensor:
