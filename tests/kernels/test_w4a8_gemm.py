@@ -81,6 +81,18 @@ def test_split_k_slices_sum_exactly(variant: gemm.GemmVariant):
         _assert_matches(y, ref, variant)
 
 
+def test_split_factor_rules(monkeypatch):
+    monkeypatch.setattr(gemm, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    # About 3 programs per SM: 32 x 4 tiles of 128 x 64 at M = 256, N = 4096.
+    assert gemm.split_factor(gemm.get_variant("chn.n128m64.sk"), 256, 4096, 11008, cpu) == 3
+    capped = gemm.get_variant("chn.n128m128.sk.r128")  # two CTAs per SM: at most one wave of 264
+    assert gemm.split_factor(capped, 256, 4096, 11008, cpu) == 4  # 64 tiles -> 256 programs
+    assert gemm.split_factor(capped, 256, 12288, 4096, cpu) == 1  # 192 tiles already fill most of it
+    assert gemm.split_factor(capped, 16, 4096, 1024, cpu) == 2  # 32 tiles would take 8; 8 groups allow 2
+    assert gemm.split_factor(gemm.get_variant("chn.n128m128.r128"), 16, 4096, 4096, cpu) == 1  # not a split variant
+
+
 @pytest.mark.parametrize("variant", [v for v in gemm.VARIANTS if v.kind == "w4g128p"], ids=lambda v: v.name)
 def test_g128_full_int8_weight_range(variant: gemm.GemmVariant):
     m, n, k = min(9, variant.max_m or 9), 67, 384

@@ -451,12 +451,21 @@ def _num_sms(device: torch.device) -> int:
 
 
 def split_factor(variant: GemmVariant, M: int, N: int, K: int, device: torch.device) -> int:
-    """How many K slices: about 3 programs per SM in all (H200 sweep), each slice >= 4 groups."""
+    """How many K slices, each >= 4 groups: about 3 programs per SM in all (H200 sweep).
+
+    Under a 128-register cap (two 8-warp CTAs per SM) the slices instead fill at most one wave of
+    two programs per SM: at 4096x11008 M=256, 64 tiles of 128 x 128 split 4 ways (256 programs)
+    took 30.6 us on the H200, split 6 ways (the 3-per-SM rule) 38.5 us, and at 12288x4096 the
+    rule's split 2 of 192 tiles was slower than none (gemm_tail_split_experiment.json).
+    """
     if not variant.split_k:
         return 1
     tiles = triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n)
     groups = K // GROUP_SIZE
-    want = (3 * _num_sms(device) + tiles // 2) // tiles
+    if variant.maxnreg is not None and variant.maxnreg <= 128:
+        want = 2 * _num_sms(device) // tiles
+    else:
+        want = (3 * _num_sms(device) + tiles // 2) // tiles
     return max(1, min(want, groups // 4))
 
 
