@@ -109,9 +109,16 @@ def _errors(reference, tokens, got) -> dict[tuple[int, int], float]:
 
 
 @pytest.mark.parametrize("fmt", list(TOLERANCE))
-def test_chunked_prefill_and_decode_match_reference(tiny_artifacts, fmt):
+def test_chunked_prefill_and_decode_match_reference(tiny_artifacts, fmt, monkeypatch):
+    from services.worker.kernels import paged_prefill_attention as ppa
+
+    chunked_calls = []
+    real = ppa.paged_prefill_attention
+    monkeypatch.setattr(ppa, "paged_prefill_attention", lambda *a, **k: chunked_calls.append(a[0].shape[0]) or real(*a, **k))
     reader = ArtifactReader(tiny_artifacts[fmt])
     tokens, got = _run_steps(reader)
+    # The cached-prefix chunks (4 and 5 rows, steps 2 and 3) went through the chunk kernel, per layer.
+    assert chunked_calls == [4, 4, 5, 5]
     for (s, pos), err in _errors(artifact_model(reader), tokens, got).items():
         assert err < TOLERANCE[fmt], f"{fmt} seq {s} position {pos}: relative error {err:.2e}"
 

@@ -1,13 +1,15 @@
 """A StepBatch turned into the index tensors one forward step needs (built on the host, copied once).
 
-Rows are the batch's tokens in batch order. Attention splits them two ways:
+Rows are the batch's tokens grouped by how they attend (logits still come back in batch order):
 
 * chunks starting at position 0 attend only to themselves: causal varlen prefill attention over
   the chunk's own fp16 K/V (`cu_seqlens`);
-* every other row (a decode token, or a prompt chunk continuing a cached prefix) attends through
-  the paged cache, as one paged-decode query per row whose context is its position + 1: the cache
-  already holds this step's K/V when attention runs, so causality within the chunk comes from the
-  per-row context length.
+* prompt chunks of 2+ tokens continuing a cached prefix attend through the paged cache, a chunk at
+  a time (`chunk_cu`, `chunk_starts`, `chunk_tables`: paged_prefill_attention.py);
+* decode tokens (and 1-token continuations) attend through the paged cache one query per row, whose
+  context is its position + 1 (`block_tables`, `context_lens`).
+The cache already holds this step's K/V when attention runs, so causality within a continuing
+chunk comes from the positions.
 """
 
 from __future__ import annotations
@@ -28,13 +30,18 @@ class HostStep:
     tokens: np.ndarray  # (T,) int64
     positions: np.ndarray  # (T,) int32
     slots: np.ndarray  # (T,) int64, block * block_size + offset
-    num_prefill: int  # rows [0, Tp) are the chunks starting at position 0, rows [Tp, T) attend through the cache
+    num_prefill: int  # rows [0, Tp) are the chunks starting at position 0
     cu_seqlens: np.ndarray  # (Bp + 1,) int32 over the prefill rows
     max_seqlen: int
-    block_tables: np.ndarray  # (Tq, max_blocks) int32
+    block_tables: np.ndarray  # (Tq, max_blocks) int32, the decode rows [Tp + Tc, T)
     context_lens: np.ndarray  # (Tq,) int32 = position + 1
     max_context: int
     logit_rows: np.ndarray  # (n,) int64 rows whose logits are returned
+    num_chunked: int = 0  # rows [Tp, Tp + Tc): chunks continuing a cached prefix
+    chunk_cu: np.ndarray | None = None  # (Bc + 1,) int32 over those rows
+    chunk_starts: np.ndarray | None = None  # (Bc,) int32 first position of each
+    chunk_tables: np.ndarray | None = None  # (Bc, max_blocks) int32
+    max_chunk: int = 0
 
 
 @dataclass(slots=True)
@@ -44,13 +51,18 @@ class StepTensors:
     tokens: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
-    num_prefill: int  # rows [0, num_prefill) are prefill rows, the rest paged
+    num_prefill: int  # rows [0, num_prefill) are prefill rows
     cu_seqlens: torch.Tensor | None  # None: no prefill rows
     max_seqlen: int
-    block_tables: torch.Tensor | None  # None: no paged rows
+    block_tables: torch.Tensor | None  # None: no decode rows
     context_lens: torch.Tensor | None
     max_context: int
     logit_rows: torch.Tensor | None  # None: every row
+    num_chunked: int = 0  # then rows [num_prefill, num_prefill + num_chunked) of continuing chunks
+    chunk_cu: torch.Tensor | None = None  # None: no such rows
+    chunk_starts: torch.Tensor | None = None
+    chunk_tables: torch.Tensor | None = None
+    max_chunk: int = 0
 
 
 def build_host_step(batch: StepBatch, block_size: int, max_blocks: int, max_model_len: int) -> HostStep:
@@ -58,11 +70,16 @@ def build_host_step(batch: StepBatch, block_size: int, max_blocks: int, max_mode
         return _build_decode_step(batch, block_size, max_blocks, max_model_len)
     tokens, positions, slots, logit_rows = [], [], [], []
     cu, tables, ctx = [0], [], []
-    max_seqlen = max_context = 0
+    chunk_cu, chunk_starts, chunk_tables = [0], [], []
+    max_seqlen = max_context = max_chunk = 0
     row = 0
-    # Prefill chunks (from position 0) take the first rows, so that attention splits the step by
-    # slicing rather than by gathering rows; logits still come back in batch order.
-    order = sorted(range(len(batch.chunks)), key=lambda i: batch.chunks[i].start_position != 0)
+    # Rows grouped by attention path (prefill, continuing chunks, decode), so that attention splits
+    # the step by slicing rather than by gathering rows.
+    def path(i: int) -> int:
+        chunk = batch.chunks[i]
+        return 0 if chunk.start_position == 0 else 1 if len(chunk.token_ids) > 1 else 2
+
+    order = sorted(range(len(batch.chunks)), key=path)
     for i in order:
         chunk = batch.chunks[i]
         n, start = len(chunk.token_ids), chunk.start_position
@@ -87,16 +104,18 @@ def build_host_step(batch: StepBatch, block_size: int, max_blocks: int, max_mode
         if start == 0:
             cu.append(cu[-1] + n)
             max_seqlen = max(max_seqlen, n)
+        elif n > 1:
+            chunk_cu.append(chunk_cu[-1] + n)
+            chunk_starts.append(start)
+            chunk_tables.append(table)
+            max_chunk = max(max_chunk, n)
         else:
-            tables.extend([table] * n)
+            tables.append(table)
             ctx.append(pos + 1)
-            max_context = max(max_context, start + n)
+            max_context = max(max_context, start + 1)
         if chunk.want_logits:
             logit_rows.append((i, row + n - 1))
         row += n
-    block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
-    for i, table in enumerate(tables):
-        block_tables[i, : len(table)] = table
     cat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
     return HostStep(
         tokens=cat(tokens, np.int64),
@@ -105,17 +124,30 @@ def build_host_step(batch: StepBatch, block_size: int, max_blocks: int, max_mode
         num_prefill=cu[-1],
         cu_seqlens=np.asarray(cu, dtype=np.int32),
         max_seqlen=max_seqlen,
-        block_tables=block_tables,
+        block_tables=_table_rows(tables, max_blocks),
         context_lens=cat(ctx, np.int32),
         max_context=max_context,
         logit_rows=np.asarray([r for _, r in sorted(logit_rows)], dtype=np.int64),
+        num_chunked=chunk_cu[-1],
+        chunk_cu=np.asarray(chunk_cu, dtype=np.int32),
+        chunk_starts=np.asarray(chunk_starts, dtype=np.int32),
+        chunk_tables=_table_rows(chunk_tables, max_blocks),
+        max_chunk=max_chunk,
     )
+
+
+def _table_rows(tables: list[np.ndarray], max_blocks: int) -> np.ndarray:
+    out = np.zeros((len(tables), max_blocks), dtype=np.int32)
+    for i, table in enumerate(tables):
+        out[i, : len(table)] = table
+    return out
 
 
 def to_device(host: HostStep, device: torch.device) -> StepTensors:
     t = lambda a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731
     total = len(host.tokens)
-    has_prefill, has_paged = host.num_prefill > 0, host.num_prefill < total
+    has_prefill, has_chunked = host.num_prefill > 0, host.num_chunked > 0
+    has_paged = host.num_prefill + host.num_chunked < total
     return StepTensors(
         tokens=t(host.tokens),
         positions=t(host.positions),
@@ -127,6 +159,11 @@ def to_device(host: HostStep, device: torch.device) -> StepTensors:
         context_lens=t(host.context_lens) if has_paged else None,
         max_context=host.max_context,
         logit_rows=None if len(host.logit_rows) == total and (host.logit_rows == np.arange(total)).all() else t(host.logit_rows),
+        num_chunked=host.num_chunked,
+        chunk_cu=t(host.chunk_cu) if has_chunked else None,
+        chunk_starts=t(host.chunk_starts) if has_chunked else None,
+        chunk_tables=t(host.chunk_tables) if has_chunked else None,
+        max_chunk=host.max_chunk,
     )
 
 

@@ -4,8 +4,8 @@ Per layer, on the fp16 residual stream x (T, H):
 
     (x += previous down) + rmsnorm_quant -> W4A8 GEMM qkv -> RoPE + KV4 cache write (q rotated
       in the same launch)
-      -> attention: varlen prefill over the chunk's own K/V (chunks at position 0), or paged
-         decode attention over the cache (decode tokens, chunks continuing a cached prefix)
+      -> attention: varlen prefill over the chunk's own K/V (chunks at position 0), paged prefill
+         over the cache (chunks continuing a cached prefix), or paged decode attention (decode tokens)
       -> quantize -> W4A8 GEMM o ; (x += o) + rmsnorm_quant -> W4A8 GEMM gate_up
       -> silu_mul_quant -> W4A8 GEMM down (added to x by the next layer's norm kernel)
 
@@ -40,7 +40,7 @@ from services.worker.engine.gpu_weights import LayerWeights, load_weights
 from services.worker.engine.kernel_policy import GemmPolicy
 from services.worker.engine.runner import StepBatch, resolve_token_ids
 from services.worker.engine.step_inputs import StepTensors, build_host_step, to_device
-from services.worker.kernels import kv4_cache, paged_attention, prefill_attention, w4a8_gemm
+from services.worker.kernels import kv4_cache, paged_attention, paged_prefill_attention, prefill_attention, w4a8_gemm
 from services.worker.kernels.attention_reference import build_rope_cache
 from shared.formats.kv4 import page_row_bytes
 from shared.model.config import LlamaConfig
@@ -251,17 +251,26 @@ class TritonRunner:
         rotated = write(k, v, st.positions, st.slots, self.rope_cache, self.k_cache[i], self.v_cache[i], query=query,
                         **ranges)
         q_rot = rotated[:, :heads]  # (T, heads, D) fp16
-        if st.block_tables is None:  # every row is a prefill row
-            out = prefill_attention.prefill_attention(q_rot, rotated[:, heads:], v, st.cu_seqlens, max_seqlen=st.max_seqlen)
-        elif st.cu_seqlens is None:  # every row attends through the cache
-            out = self._paged(i, q_rot, st)
-        else:
-            out = torch.empty((t, heads, d), dtype=torch.float16, device=qkv.device)
-            n = st.num_prefill  # prefill rows first (build_host_step): slices, no row gathers
-            out[:n] = prefill_attention.prefill_attention(
-                q_rot[:n], rotated[:n, heads:], v[:n], st.cu_seqlens, max_seqlen=st.max_seqlen
+        # Rows come grouped (build_host_step): prefill [0, p), continuing chunks [p, p + n), decode rows.
+        p, n = st.num_prefill, st.num_chunked
+        if p == t:
+            return prefill_attention.prefill_attention(
+                q_rot, rotated[:, heads:], v, st.cu_seqlens, max_seqlen=st.max_seqlen
+            ).reshape(t, c.q_size)
+        if p + n == 0:
+            return self._paged(i, q_rot, st).reshape(t, c.q_size)
+        out = torch.empty((t, heads, d), dtype=torch.float16, device=qkv.device)
+        if p:
+            out[:p] = prefill_attention.prefill_attention(
+                q_rot[:p], rotated[:p, heads:], v[:p], st.cu_seqlens, max_seqlen=st.max_seqlen
             )
-            out[n:] = self._paged(i, q_rot[n:], st)
+        if n:
+            out[p : p + n] = paged_prefill_attention.paged_prefill_attention(
+                q_rot[p : p + n], self.k_cache[i], self.v_cache[i], st.chunk_cu, st.chunk_starts, st.chunk_tables,
+                max_seqlen=st.max_chunk,
+            )
+        if p + n < t:
+            out[p + n :] = self._paged(i, q_rot[p + n :], st)
         return out.reshape(t, c.q_size)
 
     def _paged(self, i: int, q: torch.Tensor, st: StepTensors) -> torch.Tensor:

@@ -144,3 +144,28 @@ def prefill_reference(
         q, k, v = (x[start:end].float().transpose(0, 1) for x in (query, key, value))
         out[start:end] = _attend(q, k, v, scale, causal=True).transpose(0, 1)
     return out.to(query.dtype)
+
+
+def paged_prefill_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    starts: torch.Tensor,
+    block_tables: torch.Tensor,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Chunks continuing cached prefixes (paged_prefill_attention.py): row i of chunk b, at position
+    starts[b] + i, attends to cache positions [0, starts[b] + i]; fp32 math, query's dtype out."""
+    d = query.shape[-1]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    out = torch.zeros_like(query, dtype=torch.float32)
+    bounds = cu_seqlens.tolist()
+    for b, (first, last) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if last == first:
+            continue
+        length = int(starts[b]) + last - first
+        k = gather_sequence(k_cache, block_tables[b], length)
+        v = gather_sequence(v_cache, block_tables[b], length)
+        out[first:last] = _attend(query[first:last].float().transpose(0, 1), k, v, scale, causal=True).transpose(0, 1)
+    return out.to(query.dtype)
