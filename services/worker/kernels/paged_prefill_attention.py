@@ -35,10 +35,10 @@ from services.worker.kernels.prefill_attention import LOG2E, PrefillConfig, defa
 
 
 @triton.jit
-def _key_halves(c_ptr, tail_ptr, bt_ptr, kvh, offs_n, mask_n, offs_h,
+def _row_halves(c_ptr, tail_ptr, bt_ptr, kvh, offs_n, mask_n, offs_h,
                 stride_cb, stride_ch, stride_cs, stride_tb, stride_th, stride_ts,
                 HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV4: tl.constexpr):
-    """Cache rows of positions offs_n (BLOCK_N,) of one KV head -> dims [0, HALF) and [HALF, D) fp16."""
+    """K or V cache rows of positions offs_n (BLOCK_N,) of one KV head -> dims [0, HALF) and [HALF, D) fp16."""
     page = tl.load(bt_ptr + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
     slot = offs_n % BLOCK_SIZE
     row = page * stride_cb + kvh * stride_ch + slot * stride_cs
@@ -95,7 +95,7 @@ def _paged_prefill_kernel(
         for n0 in range(0, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            k_lo, k_hi = _key_halves(k_ptr, k_tail_ptr, bt_ptr, kvh, offs_n, mask_n, offs_h,
+            k_lo, k_hi = _row_halves(k_ptr, k_tail_ptr, bt_ptr, kvh, offs_n, mask_n, offs_h,
                                      stride_cb, stride_ch, stride_cs, stride_tb, stride_th, stride_ts,
                                      HALF, BLOCK_SIZE, KV4)
             s = (tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))) * qk_scale
@@ -106,7 +106,7 @@ def _paged_prefill_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v_lo, v_hi = _key_halves(v_ptr, v_tail_ptr, bt_ptr, kvh, offs_n, mask_n, offs_h,
+            v_lo, v_hi = _row_halves(v_ptr, v_tail_ptr, bt_ptr, kvh, offs_n, mask_n, offs_h,
                                      stride_cb, stride_ch, stride_cs, stride_tb, stride_th, stride_ts,
                                      HALF, BLOCK_SIZE, KV4)
             p16 = p.to(tl.float16)
@@ -141,7 +141,8 @@ def paged_prefill_attention(
         raise ValueError(f"query must be (T, heads, D) fp16, contiguous in D; got {tuple(query.shape)} {query.dtype}")
     total, heads, d = query.shape
     kv4 = k_cache.dtype == torch.uint8
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or v_cache.stride() != k_cache.stride():
+        # one set of strides addresses both caches
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be alike 4-d pages")
     kv_heads, block_size, row = k_cache.shape[1:]
     if row != (d // 2 + 4 if kv4 else d) or (not kv4 and k_cache.dtype != torch.float16):
@@ -157,7 +158,6 @@ def paged_prefill_attention(
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise ValueError(f"block_tables must be ({batch}, max_blocks) int32, got {tuple(block_tables.shape)}")
     cfg = config or default_prefill_config(d)
-    block_n = max(cfg.block_n, 16)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     out = torch.empty_like(query)
     if total == 0 or batch == 0 or max_seqlen == 0:
@@ -170,7 +170,7 @@ def paged_prefill_attention(
         query, k_cache, v_cache, k_tail, v_tail, cu_seqlens, starts, block_tables, out, scale * LOG2E,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_tail.stride(0), k_tail.stride(1), k_tail.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=heads // kv_heads, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_N=block_n, KV4=kv4,
+        GROUP=heads // kv_heads, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KV4=kv4,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
