@@ -5,6 +5,12 @@ rounding error onto the columns not yet rounded, weighted by the inverse Hessian
 calibration inputs (H = X^T X), so the layer output, not the weights, stays close. The grids
 are those of shared.quant.weights; group parameters are taken from the error-updated weights
 when each group of 128 starts, with the group's searched clip ratio.
+
+Once every code is fixed, each row's own fp16 scale (s1 of the progressive format, the per-channel
+scale) is refitted by least squares in the same metric: the codes' rounding errors are not zero-mean
+along a row once errors have been pushed onto later columns and clipped, and one free scalar per
+row takes out the part of the output error parallel to the row (fixture, 2 CPU cores, session 14:
+g128 5.1148 -> 5.1083, chn 5.1340 -> 5.1306, all else default).
 """
 
 from __future__ import annotations
@@ -95,6 +101,28 @@ class _Grid:
             self._group_params[g] = (self.s2[:, g].float(), self.zero[:, g].float(), q_lo, q_hi, self.s1.float())
         return self._group_params[g]
 
+    def refit_row_scales(self, w: torch.Tensor, h: torch.Tensor) -> None:
+        """Each row's scale c minimizing (w - c u) H (w - c u)^T for its fixed integer row u:
+        c = w H u^T / u H u^T (rows with u H u^T = 0, all-zero codes, keep theirs). Only the
+        formats whose row scale is a free fp16 number; the codes and group parameters stay."""
+        if self.kind == "w4g128p":
+            zero = self.zero.float().repeat_interleave(GROUP_SIZE, 1)
+            u = (self.codes.float() - zero) * self.s2.float().repeat_interleave(GROUP_SIZE, 1)
+            old = self.s1
+        elif self.kind == "w4chn":
+            u = self.codes.float() - self.zero.float()[:, None]
+            old = self.scale
+        else:
+            return
+        uh = u @ h
+        num = ((w @ h) * u).sum(1)
+        den = (uh * u).sum(1)
+        fitted = torch.where(den > 0, num / den.clamp_min(torch.finfo(torch.float32).tiny), old.float()).half()
+        if self.kind == "w4g128p":
+            self.s1 = fitted
+        else:
+            self.scale = fitted
+
     def packed(self) -> PackedWeight:
         if self.kind == "w4g128p":
             return W4G128ProgressiveWeight(qweight=pack_codes(self.codes), s1=self.s1, s2=self.s2, zero=self.zero)
@@ -115,6 +143,7 @@ def gptq_quantize(
     fixed up front from the original weights, since groups are no longer visited in order.
     """
     w = w.float().clone()
+    target = w.clone()  # the weights the refit of row scales aims at (w is error-updated below)
     n, k = w.shape
     h = hessian.double().clone()
     dead = torch.diagonal(h) == 0
@@ -148,4 +177,5 @@ def gptq_quantize(
             w_blk[:, i:] -= err[:, None] * h_blk[i, i:][None, :]
             err_blk[:, i] = err
         w[:, end:] -= err_blk @ hinv[start:end, end:]
+    grid.refit_row_scales(target, hessian.float())
     return grid.packed()

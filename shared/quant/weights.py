@@ -22,6 +22,11 @@ from shared.formats.weights import (
 UINT4_MAX = 15
 
 
+# The smallest positive fp16 (a subnormal): a floor applied after the cast, so an all-zero row gets a
+# nonzero scale (1e-8 before the cast rounded to 0 and its zero point became 0 / 0 = NaN).
+FP16_SMALLEST = 2.0**-24
+
+
 def _ratio(clip: torch.Tensor | None, shape: tuple[int, ...], device) -> torch.Tensor:
     if clip is None:
         return torch.ones(shape, device=device)
@@ -42,7 +47,7 @@ def quantize_w8(w: torch.Tensor, clip: torch.Tensor | None = None) -> W8Weight:
 
 def int8_channel_scale(w: torch.Tensor, ratio) -> torch.Tensor:
     """(N,) fp16 symmetric int8 scale of each row of w (N, K), its range shrunk by ratio."""
-    return (w.abs().amax(dim=1) * ratio / 127).clamp_min(1e-8).half()
+    return (w.abs().amax(dim=1) * ratio / 127).half().clamp_min(FP16_SMALLEST)
 
 
 def progressive_group_params(groups: torch.Tensor, ratio) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +65,7 @@ def asymmetric_uint4_params(groups: torch.Tensor, ratio) -> tuple[torch.Tensor, 
     """groups (..., n) fp32 -> fp16 scale and integer zero in [0, 15] (fp32), 0 inside the range."""
     lo = groups.amin(dim=-1).clamp(max=0) * ratio
     hi = groups.amax(dim=-1).clamp(min=0) * ratio
-    scale = ((hi - lo) / UINT4_MAX).clamp_min(1e-8).half()
+    scale = ((hi - lo) / UINT4_MAX).half().clamp_min(FP16_SMALLEST)
     return scale, torch.round(-lo / scale.float()).clamp_(0, UINT4_MAX)
 
 
@@ -70,7 +75,7 @@ def progressive_level1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns w8 (N, K) int16 holding values in the protective range, and s1 (N,) fp16.
     """
     w = w.float()
-    s1 = (w.abs().amax(dim=1) / PROTECTIVE_RANGE).clamp_min(1e-8).half()
+    s1 = (w.abs().amax(dim=1) / PROTECTIVE_RANGE).half().clamp_min(FP16_SMALLEST)
     w8 = torch.round(w / s1.float()[:, None]).clamp_(-PROTECTIVE_RANGE, PROTECTIVE_RANGE)
     return w8.to(torch.int16), s1
 

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
+
 # Adding and subtracting 1.5 * 2^23 rounds an fp32 |v| < 2^22 to the nearest integer, ties to
 # even (torch.round's rule); the interpreter has no libdevice rint.
 _ROUND_MAGIC = tl.constexpr(12582912.0)
@@ -77,6 +79,7 @@ def _act_quant_kernel(
     K, eps,
     stride_im, stride_qm, stride_am,
     OP: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, ADD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One row per program. OP 0: x (M, K); OP 1: rms_norm(x) * w; OP 2: silu(gate) * up of [gate | up] (M, 2K).
 
@@ -89,6 +92,7 @@ def _act_quant_kernel(
     cost. Otherwise chunks of BLOCK: [sum of squares,] absmax, then quantize, the later passes
     re-reading the row from L2/L1, so a row of any width runs with few warps.
     """
+    _overlap_entry(PDL)  # the next kernel (a GEMM) may launch and prefetch its weights meanwhile
     row = tl.program_id(0)
     in_row = in_ptr + row * stride_im
     x8_row = x8_ptr + row * stride_qm
@@ -176,6 +180,7 @@ def _launch(op: int, src: torch.Tensor, weight: torch.Tensor | None, k: int, eps
             k, eps,
             src.stride(0), x8.stride(0), 0 if add is None else add.stride(0),
             OP=op, BLOCK=block, ONE_PASS=one_pass, ADD=add is not None, num_warps=num_warps,
+            **launch_kwargs(src.device, m),
         )
     return x8, scale, rowsum
 

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
+
 from services.worker.kernels.attention_reference import build_rope_cache  # noqa: F401  (re-exported)
 from shared.formats.kv4 import FULL_KV_RANGE, page_row_bytes, range_margin
 
@@ -87,8 +89,10 @@ def _rope_cache_write_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_H: tl.constexpr, QUANTIZE: tl.constexpr, ROTATE_QUERY: tl.constexpr, K_SHRINK: tl.constexpr,
     V_SHRINK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Token tl.program_id(0), KV heads [BLOCK_H * tl.program_id(1), + BLOCK_H) (the last tile masked)."""
+    _overlap_entry(PDL)
     tok = tl.program_id(0)
     h0 = tl.program_id(1) * BLOCK_H
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -205,7 +209,7 @@ def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, q
         QUANTIZE=quantize, ROTATE_QUERY=query is not None, K_SHRINK=kv_range[0] != 1.0, V_SHRINK=kv_range[1] != 1.0,
         # No FMA contraction: x * cos - y * sin rounds each product as torch does, so the rotated
         # fp16 key, and with it the KV4 row, is bit-identical to the reference.
-        num_warps=max(1, min(4, block_h * block_g * d // 1024)), enable_fp_fusion=False,
+        num_warps=max(1, min(4, block_h * block_g * d // 1024)), enable_fp_fusion=False, **launch_kwargs(key.device, t),
     )
     return query_out
 

@@ -44,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
+
 from services.worker.kernels.paged_attention_mma import _kv4_decode_mma_kernel
 from services.worker.kernels.paged_decode_parts import _bytes_at_15, _nibble, _program_span, _scale_zero
 from services.worker.kernels.w4a8_gemv import _dot_chn
@@ -388,7 +390,9 @@ def _kv4_decode_fma_kernel(
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, QK_INT: tl.constexpr, FAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _overlap_entry(PDL)
     W: tl.constexpr = HEAD_DIM // 8  # int32 code words per row; word W holds scale and zero
     HALF: tl.constexpr = HEAD_DIM // 2
     bh, part, b, kvh, ctx, start, end, full_end = _program_span(context_lens_ptr, num_kv_heads, partition_size, BLOCK_N)
@@ -567,7 +571,9 @@ def _fp16_decode_fma_kernel(
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _overlap_entry(PDL)
     bh, part, b, kvh, ctx, start, end, full_end = _program_span(context_lens_ptr, num_kv_heads, partition_size, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -628,7 +634,9 @@ def _kv4_decode_dot_kernel(
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _overlap_entry(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     bh, part, b, kvh, ctx, start, end, _ = _program_span(context_lens_ptr, num_kv_heads, partition_size, BLOCK_N)
 
@@ -694,7 +702,9 @@ def _reduce_partitions_kernel(
     part_m_ptr, part_l_ptr, part_o_ptr, context_lens_ptr, out_ptr,
     num_heads, num_partitions, partition_size, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _overlap_entry(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(context_lens_ptr + b)
@@ -799,7 +809,7 @@ def paged_decode_attention(
     common = dict(
         GROUP=group, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], BLOCK_N=cfg.block_n,
         SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **launch_kwargs(query.device, b),
     )
     sizes = (scale * LOG2E, kv_heads, num_partitions, partition_size)
     if not kv4:
@@ -828,6 +838,7 @@ def paged_decode_attention(
             block_tables.stride(0), out.stride(0), out.stride(1),
             HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], SPLIT=split, PREFETCH=cfg.prefetch, FAST=query.is_cuda, num_warps=1,
             num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+            **launch_kwargs(query.device, b),
         )
     else:
         _kv4_decode_dot_kernel[grid](
@@ -840,6 +851,6 @@ def paged_decode_attention(
     if split:
         _reduce_partitions_kernel[(b, heads)](
             part_m, part_l, part_o, context_lens, out, heads, num_partitions, partition_size,
-            out.stride(0), out.stride(1), HEAD_DIM=d, num_warps=1,
+            out.stride(0), out.stride(1), HEAD_DIM=d, num_warps=1, **launch_kwargs(query.device, b),
         )
     return out

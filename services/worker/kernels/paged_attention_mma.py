@@ -34,6 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from services.worker.kernels.launch_overlap import _overlap_entry
+
 from services.worker.kernels.paged_decode_parts import _bytes_at_15, _nibble, _program_span, _scale_zero
 
 TILE = tl.constexpr(32)  # tokens per loop iteration: two MMA row groups of 16
@@ -346,7 +348,9 @@ def _kv4_decode_mma_kernel(
     stride_qb, stride_qh, stride_cb, stride_ch, stride_bt, stride_ob, stride_oh,
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, FAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _overlap_entry(PDL)
     W: tl.constexpr = HEAD_DIM // 8
     HALF: tl.constexpr = HEAD_DIM // 2
     tl.static_assert(HEAD_DIM == 128, "the mma decode kernel is written for head_dim 128")

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
+
 from services.worker.kernels.paged_decode_parts import _scale_zero
 from services.worker.kernels.prefill_attention import LOG2E, PrefillConfig, default_prefill_config
 
@@ -66,7 +68,9 @@ def _paged_prefill_kernel(
     # meta
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, KV4: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _overlap_entry(PDL)
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -171,6 +175,6 @@ def paged_prefill_attention(
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_tail.stride(0), k_tail.stride(1), k_tail.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=heads // kv_heads, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KV4=kv4,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(query.device, total),
     )
     return out

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
+
 LOG2E = 1.4426950408889634
 
 
@@ -58,7 +60,9 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     # meta
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _overlap_entry(PDL)
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -160,6 +164,6 @@ def prefill_attention(
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         out.stride(0), out.stride(1),
         GROUP=heads // kv_heads, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(query.device, total),
     )
     return out

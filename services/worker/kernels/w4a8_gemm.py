@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
 from services.worker.kernels.swar_ptx import SWAR_REGISTERS, high_plane, low_plane, swar_plane, swar_setup
 from services.worker.kernels.w4a8_gemv import _w4a8_gemv_kernel
 from shared.formats.weights import GROUP_SIZE, W4ChannelWeight, W4G128ProgressiveWeight
@@ -82,9 +83,10 @@ def _split_k_epilogue_kernel(
     # strides
     stride_om, stride_on,
     # meta
-    HAS_ROWSUM: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_ROWSUM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """out[m, n] = (sum_s ws[s, m, n] [- rowsum[m] * zero[n]]) * sx[m] * col_scale[n], flat over M * N."""
+    _overlap_entry(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     m = offs // N
@@ -147,6 +149,7 @@ def _w4a8_g128_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     ZERO_AFTER_DOT: tl.constexpr, DOT_FP16: tl.constexpr, SWAR: tl.constexpr, USE_SPLIT: tl.constexpr,
     FAST_UNPACK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """acc (BLOCK_N, BLOCK_M) int32 = sum over groups of ((q - z) * s2) @ x8^T; fp16 out."""
     pid_n, pid_m = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -165,6 +168,7 @@ def _w4a8_g128_kernel(
     x_ptrs = x_ptr + rm[None, :] * stride_xm + (g_start * 2 * HALF_K + offs_h)[:, None] * stride_xk  # (64, BM) i8
     s2_ptrs = s2_ptr + rn * stride_sn + g_start * stride_sg  # (BN,) u8
     z_ptrs = zero_ptr + rn * stride_sn + g_start * stride_sg
+    _overlap_entry(PDL)
     if DOT_FP16:
         acc_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x-major: mma.sync, both operands in registers
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
@@ -232,6 +236,7 @@ def _w4a8_channel_kernel(
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ROWSUM: tl.constexpr, DOT_FP16: tl.constexpr, USE_SPLIT: tl.constexpr, FAST_UNPACK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """acc (BLOCK_N, BLOCK_M) int32 = q @ x8^T on the raw codes; the zero term in the epilogue.
 
@@ -251,6 +256,7 @@ def _w4a8_channel_kernel(
     g_end = min(g_start + GROUPS_PER_SPLIT, K // (2 * HALF_K))
     w_ptrs = qw_ptr + rn[:, None] * stride_qn + (g_start * HALF_K + offs_h)[None, :] * stride_qk
     x_ptrs = x_ptr + rm[None, :] * stride_xm + (g_start * 2 * HALF_K + offs_h)[:, None] * stride_xk
+    _overlap_entry(PDL)
     if DOT_FP16:
         acc_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x-major: mma.sync, both operands in registers
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
@@ -503,7 +509,7 @@ def _split_k_epilogue(ws, split, sx, col_scale, zero, rowsum, out) -> None:
         ws, sx, col_scale, zero, sx if rowsum is None else rowsum, out,
         M, N, split,
         out.stride(0), out.stride(1),
-        HAS_ROWSUM=rowsum is not None, BLOCK=block, num_warps=4,
+        HAS_ROWSUM=rowsum is not None, BLOCK=block, num_warps=4, **launch_kwargs(out.device, M),
     )
 
 
@@ -537,7 +543,8 @@ def w4a8_g128_gemm(
         out.stride(0), out.stride(1),
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
         ZERO_AFTER_DOT=variant.zero_after_dot, DOT_FP16=variant.dot_fp16, SWAR=variant.swar,
-        USE_SPLIT=split > 1, FAST_UNPACK=x8.is_cuda, **variant.launch_options,
+        USE_SPLIT=split > 1, FAST_UNPACK=x8.is_cuda,
+        **variant.launch_options, **launch_kwargs(x8.device, M),
     )
     if split > 1:
         _split_k_epilogue(ws, split, sx, s1, s1, None, out)
@@ -582,6 +589,7 @@ def w4a8_channel_gemm(
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
         HAS_ROWSUM=rowsum is not None, DOT_FP16=variant.dot_fp16, USE_SPLIT=split > 1,
         FAST_UNPACK=x8.is_cuda, **variant.launch_options,
+        **launch_kwargs(x8.device, M),
     )
     if split > 1:
         _split_k_epilogue(ws, split, sx, scale, zero, rowsum, out)
@@ -634,7 +642,7 @@ def w4a8_gemv(
         x32.stride(0), qw32.stride(0), s2.stride(0), out.stride(0), out.stride(1),
         G128=g128, HAS_ROWSUM=rowsum is not None, BLOCK_N=variant.block_n, BLOCK_M=variant.block_m,
         GROUPS_PER_STEP=variant.groups_per_step, USE_SPLIT=split > 1, FAST=x8.is_cuda,
-        **variant.launch_options,
+        **variant.launch_options, **launch_kwargs(x8.device, M),
     )
     if split > 1:
         if g128:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from services.worker.kernels.launch_overlap import _overlap_entry
+
 
 @triton.jit
 def _byte(v, b: tl.constexpr):
@@ -109,6 +111,7 @@ def _w4a8_gemv_kernel(
     # meta
     G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     GROUPS_PER_STEP: tl.constexpr, USE_SPLIT: tl.constexpr, FAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """acc (BLOCK_N, BLOCK_M) int32 over this program's K slice; BLOCK_M >= M (one program covers M).
 
@@ -125,6 +128,7 @@ def _w4a8_gemv_kernel(
     mask_m = offs_m < M
     g_start = pid_k * GROUPS_PER_SPLIT
     g_end = min(g_start + GROUPS_PER_SPLIT, K // 128)
+    _overlap_entry(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M, C), dtype=tl.int32)
     x_sum = tl.zeros((BLOCK_M, C), dtype=tl.int32)
     # Software pipelining by one step: the next step's loads are issued before this step's math,
