@@ -71,7 +71,7 @@ def chain(layers, best, kind, x, norm_w, m):
     return x
 
 
-def decode_steps(fmt: str, batches: list[int], context: int, settings) -> list[dict]:
+def decode_steps(fmt: str, batches: list[int], context: int) -> list[dict]:
     import torch
     from triton.testing import do_bench
 
@@ -93,7 +93,7 @@ def decode_steps(fmt: str, batches: list[int], context: int, settings) -> list[d
         st = to_device(build_host_step(StepBatch(chunks), runner.block_size, runner.max_blocks, max_len), dev)
         row = {"format": fmt, "batch": batch, "context": context, "ms_per_step": {}, "bit_exact": {}}
         want = None
-        for pdl in settings:
+        for pdl in SETTINGS:
             os.environ["QSERVE_PDL"] = pdl
             for _ in range(2):
                 runner._forward(st)  # compile outside the capture
@@ -133,7 +133,7 @@ def main() -> None:
 
     dev = torch.device("cuda")
     best = json.loads((REPO / "bench/results/h200/kernels.json").read_text())["best_variant"]
-    result = {"command": "python3 " + " ".join(sys.argv), "machine": gpu_machine(torch.device("cuda")), "settings": SETTINGS,
+    result = {"command": "python3 " + " ".join(sys.argv), "machine": gpu_machine(dev), "settings": SETTINGS,
               "timing": "median of do_bench over CUDA-graph replays (L2 cleared before each) of LAYERS layers, per layer",
               "runs": [], "checks": []}
     t0 = time.perf_counter()
@@ -164,8 +164,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             result["runs"].append(row)
     for fmt in filter(None, a.decode.split(",")):
-        result["runs"] += decode_steps(fmt, [int(b) for b in a.batches.split(",")], a.context,
-                                       SETTINGS)
+        result["runs"] += decode_steps(fmt, [int(b) for b in a.batches.split(",")], a.context)
     exact = all(all(r["bit_exact"].values()) for r in result["runs"])
     result["checks"].append({"name": "every setting's graph output equals the PDL-off output bit for bit",
                              "value": exact, "target": True, "op": "==", "met": exact})

@@ -92,7 +92,7 @@ def _act_quant_kernel(
     cost. Otherwise chunks of BLOCK: [sum of squares,] absmax, then quantize, the later passes
     re-reading the row from L2/L1, so a row of any width runs with few warps.
     """
-    _overlap_entry(PDL)  # the next kernel (a GEMM) may launch and prefetch its weights meanwhile
+    _overlap_entry(PDL)  # the next kernel (a GEMM) may launch meanwhile (single-row launches)
     row = tl.program_id(0)
     in_row = in_ptr + row * stride_im
     x8_row = x8_ptr + row * stride_qm

@@ -24,9 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
-
 from services.worker.kernels.attention_reference import build_rope_cache  # noqa: F401  (re-exported)
+from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
 from shared.formats.kv4 import FULL_KV_RANGE, page_row_bytes, range_margin
 
 __all__ = ["build_rope_cache", "write_fp16_cache", "write_kv4_cache"]

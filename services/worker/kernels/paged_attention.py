@@ -45,7 +45,6 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
-
 from services.worker.kernels.paged_attention_mma import _kv4_decode_mma_kernel
 from services.worker.kernels.paged_decode_parts import _bytes_at_15, _nibble, _program_span, _scale_zero
 from services.worker.kernels.w4a8_gemv import _dot_chn

@@ -35,7 +35,6 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels.launch_overlap import _overlap_entry
-
 from services.worker.kernels.paged_decode_parts import _bytes_at_15, _nibble, _program_span, _scale_zero
 
 TILE = tl.constexpr(32)  # tokens per loop iteration: two MMA row groups of 16

@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
-
 from services.worker.kernels.paged_decode_parts import _scale_zero
 from services.worker.kernels.prefill_attention import LOG2E, PrefillConfig, default_prefill_config
 
