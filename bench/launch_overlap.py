@@ -5,8 +5,9 @@
 A decode layer's small-M chain, as the runner launches it: rmsnorm_quant -> W4A8 GEMM (qkv, N x 4096)
 -> quantize -> GEMM (o, 4096 x 4096) -> rmsnorm_quant(add) -> GEMM (gate_up) -> silu_mul_quant ->
 GEMM (down), LAYERS times, captured in one CUDA graph per setting and timed like bench/kernels.py
-(do_bench median over replays, L2 cleared before each). Settings: PDL off / on (QSERVE_PDL, read
-at each launch; on means the launcher's rule, PDL for launches of at most PDL_MAX_ROWS rows).
+(do_bench median over replays, L2 cleared before each). Settings (--settings, named in SETTINGS):
+"off" (QSERVE_PDL=0), "shipped" (the launcher's rule) and the trigger positions of
+launch_overlap.py on every launch ("early_all", "after_wait_all", "late_all"), all read at each launch.
 Each setting's graph output must equal the eager, PDL-off output bit for bit (a race between a
 kernel and the one before it would show here). GEMM variants: kernels.json's best_variant.
 
@@ -30,7 +31,22 @@ sys.path.insert(0, str(REPO))
 from bench.machine import gpu_machine  # noqa: E402
 
 HIDDEN, FFN = 4096, 11008
-SETTINGS = ["0", "1"]  # QSERVE_PDL
+# Named launch settings: the environment each one sets (launch_overlap.py reads it at every launch).
+EVERY_ROW = "1000000"
+SETTINGS = {
+    "off": {"QSERVE_PDL": "0"},
+    "shipped": {},  # the launcher's own rule
+    "early_all": {"QSERVE_PDL_MAX_ROWS": EVERY_ROW, "QSERVE_PDL_TRIGGER": "early"},
+    "after_wait_all": {"QSERVE_PDL_MAX_ROWS": EVERY_ROW, "QSERVE_PDL_TRIGGER": "after_wait"},
+    "late_all": {"QSERVE_PDL_MAX_ROWS": EVERY_ROW, "QSERVE_PDL_TRIGGER": "late"},
+}
+PDL_ENV = ("QSERVE_PDL", "QSERVE_PDL_MAX_ROWS", "QSERVE_PDL_TRIGGER")
+
+
+def use_setting(name: str) -> None:
+    for key in PDL_ENV:
+        os.environ.pop(key, None)
+    os.environ.update(SETTINGS[name])
 
 
 def _layer_weights(kind: str, dev, seed: int):
@@ -71,7 +87,7 @@ def chain(layers, best, kind, x, norm_w, m):
     return x
 
 
-def decode_steps(fmt: str, batches: list[int], context: int) -> list[dict]:
+def decode_steps(fmt: str, batches: list[int], context: int, settings: list[str]) -> list[dict]:
     import torch
     from triton.testing import do_bench
 
@@ -93,8 +109,8 @@ def decode_steps(fmt: str, batches: list[int], context: int) -> list[dict]:
         st = to_device(build_host_step(StepBatch(chunks), runner.block_size, runner.max_blocks, max_len), dev)
         row = {"format": fmt, "batch": batch, "context": context, "ms_per_step": {}, "bit_exact": {}}
         want = None
-        for pdl in SETTINGS:
-            os.environ["QSERVE_PDL"] = pdl
+        for name in settings:
+            use_setting(name)
             for _ in range(2):
                 runner._forward(st)  # compile outside the capture
             torch.cuda.synchronize()
@@ -103,7 +119,7 @@ def decode_steps(fmt: str, batches: list[int], context: int) -> list[dict]:
                 logits = runner._forward(st)
             graph.replay()
             torch.cuda.synchronize()
-            key = f"pdl{pdl}"
+            key = name
             want = logits.clone() if want is None else want
             row["bit_exact"][key] = bool(torch.equal(logits, want))
             row["ms_per_step"][key] = round(do_bench(graph.replay, warmup=25, rep=200, return_mode="median"), 4)
@@ -124,7 +140,12 @@ def main() -> None:
     p.add_argument("--decode", default="", help="formats of whole decode steps, e.g. w4a8kv4-chn,w4a8kv4-g128")
     p.add_argument("--batches", default="1,16,64,256")
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--settings", default="off,shipped", help=f"comma list of {', '.join(SETTINGS)} (the first is the base)")
     a = p.parse_args()
+    settings = a.settings.split(",")
+    unknown = set(settings) - set(SETTINGS)
+    if unknown:
+        p.error(f"unknown settings {sorted(unknown)}; known: {', '.join(SETTINGS)}")
 
     import torch
     from triton.testing import do_bench
@@ -133,7 +154,7 @@ def main() -> None:
 
     dev = torch.device("cuda")
     best = json.loads((REPO / "bench/results/h200/kernels.json").read_text())["best_variant"]
-    result = {"command": "python3 " + " ".join(sys.argv), "machine": gpu_machine(dev), "settings": SETTINGS,
+    result = {"command": "python3 " + " ".join(sys.argv), "machine": gpu_machine(dev), "settings": {name: SETTINGS[name] for name in settings},
               "timing": "median of do_bench over CUDA-graph replays (L2 cleared before each) of LAYERS layers, per layer",
               "runs": [], "checks": []}
     t0 = time.perf_counter()
@@ -143,11 +164,11 @@ def main() -> None:
         norm_w = torch.rand(HIDDEN, device=dev, dtype=torch.float16) + 0.5
         for m in map(int, a.ms.split(",")):
             x0 = torch.randn(m, HIDDEN, device=dev, dtype=torch.float16)
-            os.environ["QSERVE_PDL"] = "0"
+            use_setting("off")
             want = chain(layers, best, kind, x0.clone(), norm_w, m)
             row = {"kind": kind, "M": m, "us_per_layer": {}, "bit_exact": {}}
-            for pdl in SETTINGS:
-                os.environ["QSERVE_PDL"] = pdl
+            for name in settings:
+                use_setting(name)
                 x = x0.clone()
                 chain(layers, best, kind, x.clone(), norm_w, m)  # compile outside the capture
                 torch.cuda.synchronize()
@@ -156,15 +177,15 @@ def main() -> None:
                     y = chain(layers, best, kind, x, norm_w, m)
                 graph.replay()
                 torch.cuda.synchronize()
-                key = f"pdl{pdl}"
+                key = name
                 row["bit_exact"][key] = bool(torch.equal(y, want))
                 row["us_per_layer"][key] = round(do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3 / a.layers, 2)
-            base = row["us_per_layer"]["pdl0"]
-            row["speedup_vs_off"] = {k: round(base / v, 3) for k, v in row["us_per_layer"].items()}
+            base = row["us_per_layer"][settings[0]]
+            row["speedup_vs_first"] = {k: round(base / v, 3) for k, v in row["us_per_layer"].items()}
             print(json.dumps(row), flush=True)
             result["runs"].append(row)
     for fmt in filter(None, a.decode.split(",")):
-        result["runs"] += decode_steps(fmt, [int(b) for b in a.batches.split(",")], a.context)
+        result["runs"] += decode_steps(fmt, [int(b) for b in a.batches.split(",")], a.context, settings)
     exact = all(all(r["bit_exact"].values()) for r in result["runs"])
     result["checks"].append({"name": "every setting's graph output equals the PDL-off output bit for bit",
                              "value": exact, "target": True, "op": "==", "met": exact})

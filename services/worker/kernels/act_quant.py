@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
+from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 
 # Adding and subtracting 1.5 * 2^23 rounds an fp32 |v| < 2^22 to the nearest integer, ties to
 # even (torch.round's rule); the interpreter has no libdevice rint.
@@ -79,7 +79,7 @@ def _act_quant_kernel(
     K, eps,
     stride_im, stride_qm, stride_am,
     OP: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, ADD: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """One row per program. OP 0: x (M, K); OP 1: rms_norm(x) * w; OP 2: silu(gate) * up of [gate | up] (M, 2K).
 
@@ -92,7 +92,7 @@ def _act_quant_kernel(
     cost. Otherwise chunks of BLOCK: [sum of squares,] absmax, then quantize, the later passes
     re-reading the row from L2/L1, so a row of any width runs with few warps.
     """
-    _overlap_entry(PDL)  # the next kernel (a GEMM) may launch meanwhile (single-row launches)
+    _overlap_entry(PDL)
     row = tl.program_id(0)
     in_row = in_ptr + row * stride_im
     x8_row = x8_ptr + row * stride_qm
@@ -137,6 +137,7 @@ def _act_quant_kernel(
             mask = offs < K
             sums += _quantize_store(_values(in_row, w_ptr, offs, mask, K, inv_rms, OP), inv_scale, x8_row, offs, mask)
         rowsum = tl.sum(sums, axis=0)
+    _overlap_release(PDL)
     tl.store(scale_ptr + row, scale)
     tl.store(rowsum_ptr + row, rowsum)
 

@@ -88,7 +88,7 @@ def _rope_cache_write_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_H: tl.constexpr, QUANTIZE: tl.constexpr, ROTATE_QUERY: tl.constexpr, K_SHRINK: tl.constexpr,
     V_SHRINK: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Token tl.program_id(0), KV heads [BLOCK_H * tl.program_id(1), + BLOCK_H) (the last tile masked)."""
     _overlap_entry(PDL)

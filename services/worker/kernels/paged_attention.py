@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
+from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 from services.worker.kernels.paged_attention_mma import _kv4_decode_mma_kernel
 from services.worker.kernels.paged_decode_parts import _bytes_at_15, _nibble, _program_span, _scale_zero
 from services.worker.kernels.w4a8_gemv import _dot_chn
@@ -389,7 +389,7 @@ def _kv4_decode_fma_kernel(
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, QK_INT: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     _overlap_entry(PDL)
     W: tl.constexpr = HEAD_DIM // 8  # int32 code words per row; word W holds scale and zero
@@ -474,6 +474,7 @@ def _kv4_decode_fma_kernel(
             kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
             m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, True, QK_INT, FAST,
         )
+    _overlap_release(PDL)
 
     out_rows, denom, valid = _epilogue_rows(
         b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
@@ -570,7 +571,7 @@ def _fp16_decode_fma_kernel(
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     _overlap_entry(PDL)
     bh, part, b, kvh, ctx, start, end, full_end = _program_span(context_lens_ptr, num_kv_heads, partition_size, BLOCK_N)
@@ -597,6 +598,7 @@ def _fp16_decode_fma_kernel(
             k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, stride_cs, offs_d, q, m_i, l_i, acc,
             BLOCK_SIZE, BLOCK_N, True,
         )
+    _overlap_release(PDL)
 
     out_rows, denom, valid = _epilogue_rows(
         b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
@@ -633,7 +635,7 @@ def _kv4_decode_dot_kernel(
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     _overlap_entry(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -675,6 +677,7 @@ def _kv4_decode_dot_kernel(
         acc_z = acc_z * alpha + tl.sum(p * v_zero[None, :], axis=1)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(pw, _nibbles_f16(vb & 0xF))
         acc_hi = acc_hi * alpha[:, None] + tl.dot(pw, _nibbles_f16(vb >> 4))
+    _overlap_release(PDL)
 
     out_rows, denom, valid = _epilogue_rows(
         b, bh, offs_g, heads, mask_g, part, start, ctx, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
@@ -701,7 +704,7 @@ def _reduce_partitions_kernel(
     part_m_ptr, part_l_ptr, part_o_ptr, context_lens_ptr, out_ptr,
     num_heads, num_partitions, partition_size, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     _overlap_entry(PDL)
     b = tl.program_id(0)

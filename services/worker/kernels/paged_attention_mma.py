@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from services.worker.kernels.launch_overlap import _overlap_entry
+from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release
 from services.worker.kernels.paged_decode_parts import _bytes_at_15, _nibble, _program_span, _scale_zero
 
 TILE = tl.constexpr(32)  # tokens per loop iteration: two MMA row groups of 16
@@ -347,7 +347,7 @@ def _kv4_decode_mma_kernel(
     stride_qb, stride_qh, stride_cb, stride_ch, stride_bt, stride_ob, stride_oh,
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     _overlap_entry(PDL)
     W: tl.constexpr = HEAD_DIM // 8
@@ -449,6 +449,7 @@ def _kv4_decode_mma_kernel(
             n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
             m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, True, FAST,
         )
+    _overlap_release(PDL)
 
     l_i = tl.sum(l_p, axis=0)
     pw_sum = tl.sum(pw_p, axis=0)

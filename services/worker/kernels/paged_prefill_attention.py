@@ -67,7 +67,7 @@ def _paged_prefill_kernel(
     # meta
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, KV4: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     _overlap_entry(PDL)
     m_block = tl.program_id(0)

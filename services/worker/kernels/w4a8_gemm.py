@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
+from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 from services.worker.kernels.swar_ptx import SWAR_REGISTERS, high_plane, low_plane, swar_plane, swar_setup
 from services.worker.kernels.w4a8_gemv import _w4a8_gemv_kernel
 from shared.formats.weights import GROUP_SIZE, W4ChannelWeight, W4G128ProgressiveWeight
@@ -83,7 +83,7 @@ def _split_k_epilogue_kernel(
     # strides
     stride_om, stride_on,
     # meta
-    HAS_ROWSUM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_ROWSUM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """out[m, n] = (sum_s ws[s, m, n] [- rowsum[m] * zero[n]]) * sx[m] * col_scale[n], flat over M * N."""
     _overlap_entry(PDL)
@@ -149,7 +149,7 @@ def _w4a8_g128_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     ZERO_AFTER_DOT: tl.constexpr, DOT_FP16: tl.constexpr, SWAR: tl.constexpr, USE_SPLIT: tl.constexpr,
     FAST_UNPACK: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """acc (BLOCK_N, BLOCK_M) int32 = sum over groups of ((q - z) * s2) @ x8^T; fp16 out."""
     pid_n, pid_m = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -213,6 +213,7 @@ def _w4a8_g128_kernel(
         z_ptrs += stride_sg
         s2 = s2_next
         z = z_next
+    _overlap_release(PDL)
     if DOT_FP16:
         acc = tl.trans(acc_f).to(tl.int32)  # integer-valued: fp32 holds these sums exactly below 2^24
     if USE_SPLIT:
@@ -236,7 +237,7 @@ def _w4a8_channel_kernel(
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ROWSUM: tl.constexpr, DOT_FP16: tl.constexpr, USE_SPLIT: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """acc (BLOCK_N, BLOCK_M) int32 = q @ x8^T on the raw codes; the zero term in the epilogue.
 
@@ -276,6 +277,7 @@ def _w4a8_channel_kernel(
             x_sum += tl.sum(x_lo.to(tl.int32), axis=0) + tl.sum(x_hi.to(tl.int32), axis=0)
         w_ptrs += HALF_K * stride_qk
         x_ptrs += 2 * HALF_K * stride_xk
+    _overlap_release(PDL)
     if DOT_FP16:
         acc = tl.trans(acc_f).to(tl.int32)
     zero = tl.load(zero_ptr + rn).to(tl.float32)  # (BN,) integers in [0, 15]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from services.worker.kernels.launch_overlap import _overlap_entry
+from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release
 
 
 @triton.jit
@@ -111,7 +111,7 @@ def _w4a8_gemv_kernel(
     # meta
     G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     GROUPS_PER_STEP: tl.constexpr, USE_SPLIT: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """acc (BLOCK_N, BLOCK_M) int32 over this program's K slice; BLOCK_M >= M (one program covers M).
 
@@ -153,6 +153,7 @@ def _w4a8_gemv_kernel(
             if not HAS_ROWSUM:
                 x_sum = _byte_sum(x_hi, _byte_sum(x_lo, x_sum, FAST), FAST)
         w, x_lo, x_hi, s2, z = w_n, x_lo_n, x_hi_n, s2_n, z_n
+    _overlap_release(PDL)
     total = tl.sum(acc, axis=2)  # (BN, BM)
     if not G128:
         zero = tl.load(zero_ptr + rn).to(tl.float32)  # (BN,) integers in [0, 15]
