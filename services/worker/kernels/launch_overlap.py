@@ -85,7 +85,8 @@ def launch_kwargs(device: torch.device, rows: int) -> dict:
 
 @triton.jit
 def _overlap_entry(PDL: tl.constexpr):
-    """Wait for the previous kernel, and let the next one launch (early / after_wait; see the module docstring)."""
+    """Wait for the previous kernel, and let the next one launch (early / after_wait; see the module docstring).
+    PDL is a value of PDL_TRIGGERS: 1 early, 2 after_wait, 3 late (_overlap_release), 0 off."""
     if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
     if PDL != 0:
