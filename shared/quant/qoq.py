@@ -44,7 +44,9 @@ class Captured:
     k_sub: torch.Tensor  # (S, kv_heads, D) pre-RoPE keys of the subsampled tokens
     v_sub: torch.Tensor  # (S, kv_heads, D) values of the subsampled tokens
     positions: torch.Tensor  # (S,) their positions
-    hessians: dict[str, torch.Tensor]  # per linear: sum of x^T x over every calibration token (K, K)
+    # Per linear: sum of x^T x over every calibration token (K, K). Empty when input-error
+    # compensation is on: it builds each linear's Hessian from the quantized block's inputs instead.
+    hessians: dict[str, torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -55,9 +57,10 @@ class QuantizedBlock:
 
 
 def capture(
-    config: LlamaConfig, work: WorkBlock, x: torch.Tensor, cos, sin, token_idx: torch.Tensor
+    config: LlamaConfig, work: WorkBlock, x: torch.Tensor, cos, sin, token_idx: torch.Tensor, with_hessians: bool = True
 ) -> tuple[Captured, torch.Tensor]:
-    """Runs the fp block over x (N, T, H); returns captures and the block output (N, T, H)."""
+    """Runs the fp block over x (N, T, H); returns captures and the block output (N, T, H).
+    with_hessians False skips the fp Hessians (a tenth of quantizing, unused under compensation)."""
     block = work.as_fp_block()
     outs, subs = [], {"o_in": [], "down_in": []}
     inputs = dict(zip(("qkv_in", "o_in", "gate_up_in", "down_in"), BLOCK_LINEARS))  # capture key -> linear
@@ -83,6 +86,8 @@ def capture(
             flat = cap[name].reshape(-1, cap[name].shape[-1])
             if name in subs:
                 subs[name].append(flat[local])
+            if not with_hessians:
+                continue
             xtx = flat.t() @ flat
             hessians[linear] = hessians[linear] + xtx if linear in hessians else xtx
     captured = Captured(
@@ -118,7 +123,7 @@ def quantize_block(
     norms = {"attn_norm": work.attn_norm, "mlp_norm": work.mlp_norm}
     if x is None:
         return QuantizedBlock(norms, {n: quantize(getattr(work, n)) for n in BLOCK_LINEARS}), None
-    cap, out = capture(config, work, x, cos, sin, token_idx)
+    cap, out = capture(config, work, x, cos, sin, token_idx, with_hessians=not options.compensate_inputs)
 
     if options.smooth_attention and spec.kv_bits == 4:
         if options.smooth_attention_search:
@@ -131,11 +136,13 @@ def quantize_block(
         apply_o_smoothing(config, work, s)
         cap.o_in = cap.o_in / s
         cap.v_sub = cap.v_sub / s.view(config.num_kv_heads, config.group_size, config.head_dim)[:, 0]
-        cap.hessians["o"] = cap.hessians["o"] / s[:, None] / s[None, :]
+        if cap.hessians:
+            cap.hessians["o"] = cap.hessians["o"] / s[:, None] / s[None, :]
         s = search_scales(cap.down_in, work.down, kind, bits)
         apply_down_smoothing(work, s)
         cap.down_in = cap.down_in / s
-        cap.hessians["down"] = cap.hessians["down"] / s[:, None] / s[None, :]
+        if cap.hessians:
+            cap.hessians["down"] = cap.hessians["down"] / s[:, None] / s[None, :]
     kv_range = FULL_KV_RANGE  # K keeps its full range: see shared/quant/kv_range.py
     if options.kv_range_search and spec.kv_bits == 4:
         kv_range = (1.0, search_value_ratio(cap.v_sub, value_channel_weights(config, work.o)))
@@ -143,12 +150,13 @@ def quantize_block(
         perm = salience_order(cap.down_in)
         apply_down_reorder(work, perm)
         cap.down_in = cap.down_in[:, perm]
-        cap.hessians["down"] = cap.hessians["down"][perm][:, perm]
+        if cap.hessians:
+            cap.hessians["down"] = cap.hessians["down"][perm][:, perm]
 
     ratios = candidate_ratios(options.clip_min_ratio, options.clip_steps)
     linears, dequantized = {}, {}
     for name in BLOCK_LINEARS:
-        w, hessian = getattr(work, name), cap.hessians[name]
+        w, hessian = getattr(work, name), cap.hessians.get(name)
         if options.compensate_inputs:
             # The quantized block's own input to this linear, fitted to the fp block's output of it.
             hessian, cross = quantized_inputs_for(
