@@ -119,10 +119,9 @@ def decode_steps(fmt: str, batches: list[int], context: int, settings: list[str]
                 logits = runner._forward(st)
             graph.replay()
             torch.cuda.synchronize()
-            key = name
             want = logits.clone() if want is None else want
-            row["bit_exact"][key] = bool(torch.equal(logits, want))
-            row["ms_per_step"][key] = round(do_bench(graph.replay, warmup=25, rep=200, return_mode="median"), 4)
+            row["bit_exact"][name] = bool(torch.equal(logits, want))
+            row["ms_per_step"][name] = round(do_bench(graph.replay, warmup=25, rep=200, return_mode="median"), 4)
             del graph
         base = next(iter(row["ms_per_step"].values()))
         row["speedup_vs_first"] = {k: round(base / v, 4) for k, v in row["ms_per_step"].items()}
@@ -177,9 +176,8 @@ def main() -> None:
                     y = chain(layers, best, kind, x, norm_w, m)
                 graph.replay()
                 torch.cuda.synchronize()
-                key = name
-                row["bit_exact"][key] = bool(torch.equal(y, want))
-                row["us_per_layer"][key] = round(do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3 / a.layers, 2)
+                row["bit_exact"][name] = bool(torch.equal(y, want))
+                row["us_per_layer"][name] = round(do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3 / a.layers, 2)
             base = row["us_per_layer"][settings[0]]
             row["speedup_vs_first"] = {k: round(base / v, 3) for k, v in row["us_per_layer"].items()}
             print(json.dumps(row), flush=True)

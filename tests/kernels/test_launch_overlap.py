@@ -10,7 +10,7 @@ from services.worker.kernels.launch_overlap import (
     PDL_MAX_ROWS,
     PDL_TRIGGERS,
     launch_kwargs,
-    pdl_enabled,
+    pdl_mode,
 )
 
 CUDA = torch.device("cuda", 0)
@@ -26,7 +26,7 @@ def hopper(monkeypatch):
 
 
 def test_off_the_gpu_nothing_is_added():
-    assert not pdl_enabled(torch.device("cpu"), 1)
+    assert pdl_mode(torch.device("cpu"), 1) == 0
     assert launch_kwargs(torch.device("cpu"), 1) == {"PDL": 0}
 
 
@@ -43,7 +43,7 @@ def test_switched_off_or_before_hopper_no_pdl(hopper):
     assert launch_kwargs(CUDA, 1) == {"PDL": 0}
     hopper.delenv("QSERVE_PDL")
     hopper.setattr(launch_overlap, "_pdl_supported", lambda index: False)
-    assert not pdl_enabled(CUDA, 1)
+    assert pdl_mode(CUDA, 1) == 0
 
 
 def test_environment_overrides_the_rule_for_benchmarks(hopper):

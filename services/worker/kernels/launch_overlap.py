@@ -71,11 +71,6 @@ def pdl_mode(device: torch.device, rows: int) -> int:
     return PDL_TRIGGERS[trigger]
 
 
-def pdl_enabled(device: torch.device, rows: int) -> bool:
-    """Whether a launch of `rows` rows on this device carries the programmatic-dependent-launch attribute."""
-    return pdl_mode(device, rows) != 0
-
-
 def launch_kwargs(device: torch.device, rows: int) -> dict:
     """Extra keyword arguments for a Triton launch of `rows` rows: the kernel's PDL mode, and the
     launch attribute where it is not 0."""

@@ -808,10 +808,11 @@ def paged_decode_attention(
     else:
         part_m = part_l = part_o = out  # unused
     grid = (b * kv_heads, num_partitions)
+    overlap = launch_kwargs(query.device, b)  # every launch below has the batch's rows
     common = dict(
         GROUP=group, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], BLOCK_N=cfg.block_n,
         SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **launch_kwargs(query.device, b),
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **overlap,
     )
     sizes = (scale * LOG2E, kv_heads, num_partitions, partition_size)
     if not kv4:
@@ -840,7 +841,7 @@ def paged_decode_attention(
             block_tables.stride(0), out.stride(0), out.stride(1),
             HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], SPLIT=split, PREFETCH=cfg.prefetch, FAST=query.is_cuda, num_warps=1,
             num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-            **launch_kwargs(query.device, b),
+            **overlap,
         )
     else:
         _kv4_decode_dot_kernel[grid](
@@ -853,6 +854,6 @@ def paged_decode_attention(
     if split:
         _reduce_partitions_kernel[(b, heads)](
             part_m, part_l, part_o, context_lens, out, heads, num_partitions, partition_size,
-            out.stride(0), out.stride(1), HEAD_DIM=d, num_warps=1, **launch_kwargs(query.device, b),
+            out.stride(0), out.stride(1), HEAD_DIM=d, num_warps=1, **overlap,
         )
     return out
