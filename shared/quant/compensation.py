@@ -22,8 +22,6 @@ blocks fit away earlier blocks' error) cost perplexity, while the within-block f
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
@@ -79,21 +77,10 @@ def block_forward_until(
     return x + linear("down", act)
 
 
-def compensation_stats(
-    inputs_fp: Callable[[slice], torch.Tensor],
-    inputs_q: Callable[[slice], torch.Tensor],
-    samples: int,
-    batch: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> H~ = X~^T X~ and C = X~^T X (K, K), accumulated over calibration batches of sequences."""
-    h = c = None
-    for start in range(0, samples, batch):
-        sl = slice(start, start + batch)
-        xf, xq = inputs_fp(sl), inputs_q(sl)
-        hb, cb = xq.t() @ xq, xq.t() @ xf
-        h = hb if h is None else h + hb
-        c = cb if c is None else c + cb
-    return h, c
+def _add_stats(stats, xq: torch.Tensor, xf: torch.Tensor):
+    """Adds one batch's X~^T X~ and X~^T X to stats (None at the first batch)."""
+    hb, cb = xq.t() @ xq, xq.t() @ xf
+    return (hb, cb) if stats is None else (stats[0] + hb, stats[1] + cb)
 
 
 def compensated_weight(w: torch.Tensor, h_q: torch.Tensor, cross: torch.Tensor, ridge: float = RIDGE) -> torch.Tensor:
@@ -106,28 +93,58 @@ def compensated_weight(w: torch.Tensor, h_q: torch.Tensor, cross: torch.Tensor, 
     return sol.t().float()
 
 
-def quantized_inputs_for(
-    config: LlamaConfig,
-    work: WorkBlock,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    activation_bits: int,
-    kv_bits: int,
-    quantized: dict[str, torch.Tensor],
-    name: str,
-    batch: int,
-    kv_range: tuple[float, float] = FULL_KV_RANGE,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """H~, C for linear `name` over calibration inputs x (N, T, H): X from the fp block, X~ from
-    the quantized block (the dequantized `quantized` weights, int8 activations, KV4 with the
-    layer's range ratios)."""
-    fp_weights = {n: getattr(work, n) for n in BLOCK_LINEARS}
+class BlockInputs:
+    """H~ and C of each linear of a block, in forward order, over the calibration batches.
 
-    def fp(sl):
-        return block_forward_until(config, work, fp_weights, x[sl], cos, sin, 16, 16, name)
+    block_forward_until gives the same inputs from scratch, which runs the block's prefix once per
+    linear and per path (the attention up to six times per block). Here each path (fp, quantized)
+    keeps, per batch, the input of the linear reached last and advances it past that linear once
+    its quantized weight exists: one attention per path and block. What is kept is one tensor
+    per path of the calibration x's size (the attention output or the MLP's normed input, H or
+    heads * D wide); down_proj's wider input is made per batch and dropped.
+    """
 
-    def q(sl):
-        return block_forward_until(config, work, quantized, x[sl], cos, sin, activation_bits, kv_bits, name, kv_range)
+    def __init__(self, config: LlamaConfig, work: WorkBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 activation_bits: int, kv_bits: int, batch: int, kv_range: tuple[float, float] = FULL_KV_RANGE):
+        self.config, self.work, self.x, self.cos, self.sin = config, work, x, cos, sin
+        self.activation_bits, self.kv_bits, self.kv_range = activation_bits, kv_bits, kv_range
+        self.batches = [slice(start, start + batch) for start in range(0, x.shape[0], batch)]
+        self.fp_weights = {n: getattr(work, n) for n in BLOCK_LINEARS}
+        normed = [rms_norm(x[sl], work.attn_norm, config.rms_norm_eps) for sl in self.batches]
+        self.fp_inputs, self.q_inputs = normed, list(normed)  # qkv's input is the same in both paths
+        self.reached = 0  # index in BLOCK_LINEARS of the linear whose inputs are kept
 
-    return compensation_stats(fp, q, x.shape[0], batch)
+    def stats(self, name: str, quantized: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """H~, C (K, K) for linear `name`, the next in forward order; quantized holds the
+        dequantized weights (N, K) fp32 of the linears before it."""
+        index = BLOCK_LINEARS.index(name)
+        if index not in (self.reached, self.reached + 1):
+            raise ValueError(f"linear {name!r} asked out of forward order (inputs kept at {BLOCK_LINEARS[self.reached]!r})")
+        last = index == len(BLOCK_LINEARS) - 1  # no linear after it: its inputs are not kept
+        quantize = fake_quantize_per_token if self.activation_bits == 8 else (lambda a: a)
+        stats = None
+        for i, sl in enumerate(self.batches):
+            xf, xq = self.fp_inputs[i], self.q_inputs[i]
+            if index > self.reached:
+                prev = BLOCK_LINEARS[self.reached]
+                xf = self._advance(prev, xf, self.fp_weights, sl, 16, 16, FULL_KV_RANGE)
+                xq = self._advance(prev, xq, quantized, sl, self.activation_bits, self.kv_bits, self.kv_range)
+                if not last:
+                    self.fp_inputs[i], self.q_inputs[i] = xf, xq
+            stats = _add_stats(stats, quantize(xq).reshape(-1, xq.shape[-1]), xf.reshape(-1, xf.shape[-1]))
+        if last:
+            self.fp_inputs = self.q_inputs = []
+        self.reached = index
+        return stats
+
+    def _advance(self, done: str, a: torch.Tensor, weights: dict[str, torch.Tensor], sl: slice,
+                 activation_bits: int, kv_bits: int, kv_range: tuple[float, float]) -> torch.Tensor:
+        """a (B, T, K), linear `done`'s input -> the next linear's input, as block_forward_until."""
+        c, quantize = self.config, fake_quantize_per_token if activation_bits == 8 else (lambda v: v)
+        y = quantize(a) @ weights[done].t()
+        if done == "qkv":
+            return attention(c, y, self.cos, self.sin, kv_bits, kv_range=kv_range)
+        if done == "o":
+            return rms_norm(self.x[sl] + y, self.work.mlp_norm, c.rms_norm_eps)
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up

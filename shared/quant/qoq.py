@@ -19,7 +19,7 @@ from shared.formats.weights import PackedWeight
 from shared.model.config import LlamaConfig
 from shared.model.llama import block_forward
 from shared.quant.block import WorkBlock
-from shared.quant.compensation import compensated_weight, quantized_inputs_for
+from shared.quant.compensation import BlockInputs, compensated_weight
 from shared.quant.gptq import gptq_quantize
 from shared.quant.clipping import candidate_ratios, search_clip_ratios
 from shared.quant.options import QoQOptions
@@ -155,13 +155,13 @@ def quantize_block(
 
     ratios = candidate_ratios(options.clip_min_ratio, options.clip_steps)
     linears, dequantized = {}, {}
+    if options.compensate_inputs:
+        inputs = BlockInputs(config, work, x, cos, sin, bits, spec.kv_bits, FORWARD_BATCH, kv_range)
     for name in BLOCK_LINEARS:
         w, hessian = getattr(work, name), cap.hessians.get(name)
         if options.compensate_inputs:
             # The quantized block's own input to this linear, fitted to the fp block's output of it.
-            hessian, cross = quantized_inputs_for(
-                config, work, x, cos, sin, bits, spec.kv_bits, dequantized, name, FORWARD_BATCH, kv_range
-            )
+            hessian, cross = inputs.stats(name, dequantized)
             w = compensated_weight(w, hessian, cross, options.compensate_ridge)
         clip = search_clip_ratios(hessian, w, kind, ratios) if options.clipping else None
         if name == "qkv" and clip is not None:

@@ -13,7 +13,7 @@ from shared.model.checkpoint import HfCheckpoint
 from shared.model.llama import block_forward
 from shared.model.rope import cos_sin, inverse_frequencies
 from shared.quant.block import WorkBlock
-from shared.quant.compensation import block_forward_until, compensated_weight
+from shared.quant.compensation import BlockInputs, block_forward_until, compensated_weight
 from shared.quant.options import QoQOptions
 from shared.quant.rotation import rotation_matrix
 from tests.conftest import write_random_llama
@@ -108,7 +108,7 @@ def test_off_leaves_the_pipeline_as_before(setup, monkeypatch):
     def fail(*a, **k):
         raise AssertionError("compensation ran with the option off")
 
-    monkeypatch.setattr(qoq, "quantized_inputs_for", fail)
+    monkeypatch.setattr(qoq, "BlockInputs", fail)
     monkeypatch.setattr(qoq, "compensated_weight", fail)
     _quantize(setup, "w4a8kv4-g128", QoQOptions(compensate_inputs=False))
 
@@ -130,13 +130,39 @@ def test_the_fit_sees_the_layers_kv_range(setup, monkeypatch):
     assert not torch.equal(full, narrowed)
 
     seen = []
-    real = qoq.quantized_inputs_for
+    real = qoq.BlockInputs
 
     def spy(*args, **kwargs):
         seen.append(inspect.signature(real).bind(*args, **kwargs).arguments.get("kv_range"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(qoq, "quantized_inputs_for", spy)
+    monkeypatch.setattr(qoq, "BlockInputs", spy)
     monkeypatch.setattr(qoq, "search_value_ratio", lambda *a, **k: 0.85)
     _quantize(setup, "w4a8kv4-g128", QoQOptions(compensate_inputs=True))
     assert seen and all(r == (1.0, 0.85) for r in seen)
+
+
+def test_block_inputs_advance_to_what_the_forward_from_scratch_gives(setup):
+    # BlockInputs keeps each path's inputs and advances them one linear at a time; the stats must
+    # be those of block_forward_until (the block's prefix run from scratch) for every linear.
+    cfg, ckpt, x, cos, sin = setup
+    work = WorkBlock.from_fp(ckpt.block(0), "cpu")
+    fp = {n: getattr(work, n) for n in ("qkv", "o", "gate_up", "down")}
+    g = _gen(5)
+    deq = {n: w + 0.01 * w.abs().mean() * torch.randn(w.shape, generator=g) for n, w in fp.items()}
+    kv_range = (1.0, 0.85)
+    inputs = BlockInputs(cfg, work, x, cos, sin, 8, 4, batch=3, kv_range=kv_range)  # 8 samples: batches of 3, 3, 2
+    for name in ("qkv", "o", "gate_up", "down"):
+        h, c = inputs.stats(name, deq)
+        xf = block_forward_until(cfg, work, fp, x, cos, sin, 16, 16, name)
+        xq = block_forward_until(cfg, work, deq, x, cos, sin, 8, 4, name, kv_range)
+        assert torch.allclose(h, xq.t() @ xq, rtol=1e-4, atol=1e-2)
+        assert torch.allclose(c, xq.t() @ xf, rtol=1e-4, atol=1e-2)
+
+
+def test_block_inputs_refuse_a_linear_out_of_order(setup):
+    cfg, ckpt, x, cos, sin = setup
+    work = WorkBlock.from_fp(ckpt.block(0), "cpu")
+    inputs = BlockInputs(cfg, work, x, cos, sin, 8, 4, batch=4)
+    with pytest.raises(ValueError, match="out of forward order"):
+        inputs.stats("gate_up", {})
