@@ -34,11 +34,11 @@ CHECK_NAME = "KV4 decode attention vs SDPA fp16 (B=64, H=32, ctx=1536, D=128)"
 CHECK_TARGET = 3.0
 
 
-def _cfg(variant, block_n, num_warps, prefetch, maxnreg, qk_int16=False):
+def _cfg(variant, block_n, num_warps, prefetch, maxnreg, qk_int16=False, **more):
     """A sweep entry: a DecodeConfig at partition 512 (the partitions are swept on the best one)."""
     from services.worker.kernels.paged_attention import DecodeConfig
 
-    return DecodeConfig(variant, block_n, 512, num_warps, 1, prefetch, maxnreg, qk_int16)
+    return DecodeConfig(variant, block_n, 512, num_warps, 1, prefetch, maxnreg, qk_int16, **more)
 
 
 # Launches swept at each point; partitions swept on the best.
@@ -52,7 +52,9 @@ QK16_SWEEP = [_cfg("fma", 32, 1, True, 128, True), _cfg("fma", 32, 1, True, None
               _cfg("fma", 16, 1, True, 128, True)]
 # Scores on the int8 tensor cores (paged_attention_mma.py; group 1, head_dim 128).
 MMA_SWEEP = [_cfg("mma", 32, 1, True, None), _cfg("mma", 32, 1, False, None), _cfg("mma", 32, 1, True, 128),
-             _cfg("mma", 32, 1, True, 96), _cfg("mma", 32, 1, False, 80), _cfg("mma", 32, 1, False, 64)]
+             _cfg("mma", 32, 1, True, 96), _cfg("mma", 32, 1, False, 80), _cfg("mma", 32, 1, False, 64),
+             _cfg("mma", 32, 1, True, 128, whole_context=True, page_ahead=True),
+             _cfg("mma", 32, 1, True, 128, whole_context=True)]
 FP16_SWEEP = [_cfg("fma", 32, 1, False, None), _cfg("fma", 16, 1, False, None)]
 GQA_SWEEP = [_cfg("fma", 16, 1, False, None), _cfg("fma", 16, 1, True, None), _cfg("fma", 16, 1, True, 168),
              _cfg("fma", 32, 1, True, 200), _cfg("dot", 32, 2, False, None), _cfg("dot", 64, 2, False, None),
@@ -165,7 +167,8 @@ class Bench:
             fn = lambda: paged_decode_attention(q, kcache, vcache, tables, lens, max_context_len=ctx, config=cfg)  # noqa: E731
             label = (f"{kind} {cfg.variant} n{cfg.block_n} w{cfg.num_warps} p{cfg.partition_size}"
                      f"{' prefetch' if cfg.prefetch and cfg.variant in ('fma', 'mma') and kv4 else ''} r{cfg.maxnreg or '-'}"
-                     f"{' qk16' if cfg.qk_int16 else ''}")
+                     f"{' qk16' if cfg.qk_int16 else ''}{' whole' if cfg.whole_context else ''}"
+                     f"{' page_ahead' if cfg.page_ahead else ''}")
             try:
                 ok, rel = self.check_decode(fn(), ref)
             except Exception as e:  # a config that does not compile is a result, not a crash
@@ -367,7 +370,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--warmup", type=int, default=25)
     parser.add_argument("--rep", type=int, default=100)
-    parser.add_argument("--quick", action="store_true", help="main point only, no sweeps")
+    parser.add_argument("--quick", action="store_true", help="main point only, no sweeps (but --mma-sweep)")
+    parser.add_argument("--mma-sweep", action="store_true", help="with --quick: the 'mma' configs at the main point")
     parser.add_argument("--points", type=lambda t: [tuple(int(v) for v in p.split(":")) for p in t.split(",")],
                         help="only these BATCH:CONTEXT[:KV_HEADS] points (32 heads, 32 KV heads unless given, "
                              "head_dim 128), each with a short KV4 sweep over the partition sizes, e.g. 256:1280 "
@@ -387,7 +391,8 @@ def main() -> None:
     try:
         bench.copy_bandwidth()
         print("main point:", MAIN, flush=True)
-        main_rows = bench.decode_point("main", **MAIN, sweep=[] if args.quick else KV4_SWEEP + QK16_SWEEP + MMA_SWEEP,
+        quick_sweep = MMA_SWEEP if args.mma_sweep else []
+        main_rows = bench.decode_point("main", **MAIN, sweep=quick_sweep if args.quick else KV4_SWEEP + QK16_SWEEP + MMA_SWEEP,
                                        partitions=() if args.quick else PARTITIONS)
         bench.summarize(main_rows)
         if not args.quick:

@@ -92,7 +92,8 @@ def attention(a):
     pointers |= {n: "*i32" for n in ("k_ptr", "v_ptr", "block_tables_ptr", "context_lens_ptr")}
     pointers |= {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_o_ptr")}
     if a.mma:  # scores on the int8 tensor cores (paged_attention_mma.py): one warp, 32-token tiles
-        consts = dict(HEAD_DIM=a.head_dim, BLOCK_SIZE=16, SPLIT=a.split, PREFETCH=not a.no_prefetch, FAST=True)
+        consts = dict(HEAD_DIM=a.head_dim, BLOCK_SIZE=16, SPLIT=a.split, PREFETCH=not a.no_prefetch, FAST=True,
+                      PAGE_AHEAD=a.page_ahead)
         sass = compile_sass(pa._kv4_decode_mma_kernel, pointers, consts, floats=("qk_scale",), num_warps=1, maxnreg=a.maxnreg)
         return sass, 32
     consts = dict(GROUP=a.group, BLOCK_G=triton.next_power_of_2(a.group), HEAD_DIM=a.head_dim, BLOCK_SIZE=16,
@@ -136,6 +137,7 @@ def main() -> None:
     att.add_argument("--split", action="store_true", help="the partitioned variant (partials + reduction)")
     att.add_argument("--no-prefetch", action="store_true")
     att.add_argument("--mma", action="store_true", help="the 'mma' kernel (int8 tensor-core scores, head_dim 128)")
+    att.add_argument("--page-ahead", action="store_true", help="with --mma: block-table entries a tile ahead")
     aq = sub.add_parser("act_quant", help="rmsnorm / silu / plain per-token int8 quantization")
     aq.add_argument("--op", choices=("quantize", "rmsnorm", "silu"), default="silu")
     aq.add_argument("--block", type=int, default=16384)

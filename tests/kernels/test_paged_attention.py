@@ -61,17 +61,20 @@ def test_int16_scores_match_reference(head_dim, kv_heads, group, lengths, partit
 
 
 @pytest.mark.parametrize(
-    "lengths,partition,prefetch,q_gain",
-    [([1, 15, 17, 33, 100, 0], 512, True, 1.0), ([40, 64, 31, 96], 32, True, 1.0),
-     ([1, 15, 17, 33, 100], 64, False, 6.0), ([130, 0, 7], 64, True, 6.0)],
+    "lengths,partition,prefetch,q_gain,page_ahead",
+    [([1, 15, 17, 33, 100, 0], 512, True, 1.0, False), ([40, 64, 31, 96], 32, True, 1.0, False),
+     ([1, 15, 17, 33, 100], 64, False, 6.0, False), ([130, 0, 7], 64, True, 6.0, False),
+     ([1, 15, 17, 33, 100, 0, 161], 512, True, 1.0, True), ([130, 0, 7, 64], 64, True, 6.0, True)],
 )
-def test_mma_scores_match_reference(lengths, partition, prefetch, q_gain):
+def test_mma_scores_match_reference(lengths, partition, prefetch, q_gain, page_ahead):
     """The 'mma' kernel (int8 tensor-core scores, written lane by lane; the interpreter emulates the
     MMA and the shuffles over the fragments): partial tiles, empty sequences, the split path
-    (partitions of 32 / 64), large logits (q_gain 6) and garbage rows past each context."""
+    (partitions of 32 / 64), large logits (q_gain 6), garbage rows past each context, and the
+    block-table entries loaded a tile ahead (page_ahead)."""
     q, k_cache, v_cache, tables, lens = _paged_batch(lengths, 2, 1, 128, True, seed=len(lengths) + partition)
     q = (q.float() * q_gain).half()
-    config = DecodeConfig("mma", block_n=32, partition_size=partition, num_warps=1, prefetch=prefetch)
+    config = DecodeConfig("mma", block_n=32, partition_size=partition, num_warps=1, prefetch=prefetch,
+                          page_ahead=page_ahead)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config)
     _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
 
@@ -82,6 +85,8 @@ def test_mma_refuses_what_it_does_not_cover():
         paged_decode_attention(q, k_cache, v_cache, tables, lens, config=DecodeConfig("mma", block_n=32, num_warps=1))
     with pytest.raises(ValueError, match="32-token tiles"):
         DecodeConfig("mma", block_n=16, num_warps=1)
+    with pytest.raises(ValueError, match="page_ahead"):
+        DecodeConfig("mma", block_n=32, num_warps=1, prefetch=False, page_ahead=True)
 
 
 @pytest.mark.parametrize("kv4", [True, False])

@@ -74,6 +74,8 @@ class DecodeConfig:
     # Take each sequence's whole context in one program (no partials, no reduction kernel) when
     # the batch alone gives every SM WHOLE_CONTEXT_PROGRAMS_PER_SM programs; see partition_for.
     whole_context: bool = False
+    # "mma" with prefetch: block-table entries loaded a tile ahead of the words they address.
+    page_ahead: bool = False
 
     def __post_init__(self):
         if self.variant not in ("fma", "dot", "mma"):
@@ -85,6 +87,8 @@ class DecodeConfig:
             raise ValueError(f"block_n {self.block_n} must be a power of two >= 16")
         if self.partition_size % self.block_n:
             raise ValueError(f"partition_size {self.partition_size} is not a multiple of block_n {self.block_n}")
+        if self.page_ahead and not (self.variant == "mma" and self.prefetch):
+            raise ValueError("page_ahead is a mode of the 'mma' kernel with prefetch")
         if self.qk_int16 and self.variant != "fma":
             raise ValueError(f"qk_int16 is a mode of the KV4 'fma' kernel, not of {self.variant!r}")
 
@@ -839,7 +843,8 @@ def paged_decode_attention(
             _NIBBLE_MASK, _FP32_ONE_BITS,
             query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], SPLIT=split, PREFETCH=cfg.prefetch, FAST=query.is_cuda, num_warps=1,
+            HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], SPLIT=split, PREFETCH=cfg.prefetch, FAST=query.is_cuda,
+            PAGE_AHEAD=cfg.page_ahead, num_warps=1,
             num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
             **overlap,
         )

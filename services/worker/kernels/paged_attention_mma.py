@@ -347,7 +347,7 @@ def _kv4_decode_mma_kernel(
     stride_qb, stride_qh, stride_cb, stride_ch, stride_bt, stride_ob, stride_oh,
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PAGE_AHEAD: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     _overlap_entry(PDL)
     W: tl.constexpr = HEAD_DIM // 8
@@ -409,9 +409,17 @@ def _kv4_decode_mma_kernel(
          x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7) = _tile_loads(
             k_ptr, v_ptr, page0, page1, head_off, start, end, stride_cb, lane, g, t, BLOCK_SIZE, True, W)
         last_full = tl.maximum(full_end - TILE, start)
+        if PAGE_AHEAD:
+            # The block-table entries run one tile further ahead than the words, so the address
+            # of tile i + 1's loads does not wait on a block-table load issued in iteration i.
+            ahead0, ahead1 = _pages(bt_row, tl.minimum(start + TILE, last_full), end, BLOCK_SIZE, True)
         for n0 in range(start, full_end, TILE):
             nxt = tl.minimum(n0 + TILE, last_full)
-            page0, page1 = _pages(bt_row, nxt, end, BLOCK_SIZE, False)
+            if PAGE_AHEAD:
+                page0, page1 = ahead0, ahead1
+                ahead0, ahead1 = _pages(bt_row, tl.minimum(n0 + 2 * TILE, last_full), end, BLOCK_SIZE, False)
+            else:
+                page0, page1 = _pages(bt_row, nxt, end, BLOCK_SIZE, False)
             (nk0, nk1, nk2, nk3, nk4, nk5, nk6, nk7, nj0, nj1, nj2, nj3, nj4, nj5, nj6, nj7, nksz, nvsz,
              nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, ny0, ny1, ny2, ny3, ny4, ny5, ny6, ny7) = _tile_loads(
                 k_ptr, v_ptr, page0, page1, head_off, nxt, end, stride_cb, lane, g, t, BLOCK_SIZE, False, W)
