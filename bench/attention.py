@@ -53,12 +53,14 @@ QK16_SWEEP = [_cfg("fma", 32, 1, True, 128, True), _cfg("fma", 32, 1, True, None
 # Scores on the int8 tensor cores (paged_attention_mma.py; group 1, head_dim 128).
 MMA_SWEEP = [_cfg("mma", 32, 1, True, None), _cfg("mma", 32, 1, False, None), _cfg("mma", 32, 1, True, 128),
              _cfg("mma", 32, 1, True, 96), _cfg("mma", 32, 1, False, 80), _cfg("mma", 32, 1, False, 64),
-             _cfg("mma", 32, 1, True, 128, whole_context=True, page_ahead=True),
-             _cfg("mma", 32, 1, True, 128, whole_context=True)]
+             _cfg("mma", 32, 1, True, 128, whole_context=True),
+             _cfg("mma", 32, 1, True, 128, whole_context=True, page_ahead=True)]
 FP16_SWEEP = [_cfg("fma", 32, 1, False, None), _cfg("fma", 16, 1, False, None)]
 GQA_SWEEP = [_cfg("fma", 16, 1, False, None), _cfg("fma", 16, 1, True, None), _cfg("fma", 16, 1, True, 168),
              _cfg("fma", 32, 1, True, 200), _cfg("dot", 32, 2, False, None), _cfg("dot", 64, 2, False, None),
-             _cfg("fma", 16, 1, True, None, True), _cfg("fma", 32, 1, True, 168, True)]
+             _cfg("fma", 16, 1, True, None, True), _cfg("fma", 32, 1, True, 168, True),
+             _cfg("fma", 16, 1, True, None, True, whole_context=True),
+             _cfg("fma", 16, 1, True, None, True, whole_context=True, page_ahead=True)]
 PARTITIONS = [256, 512, 768, 1024, 2048]
 WRITE_TOKENS = (64, 16384)  # a decode step of 64 sequences, a prefill chunk
 WRITE_SHAPE = dict(heads=32, kv_heads=32, head_dim=128)

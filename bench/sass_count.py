@@ -97,7 +97,8 @@ def attention(a):
         sass = compile_sass(pa._kv4_decode_mma_kernel, pointers, consts, floats=("qk_scale",), num_warps=1, maxnreg=a.maxnreg)
         return sass, 32
     consts = dict(GROUP=a.group, BLOCK_G=triton.next_power_of_2(a.group), HEAD_DIM=a.head_dim, BLOCK_SIZE=16,
-                  BLOCK_N=a.block_n, SPLIT=a.split, PREFETCH=not a.no_prefetch, QK_INT=a.qk_int16, FAST=True)
+                  BLOCK_N=a.block_n, SPLIT=a.split, PREFETCH=not a.no_prefetch, QK_INT=a.qk_int16, FAST=True,
+                  PAGE_AHEAD=a.page_ahead)
     sass = compile_sass(pa._kv4_decode_fma_kernel, pointers, consts, floats=("qk_scale",), num_warps=a.warps, maxnreg=a.maxnreg)
     return sass, a.block_n
 
@@ -137,7 +138,7 @@ def main() -> None:
     att.add_argument("--split", action="store_true", help="the partitioned variant (partials + reduction)")
     att.add_argument("--no-prefetch", action="store_true")
     att.add_argument("--mma", action="store_true", help="the 'mma' kernel (int8 tensor-core scores, head_dim 128)")
-    att.add_argument("--page-ahead", action="store_true", help="with --mma: block-table entries a tile ahead")
+    att.add_argument("--page-ahead", action="store_true", help="block-table entries a tile ahead of the words")
     aq = sub.add_parser("act_quant", help="rmsnorm / silu / plain per-token int8 quantization")
     aq.add_argument("--op", choices=("quantize", "rmsnorm", "silu"), default="silu")
     aq.add_argument("--block", type=int, default=16384)

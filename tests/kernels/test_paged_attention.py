@@ -37,6 +37,14 @@ CASES = [
 ]
 
 
+def test_two_pages_a_tile_with_page_ahead():
+    """32-token tiles over 16-token pages: two block-table entries a tile, both loaded a tile ahead."""
+    q, k_cache, v_cache, tables, lens = _paged_batch([1, 15, 17, 33, 100, 161], 2, 1, 128, True, seed=9)
+    config = DecodeConfig(block_n=32, partition_size=512, num_warps=1, prefetch=True, page_ahead=True)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config)
+    _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
+
+
 @pytest.mark.parametrize("kv4,variant,prefetch,head_dim,kv_heads,group,lengths,partition", CASES)
 def test_decode_matches_reference(kv4, variant, prefetch, head_dim, kv_heads, group, lengths, partition):
     q, k_cache, v_cache, tables, lens = _paged_batch(lengths, kv_heads, group, head_dim, kv4, seed=head_dim + group)
@@ -46,16 +54,19 @@ def test_decode_matches_reference(kv4, variant, prefetch, head_dim, kv_heads, gr
 
 
 @pytest.mark.parametrize(
-    "head_dim,kv_heads,group,lengths,partition,prefetch,q_gain",
-    [(128, 2, 1, [1, 15, 17, 33, 100], 64, True, 1.0), (64, 1, 4, [17, 100, 3], 512, False, 1.0),
-     (64, 2, 2, [40, 0, 18], 32, True, 6.0)],
+    "head_dim,kv_heads,group,lengths,partition,prefetch,q_gain,page_ahead",
+    [(128, 2, 1, [1, 15, 17, 33, 100], 64, True, 1.0, False), (64, 1, 4, [17, 100, 3], 512, False, 1.0, False),
+     (64, 2, 2, [40, 0, 18], 32, True, 6.0, False), (128, 1, 4, [17, 100, 3, 161, 0], 512, True, 1.0, True),
+     (64, 2, 2, [40, 0, 18, 77], 64, True, 6.0, True)],
 )
-def test_int16_scores_match_reference(head_dim, kv_heads, group, lengths, partition, prefetch, q_gain):
+def test_int16_scores_match_reference(head_dim, kv_heads, group, lengths, partition, prefetch, q_gain, page_ahead):
     """qk_int16 (dp4a scores; the interpreter spells the byte products out): same tolerance as the
-    fp32 planes, for large logits (q_gain 6: one token dominates) and an empty sequence too."""
+    fp32 planes, for large logits (q_gain 6: one token dominates) and an empty sequence too; and
+    with the block-table entries loaded a tile ahead (page_ahead)."""
     q, k_cache, v_cache, tables, lens = _paged_batch(lengths, kv_heads, group, head_dim, True, seed=head_dim + group)
     q = (q.float() * q_gain).half()
-    config = DecodeConfig(block_n=16, partition_size=partition, num_warps=1, prefetch=prefetch, qk_int16=True)
+    config = DecodeConfig(block_n=16, partition_size=partition, num_warps=1, prefetch=prefetch, qk_int16=True,
+                          page_ahead=page_ahead)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config)
     _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
 

@@ -74,7 +74,8 @@ class DecodeConfig:
     # Take each sequence's whole context in one program (no partials, no reduction kernel) when
     # the batch alone gives every SM WHOLE_CONTEXT_PROGRAMS_PER_SM programs; see partition_for.
     whole_context: bool = False
-    # "mma" with prefetch: block-table entries loaded a tile ahead of the words they address.
+    # KV4 "fma" / "mma" with prefetch: block-table entries loaded a tile ahead of the words they
+    # address, so tile i + 1's loads need not wait on a block-table load issued in iteration i.
     page_ahead: bool = False
 
     def __post_init__(self):
@@ -87,8 +88,8 @@ class DecodeConfig:
             raise ValueError(f"block_n {self.block_n} must be a power of two >= 16")
         if self.partition_size % self.block_n:
             raise ValueError(f"partition_size {self.partition_size} is not a multiple of block_n {self.block_n}")
-        if self.page_ahead and not (self.variant == "mma" and self.prefetch):
-            raise ValueError("page_ahead is a mode of the 'mma' kernel with prefetch")
+        if self.page_ahead and not (self.variant in ("fma", "mma") and self.prefetch):
+            raise ValueError("page_ahead is a mode of the KV4 'fma' and 'mma' kernels with prefetch")
         if self.qk_int16 and self.variant != "fma":
             raise ValueError(f"qk_int16 is a mode of the KV4 'fma' kernel, not of {self.variant!r}")
 
@@ -138,9 +139,10 @@ _DEFAULTS = {
 
 # Session 12, one H200 run against the "fma" entry above: 134.6 -> 126.3 us at batch 64 / context
 # 1536 and 417.0 -> 374.9 us at batch 256 / context 1280 (bench/results/h200/attention_points_mma.json);
-# 123.3 us, 2.96x SDPA, in bench/results/h200/attention.json.
+# 123.3 us, 2.96x SDPA. page_ahead (session 16, two runs at batch 64 / context 1536):
+# 123.65 -> 120.64 and 123.1 -> 121.34 us (bench/results/h200/attention_page_ahead.json).
 MMA_GROUP1 = DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
-                          whole_context=True)
+                          whole_context=True, page_ahead=True)
 
 
 def _mma_covers(group: int, head_dim: int, block_size: int) -> bool:
@@ -272,12 +274,43 @@ def _qk_int16_tile(kw, q_hi_lo, q_hi_hi, q_lo_lo, q_lo_hi, FAST: tl.constexpr):
 
 
 @triton.jit
+def _kv4_tile_pages(bt_row, n0, end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Physical page (1, N) of each token of [n0, n0 + BLOCK_N) (page 0 past the context when MASKED)."""
+    local = tl.arange(0, BLOCK_N)[None, :]  # (1, N)
+    # n0 is a multiple of BLOCK_N (partitions are multiples of it). Page of each token from its place
+    # in the tile (loop-invariant, known non-negative: no signed division in the loop); a tile
+    # inside one page reads its block-table entry once.
+    if BLOCK_N % BLOCK_SIZE == 0:
+        page_of = n0 // BLOCK_SIZE + local // BLOCK_SIZE
+    elif BLOCK_SIZE % BLOCK_N == 0:
+        page_of = n0 // BLOCK_SIZE + local * 0
+    else:
+        page_of = (n0 + local) // BLOCK_SIZE
+    if MASKED:
+        return tl.load(bt_row + page_of, mask=n0 + local < end, other=0)
+    return tl.load(bt_row + page_of)
+
+
+@triton.jit
 def _kv4_load_tile(
     k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, offs_w,
     W: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     K_HALVES: tl.constexpr,
 ):
-    """Raw KV4 words of tokens [n0, n0 + BLOCK_N): K codes, K scale/zero (1, N), V codes, V scale/zero.
+    """Raw KV4 words of tokens [n0, n0 + BLOCK_N): _kv4_load_words on the tile's own pages."""
+    page = _kv4_tile_pages(bt_row, n0, end, BLOCK_SIZE, BLOCK_N, MASKED)
+    return _kv4_load_words(k_ptr, v_ptr, page, head_off, n0, end, stride_cb, offs_w, W, BLOCK_SIZE, BLOCK_N,
+                           MASKED, K_HALVES)
+
+
+@triton.jit
+def _kv4_load_words(
+    k_ptr, v_ptr, page, head_off, n0, end, stride_cb, offs_w,
+    W: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    K_HALVES: tl.constexpr,
+):
+    """Raw KV4 words of tokens [n0, n0 + BLOCK_N) on pages `page` (1, N) (_kv4_tile_pages): K codes,
+    K scale/zero (1, N), V codes, V scale/zero.
 
     Tiles are 3D (group, tokens, words) from the load on, with the group axis of size 1 here: the
     layout stays the load's and the G query heads reuse each word in registers. The K codes are
@@ -287,22 +320,12 @@ def _kv4_load_tile(
     """
     local = tl.arange(0, BLOCK_N)[None, :]  # (1, N)
     mask_n = n0 + local < end
-    # n0 is a multiple of BLOCK_N (partitions are multiples of it). Page and slot of each token from
-    # its place in the tile (loop-invariant, known non-negative: no signed division in the loop);
-    # a tile inside one page reads its block-table entry once.
     if BLOCK_N % BLOCK_SIZE == 0:
-        page_of = n0 // BLOCK_SIZE + local // BLOCK_SIZE
         slot = local % BLOCK_SIZE
     elif BLOCK_SIZE % BLOCK_N == 0:
-        page_of = n0 // BLOCK_SIZE + local * 0
         slot = n0 % BLOCK_SIZE + local
     else:
-        page_of = (n0 + local) // BLOCK_SIZE
         slot = (n0 + local) % BLOCK_SIZE
-    if MASKED:
-        page = tl.load(bt_row + page_of, mask=mask_n, other=0)
-    else:
-        page = tl.load(bt_row + page_of)
     # int64 offsets, with the row stride (rows are W + 1 words: _check) a compile-time constant:
     # each thread's words then sit at constant distances from one address, which the loads take as
     # immediate offsets instead of a 64-bit address computed per word.
@@ -393,7 +416,7 @@ def _kv4_decode_fma_kernel(
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, QK_INT: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PAGE_AHEAD: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     _overlap_entry(PDL)
     W: tl.constexpr = HEAD_DIM // 8  # int32 code words per row; word W holds scale and zero
@@ -451,11 +474,20 @@ def _kv4_decode_fma_kernel(
             k_ptr, v_ptr, bt_row, head_off, start, full_end, stride_cb, offs_w, W, BLOCK_SIZE, BLOCK_N, True, QK_INT
         )
         last_full = tl.maximum(full_end - BLOCK_N, start)
+        if PAGE_AHEAD:
+            # Block-table entries a tile ahead of the words (as the "mma" kernel's page_ahead).
+            ahead = _kv4_tile_pages(bt_row, tl.minimum(start + BLOCK_N, last_full), end, BLOCK_SIZE, BLOCK_N, True)
         for n0 in range(start, full_end, BLOCK_N):
             nxt = tl.minimum(n0 + BLOCK_N, last_full)
-            kw_n, kw2_n, ksz_n, vw_n, vsz_n = _kv4_load_tile(
-                k_ptr, v_ptr, bt_row, head_off, nxt, end, stride_cb, offs_w, W, BLOCK_SIZE, BLOCK_N, False, QK_INT
-            )
+            if PAGE_AHEAD:
+                kw_n, kw2_n, ksz_n, vw_n, vsz_n = _kv4_load_words(
+                    k_ptr, v_ptr, ahead, head_off, nxt, end, stride_cb, offs_w, W, BLOCK_SIZE, BLOCK_N, False, QK_INT
+                )
+                ahead = _kv4_tile_pages(bt_row, tl.minimum(n0 + 2 * BLOCK_N, last_full), end, BLOCK_SIZE, BLOCK_N, False)
+            else:
+                kw_n, kw2_n, ksz_n, vw_n, vsz_n = _kv4_load_tile(
+                    k_ptr, v_ptr, bt_row, head_off, nxt, end, stride_cb, offs_w, W, BLOCK_SIZE, BLOCK_N, False, QK_INT
+                )
             m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _kv4_fma_tile(
                 kw, kw2, ksz, vw, vsz, n0, end, mask_lo, mask_hi, one, q0, q1, q2, q3, q4, q5, q6, q7, q_bias, q_sum,
                 m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_N, False, QK_INT, FAST,
@@ -791,8 +823,8 @@ def paged_decode_attention(
     kv4, kv_heads, group = _check(query, k_cache, v_cache, block_tables, context_lens)
     b, heads, d = query.shape
     cfg = config or default_config(kv4, group, d, k_cache.shape[2])
-    if not kv4 and (cfg.variant != "fma" or cfg.qk_int16):
-        raise ValueError(f"the fp16 cache has only the 'fma' kernel without qk_int16, not {cfg}")
+    if not kv4 and (cfg.variant != "fma" or cfg.qk_int16 or cfg.page_ahead):
+        raise ValueError(f"the fp16 cache has only the 'fma' kernel without qk_int16 or page_ahead, not {cfg}")
     if cfg.variant == "mma" and not _mma_covers(group, d, k_cache.shape[2]):
         raise ValueError(f"the 'mma' kernel takes one query head per KV head, head_dim 128 and pages of a multiple "
                          f"of 16 tokens, not group {group}, head_dim {d}, pages of {k_cache.shape[2]}")
@@ -834,7 +866,7 @@ def paged_decode_attention(
             query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1),
             BLOCK_G=triton.next_power_of_2(group), PREFETCH=cfg.prefetch, QK_INT=cfg.qk_int16, FAST=query.is_cuda,
-            **common,
+            PAGE_AHEAD=cfg.page_ahead, **common,
         )
     elif cfg.variant == "mma":
         k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)
