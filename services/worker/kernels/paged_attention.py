@@ -140,7 +140,8 @@ _DEFAULTS = {
 # Session 12, one H200 run against the "fma" entry above: 134.6 -> 126.3 us at batch 64 / context
 # 1536 and 417.0 -> 374.9 us at batch 256 / context 1280 (bench/results/h200/attention_points_mma.json);
 # 123.3 us, 2.96x SDPA. page_ahead (session 16, two runs at batch 64 / context 1536):
-# 123.65 -> 120.64 and 123.1 -> 121.34 us (bench/results/h200/attention_page_ahead.json).
+# 123.65 -> 120.64 and 123.1 -> 121.34 us (bench/results/h200/attention_page_ahead.json); batch 256 /
+# context 1280: 363.5 -> 354.6 us (attention_points_page_ahead.json).
 MMA_GROUP1 = DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
                           whole_context=True, page_ahead=True)
 
