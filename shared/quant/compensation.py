@@ -120,6 +120,8 @@ class BlockInputs:
         index = BLOCK_LINEARS.index(name)
         if index not in (self.reached, self.reached + 1):
             raise ValueError(f"linear {name!r} asked out of forward order (inputs kept at {BLOCK_LINEARS[self.reached]!r})")
+        if not self.fp_inputs:
+            raise ValueError(f"the block's inputs were released after its last linear; {name!r} asked again")
         last = index == len(BLOCK_LINEARS) - 1  # no linear after it: its inputs are not kept
         quantize = fake_quantize_per_token if self.activation_bits == 8 else (lambda a: a)
         stats = None

@@ -158,6 +158,8 @@ def test_block_inputs_advance_to_what_the_forward_from_scratch_gives(setup):
         xq = block_forward_until(cfg, work, deq, x, cos, sin, 8, 4, name, kv_range)
         assert torch.allclose(h, xq.t() @ xq, rtol=1e-4, atol=1e-2)
         assert torch.allclose(c, xq.t() @ xf, rtol=1e-4, atol=1e-2)
+    with pytest.raises(ValueError, match="released"):
+        inputs.stats("down", deq)
 
 
 def test_block_inputs_refuse_a_linear_out_of_order(setup):
