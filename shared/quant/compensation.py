@@ -35,6 +35,11 @@ from shared.quant.block import WorkBlock
 RIDGE = 0.1  # of the mean diagonal of H~, pulling W* toward W where X~ gives little information
 
 
+def gemm_input(a: torch.Tensor, activation_bits: int) -> torch.Tensor:
+    """A linear's input as its GEMM sees it: int8-rounded per token at 8 activation bits, else as is."""
+    return fake_quantize_per_token(a) if activation_bits == 8 else a
+
+
 def block_forward_until(
     config: LlamaConfig,
     work: WorkBlock,
@@ -54,7 +59,9 @@ def block_forward_until(
     kv_range: the layer's KV4 range ratios (shared.formats.kv4), as the cache write applies them.
     """
     c = config
-    quantize = fake_quantize_per_token if activation_bits == 8 else (lambda a: a)
+
+    def quantize(a: torch.Tensor) -> torch.Tensor:
+        return gemm_input(a, activation_bits)
 
     def linear(name: str, a: torch.Tensor) -> torch.Tensor:
         return quantize(a) @ weights[name].t()
@@ -123,7 +130,6 @@ class BlockInputs:
         if not self.fp_inputs:
             raise ValueError(f"the block's inputs were released after its last linear; {name!r} asked again")
         last = index == len(BLOCK_LINEARS) - 1  # no linear after it: its inputs are not kept
-        quantize = fake_quantize_per_token if self.activation_bits == 8 else (lambda a: a)
         stats = None
         for i, sl in enumerate(self.batches):
             xf, xq = self.fp_inputs[i], self.q_inputs[i]
@@ -133,7 +139,8 @@ class BlockInputs:
                 xq = self._advance(prev, xq, quantized, sl, self.activation_bits, self.kv_bits, self.kv_range)
                 if not last:
                     self.fp_inputs[i], self.q_inputs[i] = xf, xq
-            stats = _add_stats(stats, quantize(xq).reshape(-1, xq.shape[-1]), xf.reshape(-1, xf.shape[-1]))
+            xq8 = gemm_input(xq, self.activation_bits)
+            stats = _add_stats(stats, xq8.reshape(-1, xq8.shape[-1]), xf.reshape(-1, xf.shape[-1]))
         if last:
             self.fp_inputs = self.q_inputs = []
         self.reached = index
@@ -142,8 +149,8 @@ class BlockInputs:
     def _advance(self, done: str, a: torch.Tensor, weights: dict[str, torch.Tensor], sl: slice,
                  activation_bits: int, kv_bits: int, kv_range: tuple[float, float]) -> torch.Tensor:
         """a (B, T, K), linear `done`'s input -> the next linear's input, as block_forward_until."""
-        c, quantize = self.config, fake_quantize_per_token if activation_bits == 8 else (lambda v: v)
-        y = quantize(a) @ weights[done].t()
+        c = self.config
+        y = gemm_input(a, activation_bits) @ weights[done].t()
         if done == "qkv":
             return attention(c, y, self.cos, self.sin, kv_bits, kv_range=kv_range)
         if done == "o":
