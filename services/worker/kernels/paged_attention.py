@@ -275,20 +275,28 @@ def _qk_int16_tile(kw, q_hi_lo, q_hi_hi, q_lo_lo, q_lo_hi, FAST: tl.constexpr):
 
 
 @triton.jit
+def _tile_page_slots(n0, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block-table index and slot in its page (1, N) of each token of [n0, n0 + BLOCK_N).
+
+    n0 is a multiple of BLOCK_N (partitions are multiples of it). Both come from the token's place
+    in the tile (loop-invariant, known non-negative: no signed division in the loop); a tile inside
+    one page reads its block-table entry once.
+    """
+    local = tl.arange(0, BLOCK_N)[None, :]  # (1, N)
+    if BLOCK_N % BLOCK_SIZE == 0:
+        return n0 // BLOCK_SIZE + local // BLOCK_SIZE, local % BLOCK_SIZE
+    elif BLOCK_SIZE % BLOCK_N == 0:
+        return n0 // BLOCK_SIZE + local * 0, n0 % BLOCK_SIZE + local
+    else:
+        return (n0 + local) // BLOCK_SIZE, (n0 + local) % BLOCK_SIZE
+
+
+@triton.jit
 def _kv4_tile_pages(bt_row, n0, end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """Physical page (1, N) of each token of [n0, n0 + BLOCK_N) (page 0 past the context when MASKED)."""
-    local = tl.arange(0, BLOCK_N)[None, :]  # (1, N)
-    # n0 is a multiple of BLOCK_N (partitions are multiples of it). Page of each token from its place
-    # in the tile (loop-invariant, known non-negative: no signed division in the loop); a tile
-    # inside one page reads its block-table entry once.
-    if BLOCK_N % BLOCK_SIZE == 0:
-        page_of = n0 // BLOCK_SIZE + local // BLOCK_SIZE
-    elif BLOCK_SIZE % BLOCK_N == 0:
-        page_of = n0 // BLOCK_SIZE + local * 0
-    else:
-        page_of = (n0 + local) // BLOCK_SIZE
+    page_of, _ = _tile_page_slots(n0, BLOCK_SIZE, BLOCK_N)
     if MASKED:
-        return tl.load(bt_row + page_of, mask=n0 + local < end, other=0)
+        return tl.load(bt_row + page_of, mask=n0 + tl.arange(0, BLOCK_N)[None, :] < end, other=0)
     return tl.load(bt_row + page_of)
 
 
@@ -319,14 +327,8 @@ def _kv4_load_words(
     otherwise the second is the first again): a half row spreads over 8 lanes instead of 16, so a
     score's sum over the row's words takes 3 rounds of shuffles instead of 4 on half the tokens.
     """
-    local = tl.arange(0, BLOCK_N)[None, :]  # (1, N)
-    mask_n = n0 + local < end
-    if BLOCK_N % BLOCK_SIZE == 0:
-        slot = local % BLOCK_SIZE
-    elif BLOCK_SIZE % BLOCK_N == 0:
-        slot = n0 % BLOCK_SIZE + local
-    else:
-        slot = (n0 + local) % BLOCK_SIZE
+    mask_n = n0 + tl.arange(0, BLOCK_N)[None, :] < end  # (1, N)
+    _, slot = _tile_page_slots(n0, BLOCK_SIZE, BLOCK_N)
     # int64 offsets, with the row stride (rows are W + 1 words: _check) a compile-time constant:
     # each thread's words then sit at constant distances from one address, which the loads take as
     # immediate offsets instead of a 64-bit address computed per word.
