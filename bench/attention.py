@@ -61,6 +61,11 @@ GQA_SWEEP = [_cfg("fma", 16, 1, False, None), _cfg("fma", 16, 1, True, None), _c
              _cfg("fma", 16, 1, True, None, True), _cfg("fma", 32, 1, True, 168, True),
              _cfg("fma", 16, 1, True, None, True, whole_context=True),
              _cfg("fma", 16, 1, True, None, True, whole_context=True, page_ahead=True)]
+# The 'mma' kernel on groups of 2 and 4 (one MMA column pair per query head): 4 heads' value sums
+# take 255 registers uncapped (bench/sass_count.py attention --mma --group 4), hence the caps.
+GQA_MMA_SWEEP = [_cfg("mma", 32, 1, True, None, page_ahead=True), _cfg("mma", 32, 1, True, 192, page_ahead=True),
+                 _cfg("mma", 32, 1, True, 168, page_ahead=True), _cfg("mma", 32, 1, True, 128, page_ahead=True),
+                 _cfg("mma", 32, 1, False, None)]
 PARTITIONS = [256, 512, 768, 1024, 2048]
 WRITE_TOKENS = (64, 16384)  # a decode step of 64 sequences, a prefill chunk
 WRITE_SHAPE = dict(heads=32, kv_heads=32, head_dim=128)
@@ -113,6 +118,20 @@ class Bench:
         from triton.testing import do_bench
 
         return do_bench(fn, warmup=self.args.warmup, rep=self.args.rep, return_mode="median")
+
+    def warm_up(self, seconds: float = 1.0) -> None:
+        """Keeps the GPU busy for a while before a point's first timing: after the CPU-side compiles
+        of a new kernel the clocks are down, and the first config timed read slow (session 17, the
+        same config at batch 64 / GQA 32/8: 137.5 us timed first, 66.0 us later in the sweep)."""
+        import time
+
+        torch = self.torch
+        a = torch.randn(4096, 4096, device=self.dev, dtype=torch.float16)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            for _ in range(20):
+                a @ a
+            torch.cuda.synchronize()
 
     def write(self) -> None:
         if self.args.out:
@@ -191,6 +210,9 @@ class Bench:
         kc, vc, tables, lens = self.paged(batch, kv_heads, ctx, head_dim, kv4=True)
         ref = paged_decode_reference(q, kc, vc, tables, lens)
         default = default_config(True, group, head_dim)
+        fn = lambda: paged_decode_attention(q, kc, vc, tables, lens, max_context_len=ctx, config=default)  # noqa: E731
+        fn()  # compiled before the warm-up, not after it
+        self.warm_up()
         rows["kv4_default"] = run("kv4-default", default, kc, vc, tables, lens, ref, True)
         best = rows["kv4_default"]
         for cfg in sweep:
@@ -378,6 +400,9 @@ def main() -> None:
                         help="only these BATCH:CONTEXT[:KV_HEADS] points (32 heads, 32 KV heads unless given, "
                              "head_dim 128), each with a short KV4 sweep over the partition sizes, e.g. 256:1280 "
                              "(the engine's decode shapes) or 64:1536:8 (GQA)")
+    parser.add_argument("--gqa-mma", action="store_true",
+                        help="with --points: sweep the 'mma' kernel's configs (groups of 1, 2, 4) instead of the usual")
+    parser.add_argument("--sdpa", action="store_true", help="with --points: time SDPA at each point too")
     args = parser.parse_args()
     bench = Bench(args)
     print(json.dumps(bench.result["machine"]), flush=True)
@@ -386,9 +411,16 @@ def main() -> None:
         for batch, ctx, *kv_heads in args.points:
             kv_heads = kv_heads[0] if kv_heads else 32
             print(f"batch {batch}, context {ctx}, kv heads {kv_heads}:", flush=True)
-            sweep = KV4_SWEEP[3:4] + QK16_SWEEP + MMA_SWEEP if kv_heads == 32 else GQA_SWEEP[1:2] + GQA_SWEEP[6:]
-            bench.decode_point(f"b{batch}_ctx{ctx}" + (f"_kv{kv_heads}" if kv_heads != 32 else ""), batch, 32, kv_heads,
-                               ctx, 128, sweep=sweep, partitions=PARTITIONS, fp16=False, sdpa=False)
+            if kv_heads == 32:
+                sweep = MMA_SWEEP[-1:] if args.gqa_mma else KV4_SWEEP[3:4] + QK16_SWEEP + MMA_SWEEP
+            else:
+                sweep = GQA_MMA_SWEEP if args.gqa_mma else GQA_SWEEP[1:2] + GQA_SWEEP[6:]
+            rows = bench.decode_point(f"b{batch}_ctx{ctx}" + (f"_kv{kv_heads}" if kv_heads != 32 else ""), batch, 32,
+                                      kv_heads, ctx, 128, sweep=sweep,
+                                      partitions=(256, 512, 1024) if args.gqa_mma else PARTITIONS,
+                                      fp16=False, sdpa=args.sdpa)
+            if (batch, ctx, kv_heads) == (MAIN["batch"], MAIN["ctx"], MAIN["kv_heads"]) and args.sdpa:
+                bench.summarize(rows)  # the issue's point, with SDPA in the same run: its check
         return
     try:
         bench.copy_bandwidth()

@@ -39,7 +39,8 @@ def _tools() -> Path:
 
 def compile_sass(fn, pointer_types: dict[str, str], constexprs: dict, floats=(), num_warps=4, num_stages=1,
                  maxnreg=None) -> dict:
-    """-> {"regs", "stack", "sass"} of fn compiled for sm_90 (pointer_types: arg -> "*fp16" etc.)."""
+    """-> {"regs", "stack", "sass", "layouts"} of fn compiled for sm_90 (pointer_types: arg -> "*fp16"
+    etc.; layouts: the distinct register layouts of its Triton GPU IR)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -56,7 +57,8 @@ def compile_sass(fn, pointer_types: dict[str, str], constexprs: dict, floats=(),
         usage = _run(_tools() / "cuobjdump", "-res-usage", cubin)
         sass = _run(_tools() / "nvdisasm", "-c", cubin)
     regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
-    return {"regs": regs, "stack": stack, "sass": sass}
+    layouts = sorted(set(re.findall(r"#ttg\.blocked<\{[^}]*\}>", compiled.asm["ttgir"])))
+    return {"regs": regs, "stack": stack, "sass": sass, "layouts": layouts}
 
 
 def _run(tool: Path, *args) -> str:
@@ -93,7 +95,7 @@ def attention(a):
     pointers |= {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_o_ptr")}
     if a.mma:  # scores on the int8 tensor cores (paged_attention_mma.py): one warp, 32-token tiles
         consts = dict(HEAD_DIM=a.head_dim, BLOCK_SIZE=16, SPLIT=a.split, PREFETCH=not a.no_prefetch, FAST=True,
-                      PAGE_AHEAD=a.page_ahead)
+                      GROUP=a.group, PAGE_AHEAD=a.page_ahead)
         sass = compile_sass(pa._kv4_decode_mma_kernel, pointers, consts, floats=("qk_scale",), num_warps=1, maxnreg=a.maxnreg)
         return sass, 32
     consts = dict(GROUP=a.group, BLOCK_G=triton.next_power_of_2(a.group), HEAD_DIM=a.head_dim, BLOCK_SIZE=16,
@@ -155,6 +157,8 @@ def main() -> None:
     result, tile_tokens = {"attention": attention, "act_quant": act_quant, "kv_write": kv_write}[a.kernel](a)
     total = len(re.findall(r"/\*[0-9a-f]{4,}\*/", result["sass"]))
     print(f"{a.kernel}: {result['regs']} registers, {result['stack']} bytes of stack, {total} instructions")
+    for layout in result["layouts"]:
+        print(f"  layout {layout}")
     for body in (b for b in loops(result["sass"]) if len(b) >= LOOP_MIN):
         per = f" ({len(body) * 32 / tile_tokens:.0f} per 32 tokens)" if tile_tokens else ""
         mix = collections.Counter(ins.split()[0] for ins in body).most_common(12)

@@ -3,6 +3,8 @@ triton wheel's ptxas; it is exercised by running the tool, not here)."""
 
 from __future__ import annotations
 
+import re
+
 from bench.sass_count import loops
 
 SASS = """
@@ -23,10 +25,9 @@ def test_loops_are_backward_branches_with_their_bodies():
 
 
 
-def test_mma_attention_assembles_for_sm90():
-    """The 'mma' decode kernel's inline PTX (mma.sync, shfl.sync) runs only on a GPU; here ptxas
-    (from the triton wheel) assembles it for sm_90, in a process without the interpreter that this
-    directory's conftest turns on: 8 IMMAs per 32-token tile, no spills."""
+def _sass_count(*args: str) -> str:
+    """bench/sass_count.py's report, in a process without the interpreter that this directory's
+    conftest turns on (ptxas from the triton wheel assembles for sm_90; no GPU needed)."""
     import os
     import subprocess
     import sys
@@ -34,7 +35,26 @@ def test_mma_attention_assembles_for_sm90():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tool = Path(__file__).resolve().parents[2] / "bench" / "sass_count.py"
-    out = subprocess.run([sys.executable, str(tool), "attention", "--mma", "--maxnreg", "128"], env=env,
-                         capture_output=True, text=True, check=True, timeout=300).stdout
+    return subprocess.run([sys.executable, str(tool), *args], env=env, capture_output=True, text=True, check=True,
+                          timeout=300).stdout
+
+
+def test_mma_attention_assembles_for_sm90():
+    """The 'mma' decode kernel's inline PTX (mma.sync, shfl.sync) runs only on a GPU: here it is
+    assembled for sm_90 as the MHA default launches it: 8 IMMAs per 32-token tile, no spills."""
+    out = _sass_count("attention", "--mma", "--maxnreg", "128", "--page-ahead")
     assert "0 bytes of stack" in out, out
     assert "IMMA.16832.U8.S8 8 " in out and "SHFL.IDX" in out, out
+
+
+def test_mma_attention_keeps_each_head_row_in_one_lane_per_token():
+    """With 4 query heads per KV head the kernel's (4, 32) tensors must put row h, column i in lane i
+    (the shuffles' source lanes assume it; the interpreter cannot tell). Triton picks the layout:
+    3.6 once spread 4 heads x 8 lanes across the warp and the GPU results were garbage. Every
+    layout of the compiled kernel is one element per lane along its last axis; no spills."""
+    out = _sass_count("attention", "--mma", "--group", "4", "--no-prefetch", "--split")
+    layouts = [line.split("layout ", 1)[1] for line in out.splitlines() if line.strip().startswith("layout ")]
+    assert layouts, out
+    for layout in layouts:
+        assert re.search(r"sizePerThread = \[(1, )*1\], threadsPerWarp = \[(1, )*32\]", layout), layout
+    assert "0 bytes of stack" in out, out

@@ -18,11 +18,12 @@ Three KV4 kernels, chosen per group size (see default_config):
     With qk_int16 the scores are integer sums instead: the query rounded to int16 per head and
     split into high and low bytes meets each code word in four dp4a (4 byte products into int32):
     9 instructions per word where the fp32 planes take 20.
-  * "mma" (paged_attention_mma.py): one query head per KV head at head_dim 128: the scores on the
-    int8 tensor cores (mma.sync, written lane by lane), the value sums as in "fma". The default
-    for that case.
+  * "mma" (paged_attention_mma.py): 1, 2 or 4 query heads per KV head at head_dim 128: the
+    scores on the int8 tensor cores (mma.sync, written lane by lane; a head per pair of the MMA's 8
+    columns), the value sums as in "fma", each V code unpacked once for the group. The default
+    for those groups.
   * "dot": tensor cores (tl.dot) on nibble halves converted to fp16, query heads padded to 16.
-    Pays for itself once a KV group has many query heads.
+    Pays for itself once a KV group has many query heads (the default for groups of 8).
 The fp16 cache has an "fma" kernel of the same structure (fp32 math on fp16 rows).
 
 Layouts:
@@ -144,11 +145,23 @@ _DEFAULTS = {
 # context 1280: 363.5 -> 354.6 us (attention_points_page_ahead.json).
 MMA_GROUP1 = DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
                           whole_context=True, page_ahead=True)
+# Groups of 2 and 4 on the same kernel (session 17: one MMA column pair per query head; H200,
+# bench/results/h200/attention_gqa_mma*.json, `bench/attention.py --points ... --gqa-mma --sdpa`).
+# Group 2 (32/16, batch 64, context 1536): 85.1 us against the "fma" entry's 142.9 and SDPA's 193.1.
+# Group 4 (32/8): 4 heads' value sums take 255 registers with prefetch, and what paid depended on
+# the point (prefetch capped at 168: 65.7 us at batch 64 / context 1536 but 223.2 at context 4096),
+# so without prefetch, the steadiest: 67.9 us (context 1536), 160.4 (4096), 191.8 (batch 256 /
+# context 1280) against the "fma" entry's 119.6, 254.1, 286.7 and SDPA's 106.3, 250.4, 309.9.
+MMA_GQA = {
+    2: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
+                    page_ahead=True),
+    4: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=False),
+}
 
 
 def _mma_covers(group: int, head_dim: int, block_size: int) -> bool:
     """The shapes the "mma" kernel is written for (paged_attention_mma.py)."""
-    return group == 1 and head_dim == 128 and block_size % 16 == 0
+    return group in (1, 2, 4) and head_dim == 128 and block_size % 16 == 0
 
 
 def default_config(kv4: bool, group: int, head_dim: int, block_size: int = 16) -> DecodeConfig:
@@ -157,7 +170,7 @@ def default_config(kv4: bool, group: int, head_dim: int, block_size: int = 16) -
     if not kv4:
         return _DEFAULTS[("fp16", 1)]
     if _mma_covers(group, head_dim, block_size):
-        return MMA_GROUP1
+        return MMA_GROUP1 if group == 1 else MMA_GQA[group]
     return _DEFAULTS[("kv4", min(triton.next_power_of_2(group), 8))]
 
 
@@ -829,8 +842,8 @@ def paged_decode_attention(
     if not kv4 and (cfg.variant != "fma" or cfg.qk_int16 or cfg.page_ahead):
         raise ValueError(f"the fp16 cache has only the 'fma' kernel without qk_int16 or page_ahead, not {cfg}")
     if cfg.variant == "mma" and not _mma_covers(group, d, k_cache.shape[2]):
-        raise ValueError(f"the 'mma' kernel takes one query head per KV head, head_dim 128 and pages of a multiple "
-                         f"of 16 tokens, not group {group}, head_dim {d}, pages of {k_cache.shape[2]}")
+        raise ValueError(f"the 'mma' kernel takes 1, 2 or 4 query heads per KV head, head_dim 128 and pages of a "
+                         f"multiple of 16 tokens, not group {group}, head_dim {d}, pages of {k_cache.shape[2]}")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if max_context_len is None:
         max_context_len = int(context_lens.max().item()) if b else 0
@@ -879,7 +892,7 @@ def paged_decode_attention(
             query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1),
             HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], SPLIT=split, PREFETCH=cfg.prefetch, FAST=query.is_cuda,
-            PAGE_AHEAD=cfg.page_ahead, num_warps=1,
+            GROUP=group, PAGE_AHEAD=cfg.page_ahead, num_warps=1,
             num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
             **overlap,
         )

@@ -1,4 +1,4 @@
-"""KV4 paged decode attention, one query head per KV head, with the scores on the int8 tensor cores.
+"""KV4 paged decode attention for 1, 2 or 4 query heads per KV head, with the scores on the int8 tensor cores.
 
 The "fma" kernel of paged_attention.py is issue-bound, and most of its instructions outside the
 value sums go to the scores: four dp4a per code word, then shuffles to add each row's words up
@@ -15,18 +15,24 @@ m16n8k32 with 8-bit operands; lane l, g = l // 4, t = l % 4):
 A's rows are the 16 slots of a page-aligned group of tokens. Byte j of K code word w holds dims
 4w + j (low nibble) and 4w + j + D/2 (high nibble), so `word & 0x0F0F0F0F` of words 8c + t and
 8c + 4 + t is the A fragment of dims 32c..32c + 31 in order, and the high nibbles (one shift more)
-of dims D/2 + 32c... B's column 0 holds the high bytes and column 1 the low bytes of the query
-rounded to int16 (as the "fma" kernel's qk_int16), the other columns zero: score = 256 c0 + c1,
-exact, in the lanes with t = 0. Four shuffles hand token n's score to lane n for the softmax.
+of dims D/2 + 32c... B's column 2h holds the high bytes and column 2h + 1 the low bytes of query head
+h rounded to int16 (as the "fma" kernel's qk_int16), columns past the group zero: score = 256 c0 +
+c1, exact, head t's in the lanes (g, t). The MMA has 8 columns, so a group of up to 4 heads costs
+the same 4 MMAs per 16 tokens as one head. Four shuffles per head hand token n's score to lane n.
+
+Per-head values are (GROUP, 32) tensors: row h, lane i (the default layout puts dim 1 across the
+warp's lanes and dim 0 in registers), so lane i holds token i's scores and sums of every head.
 
 The value sums stay on the CUDA cores (one LOP3 and one FFMA per code, as in the "fma" kernel,
 whose docstring gives the 1 + c * 2^-k trick): lane l takes code words 2 (l % 8) and 2 (l % 8) + 1
-of tokens 8 (l // 8) .. 8 (l // 8) + 7 of each 32-token tile, keeps 16 per-lane fp32 sums and
-adds the four lanes of a word together once, at the end.
+of tokens 8 (l // 8) .. 8 (l // 8) + 7 of each 32-token tile, keeps 16 per-lane fp32 sums per
+head and adds the four lanes of a word together once, at the end. Each V code is unpacked once for
+the whole group, so a group of G heads costs G FFMAs per code and one LOP3.
 
 On the GPU the MMA and the shuffles are inline PTX; under TRITON_INTERPRET they are emulated over
 the 32 lanes with gathers, fragment layout included, so the CPU tests check the bookkeeping.
-Head_dim 128, page sizes a multiple of 16 (launcher: paged_attention.py, variant "mma").
+Head_dim 128, page sizes a multiple of 16, groups of 1, 2 or 4 (launcher: paged_attention.py,
+variant "mma").
 """
 
 from __future__ import annotations
@@ -46,13 +52,13 @@ TILE = tl.constexpr(32)  # tokens per loop iteration: two MMA row groups of 16
 
 @triton.jit
 def _shfl(x, src, FAST: tl.constexpr):
-    """x (32,) int32 of lane src[i], for every lane i (shfl.sync.idx)."""
+    """x (G, 32) int32 of lane src[h, i], for every lane i and row h (shfl.sync.idx, one per row)."""
     if FAST:
         return tl.inline_asm_elementwise(
             asm="shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;",
             constraints="=r,r,r", args=[x, src], dtype=tl.int32, is_pure=True, pack=1,
         )
-    return tl.gather(x, src, 0)
+    return tl.gather(x, src, 1)
 
 
 @triton.jit
@@ -105,15 +111,17 @@ def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FAST: tl.constexpr):
 
 
 @triton.jit
-def _query_fragment(q_row, inv, g, t, base: tl.constexpr):
-    """B fragment register of query dims base + 4t .. base + 4t + 3: in column 0 (lanes g = 0) the
-    high bytes, in column 1 the low bytes of q * inv rounded to int16 (q16 = 256 hi + lo), else 0."""
+def _query_fragment(q_row, stride_qh, inv_lane, g, t, base: tl.constexpr, GROUP: tl.constexpr):
+    """B fragment register of query dims base + 4t .. base + 4t + 3: in column 2h (lanes g = 2h)
+    the high bytes, in column 2h + 1 the low bytes of head h's q * inv rounded to int16
+    (q16 = 256 hi + lo); 0 in the columns past the group. inv_lane: the inv of lane g's head."""
+    head = g // 2
     packed = tl.zeros(g.shape, tl.int32)
     for j in tl.static_range(4):
-        x = tl.load(q_row + base + 4 * t + j).to(tl.float32) * inv
+        x = tl.load(q_row + head * stride_qh + base + 4 * t + j, mask=head < GROUP, other=0.0).to(tl.float32) * inv_lane
         q16 = tl.floor(x + 0.5).to(tl.int32)
         hi = (q16 + 128) >> 8
-        byte = tl.where(g == 0, hi, tl.where(g == 1, q16 - hi * 256, 0))
+        byte = tl.where(g % 2 == 0, hi, q16 - hi * 256)
         packed |= (byte & 0xFF) << (8 * j)
     return packed
 
@@ -122,7 +130,7 @@ def _query_fragment(q_row, inv, g, t, base: tl.constexpr):
 def _scores16(w0, w1, w2, w3, w4, w5, w6, w7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, FAST: tl.constexpr):
     """Integer scores of a group of 16 tokens from lane (g, t)'s K words t, 4 + t, 8 + t, 12 + t of
     slot g (w0..w3) and of slot g + 8 (w4..w7), against the query fragments
-    qb[(half * 2 + c) * 2 + reg]: -> (slot g's, slot g + 8's), valid in the lanes with t = 0."""
+    qb[(half * 2 + c) * 2 + reg]: -> (slot g's, slot g + 8's) for head t, in the lanes with t < GROUP."""
     lo = 0x0F0F0F0F
     c0 = tl.zeros(w0.shape, tl.int32)
     c1 = c0
@@ -140,45 +148,55 @@ def _scores16(w0, w1, w2, w3, w4, w5, w6, w7, qb0, qb1, qb2, qb3, qb4, qb5, qb6,
 
 @triton.jit
 def _pv_word(w, pw, a0, a1, a2, a3, a4, a5, a6, a7, mask_lo, mask_hi, one):
-    """The 8 planes of code word w (one token's) times the token's weight pw, added to a0..a7."""
+    """The 8 planes of code word w (32,) (one token's) times the token's weights pw (G, 32) of each
+    head, added to a0..a7 (G, 32): each plane unpacked once for the group."""
     x0, x1, x2, x3 = _bytes_at_15(w)
-    a0 += pw * _nibble(x0, mask_lo, one)
-    a1 += pw * _nibble(x0, mask_hi, one)
-    a2 += pw * _nibble(x1, mask_lo, one)
-    a3 += pw * _nibble(x1, mask_hi, one)
-    a4 += pw * _nibble(x2, mask_lo, one)
-    a5 += pw * _nibble(x2, mask_hi, one)
-    a6 += pw * _nibble(x3, mask_lo, one)
-    a7 += pw * _nibble(x3, mask_hi, one)
+    a0 += pw * _nibble(x0, mask_lo, one)[None, :]
+    a1 += pw * _nibble(x0, mask_hi, one)[None, :]
+    a2 += pw * _nibble(x1, mask_lo, one)[None, :]
+    a3 += pw * _nibble(x1, mask_hi, one)[None, :]
+    a4 += pw * _nibble(x2, mask_lo, one)[None, :]
+    a5 += pw * _nibble(x2, mask_hi, one)[None, :]
+    a6 += pw * _nibble(x3, mask_lo, one)[None, :]
+    a7 += pw * _nibble(x3, mask_hi, one)[None, :]
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
-def _store_plane(out_row, lane, w, a, pw_sum, z_sum, denom, ok, S: tl.constexpr, HALF: tl.constexpr,
-                 FAST: tl.constexpr, SPLIT: tl.constexpr):
-    """Adds the four token-group lanes of plane S of word w together; lanes 0..7 store its dim:
-    (sum pw (1 + c 2^-k) - sum pw) * 2^k + sum p zero, over denom."""
-    a += _shfl_f32(a, lane ^ 8, FAST)
-    a += _shfl_f32(a, lane ^ 16, FAST)
-    val = ((a - pw_sum) * (1 << (8 - 4 * (S % 2))) + z_sum) / denom
-    ptrs = out_row + 4 * w + S // 2 + (S % 2) * HALF
-    if SPLIT:
-        tl.store(ptrs, val, mask=(lane < 8) & ok)
-    else:
-        tl.store(ptrs, val.to(tl.float16), mask=lane < 8)
+def _head_row(x, h: tl.constexpr):
+    """Row h of x (G, 32) as a (32,) tensor, lane for lane (a select and a sum within each lane)."""
+    return tl.sum(tl.where(tl.arange(0, x.shape[0])[:, None] == h, x, 0), axis=0)
 
 
 @triton.jit
-def _store_word_planes(out_row, lane, w, a0, a1, a2, a3, a4, a5, a6, a7, pw_sum, z_sum, denom, ok,
-                       HALF: tl.constexpr, FAST: tl.constexpr, SPLIT: tl.constexpr):
-    _store_plane(out_row, lane, w, a0, pw_sum, z_sum, denom, ok, 0, HALF, FAST, SPLIT)
-    _store_plane(out_row, lane, w, a1, pw_sum, z_sum, denom, ok, 1, HALF, FAST, SPLIT)
-    _store_plane(out_row, lane, w, a2, pw_sum, z_sum, denom, ok, 2, HALF, FAST, SPLIT)
-    _store_plane(out_row, lane, w, a3, pw_sum, z_sum, denom, ok, 3, HALF, FAST, SPLIT)
-    _store_plane(out_row, lane, w, a4, pw_sum, z_sum, denom, ok, 4, HALF, FAST, SPLIT)
-    _store_plane(out_row, lane, w, a5, pw_sum, z_sum, denom, ok, 5, HALF, FAST, SPLIT)
-    _store_plane(out_row, lane, w, a6, pw_sum, z_sum, denom, ok, 6, HALF, FAST, SPLIT)
-    _store_plane(out_row, lane, w, a7, pw_sum, z_sum, denom, ok, 7, HALF, FAST, SPLIT)
+def _store_plane(out_row, head_stride, lane, w, a, pw_sum, z_sum, denom, ok, S: tl.constexpr, HALF: tl.constexpr,
+                 FAST: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr):
+    """Adds the four token-group lanes of plane S of word w together; lanes 0..7 store its dim of
+    head h's row (out_row + h * head_stride): (sum pw (1 + c 2^-k) - sum pw) * 2^k + sum p zero,
+    over denom. The stores are 1D, one per head: see the kernel on why no memory op is (G, 32)."""
+    a += _shfl_f32(a, tl.broadcast_to((lane ^ 8)[None, :], a.shape), FAST)
+    a += _shfl_f32(a, tl.broadcast_to((lane ^ 16)[None, :], a.shape), FAST)
+    val = ((a - pw_sum[:, None]) * (1 << (8 - 4 * (S % 2))) + z_sum[:, None]) / denom[:, None]
+    offs = 4 * w + S // 2 + (S % 2) * HALF
+    for h in tl.static_range(GROUP):
+        ptrs = out_row + h * head_stride + offs
+        if SPLIT:
+            tl.store(ptrs, _head_row(val, h), mask=(lane < 8) & ok)
+        else:
+            tl.store(ptrs, _head_row(val, h).to(tl.float16), mask=lane < 8)
+
+
+@triton.jit
+def _store_word_planes(out_row, head_stride, lane, w, a0, a1, a2, a3, a4, a5, a6, a7, pw_sum, z_sum, denom, ok,
+                       HALF: tl.constexpr, FAST: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr):
+    _store_plane(out_row, head_stride, lane, w, a0, pw_sum, z_sum, denom, ok, 0, HALF, FAST, SPLIT, GROUP)
+    _store_plane(out_row, head_stride, lane, w, a1, pw_sum, z_sum, denom, ok, 1, HALF, FAST, SPLIT, GROUP)
+    _store_plane(out_row, head_stride, lane, w, a2, pw_sum, z_sum, denom, ok, 2, HALF, FAST, SPLIT, GROUP)
+    _store_plane(out_row, head_stride, lane, w, a3, pw_sum, z_sum, denom, ok, 3, HALF, FAST, SPLIT, GROUP)
+    _store_plane(out_row, head_stride, lane, w, a4, pw_sum, z_sum, denom, ok, 4, HALF, FAST, SPLIT, GROUP)
+    _store_plane(out_row, head_stride, lane, w, a5, pw_sum, z_sum, denom, ok, 5, HALF, FAST, SPLIT, GROUP)
+    _store_plane(out_row, head_stride, lane, w, a6, pw_sum, z_sum, denom, ok, 6, HALF, FAST, SPLIT, GROUP)
+    _store_plane(out_row, head_stride, lane, w, a7, pw_sum, z_sum, denom, ok, 7, HALF, FAST, SPLIT, GROUP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,8 +278,8 @@ def _tile_loads(k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, lane, 
 @triton.jit
 def _pv_token(pw, i: tl.constexpr, x, y, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
               lane, mask_lo, mask_hi, one, FAST: tl.constexpr):
-    """Adds token 8 (lane // 8) + i's weighted V words x (-> a0..a7) and y (-> b0..b7)."""
-    w_i = _shfl_f32(pw, 8 * (lane // 8) + i, FAST)
+    """Adds token 8 (lane // 8) + i's weighted V words x (-> a0..a7) and y (-> b0..b7), per head."""
+    w_i = _shfl_f32(pw, tl.broadcast_to((8 * (lane // 8) + i)[None, :], pw.shape), FAST)
     a0, a1, a2, a3, a4, a5, a6, a7 = _pv_word(x, w_i, a0, a1, a2, a3, a4, a5, a6, a7, mask_lo, mask_hi, one)
     b0, b1, b2, b3, b4, b5, b6, b7 = _pv_word(y, w_i, b0, b1, b2, b3, b4, b5, b6, b7, mask_lo, mask_hi, one)
     return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
@@ -273,30 +291,32 @@ def _tile_math(
     x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
     n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
     m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
-    MASKED: tl.constexpr, FAST: tl.constexpr,
+    MASKED: tl.constexpr, FAST: tl.constexpr, GROUP: tl.constexpr,
 ):
     """Online-softmax update with the words of tokens [n0, n0 + 32) (_tile_loads); MASKED only for
-    a partial last tile. l_p, pw_p, z_p: this lane's parts of the softmax sum, of sum p * v_scale
-    and of sum p * v_zero; a0..a7, b0..b7: the plane sums of this lane's two V words."""
+    a partial last tile. Per head (rows of (G, 32); m_i, q_step, q_sum (G,)): l_p, pw_p, z_p this
+    lane's parts of the softmax sum, of sum p * v_scale and of sum p * v_zero; a0..a7, b0..b7 the
+    plane sums of this lane's two V words."""
     s00, s01 = _scores16(k0, k1, k2, k3, k4, k5, k6, k7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, FAST)
     s10, s11 = _scores16(j0, j1, j2, j3, j4, j5, j6, j7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, FAST)
-    # lane n takes token n's score from lane 4 (n % 8) (slot n % 8 or n % 8 + 8 of its group)
-    src = 4 * (lane % 8)
-    x00 = _shfl(s00, src, FAST)
-    x01 = _shfl(s01, src, FAST)
-    x10 = _shfl(s10, src, FAST)
-    x11 = _shfl(s11, src, FAST)
-    score = tl.where(lane < 16, tl.where(lane < 8, x00, x01), tl.where(lane < 24, x10, x11))
+    # lane n takes head h's score of token n from lane 4 (n % 8) + h (slot n % 8 or n % 8 + 8 of its group)
+    src = 4 * (lane % 8) + tl.arange(0, GROUP)[:, None]  # (G, 32)
+    x00 = _shfl(tl.broadcast_to(s00[None, :], src.shape), src, FAST)
+    x01 = _shfl(tl.broadcast_to(s01[None, :], src.shape), src, FAST)
+    x10 = _shfl(tl.broadcast_to(s10[None, :], src.shape), src, FAST)
+    x11 = _shfl(tl.broadcast_to(s11[None, :], src.shape), src, FAST)
+    score = tl.where(lane < 16, tl.where(lane < 8, x00, x01), tl.where(lane < 24, x10, x11))  # (G, 32)
 
     k_scale, k_zero = _scale_zero(ksz)
     v_scale, v_zero = _scale_zero(vsz)
-    s = score.to(tl.float32) * q_step * k_scale + q_sum * k_zero  # log2 units
+    s = score.to(tl.float32) * q_step[:, None] * k_scale + q_sum[:, None] * k_zero  # log2 units
     if MASKED:
         s = tl.where(n0 + lane < end, s, float("-inf"))
 
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha1 = tl.exp2(m_i - m_new)
+    alpha = alpha1[:, None]
+    p = tl.exp2(s - m_new[:, None])
     pw = p * v_scale  # 0 past the context
     l_p = l_p * alpha + p
     pw_p = pw_p * alpha + pw
@@ -347,35 +367,49 @@ def _kv4_decode_mma_kernel(
     stride_qb, stride_qh, stride_cb, stride_ch, stride_bt, stride_ob, stride_oh,
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, FAST: tl.constexpr,
-    PAGE_AHEAD: tl.constexpr = False, PDL: tl.constexpr = 0,
+    GROUP: tl.constexpr = 1, PAGE_AHEAD: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     _overlap_entry(PDL)
     W: tl.constexpr = HEAD_DIM // 8
     HALF: tl.constexpr = HEAD_DIM // 2
     tl.static_assert(HEAD_DIM == 128, "the mma decode kernel is written for head_dim 128")
     tl.static_assert(BLOCK_SIZE % 16 == 0, "the mma decode kernel needs pages of a multiple of 16 tokens")
+    tl.static_assert(GROUP == 1 or GROUP == 2 or GROUP == 4, "the mma decode kernel takes groups of 1, 2 or 4 heads")
     bh, part, b, kvh, ctx, start, end, full_end = _program_span(context_lens_ptr, num_kv_heads, partition_size, TILE)
 
     lane = tl.arange(0, 32)
     g = lane // 4
     t = lane % 4
-    q_row = q_ptr + b.to(tl.int64) * stride_qb + kvh * stride_qh
-    q_full = tl.load(q_row + tl.arange(0, HEAD_DIM)).to(tl.float32)
-    q_sum = tl.sum(q_full, axis=0) * qk_scale
-    q_max = tl.max(tl.abs(q_full), axis=0) * qk_scale
+    heads = tl.arange(0, GROUP)  # the group's query heads, kvh * GROUP + heads
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + (kvh * GROUP) * stride_qh
+    # No memory op of the kernel is (G, 32) or (G, 128): the compiler picks a layout for those from
+    # their addresses (Triton 3.6 put 4 heads x 8 lanes across the warp, 3.9 vectorized the query
+    # load 4 dims a lane), and it would spread to every (G, 32) tensor, while the shuffles need row
+    # h, lane i in lane i. So lane i reads dims 4i .. 4i + 3 of each head with (32,) loads, and the
+    # stores go out one head at a time (_store_plane). tests/kernels/test_sass_count.py checks the layout.
+    q_sum = tl.zeros((GROUP, 32), tl.float32)
+    q_max = tl.zeros((GROUP, 32), tl.float32)
+    for h in tl.static_range(GROUP):
+        for j in tl.static_range(4):
+            x = tl.load(q_row + h * stride_qh + 4 * lane + j).to(tl.float32)[None, :]
+            q_sum += tl.where(heads[:, None] == h, x, 0.0)
+            q_max = tl.maximum(q_max, tl.where(heads[:, None] == h, tl.abs(x), 0.0))
+    q_sum = tl.sum(q_sum, axis=1) * qk_scale  # (G,)
+    q_max = tl.max(q_max, axis=1) * qk_scale
     q_step = tl.where(q_max > 0, q_max / 32512.0, 1.0)  # |q16| <= 32512 keeps the high byte in [-127, 127]
     inv = qk_scale / q_step
-    qb0 = _query_fragment(q_row, inv, g, t, 0)
-    qb1 = _query_fragment(q_row, inv, g, t, 16)
-    qb2 = _query_fragment(q_row, inv, g, t, 32)
-    qb3 = _query_fragment(q_row, inv, g, t, 48)
-    qb4 = _query_fragment(q_row, inv, g, t, HALF)
-    qb5 = _query_fragment(q_row, inv, g, t, HALF + 16)
-    qb6 = _query_fragment(q_row, inv, g, t, HALF + 32)
-    qb7 = _query_fragment(q_row, inv, g, t, HALF + 48)
+    inv_lane = tl.sum(tl.where(heads[:, None] == (g // 2)[None, :], inv[:, None], 0.0), axis=0)  # lane g's head's
+    qb0 = _query_fragment(q_row, stride_qh, inv_lane, g, t, 0, GROUP)
+    qb1 = _query_fragment(q_row, stride_qh, inv_lane, g, t, 16, GROUP)
+    qb2 = _query_fragment(q_row, stride_qh, inv_lane, g, t, 32, GROUP)
+    qb3 = _query_fragment(q_row, stride_qh, inv_lane, g, t, 48, GROUP)
+    qb4 = _query_fragment(q_row, stride_qh, inv_lane, g, t, HALF, GROUP)
+    qb5 = _query_fragment(q_row, stride_qh, inv_lane, g, t, HALF + 16, GROUP)
+    qb6 = _query_fragment(q_row, stride_qh, inv_lane, g, t, HALF + 32, GROUP)
+    qb7 = _query_fragment(q_row, stride_qh, inv_lane, g, t, HALF + 48, GROUP)
 
-    m_i = tl.full([], float("-inf"), tl.float32)
-    zero = tl.zeros((32,), tl.float32)
+    m_i = tl.full((GROUP,), float("-inf"), tl.float32)
+    zero = tl.zeros((GROUP, 32), tl.float32)
     l_p = zero
     pw_p = zero
     z_p = zero
@@ -427,7 +461,7 @@ def _kv4_decode_mma_kernel(
                 k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
                 x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
                 n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
-                m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, False, FAST,
+                m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, False, FAST, GROUP,
             )
             k0, k1, k2, k3, k4, k5, k6, k7 = nk0, nk1, nk2, nk3, nk4, nk5, nk6, nk7
             j0, j1, j2, j3, j4, j5, j6, j7 = nj0, nj1, nj2, nj3, nj4, nj5, nj6, nj7
@@ -444,7 +478,7 @@ def _kv4_decode_mma_kernel(
                 k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
                 x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
                 n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
-                m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, False, FAST,
+                m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, False, FAST, GROUP,
             )
     for n0 in range(full_end, end, TILE):  # at most one partial tile
         page0, page1 = _pages(bt_row, n0, end, BLOCK_SIZE, True)
@@ -455,24 +489,29 @@ def _kv4_decode_mma_kernel(
             k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
             x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
             n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
-            m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, True, FAST,
+            m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, True, FAST, GROUP,
         )
     _overlap_release(PDL)
 
-    l_i = tl.sum(l_p, axis=0)
-    pw_sum = tl.sum(pw_p, axis=0)
-    z_sum = tl.sum(z_p, axis=0)
+    l_i = tl.sum(l_p, axis=1)  # (G,)
+    pw_sum = tl.sum(pw_p, axis=1)
+    z_sum = tl.sum(z_p, axis=1)
     ok = start < ctx  # a partition past the context stores nothing (the reduction never reads it)
     if SPLIT:
-        idx = bh.to(tl.int64) * num_partitions + part
-        tl.store(part_m_ptr + idx, m_i, mask=ok)
-        tl.store(part_l_ptr + idx, l_i, mask=ok)
+        idx = (bh.to(tl.int64) * GROUP) * num_partitions + part  # query head b * heads + kvh * GROUP + h is idx + h * parts
+        for h in tl.static_range(GROUP):
+            tl.store(part_m_ptr + idx + h * num_partitions, tl.max(tl.where(heads == h, m_i, float("-inf")), axis=0), mask=ok)
+            tl.store(part_l_ptr + idx + h * num_partitions, tl.sum(tl.where(heads == h, l_i, 0.0), axis=0), mask=ok)
         ok = (lane * 0 + start) < ctx  # per lane, for the plane stores
         out_row = part_o_ptr + idx * HEAD_DIM
-        denom = 1.0
+        head_stride = num_partitions * HEAD_DIM
+        denom = tl.full((GROUP,), 1.0, tl.float32)
     else:
-        out_row = out_ptr + b.to(tl.int64) * stride_ob + kvh * stride_oh
+        out_row = out_ptr + b.to(tl.int64) * stride_ob + (kvh * GROUP) * stride_oh
+        head_stride = stride_oh
         denom = tl.where(l_i > 0, l_i, 1.0)
     w = 2 * (lane % 8)
-    _store_word_planes(out_row, lane, w, a0, a1, a2, a3, a4, a5, a6, a7, pw_sum, z_sum, denom, ok, HALF, FAST, SPLIT)
-    _store_word_planes(out_row, lane, w + 1, b0, b1, b2, b3, b4, b5, b6, b7, pw_sum, z_sum, denom, ok, HALF, FAST, SPLIT)
+    _store_word_planes(out_row, head_stride, lane, w, a0, a1, a2, a3, a4, a5, a6, a7, pw_sum, z_sum, denom, ok,
+                       HALF, FAST, SPLIT, GROUP)
+    _store_word_planes(out_row, head_stride, lane, w + 1, b0, b1, b2, b3, b4, b5, b6, b7, pw_sum, z_sum, denom, ok,
+                       HALF, FAST, SPLIT, GROUP)
