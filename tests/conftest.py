@@ -20,6 +20,11 @@ import sqlalchemy as sa  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+# Under pytest-xdist (scripts/test.sh runs the fast tests on QSERVE_TEST_WORKERS processes) each
+# worker's torch gets its share of the cores, not all of them: oversubscribed OpenMP threads spin.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared"
 TINY_LLAMA = FIXTURES / "models" / "tiny-llama-pystdlib"

@@ -1,10 +1,15 @@
 """Accuracy on the trained fixture: the figures users judge us by (a few minutes on 2 CPU cores).
 
 The full table, with the ablation and the issue's targets, is bench/results/accuracy.json
-(bench/accuracy.py). Here the fixture's fp16 perplexity must reproduce the published 5.012, and
-QoQ must keep its measured accuracy: a regression in any QoQ step shows up as a failure here.
+(bench/accuracy.py). Here the fixture's fp16 perplexity must reproduce the published 5.012 on the
+whole file, and QoQ must keep its measured accuracy: a regression in any QoQ step shows up as a
+failure here. The quantized models are evaluated on every other window (108 of the 215), against
+fp16 on the same windows: half the evaluation time, and the ratios moved by at most 0.02 of the
+gap (session 17, this suite's settings: g128 QoQ 1.0197 x fp16 on those windows against 1.0188 on
+all, 0.413 of the gap to RTN closed against 0.432; per-channel 1.0229 / 1.0232, 0.536 / 0.520).
 """
 
+import math
 import time
 
 import pytest
@@ -26,28 +31,40 @@ def windows(tiny_llama, eval_text):
 
 
 @pytest.fixture(scope="module")
-def fp16_ppl(tiny_llama, windows):
-    return perplexity(fp_model(HfCheckpoint(tiny_llama)).forward, windows).ppl
+def fp16_halves(tiny_llama, windows):
+    """fp16 perplexity on the even windows and on the odd ones."""
+    forward = fp_model(HfCheckpoint(tiny_llama)).forward
+    return perplexity(forward, windows[::2]), perplexity(forward, windows[1::2])
+
+
+@pytest.fixture(scope="module")
+def fp16_ppl(fp16_halves):
+    """fp16 perplexity on the even windows: what the quantized models are compared with."""
+    return fp16_halves[0].ppl
 
 
 def _quantized_ppl(tiny_llama, calib_text, windows, out, fmt, options):
     start = time.time()
     quantize_checkpoint(QuantizeSettings(tiny_llama, out, fmt, options=options, calib_path=calib_text))
     seconds = time.time() - start
-    return perplexity(artifact_model(ArtifactReader(out)).forward, windows).ppl, seconds
+    return perplexity(artifact_model(ArtifactReader(out)).forward, windows[::2]).ppl, seconds
 
 
-def test_fp16_reproduces_the_published_perplexity(windows, fp16_ppl):
+def test_fp16_reproduces_the_published_perplexity(windows, fp16_halves):
     assert windows.shape == (215, 512)
-    assert abs(fp16_ppl - 5.012) <= 0.01
+    even, odd = fp16_halves
+    # every window scores seq_len - 1 tokens, so the whole file's mean NLL weighs each half by its windows
+    whole = math.exp((math.log(even.ppl) * even.windows + math.log(odd.ppl) * odd.windows) / windows.shape[0])
+    assert abs(whole - 5.012) <= 0.01
 
 
 def test_qoq_g128_keeps_accuracy_and_quantizes_in_under_two_minutes(tiny_llama, calib_text, windows, fp16_ppl, tmp_path):
     qoq, seconds = _quantized_ppl(tiny_llama, calib_text, windows, tmp_path / "qoq", "w4a8kv4-g128", QoQOptions())
     rtn, _ = _quantized_ppl(tiny_llama, calib_text, windows, tmp_path / "rtn", "w4a8kv4-g128", QoQOptions.rtn())
     assert seconds < 120
-    # bench/results/accuracy.json: RTN 1.033, QoQ 1.0192 (the issue's 1.02, met), 0.42 of the gap
-    # closed (half not met). 1.021 leaves room for the ~0.005 ppl that hosts' float math moves it.
+    # bench/results/accuracy.json (whole file): RTN 1.033, QoQ 1.0192 (the issue's 1.02, met), 0.42
+    # of the gap closed (half not met); on the even windows 1.0197 and 0.41. 1.021 leaves room for
+    # the ~0.005 ppl that hosts' float math moves it.
     assert qoq / fp16_ppl <= 1.021
     assert (rtn - qoq) / (rtn - fp16_ppl) >= 0.35
 
@@ -55,6 +72,7 @@ def test_qoq_g128_keeps_accuracy_and_quantizes_in_under_two_minutes(tiny_llama, 
 def test_qoq_per_channel_keeps_accuracy_and_closes_half_the_gap(tiny_llama, calib_text, windows, fp16_ppl, tmp_path):
     qoq, _ = _quantized_ppl(tiny_llama, calib_text, windows, tmp_path / "qoq", "w4a8kv4-chn", QoQOptions())
     rtn, _ = _quantized_ppl(tiny_llama, calib_text, windows, tmp_path / "rtn", "w4a8kv4-chn", QoQOptions.rtn())
-    # The issue's targets, met (accuracy.json: QoQ 1.0229, 0.53 of the gap to RTN's 1.048 closed).
+    # The issue's targets, met (accuracy.json: QoQ 1.0229, 0.53 of the gap to RTN's 1.048 closed;
+    # on the even windows 1.0229 and 0.54).
     assert qoq / fp16_ppl <= 1.03
     assert (rtn - qoq) / (rtn - fp16_ppl) >= 0.5
