@@ -314,8 +314,7 @@ def _tile_math(
         s = tl.where(n0 + lane < end, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha1 = tl.exp2(m_i - m_new)
-    alpha = alpha1[:, None]
+    alpha = tl.exp2(m_i - m_new)[:, None]
     p = tl.exp2(s - m_new[:, None])
     pw = p * v_scale  # 0 past the context
     l_p = l_p * alpha + p
