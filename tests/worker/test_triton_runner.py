@@ -75,9 +75,9 @@ def tiny_artifacts(tmp_path_factory):
     return out
 
 
-def _run_steps(reader: ArtifactReader) -> tuple[dict[int, list[int]], dict[int, dict[int, torch.Tensor]]]:
+def _run_steps(reader: ArtifactReader, block: int = BLOCK) -> tuple[dict[int, list[int]], dict[int, dict[int, torch.Tensor]]]:
     """The steps of _steps through a TritonRunner -> (tokens per seq, seq -> position -> logits)."""
-    runner = TritonRunner(reader, "cpu", BLOCK, TritonRunnerSettings(max_model_len=32, cuda_graphs=False))
+    runner = TritonRunner(reader, "cpu", block, TritonRunnerSettings(max_model_len=32, cuda_graphs=False))
     runner.allocate_cache(16)
     g = torch.Generator().manual_seed(3)
     tokens = {s: torch.randint(0, 512, (n + DECODE_STEPS,), generator=g).tolist() for s, (n, _, _) in SEQS.items()}
@@ -135,6 +135,25 @@ def _with_kv_range(src: Path, dst: Path, kv_range: tuple[float, float]) -> Path:
             else:
                 writer.copy_file(src / entry.path, entry.path)
         return writer.finish(reader.manifest)
+
+
+def test_gqa_at_head_dim_128_decodes_on_the_mma_kernel(tmp_path, monkeypatch):
+    """Two query heads per KV head at head_dim 128 on pages of 16 tokens: the engine's decode steps
+    take the "mma" kernel (its default there, session 17), and the logits still match."""
+    from services.worker.kernels import paged_attention as pa
+
+    model = write_random_llama(tmp_path / "model", hidden=256, ffn=384, layers=2, heads=2, kv_heads=1, vocab=512,
+                               tokenizer_from=None)
+    quantize_checkpoint(QuantizeSettings(model_dir=model, out_dir=tmp_path / "art", format="w4a8kv4-g128",
+                                         options=QoQOptions.rtn()))
+    variants = []
+    real = pa.default_config
+    monkeypatch.setattr(pa, "default_config", lambda *a, **k: variants.append(real(*a, **k).variant) or real(*a, **k))
+    reader = ArtifactReader(tmp_path / "art")
+    tokens, got = _run_steps(reader, block=16)
+    assert variants and set(variants) == {"mma"}
+    for (s, pos), err in _errors(artifact_model(reader), tokens, got).items():
+        assert err < TOLERANCE["w4a8kv4-g128"], f"seq {s} position {pos}: relative error {err:.2e}"
 
 
 def test_layer_kv_ranges_reach_the_cache_write(tiny_artifacts, tmp_path):
