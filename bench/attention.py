@@ -1,6 +1,8 @@
 """KV4 paged decode attention against torch SDPA (fp16, contiguous cache) and our fp16 paged kernel (GPU only).
 
     python3 bench/attention.py --out bench/results/h200/attention.json
+    python3 bench/attention.py --sections main,contexts --out ...   # one 600 s device call holds
+    python3 bench/attention.py --sections gqa,b8,writes,prefill --out ...   # about half of it
 
 The issue's point: batch 64, 32 heads (32 KV heads, Llama-2-7B), context 1536, head_dim 128, one
 query token per sequence. Every kernel variant is first checked against the fp32 reference
@@ -389,6 +391,31 @@ class Bench:
         self.write()
 
 
+SECTIONS = ("main", "contexts", "gqa", "b8", "writes", "prefill")
+
+
+def _full_run_sections(bench: Bench, sections: list[str]) -> None:
+    """The full run's parts after the main point."""
+    if "contexts" in sections:
+        for ctx in (512, 4096):
+            print(f"context {ctx}:", flush=True)
+            bench.decode_point(f"ctx{ctx}", 64, 32, 32, ctx, 128, sweep=KV4_SWEEP[:4] + QK16_SWEEP[:2] + MMA_SWEEP[:2], partitions=(256, 1024), fp16=True)
+    if "gqa" in sections:
+        print("GQA 32/8, context 1536 and 4096:", flush=True)
+        bench.decode_point("gqa32x8_ctx1536", 64, 32, 8, 1536, 128, sweep=GQA_SWEEP + GQA_MMA_SWEEP, partitions=(256, 1024))
+        bench.decode_point("gqa32x8_ctx4096", 64, 32, 8, 4096, 128, sweep=GQA_SWEEP[:4] + GQA_SWEEP[6:] + GQA_MMA_SWEEP,
+                           partitions=(1024,))
+    if "b8" in sections:
+        print("batch 8, context 4096 (split path matters):", flush=True)
+        bench.decode_point("b8_ctx4096", 8, 32, 32, 4096, 128, sweep=KV4_SWEEP[:3] + QK16_SWEEP[:2] + MMA_SWEEP[:2], partitions=(256, 1024))
+    if "writes" in sections:
+        print("cache writes:", flush=True)
+        bench.writes()
+    if "prefill" in sections:
+        print("prefill:", flush=True)
+        bench.prefill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -403,7 +430,13 @@ def main() -> None:
     parser.add_argument("--gqa-mma", action="store_true",
                         help="with --points: sweep the 'mma' kernel's configs (groups of 1, 2, 4) instead of the usual")
     parser.add_argument("--sdpa", action="store_true", help="with --points: time SDPA at each point too")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help="the full run's parts, comma-separated: one device call (600 s) no longer holds them all, "
+                             "e.g. --sections main,contexts then --sections gqa,b8,writes,prefill")
     args = parser.parse_args()
+    sections = args.sections.split(",")
+    if unknown := set(sections) - set(SECTIONS):
+        parser.error(f"unknown sections {sorted(unknown)}; the sections are {','.join(SECTIONS)}")
     bench = Bench(args)
     print(json.dumps(bench.result["machine"]), flush=True)
     if args.points:
@@ -424,24 +457,14 @@ def main() -> None:
         return
     try:
         bench.copy_bandwidth()
-        print("main point:", MAIN, flush=True)
-        quick_sweep = MMA_SWEEP if args.mma_sweep else []
-        main_rows = bench.decode_point("main", **MAIN, sweep=quick_sweep if args.quick else KV4_SWEEP + QK16_SWEEP + MMA_SWEEP,
-                                       partitions=() if args.quick else PARTITIONS)
-        bench.summarize(main_rows)
+        if args.quick or "main" in sections:
+            print("main point:", MAIN, flush=True)
+            quick_sweep = MMA_SWEEP if args.mma_sweep else []
+            main_rows = bench.decode_point("main", **MAIN, sweep=quick_sweep if args.quick else KV4_SWEEP + QK16_SWEEP + MMA_SWEEP,
+                                           partitions=() if args.quick else PARTITIONS)
+            bench.summarize(main_rows)
         if not args.quick:
-            for ctx in (512, 4096):
-                print(f"context {ctx}:", flush=True)
-                bench.decode_point(f"ctx{ctx}", 64, 32, 32, ctx, 128, sweep=KV4_SWEEP[:4] + QK16_SWEEP[:2] + MMA_SWEEP[:2], partitions=(256, 1024), fp16=True)
-            print("GQA 32/8, context 1536 and 4096:", flush=True)
-            bench.decode_point("gqa32x8_ctx1536", 64, 32, 8, 1536, 128, sweep=GQA_SWEEP, partitions=(256, 1024))
-            bench.decode_point("gqa32x8_ctx4096", 64, 32, 8, 4096, 128, sweep=GQA_SWEEP[:4] + GQA_SWEEP[6:], partitions=(1024,))
-            print("batch 8, context 4096 (split path matters):", flush=True)
-            bench.decode_point("b8_ctx4096", 8, 32, 32, 4096, 128, sweep=KV4_SWEEP[:3] + QK16_SWEEP[:2] + MMA_SWEEP[:2], partitions=(256, 1024))
-            print("cache writes:", flush=True)
-            bench.writes()
-            print("prefill:", flush=True)
-            bench.prefill()
+            _full_run_sections(bench, sections)
     except Exception:
         bench.result["error"] = traceback.format_exc()[-2000:]
         traceback.print_exc()

@@ -125,7 +125,8 @@ def _multiprocessors(device: torch.device) -> int | None:
 # context 1536 (512 programs): partitions of 256 took 107.6-107.9 us in three runs, 512 115-130
 # (bench/results/h200/attention_points_gqa.json). Group 1 at head_dim 128 on pages of a multiple of
 # 16 tokens takes the "mma" kernel (session 12, scores on the int8 tensor cores):
-# MMA_GROUP1 below, with the measurements.
+# MMA_GROUP1 below, with the measurements; since session 17 so do groups 2 and 4 (MMA_GQA), so the
+# "fma" entries below serve head_dim 64, other page sizes and group 3 (rounded up to 4).
 _DEFAULTS = {
     ("kv4", 1): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
                              qk_int16=True, whole_context=True),
