@@ -16,11 +16,17 @@ import torch
 from shared.formats.kv4 import FULL_KV_RANGE
 from shared.formats.spec import format_spec
 from shared.formats.weights import Fp16Weight
-from shared.model.config import LlamaConfig
+from shared.model.config import LlamaConfig, RopeConfig
 from shared.quant.weights import WEIGHT_QUANTIZERS
 
 LLAMA2_7B = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32,
                         head_dim=128, vocab_size=32000, rms_norm_eps=1e-5, max_position_embeddings=4096)
+# Llama-3-8B's shape: grouped-query attention (8 KV heads for 32 query heads, the decode kernels'
+# group 4), FFN 14336, a 128k vocabulary, RoPE theta 500000.
+LLAMA3_8B = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                        head_dim=128, vocab_size=128256, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                        rope=RopeConfig(theta=500000.0))
+SHAPES = {"llama2-7b": LLAMA2_7B, "llama3-8b": LLAMA3_8B}
 
 
 class RandomArtifact:
