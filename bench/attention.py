@@ -121,10 +121,10 @@ class Bench:
 
         return do_bench(fn, warmup=self.args.warmup, rep=self.args.rep, return_mode="median")
 
-    def warm_up(self, seconds: float = 1.0) -> None:
-        """Keeps the GPU busy for a while before a point's first timing: after the CPU-side compiles
-        of a new kernel the clocks are down, and the first config timed read slow (session 17, the
-        same config at batch 64 / GQA 32/8: 137.5 us timed first, 66.0 us later in the sweep)."""
+    def warm_up(self, seconds: float = 0.5) -> None:
+        """Keeps the GPU busy for a while before a timing: after the CPU-side compile of a new kernel
+        the clocks are down, and the configs timed first at a point read slow (session 17, the same
+        config at batch 64 / GQA 32/8: 137.5 us timed first, 66.0 us later in the sweep)."""
         import time
 
         torch = self.torch
@@ -202,6 +202,7 @@ class Bench:
             if not ok:
                 print(f"  {label}: WRONG rel_err {rel:.2e}", flush=True)
                 return None
+            self.warm_up()  # the check compiled it: the clocks come back up before it is timed
             t = self.time_ms(fn)
             row = dict(point, kind=kind, config=dataclasses.asdict(cfg), rel_err=rel,
                        **self.figure(t, self.decode_bytes(batch, heads, kv_heads, ctx, head_dim, kv4)))
@@ -212,9 +213,6 @@ class Bench:
         kc, vc, tables, lens = self.paged(batch, kv_heads, ctx, head_dim, kv4=True)
         ref = paged_decode_reference(q, kc, vc, tables, lens)
         default = default_config(True, group, head_dim)
-        fn = lambda: paged_decode_attention(q, kc, vc, tables, lens, max_context_len=ctx, config=default)  # noqa: E731
-        fn()  # compiled before the warm-up, not after it
-        self.warm_up()
         rows["kv4_default"] = run("kv4-default", default, kc, vc, tables, lens, ref, True)
         best = rows["kv4_default"]
         for cfg in sweep:
