@@ -397,6 +397,8 @@ def merge(paths: list[str], out: str, command: str) -> dict:
 
 
 def main():
+    from bench.random_model import SHAPES
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--parts", default="check,chn,fp16,g128,hf")
@@ -412,7 +414,7 @@ def main():
     p.add_argument("--batches", type=lambda t: [int(v) for v in t.split(",")],
                    help="comma-separated batch sizes instead of the sweep (1, 16, 64, 128, 256 and the budget caps)")
     p.add_argument("--time-limit", type=float, default=540.0, help="seconds; later runs are skipped past it")
-    p.add_argument("--shape", choices=("llama2-7b", "llama3-8b"), default="llama2-7b",
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b",
                    help="the random model's shape (bench/random_model.py SHAPES)")
     args = p.parse_args()
     if args.merge:

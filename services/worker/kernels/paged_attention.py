@@ -125,7 +125,7 @@ def _multiprocessors(device: torch.device) -> int | None:
 # context 1536 (512 programs): partitions of 256 took 107.6-107.9 us in three runs, 512 115-130
 # (bench/results/h200/attention_points_gqa.json). Group 1 at head_dim 128 on pages of a multiple of
 # 16 tokens takes the "mma" kernel (session 12, scores on the int8 tensor cores):
-# MMA_GROUP1 below, with the measurements; since session 17 so do groups 2 and 4 (MMA_GQA), so the
+# MMA_DEFAULTS below, with the measurements; since session 17 so do groups 2 and 4, so the
 # "fma" entries below serve head_dim 64, other page sizes and group 3 (rounded up to 4).
 _DEFAULTS = {
     ("kv4", 1): DecodeConfig("fma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
@@ -144,8 +144,6 @@ _DEFAULTS = {
 # 123.3 us, 2.96x SDPA. page_ahead (session 16, two runs at batch 64 / context 1536):
 # 123.65 -> 120.64 and 123.1 -> 121.34 us (bench/results/h200/attention_page_ahead.json); batch 256 /
 # context 1280: 363.5 -> 354.6 us (attention_points_page_ahead.json).
-MMA_GROUP1 = DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
-                          whole_context=True, page_ahead=True)
 # Groups of 2 and 4 on the same kernel (session 17: one MMA column pair per query head; H200,
 # bench/results/h200/attention_gqa_mma*.json, `bench/attention.py --points ... --gqa-mma --sdpa`).
 # Group 2 (32/16, batch 64, context 1536): 85.1 us against the "fma" entry's 142.9 and SDPA's 193.1.
@@ -153,7 +151,9 @@ MMA_GROUP1 = DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, nu
 # the point (prefetch capped at 168: 65.7 us at batch 64 / context 1536 but 223.2 at context 4096),
 # so without prefetch, the steadiest: 67.9 us (context 1536), 160.4 (4096), 191.8 (batch 256 /
 # context 1280) against the "fma" entry's 119.6, 254.1, 286.7 and SDPA's 106.3, 250.4, 309.9.
-MMA_GQA = {
+MMA_DEFAULTS = {  # group -> the "mma" kernel's launch
+    1: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
+                    whole_context=True, page_ahead=True),
     2: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
                     page_ahead=True),
     4: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=False),
@@ -162,7 +162,7 @@ MMA_GQA = {
 
 def _mma_covers(group: int, head_dim: int, block_size: int) -> bool:
     """The shapes the "mma" kernel is written for (paged_attention_mma.py)."""
-    return group in (1, 2, 4) and head_dim == 128 and block_size % 16 == 0
+    return group in MMA_DEFAULTS and head_dim == 128 and block_size % 16 == 0
 
 
 def default_config(kv4: bool, group: int, head_dim: int, block_size: int = 16) -> DecodeConfig:
@@ -171,7 +171,7 @@ def default_config(kv4: bool, group: int, head_dim: int, block_size: int = 16) -
     if not kv4:
         return _DEFAULTS[("fp16", 1)]
     if _mma_covers(group, head_dim, block_size):
-        return MMA_GROUP1 if group == 1 else MMA_GQA[group]
+        return MMA_DEFAULTS[group]
     return _DEFAULTS[("kv4", min(triton.next_power_of_2(group), 8))]
 
 
