@@ -69,6 +69,7 @@ GQA_MMA_SWEEP = [_cfg("mma", 32, 1, True, None, page_ahead=True), _cfg("mma", 32
                  _cfg("mma", 32, 1, True, 168, page_ahead=True), _cfg("mma", 32, 1, True, 128, page_ahead=True),
                  _cfg("mma", 32, 1, False, None)]
 PARTITIONS = [256, 512, 768, 1024, 2048]
+GRAPH_COPIES = 4  # input copies per timed decode graph (see Bench.time_graph_ms)
 WRITE_TOKENS = (64, 16384)  # a decode step of 64 sequences, a prefill chunk
 WRITE_SHAPE = dict(heads=32, kv_heads=32, head_dim=128)
 PREFILL_CHECK_LENS = [300, 1, 1000, 77]
@@ -107,7 +108,8 @@ class Bench:
         self.result = {
             "command": " ".join(["python3"] + sys.argv),
             "machine": gpu_machine(self.dev),
-            "timing": f"triton.testing.do_bench median, warmup {args.warmup} ms, rep {args.rep} ms, L2 cleared before each call",
+            "timing": f"triton.testing.do_bench median, warmup {args.warmup} ms, rep {args.rep} ms, L2 cleared before each "
+                      "call; decode attention (ours and SDPA): one CUDA graph of 4 calls on distinct input copies, time per call",
             "bytes": "KV rows read (KV4: D/2 code bytes + 4 scale/zero bytes per token per KV head; fp16: 2D) + query + output",
             "copy_bandwidth_GBps": None, "correctness": [], "decode": [], "sdpa": [], "writes": [], "prefill": [],
             "checks": [], "best": {},
@@ -121,10 +123,24 @@ class Bench:
 
         return do_bench(fn, warmup=self.args.warmup, rep=self.args.rep, return_mode="median")
 
+    def time_graph_ms(self, make_fn, *tensors) -> float:
+        """GPU time per call of make_fn(*tensors), replayed from one CUDA graph of GRAPH_COPIES calls
+        on distinct copies of the tensors, as the engine's decode step replays its graph: no host
+        launch is counted, the graph's own launch is spread over the calls, and the copies (together
+        larger than L2 at the timed shapes) give no call another's cached rows. Eager timing counted
+        the host's launches of the split path's two kernels, which outlast the GPU's work at batch 64:
+        eager figures swung between 66 and 175 us for one config (session 18, GQA 32/8, context 1536)."""
+        from bench.kernels import time_calls
+
+        copies = [tensors] + [tuple(t.clone() for t in tensors) for _ in range(GRAPH_COPIES - 1)]
+        ms = time_calls([make_fn(*c) for c in copies], self.args.warmup, self.args.rep)
+        del copies
+        return ms
+
     def warm_up(self, seconds: float = 0.5) -> None:
         """Keeps the GPU busy for a while before a timing: after the CPU-side compile of a new kernel
-        the clocks are down, and the configs timed first at a point read slow (session 17, the same
-        config at batch 64 / GQA 32/8: 137.5 us timed first, 66.0 us later in the sweep)."""
+        the clocks may be down. (Session 17's slow first figures, 137.5 against 66.0 us for one
+        config, were mostly the host's launch time in eager timing: see time_graph_ms.)"""
         import time
 
         torch = self.torch
@@ -187,7 +203,10 @@ class Bench:
         rows = {}
 
         def run(kind, cfg, kcache, vcache, tables, lens, ref, kv4):
-            fn = lambda: paged_decode_attention(q, kcache, vcache, tables, lens, max_context_len=ctx, config=cfg)  # noqa: E731
+            def make_fn(q, kcache, vcache):
+                return lambda: paged_decode_attention(q, kcache, vcache, tables, lens, max_context_len=ctx, config=cfg)
+
+            fn = make_fn(q, kcache, vcache)
             label = (f"{kind} {cfg.variant} n{cfg.block_n} w{cfg.num_warps} p{cfg.partition_size}"
                      f"{' prefetch' if cfg.prefetch and cfg.variant in ('fma', 'mma') and kv4 else ''} r{cfg.maxnreg or '-'}"
                      f"{' qk16' if cfg.qk_int16 else ''}{' whole' if cfg.whole_context else ''}"
@@ -203,7 +222,7 @@ class Bench:
                 print(f"  {label}: WRONG rel_err {rel:.2e}", flush=True)
                 return None
             self.warm_up()  # the check compiled it: the clocks come back up before it is timed
-            t = self.time_ms(fn)
+            t = self.time_graph_ms(make_fn, q, kcache, vcache)
             row = dict(point, kind=kind, config=dataclasses.asdict(cfg), rel_err=rel,
                        **self.figure(t, self.decode_bytes(batch, heads, kv_heads, ctx, head_dim, kv4)))
             self.result["decode"].append(row)
@@ -262,17 +281,19 @@ class Bench:
                @ v.float().repeat_interleave(h // kvh, 1))
         out = {}
         nbytes = self.decode_bytes(b, h, kvh, ctx, d, kv4=False)
+        def make_fn(q4, k, v):
+            return lambda: F.scaled_dot_product_attention(q4, k, v, **gqa)
+
+        fn = make_fn(q4, k, v)
         for backend in ("default", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
-            def fn():
-                return F.scaled_dot_product_attention(q4, k, v, **gqa)
             try:
                 if backend == "default":
                     got = fn()
-                    t = self.time_ms(fn)
+                    t = self.time_graph_ms(make_fn, q4, k, v)
                 else:
                     with sdpa_kernel(getattr(SDPBackend, backend)):
                         got = fn()
-                        t = self.time_ms(fn)
+                        t = self.time_graph_ms(make_fn, q4, k, v)
             except Exception as e:
                 self.result["sdpa"].append(dict(point, backend=backend, error=repr(e)[:200]))
                 print(f"  sdpa {backend}: unavailable ({e!r})"[:160], flush=True)

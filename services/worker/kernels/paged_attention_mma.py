@@ -24,10 +24,12 @@ Per-head values are (GROUP, 32) tensors: row h, lane i (the default layout puts 
 warp's lanes and dim 0 in registers), so lane i holds token i's scores and sums of every head.
 
 The value sums stay on the CUDA cores (one LOP3 and one FFMA per code, as in the "fma" kernel,
-whose docstring gives the 1 + c * 2^-k trick): lane l takes code words 2 (l % 8) and 2 (l % 8) + 1
-of tokens 8 (l // 8) .. 8 (l // 8) + 7 of each 32-token tile, keeps 16 per-lane fp32 sums per
-head and adds the four lanes of a word together once, at the end. Each V code is unpacked once for
-the whole group, so a group of G heads costs G FFMAs per code and one LOP3.
+whose docstring gives the 1 + c * 2^-k trick): lane l takes code word l % 16 of the 16 tokens of
+MMA row group l // 16 of each 32-token tile, keeps 8 per-lane fp32 sums per head and adds the two
+lanes of a word (l, l ^ 16) together once, at the end. Each V code is unpacked once for the whole
+group, so a group of G heads costs G FFMAs per code and one LOP3. (Session 17's layout, two words
+of 8 tokens per lane, kept 16 sums per head: 255 registers at group 4 with prefetch against 168
+now, and 4-16% slower on GQA 32/8 on the H200, bench/results/h200/attention_v_word_ab.json.)
 
 On the GPU the MMA and the shuffles are inline PTX; under TRITON_INTERPRET they are emulated over
 the 32 lanes with gathers, fragment layout included, so the CPU tests check the bookkeeping.
@@ -171,19 +173,18 @@ def _head_row(x, h: tl.constexpr):
 @triton.jit
 def _store_plane(out_row, head_stride, lane, w, a, pw_sum, z_sum, denom, ok, S: tl.constexpr, HALF: tl.constexpr,
                  FAST: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr):
-    """Adds the four token-group lanes of plane S of word w together; lanes 0..7 store its dim of
+    """Adds the two token-group lanes (l, l ^ 16) of plane S of word w together; lanes 0..15 store its dim of
     head h's row (out_row + h * head_stride): (sum pw (1 + c 2^-k) - sum pw) * 2^k + sum p zero,
     over denom. The stores are 1D, one per head: see the kernel on why no memory op is (G, 32)."""
-    a += _shfl_f32(a, tl.broadcast_to((lane ^ 8)[None, :], a.shape), FAST)
     a += _shfl_f32(a, tl.broadcast_to((lane ^ 16)[None, :], a.shape), FAST)
     val = ((a - pw_sum[:, None]) * (1 << (8 - 4 * (S % 2))) + z_sum[:, None]) / denom[:, None]
     offs = 4 * w + S // 2 + (S % 2) * HALF
     for h in tl.static_range(GROUP):
         ptrs = out_row + h * head_stride + offs
         if SPLIT:
-            tl.store(ptrs, _head_row(val, h), mask=(lane < 8) & ok)
+            tl.store(ptrs, _head_row(val, h), mask=(lane < 16) & ok)
         else:
-            tl.store(ptrs, _head_row(val, h).to(tl.float16), mask=lane < 8)
+            tl.store(ptrs, _head_row(val, h).to(tl.float16), mask=lane < 16)
 
 
 @triton.jit
@@ -220,8 +221,8 @@ def _tile_loads(k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, lane, 
                 BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, W: tl.constexpr):
     """Every word a lane needs of tokens [n0, n0 + 32): its K words of the two MMA row groups
     (_scores16's w0..w7 each), its token's K and V scale/zero words (lane n: token n0 + n; 0 past
-    the context, whose fp16 bits may be NaN), and its V words 2 (lane % 8) (x0..x7) and
-    2 (lane % 8) + 1 (y0..y7) of tokens n0 + 8 (lane // 8) + i. Rows past the context are read
+    the context, whose fp16 bits may be NaN), and its V word lane % 16 of tokens
+    n0 + 16 (lane // 16) + i (x0..x7) and + 8 + i (y0..y7). Rows past the context are read
     unmasked (their page is a real one, page 0 at worst): their scores are masked and their
     weights are 0."""
     ROW: tl.constexpr = W + 1  # words per page row: W code words, then scale and zero
@@ -253,8 +254,7 @@ def _tile_loads(k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, lane, 
     else:
         ksz = tl.load(k_ptr + my_row)
         vsz = tl.load(v_ptr + my_row)
-    group = lane // 8
-    vr = tl.where(group < 2, base0, base1) + (group % 2) * (8 * ROW) + 2 * (lane % 8)
+    vr = tl.where(lane < 16, base0, base1) + (lane % 16)
     x0 = tl.load(v_ptr + vr)
     x1 = tl.load(v_ptr + vr + ROW)
     x2 = tl.load(v_ptr + vr + 2 * ROW)
@@ -263,26 +263,28 @@ def _tile_loads(k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, lane, 
     x5 = tl.load(v_ptr + vr + 5 * ROW)
     x6 = tl.load(v_ptr + vr + 6 * ROW)
     x7 = tl.load(v_ptr + vr + 7 * ROW)
-    y0 = tl.load(v_ptr + vr + 1)
-    y1 = tl.load(v_ptr + vr + ROW + 1)
-    y2 = tl.load(v_ptr + vr + 2 * ROW + 1)
-    y3 = tl.load(v_ptr + vr + 3 * ROW + 1)
-    y4 = tl.load(v_ptr + vr + 4 * ROW + 1)
-    y5 = tl.load(v_ptr + vr + 5 * ROW + 1)
-    y6 = tl.load(v_ptr + vr + 6 * ROW + 1)
-    y7 = tl.load(v_ptr + vr + 7 * ROW + 1)
+    y0 = tl.load(v_ptr + vr + 8 * ROW)
+    y1 = tl.load(v_ptr + vr + 9 * ROW)
+    y2 = tl.load(v_ptr + vr + 10 * ROW)
+    y3 = tl.load(v_ptr + vr + 11 * ROW)
+    y4 = tl.load(v_ptr + vr + 12 * ROW)
+    y5 = tl.load(v_ptr + vr + 13 * ROW)
+    y6 = tl.load(v_ptr + vr + 14 * ROW)
+    y7 = tl.load(v_ptr + vr + 15 * ROW)
     return (k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
             x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7)
 
 
 @triton.jit
-def _pv_token(pw, i: tl.constexpr, x, y, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+def _pv_token(pw, i: tl.constexpr, x, y, a0, a1, a2, a3, a4, a5, a6, a7,
               lane, mask_lo, mask_hi, one, FAST: tl.constexpr):
-    """Adds token 8 (lane // 8) + i's weighted V words x (-> a0..a7) and y (-> b0..b7), per head."""
-    w_i = _shfl_f32(pw, tl.broadcast_to((8 * (lane // 8) + i)[None, :], pw.shape), FAST)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_word(x, w_i, a0, a1, a2, a3, a4, a5, a6, a7, mask_lo, mask_hi, one)
-    b0, b1, b2, b3, b4, b5, b6, b7 = _pv_word(y, w_i, b0, b1, b2, b3, b4, b5, b6, b7, mask_lo, mask_hi, one)
-    return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
+    """Adds this lane's V word of tokens 16 (lane // 16) + i (x) and + 8 + i (y), weighted, per head."""
+    first = 16 * (lane // 16) + i
+    w_x = _shfl_f32(pw, tl.broadcast_to(first[None, :], pw.shape), FAST)
+    w_y = _shfl_f32(pw, tl.broadcast_to((first + 8)[None, :], pw.shape), FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_word(x, w_x, a0, a1, a2, a3, a4, a5, a6, a7, mask_lo, mask_hi, one)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_word(y, w_y, a0, a1, a2, a3, a4, a5, a6, a7, mask_lo, mask_hi, one)
+    return a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
@@ -290,13 +292,13 @@ def _tile_math(
     k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
     x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
     n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
-    m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+    m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7,
     MASKED: tl.constexpr, FAST: tl.constexpr, GROUP: tl.constexpr,
 ):
     """Online-softmax update with the words of tokens [n0, n0 + 32) (_tile_loads); MASKED only for
     a partial last tile. Per head (rows of (G, 32); m_i, q_step, q_sum (G,)): l_p, pw_p, z_p this
-    lane's parts of the softmax sum, of sum p * v_scale and of sum p * v_zero; a0..a7, b0..b7 the
-    plane sums of this lane's two V words."""
+    lane's parts of the softmax sum, of sum p * v_scale and of sum p * v_zero; a0..a7 the plane
+    sums of this lane's V word."""
     s00, s01 = _scores16(k0, k1, k2, k3, k4, k5, k6, k7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, FAST)
     s10, s11 = _scores16(j0, j1, j2, j3, j4, j5, j6, j7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, FAST)
     # lane n takes head h's score of token n from lane 4 (n % 8) + h (slot n % 8 or n % 8 + 8 of its group)
@@ -329,31 +331,23 @@ def _tile_math(
     a5 *= alpha
     a6 *= alpha
     a7 *= alpha
-    b0 *= alpha
-    b1 *= alpha
-    b2 *= alpha
-    b3 *= alpha
-    b4 *= alpha
-    b5 *= alpha
-    b6 *= alpha
-    b7 *= alpha
-    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _pv_token(
-        pw, 0, x0, y0, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, lane, mask_lo, mask_hi, one, FAST)
-    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _pv_token(
-        pw, 1, x1, y1, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, lane, mask_lo, mask_hi, one, FAST)
-    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _pv_token(
-        pw, 2, x2, y2, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, lane, mask_lo, mask_hi, one, FAST)
-    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _pv_token(
-        pw, 3, x3, y3, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, lane, mask_lo, mask_hi, one, FAST)
-    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _pv_token(
-        pw, 4, x4, y4, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, lane, mask_lo, mask_hi, one, FAST)
-    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _pv_token(
-        pw, 5, x5, y5, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, lane, mask_lo, mask_hi, one, FAST)
-    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _pv_token(
-        pw, 6, x6, y6, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, lane, mask_lo, mask_hi, one, FAST)
-    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _pv_token(
-        pw, 7, x7, y7, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, lane, mask_lo, mask_hi, one, FAST)
-    return m_new, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
+    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
+        pw, 0, x0, y0, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
+        pw, 1, x1, y1, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
+        pw, 2, x2, y2, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
+        pw, 3, x3, y3, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
+        pw, 4, x4, y4, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
+        pw, 5, x5, y5, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
+        pw, 6, x6, y6, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
+        pw, 7, x7, y7, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
+    return m_new, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
@@ -420,14 +414,6 @@ def _kv4_decode_mma_kernel(
     a5 = zero
     a6 = zero
     a7 = zero
-    b0 = zero
-    b1 = zero
-    b2 = zero
-    b3 = zero
-    b4 = zero
-    b5 = zero
-    b6 = zero
-    b7 = zero
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     head_off = kvh * stride_ch
     mask_lo = nibble_mask
@@ -456,11 +442,11 @@ def _kv4_decode_mma_kernel(
             (nk0, nk1, nk2, nk3, nk4, nk5, nk6, nk7, nj0, nj1, nj2, nj3, nj4, nj5, nj6, nj7, nksz, nvsz,
              nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, ny0, ny1, ny2, ny3, ny4, ny5, ny6, ny7) = _tile_loads(
                 k_ptr, v_ptr, page0, page1, head_off, nxt, end, stride_cb, lane, g, t, BLOCK_SIZE, False, W)
-            m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _tile_math(
+            m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7 = _tile_math(
                 k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
                 x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
                 n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
-                m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, False, FAST, GROUP,
+                m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, False, FAST, GROUP,
             )
             k0, k1, k2, k3, k4, k5, k6, k7 = nk0, nk1, nk2, nk3, nk4, nk5, nk6, nk7
             j0, j1, j2, j3, j4, j5, j6, j7 = nj0, nj1, nj2, nj3, nj4, nj5, nj6, nj7
@@ -473,22 +459,22 @@ def _kv4_decode_mma_kernel(
             (k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
              x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7) = _tile_loads(
                 k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, lane, g, t, BLOCK_SIZE, False, W)
-            m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _tile_math(
+            m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7 = _tile_math(
                 k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
                 x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
                 n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
-                m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, False, FAST, GROUP,
+                m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, False, FAST, GROUP,
             )
     for n0 in range(full_end, end, TILE):  # at most one partial tile
         page0, page1 = _pages(bt_row, n0, end, BLOCK_SIZE, True)
         (k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
          x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7) = _tile_loads(
             k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, lane, g, t, BLOCK_SIZE, True, W)
-        m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _tile_math(
+        m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7 = _tile_math(
             k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
             x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
             n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
-            m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, True, FAST, GROUP,
+            m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, True, FAST, GROUP,
         )
     _overlap_release(PDL)
 
@@ -509,8 +495,5 @@ def _kv4_decode_mma_kernel(
         out_row = out_ptr + b.to(tl.int64) * stride_ob + (kvh * GROUP) * stride_oh
         head_stride = stride_oh
         denom = tl.where(l_i > 0, l_i, 1.0)
-    w = 2 * (lane % 8)
-    _store_word_planes(out_row, head_stride, lane, w, a0, a1, a2, a3, a4, a5, a6, a7, pw_sum, z_sum, denom, ok,
-                       HALF, FAST, SPLIT, GROUP)
-    _store_word_planes(out_row, head_stride, lane, w + 1, b0, b1, b2, b3, b4, b5, b6, b7, pw_sum, z_sum, denom, ok,
-                       HALF, FAST, SPLIT, GROUP)
+    _store_word_planes(out_row, head_stride, lane, lane % 16, a0, a1, a2, a3, a4, a5, a6, a7, pw_sum, z_sum, denom,
+                       ok, HALF, FAST, SPLIT, GROUP)
