@@ -75,14 +75,15 @@ def test_int16_scores_match_reference(head_dim, kv_heads, group, lengths, partit
     [(1, [1, 15, 17, 33, 100, 0, 161], 512, True, 1.0, True), (1, [40, 64, 31, 96], 64, True, 1.0, False),
      (1, [1, 15, 17, 33, 100], 64, False, 6.0, False), (1, [130, 0, 7, 64], 64, True, 6.0, True),
      (2, [1, 15, 17, 33, 100, 0, 161], 512, True, 1.0, True), (4, [130, 0, 7, 64], 64, True, 6.0, True),
-     (4, [33, 100, 1], 512, False, 1.0, False)],
+     (4, [33, 100, 1], 512, False, 1.0, False), (8, [1, 15, 17, 33, 100, 0, 161], 512, True, 1.0, True),
+     (8, [130, 0, 7, 64], 64, False, 6.0, False)],
 )
 def test_mma_scores_match_reference(group, lengths, partition, prefetch, q_gain, page_ahead):
     """The 'mma' kernel (int8 tensor-core scores, written lane by lane; the interpreter emulates the
     MMA and the shuffles over the fragments): partial tiles, empty sequences, the split path
     (partitions of 64), large logits (q_gain 6), garbage rows past each context, the block-table
-    entries loaded a tile ahead (page_ahead), and groups of 2 and 4 query heads (one MMA column
-    pair each)."""
+    entries loaded a tile ahead (page_ahead), and groups of 2, 4 and 8 query heads (one MMA column
+    pair each; heads 4..7 of a group of 8 on a second set of MMAs)."""
     q, k_cache, v_cache, tables, lens = _paged_batch(lengths, 2, group, 128, True, seed=len(lengths) + partition)
     q = (q.float() * q_gain).half()
     config = DecodeConfig("mma", block_n=32, partition_size=partition, num_warps=1, prefetch=prefetch,
@@ -92,8 +93,8 @@ def test_mma_scores_match_reference(group, lengths, partition, prefetch, q_gain,
 
 
 def test_mma_refuses_what_it_does_not_cover():
-    q, k_cache, v_cache, tables, lens = _paged_batch([20], 1, 8, 128, True, seed=1)
-    with pytest.raises(ValueError, match="1, 2 or 4 query heads per KV head"):
+    q, k_cache, v_cache, tables, lens = _paged_batch([20], 1, 3, 128, True, seed=1)
+    with pytest.raises(ValueError, match="1, 2, 4 or 8 query heads per KV head"):
         paged_decode_attention(q, k_cache, v_cache, tables, lens, config=DecodeConfig("mma", block_n=32, num_warps=1))
     with pytest.raises(ValueError, match="32-token tiles"):
         DecodeConfig("mma", block_n=16, num_warps=1)

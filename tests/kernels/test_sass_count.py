@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from bench.sass_count import loops
 
 SASS = """
@@ -47,12 +49,13 @@ def test_mma_attention_assembles_for_sm90():
     assert "IMMA.16832.U8.S8 8 " in out and "SHFL.IDX" in out, out
 
 
-def test_mma_attention_keeps_each_head_row_in_one_lane_per_token():
-    """With 4 query heads per KV head the kernel's (4, 32) tensors must put row h, column i in lane i
-    (the shuffles' source lanes assume it; the interpreter cannot tell). Triton picks the layout:
-    3.6 once spread 4 heads x 8 lanes across the warp and the GPU results were garbage. Every
-    layout of the compiled kernel is one element per lane along its last axis; no spills."""
-    out = _sass_count("attention", "--mma", "--group", "4", "--no-prefetch", "--split")
+@pytest.mark.parametrize("group", ["4", "8"])
+def test_mma_attention_keeps_each_head_row_in_one_lane_per_token(group):
+    """With 4 or 8 query heads per KV head the kernel's (G, 32) tensors must put row h, column i in
+    lane i (the shuffles' source lanes assume it; the interpreter cannot tell). Triton picks the
+    layout: 3.6 once spread 4 heads x 8 lanes across the warp and the GPU results were garbage.
+    Every layout of the compiled kernel is one element per lane along its last axis; no spills."""
+    out = _sass_count("attention", "--mma", "--group", group, "--no-prefetch", "--split")
     layouts = [line.split("layout ", 1)[1] for line in out.splitlines() if line.strip().startswith("layout ")]
     assert layouts, out
     for layout in layouts:

@@ -18,10 +18,10 @@ Three KV4 kernels, chosen per group size (see default_config):
     With qk_int16 the scores are integer sums instead: the query rounded to int16 per head and
     split into high and low bytes meets each code word in four dp4a (4 byte products into int32):
     9 instructions per word where the fp32 planes take 20.
-  * "mma" (paged_attention_mma.py): 1, 2 or 4 query heads per KV head at head_dim 128: the
+  * "mma" (paged_attention_mma.py): 1, 2, 4 or 8 query heads per KV head at head_dim 128: the
     scores on the int8 tensor cores (mma.sync, written lane by lane; a head per pair of the MMA's 8
     columns), the value sums as in "fma", each V code unpacked once for the group. The default
-    for those groups.
+    for groups 1, 2 and 4 (group 8 is not measured yet).
   * "dot": tensor cores (tl.dot) on nibble halves converted to fp16, query heads padded to 16.
     Pays for itself once a KV group has many query heads (the default for groups of 8).
 The fp16 cache has an "fma" kernel of the same structure (fp32 math on fp16 rows).
@@ -151,6 +151,10 @@ _DEFAULTS = {
 # the point (prefetch capped at 168: 65.7 us at batch 64 / context 1536 but 223.2 at context 4096),
 # so without prefetch, the steadiest: 67.9 us (context 1536), 160.4 (4096), 191.8 (batch 256 /
 # context 1280) against the "fma" entry's 119.6, 254.1, 286.7 and SDPA's 106.3, 250.4, 309.9.
+# Session 18: one V word per lane (8 sums per head) left group 4 at 168 registers with prefetch and
+# took it to 65.1 us at context 1536, 144.2 at 4096 (graph-timed, bench/results/h200/attention_v_word_ab.json).
+# Group 8 (Llama-2/3-70B's 64/8) runs on the kernel too (a second set of MMAs for heads 4..7) but is
+# not measured yet, so its default stays the "dot" entry above.
 MMA_DEFAULTS = {  # group -> the "mma" kernel's launch
     1: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
                     whole_context=True, page_ahead=True),
@@ -158,11 +162,12 @@ MMA_DEFAULTS = {  # group -> the "mma" kernel's launch
                     page_ahead=True),
     4: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=False),
 }
+MMA_GROUPS = (1, 2, 4, 8)  # query heads per KV head the "mma" kernel takes (a config may ask for it)
 
 
 def _mma_covers(group: int, head_dim: int, block_size: int) -> bool:
     """The shapes the "mma" kernel is written for (paged_attention_mma.py)."""
-    return group in MMA_DEFAULTS and head_dim == 128 and block_size % 16 == 0
+    return group in MMA_GROUPS and head_dim == 128 and block_size % 16 == 0
 
 
 def default_config(kv4: bool, group: int, head_dim: int, block_size: int = 16) -> DecodeConfig:
@@ -170,7 +175,7 @@ def default_config(kv4: bool, group: int, head_dim: int, block_size: int = 16) -
     entries of the "fma" kernel)."""
     if not kv4:
         return _DEFAULTS[("fp16", 1)]
-    if _mma_covers(group, head_dim, block_size):
+    if group in MMA_DEFAULTS and _mma_covers(group, head_dim, block_size):
         return MMA_DEFAULTS[group]
     return _DEFAULTS[("kv4", min(triton.next_power_of_2(group), 8))]
 
@@ -843,7 +848,7 @@ def paged_decode_attention(
     if not kv4 and (cfg.variant != "fma" or cfg.qk_int16 or cfg.page_ahead):
         raise ValueError(f"the fp16 cache has only the 'fma' kernel without qk_int16 or page_ahead, not {cfg}")
     if cfg.variant == "mma" and not _mma_covers(group, d, k_cache.shape[2]):
-        raise ValueError(f"the 'mma' kernel takes 1, 2 or 4 query heads per KV head, head_dim 128 and pages of a "
+        raise ValueError(f"the 'mma' kernel takes 1, 2, 4 or 8 query heads per KV head, head_dim 128 and pages of a "
                          f"multiple of 16 tokens, not group {group}, head_dim {d}, pages of {k_cache.shape[2]}")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if max_context_len is None:

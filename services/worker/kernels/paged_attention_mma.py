@@ -1,4 +1,4 @@
-"""KV4 paged decode attention for 1, 2 or 4 query heads per KV head, with the scores on the int8 tensor cores.
+"""KV4 paged decode attention for 1, 2, 4 or 8 query heads per KV head, scores on the int8 tensor cores.
 
 The "fma" kernel of paged_attention.py is issue-bound, and most of its instructions outside the
 value sums go to the scores: four dp4a per code word, then shuffles to add each row's words up
@@ -18,7 +18,8 @@ A's rows are the 16 slots of a page-aligned group of tokens. Byte j of K code wo
 of dims D/2 + 32c... B's column 2h holds the high bytes and column 2h + 1 the low bytes of query head
 h rounded to int16 (as the "fma" kernel's qk_int16), columns past the group zero: score = 256 c0 +
 c1, exact, head t's in the lanes (g, t). The MMA has 8 columns, so a group of up to 4 heads costs
-the same 4 MMAs per 16 tokens as one head. Four shuffles per head hand token n's score to lane n.
+the same 4 MMAs per 16 tokens as one head; a group of 8 takes a second set of 4 for heads 4..7.
+Four shuffles per head hand token n's score to lane n.
 
 Per-head values are (GROUP, 32) tensors: row h, lane i (the default layout puts dim 1 across the
 warp's lanes and dim 0 in registers), so lane i holds token i's scores and sums of every head.
@@ -33,7 +34,7 @@ now, and 4-16% slower on GQA 32/8 on the H200, bench/results/h200/attention_v_wo
 
 On the GPU the MMA and the shuffles are inline PTX; under TRITON_INTERPRET they are emulated over
 the 32 lanes with gathers, fragment layout included, so the CPU tests check the bookkeeping.
-Head_dim 128, page sizes a multiple of 16, groups of 1, 2 or 4 (launcher: paged_attention.py,
+Head_dim 128, page sizes a multiple of 16, groups of 1, 2, 4 or 8 (launcher: paged_attention.py,
 variant "mma").
 """
 
@@ -291,22 +292,34 @@ def _pv_token(pw, i: tl.constexpr, x, y, a0, a1, a2, a3, a4, a5, a6, a7,
 def _tile_math(
     k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
     x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
-    n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
+    n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
+    qc0, qc1, qc2, qc3, qc4, qc5, qc6, qc7, q_step, q_sum,
     m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7,
     MASKED: tl.constexpr, FAST: tl.constexpr, GROUP: tl.constexpr,
 ):
     """Online-softmax update with the words of tokens [n0, n0 + 32) (_tile_loads); MASKED only for
     a partial last tile. Per head (rows of (G, 32); m_i, q_step, q_sum (G,)): l_p, pw_p, z_p this
     lane's parts of the softmax sum, of sum p * v_scale and of sum p * v_zero; a0..a7 the plane
-    sums of this lane's V word."""
+    sums of this lane's V word. qb0..qb7: the query fragments of heads 0..3; qc0..qc7 those of
+    heads 4..7 (group 8 only)."""
     s00, s01 = _scores16(k0, k1, k2, k3, k4, k5, k6, k7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, FAST)
     s10, s11 = _scores16(j0, j1, j2, j3, j4, j5, j6, j7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, FAST)
-    # lane n takes head h's score of token n from lane 4 (n % 8) + h (slot n % 8 or n % 8 + 8 of its group)
-    src = 4 * (lane % 8) + tl.arange(0, GROUP)[:, None]  # (G, 32)
-    x00 = _shfl(tl.broadcast_to(s00[None, :], src.shape), src, FAST)
-    x01 = _shfl(tl.broadcast_to(s01[None, :], src.shape), src, FAST)
-    x10 = _shfl(tl.broadcast_to(s10[None, :], src.shape), src, FAST)
-    x11 = _shfl(tl.broadcast_to(s11[None, :], src.shape), src, FAST)
+    heads = tl.arange(0, GROUP)[:, None]
+    # lane n takes head h's score of token n from lane 4 (n % 8) + h % 4 (slot n % 8 or n % 8 + 8 of
+    # its group) of the MMA that holds head h: heads 4..7 come from a second set of MMAs
+    src = 4 * (lane % 8) + heads % 4  # (G, 32)
+    if GROUP == 8:
+        u00, u01 = _scores16(k0, k1, k2, k3, k4, k5, k6, k7, qc0, qc1, qc2, qc3, qc4, qc5, qc6, qc7, FAST)
+        u10, u11 = _scores16(j0, j1, j2, j3, j4, j5, j6, j7, qc0, qc1, qc2, qc3, qc4, qc5, qc6, qc7, FAST)
+        x00 = _shfl(tl.where(heads < 4, s00[None, :], u00[None, :]), src, FAST)
+        x01 = _shfl(tl.where(heads < 4, s01[None, :], u01[None, :]), src, FAST)
+        x10 = _shfl(tl.where(heads < 4, s10[None, :], u10[None, :]), src, FAST)
+        x11 = _shfl(tl.where(heads < 4, s11[None, :], u11[None, :]), src, FAST)
+    else:
+        x00 = _shfl(tl.broadcast_to(s00[None, :], src.shape), src, FAST)
+        x01 = _shfl(tl.broadcast_to(s01[None, :], src.shape), src, FAST)
+        x10 = _shfl(tl.broadcast_to(s10[None, :], src.shape), src, FAST)
+        x11 = _shfl(tl.broadcast_to(s11[None, :], src.shape), src, FAST)
     score = tl.where(lane < 16, tl.where(lane < 8, x00, x01), tl.where(lane < 24, x10, x11))  # (G, 32)
 
     k_scale, k_zero = _scale_zero(ksz)
@@ -367,7 +380,8 @@ def _kv4_decode_mma_kernel(
     HALF: tl.constexpr = HEAD_DIM // 2
     tl.static_assert(HEAD_DIM == 128, "the mma decode kernel is written for head_dim 128")
     tl.static_assert(BLOCK_SIZE % 16 == 0, "the mma decode kernel needs pages of a multiple of 16 tokens")
-    tl.static_assert(GROUP == 1 or GROUP == 2 or GROUP == 4, "the mma decode kernel takes groups of 1, 2 or 4 heads")
+    tl.static_assert(GROUP == 1 or GROUP == 2 or GROUP == 4 or GROUP == 8,
+                     "the mma decode kernel takes groups of 1, 2, 4 or 8 heads")
     bh, part, b, kvh, ctx, start, end, full_end = _program_span(context_lens_ptr, num_kv_heads, partition_size, TILE)
 
     lane = tl.arange(0, 32)
@@ -400,6 +414,19 @@ def _kv4_decode_mma_kernel(
     qb5 = _query_fragment(q_row, stride_qh, inv_lane, g, t, HALF + 16, GROUP)
     qb6 = _query_fragment(q_row, stride_qh, inv_lane, g, t, HALF + 32, GROUP)
     qb7 = _query_fragment(q_row, stride_qh, inv_lane, g, t, HALF + 48, GROUP)
+    if GROUP == 8:  # the MMA's 8 columns hold 4 heads: heads 4..7 get fragments of their own
+        q_hi = q_row + 4 * stride_qh
+        inv_hi = tl.sum(tl.where(heads[:, None] == (4 + g // 2)[None, :], inv[:, None], 0.0), axis=0)
+        qc0 = _query_fragment(q_hi, stride_qh, inv_hi, g, t, 0, 4)
+        qc1 = _query_fragment(q_hi, stride_qh, inv_hi, g, t, 16, 4)
+        qc2 = _query_fragment(q_hi, stride_qh, inv_hi, g, t, 32, 4)
+        qc3 = _query_fragment(q_hi, stride_qh, inv_hi, g, t, 48, 4)
+        qc4 = _query_fragment(q_hi, stride_qh, inv_hi, g, t, HALF, 4)
+        qc5 = _query_fragment(q_hi, stride_qh, inv_hi, g, t, HALF + 16, 4)
+        qc6 = _query_fragment(q_hi, stride_qh, inv_hi, g, t, HALF + 32, 4)
+        qc7 = _query_fragment(q_hi, stride_qh, inv_hi, g, t, HALF + 48, 4)
+    else:  # unused
+        qc0, qc1, qc2, qc3, qc4, qc5, qc6, qc7 = qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7
 
     m_i = tl.full((GROUP,), float("-inf"), tl.float32)
     zero = tl.zeros((GROUP, 32), tl.float32)
@@ -445,7 +472,8 @@ def _kv4_decode_mma_kernel(
             m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7 = _tile_math(
                 k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
                 x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
-                n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
+                n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
+                qc0, qc1, qc2, qc3, qc4, qc5, qc6, qc7, q_step, q_sum,
                 m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, False, FAST, GROUP,
             )
             k0, k1, k2, k3, k4, k5, k6, k7 = nk0, nk1, nk2, nk3, nk4, nk5, nk6, nk7
@@ -462,7 +490,8 @@ def _kv4_decode_mma_kernel(
             m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7 = _tile_math(
                 k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
                 x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
-                n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
+                n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
+                qc0, qc1, qc2, qc3, qc4, qc5, qc6, qc7, q_step, q_sum,
                 m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, False, FAST, GROUP,
             )
     for n0 in range(full_end, end, TILE):  # at most one partial tile
@@ -473,7 +502,8 @@ def _kv4_decode_mma_kernel(
         m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7 = _tile_math(
             k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
             x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
-            n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, q_step, q_sum,
+            n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
+            qc0, qc1, qc2, qc3, qc4, qc5, qc6, qc7, q_step, q_sum,
             m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, True, FAST, GROUP,
         )
     _overlap_release(PDL)
