@@ -60,11 +60,13 @@ def test_concurrent_greedy_equals_reference_forward(fmt, overlap, start_worker, 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_preemption_gives_the_tokens_of_an_uninterrupted_run(overlap, start_worker, reference_models):
-    # 12 blocks of 4 tokens = 48 slots; three sequences of 10 + 14 tokens need 72: some must be
-    # preempted (blocks taken back) and recomputed.
+    # 12 blocks of 4 tokens = 48 slots; a sequence of 9-12 + 14 tokens ends on 6 or 7 blocks, so any three
+    # of these four decoding together need at least 18: some must be preempted (blocks taken back) and
+    # recomputed. Four requests at once, not three with one arriving later: on a loaded host the
+    # late one once arrived after the first two had finished, and nothing was preempted.
     worker = start_worker("w4a8kv4-g128", kv_blocks=12, block_size=4, max_batch_tokens=16, overlap_steps=overlap)
     channel, worker_stub = stub(worker)
-    requests = [(10, 14, 0.0), (11, 14, 0.0), (9, 14, 0.02)]
+    requests = [(10, 14, 0.0), (11, 14, 0.0), (9, 14, 0.0), (12, 14, 0.0)]
     prompts = _prompts(requests, seed=1)
     results = _run_concurrently(worker_stub, prompts, requests)
     channel.close()
