@@ -109,7 +109,8 @@ class Bench:
             "command": " ".join(["python3"] + sys.argv),
             "machine": gpu_machine(self.dev),
             "timing": f"triton.testing.do_bench median, warmup {args.warmup} ms, rep {args.rep} ms, L2 cleared before each "
-                      "call; decode attention (ours and SDPA): one CUDA graph of 4 calls on distinct input copies, time per call",
+                      f"call; decode attention (ours and SDPA): one CUDA graph of {GRAPH_COPIES} calls on distinct input copies, "
+                      "time per call",
             "bytes": "KV rows read (KV4: D/2 code bytes + 4 scale/zero bytes per token per KV head; fp16: 2D) + query + output",
             "copy_bandwidth_GBps": None, "correctness": [], "decode": [], "sdpa": [], "writes": [], "prefill": [],
             "checks": [], "best": {},
@@ -281,6 +282,7 @@ class Bench:
                @ v.float().repeat_interleave(h // kvh, 1))
         out = {}
         nbytes = self.decode_bytes(b, h, kvh, ctx, d, kv4=False)
+
         def make_fn(q4, k, v):
             return lambda: F.scaled_dot_product_attention(q4, k, v, **gqa)
 
