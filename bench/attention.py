@@ -63,8 +63,8 @@ GQA_SWEEP = [_cfg("fma", 16, 1, False, None), _cfg("fma", 16, 1, True, None), _c
              _cfg("fma", 16, 1, True, None, True), _cfg("fma", 32, 1, True, 168, True),
              _cfg("fma", 16, 1, True, None, True, whole_context=True),
              _cfg("fma", 16, 1, True, None, True, whole_context=True, page_ahead=True)]
-# The 'mma' kernel on groups of 2 and 4 (one MMA column pair per query head): 4 heads' value sums
-# take 255 registers uncapped (bench/sass_count.py attention --mma --group 4), hence the caps.
+# The 'mma' kernel on groups of 2, 4 and 8 (one MMA column pair per query head): 8 heads' value
+# sums take 255 registers uncapped (bench/sass_count.py attention --mma --group 8), hence the caps.
 GQA_MMA_SWEEP = [_cfg("mma", 32, 1, True, None, page_ahead=True), _cfg("mma", 32, 1, True, 192, page_ahead=True),
                  _cfg("mma", 32, 1, True, 168, page_ahead=True), _cfg("mma", 32, 1, True, 128, page_ahead=True),
                  _cfg("mma", 32, 1, False, None)]
@@ -134,9 +134,7 @@ class Bench:
         from bench.kernels import time_calls
 
         copies = [tensors] + [tuple(t.clone() for t in tensors) for _ in range(GRAPH_COPIES - 1)]
-        ms = time_calls([make_fn(*c) for c in copies], self.args.warmup, self.args.rep)
-        del copies
-        return ms
+        return time_calls([make_fn(*c) for c in copies], self.args.warmup, self.args.rep)
 
     def warm_up(self, seconds: float = 0.5) -> None:
         """Keeps the GPU busy for a while before a timing: after the CPU-side compile of a new kernel
@@ -415,6 +413,11 @@ class Bench:
 SECTIONS = ("main", "contexts", "gqa", "b8", "writes", "prefill")
 
 
+def parse_points(text: str) -> list[tuple[int, ...]]:
+    """"64:1536,64:1536:8" -> [(64, 1536), (64, 1536, 8)]: BATCH:CONTEXT[:KV_HEADS] points."""
+    return [tuple(int(v) for v in p.split(":")) for p in text.split(",")]
+
+
 def _full_run_sections(bench: Bench, sections: list[str]) -> None:
     """The full run's parts after the main point."""
     if "contexts" in sections:
@@ -444,12 +447,12 @@ def main() -> None:
     parser.add_argument("--rep", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="main point only, no sweeps (but --mma-sweep)")
     parser.add_argument("--mma-sweep", action="store_true", help="with --quick: the 'mma' configs at the main point")
-    parser.add_argument("--points", type=lambda t: [tuple(int(v) for v in p.split(":")) for p in t.split(",")],
+    parser.add_argument("--points", type=parse_points,
                         help="only these BATCH:CONTEXT[:KV_HEADS] points (32 heads, 32 KV heads unless given, "
                              "head_dim 128), each with a short KV4 sweep over the partition sizes, e.g. 256:1280 "
                              "(the engine's decode shapes) or 64:1536:8 (GQA)")
     parser.add_argument("--gqa-mma", action="store_true",
-                        help="with --points: sweep the 'mma' kernel's configs (groups of 1, 2, 4) instead of the usual")
+                        help="with --points: sweep the 'mma' kernel's configs (every group it takes) instead of the usual")
     parser.add_argument("--sdpa", action="store_true", help="with --points: time SDPA at each point too")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="the full run's parts, comma-separated: one device call (600 s) no longer holds them all, "

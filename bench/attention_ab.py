@@ -21,14 +21,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.attention import GQA_MMA_SWEEP, Bench  # noqa: E402
+from bench.attention import GQA_MMA_SWEEP, Bench, parse_points  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tag", required=True, help="this tree's side of the A/B, e.g. A or B")
     parser.add_argument("--points", default="64:1536:8,64:4096:8,64:1536:32",
-                        type=lambda t: [tuple(int(v) for v in p.split(":")) for p in t.split(",")],
+                        type=parse_points,
                         help="BATCH:CONTEXT:KV_HEADS points, 32 query heads, head_dim 128")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=25)

@@ -166,6 +166,15 @@ def _pv_word(w, pw, a0, a1, a2, a3, a4, a5, a6, a7, mask_lo, mask_hi, one):
 
 
 @triton.jit
+def _score_rows(s, u, GROUP: tl.constexpr):
+    """(G, 32) with row h the (32,) MMA scores that hold head h: s for heads 0..3, u for heads 4..7
+    (a group of 8 takes two sets of MMAs)."""
+    if GROUP == 8:
+        return tl.where(tl.arange(0, GROUP)[:, None] < 4, s[None, :], u[None, :])
+    return tl.broadcast_to(s[None, :], (GROUP, s.shape[0]))
+
+
+@triton.jit
 def _head_row(x, h: tl.constexpr):
     """Row h of x (G, 32) as a (32,) tensor, lane for lane (a select and a sum within each lane)."""
     return tl.sum(tl.where(tl.arange(0, x.shape[0])[:, None] == h, x, 0), axis=0)
@@ -304,22 +313,18 @@ def _tile_math(
     heads 4..7 (group 8 only)."""
     s00, s01 = _scores16(k0, k1, k2, k3, k4, k5, k6, k7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, FAST)
     s10, s11 = _scores16(j0, j1, j2, j3, j4, j5, j6, j7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, FAST)
-    heads = tl.arange(0, GROUP)[:, None]
-    # lane n takes head h's score of token n from lane 4 (n % 8) + h % 4 (slot n % 8 or n % 8 + 8 of
-    # its group) of the MMA that holds head h: heads 4..7 come from a second set of MMAs
-    src = 4 * (lane % 8) + heads % 4  # (G, 32)
-    if GROUP == 8:
+    if GROUP == 8:  # heads 4..7 on a second set of MMAs
         u00, u01 = _scores16(k0, k1, k2, k3, k4, k5, k6, k7, qc0, qc1, qc2, qc3, qc4, qc5, qc6, qc7, FAST)
         u10, u11 = _scores16(j0, j1, j2, j3, j4, j5, j6, j7, qc0, qc1, qc2, qc3, qc4, qc5, qc6, qc7, FAST)
-        x00 = _shfl(tl.where(heads < 4, s00[None, :], u00[None, :]), src, FAST)
-        x01 = _shfl(tl.where(heads < 4, s01[None, :], u01[None, :]), src, FAST)
-        x10 = _shfl(tl.where(heads < 4, s10[None, :], u10[None, :]), src, FAST)
-        x11 = _shfl(tl.where(heads < 4, s11[None, :], u11[None, :]), src, FAST)
-    else:
-        x00 = _shfl(tl.broadcast_to(s00[None, :], src.shape), src, FAST)
-        x01 = _shfl(tl.broadcast_to(s01[None, :], src.shape), src, FAST)
-        x10 = _shfl(tl.broadcast_to(s10[None, :], src.shape), src, FAST)
-        x11 = _shfl(tl.broadcast_to(s11[None, :], src.shape), src, FAST)
+    else:  # unused
+        u00, u01, u10, u11 = s00, s01, s10, s11
+    # lane n takes head h's score of token n from lane 4 (n % 8) + h % 4 (slot n % 8 or n % 8 + 8 of
+    # its group) of the MMA that holds head h
+    src = 4 * (lane % 8) + tl.arange(0, GROUP)[:, None] % 4  # (G, 32)
+    x00 = _shfl(_score_rows(s00, u00, GROUP), src, FAST)
+    x01 = _shfl(_score_rows(s01, u01, GROUP), src, FAST)
+    x10 = _shfl(_score_rows(s10, u10, GROUP), src, FAST)
+    x11 = _shfl(_score_rows(s11, u11, GROUP), src, FAST)
     score = tl.where(lane < 16, tl.where(lane < 8, x00, x01), tl.where(lane < 24, x10, x11))  # (G, 32)
 
     k_scale, k_zero = _scale_zero(ksz)
