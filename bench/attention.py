@@ -68,6 +68,9 @@ GQA_SWEEP = [_cfg("fma", 16, 1, False, None), _cfg("fma", 16, 1, True, None), _c
 GQA_MMA_SWEEP = [_cfg("mma", 32, 1, True, None, page_ahead=True), _cfg("mma", 32, 1, True, 192, page_ahead=True),
                  _cfg("mma", 32, 1, True, 168, page_ahead=True), _cfg("mma", 32, 1, True, 128, page_ahead=True),
                  _cfg("mma", 32, 1, False, None)]
+# Group 8 as two programs of 4 heads per KV head (heads_per_program): group 4's tile, twice the programs.
+GROUP8_SPLIT_SWEEP = [_cfg("mma", 32, 1, False, None, heads_per_program=4),
+                      _cfg("mma", 32, 1, True, 168, page_ahead=True, heads_per_program=4)]
 PARTITIONS = [256, 512, 768, 1024, 2048]
 GRAPH_COPIES = 4  # input copies per timed decode graph (see Bench.time_graph_ms)
 WRITE_TOKENS = (64, 16384)  # a decode step of 64 sequences, a prefill chunk
@@ -209,7 +212,8 @@ class Bench:
             label = (f"{kind} {cfg.variant} n{cfg.block_n} w{cfg.num_warps} p{cfg.partition_size}"
                      f"{' prefetch' if cfg.prefetch and cfg.variant in ('fma', 'mma') and kv4 else ''} r{cfg.maxnreg or '-'}"
                      f"{' qk16' if cfg.qk_int16 else ''}{' whole' if cfg.whole_context else ''}"
-                     f"{' page_ahead' if cfg.page_ahead else ''}")
+                     f"{' page_ahead' if cfg.page_ahead else ''}"
+                     f"{f' h{cfg.heads_per_program}' if cfg.heads_per_program else ''}")
             try:
                 ok, rel = self.check_decode(fn(), ref)
             except Exception as e:  # a config that does not compile is a result, not a crash
@@ -472,6 +476,8 @@ def main() -> None:
                 sweep = MMA_SWEEP[-1:] if args.gqa_mma else KV4_SWEEP[3:4] + QK16_SWEEP + MMA_SWEEP
             else:
                 sweep = GQA_MMA_SWEEP if args.gqa_mma else GQA_SWEEP[1:2] + GQA_SWEEP[6:]
+                if args.gqa_mma and kv_heads == 4:  # group 8: the whole group compiles for minutes, so only uncapped
+                    sweep = GQA_MMA_SWEEP[-1:] + GROUP8_SPLIT_SWEEP
             rows = bench.decode_point(f"b{batch}_ctx{ctx}" + (f"_kv{kv_heads}" if kv_heads != 32 else ""), batch, 32,
                                       kv_heads, ctx, 128, sweep=sweep,
                                       partitions=(256, 512, 1024) if args.gqa_mma else PARTITIONS,

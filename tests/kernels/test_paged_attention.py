@@ -1,7 +1,7 @@
 """Paged decode attention (Triton interpreter) against the fp32 reference over the decoded cache.
 
 Awkward shapes: contexts ending mid-block, mixed lengths in one batch, shuffled physical blocks,
-GQA groups 1/2/4 and MQA, head_dim 64 and 128, partitions small enough to take the split path.
+GQA groups 1/2/4/8 and MQA, head_dim 64 and 128, partitions small enough to take the split path.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from services.worker.kernels.kv4_cache import write_kv4_cache
 from services.worker.kernels.paged_attention import (
     WHOLE_CONTEXT_MAX,
     DecodeConfig,
+    default_config,
     paged_decode_attention,
     partition_for,
 )
@@ -92,6 +93,29 @@ def test_mma_scores_match_reference(group, lengths, partition, prefetch, q_gain,
     _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
 
 
+@pytest.mark.parametrize(
+    "group,heads_per_program,lengths,partition,prefetch,page_ahead",
+    [(8, 4, [1, 15, 17, 33, 100, 0, 161], 64, True, True), (8, 4, [130, 0, 7, 64], 512, False, False),
+     (4, 2, [33, 100, 1, 0], 64, True, False), (2, 1, [130, 7, 64], 512, False, False)],
+)
+def test_mma_heads_split_across_programs(group, heads_per_program, lengths, partition, prefetch, page_ahead):
+    """heads_per_program below the group: several programs read one KV head, each writing its own
+    slice of the query heads (on both the split path and the single-partition path)."""
+    q, k_cache, v_cache, tables, lens = _paged_batch(lengths, 2, group, 128, True, seed=len(lengths) + group)
+    config = DecodeConfig("mma", block_n=32, partition_size=partition, num_warps=1, prefetch=prefetch,
+                          page_ahead=page_ahead, heads_per_program=heads_per_program)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config)
+    _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
+
+
+def test_group_8_default_splits_the_group_and_matches_reference():
+    """With no config, group 8 at head_dim 128 gets MMA_DEFAULTS[8] (two programs of 4 heads per KV head)."""
+    q, k_cache, v_cache, tables, lens = _paged_batch([1, 40, 0, 100], 2, 8, 128, True, seed=8)
+    assert default_config(True, 8, 128, BLOCK_SIZE).heads_per_program == 4
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens)
+    _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
+
+
 def test_mma_refuses_what_it_does_not_cover():
     q, k_cache, v_cache, tables, lens = _paged_batch([20], 1, 3, 128, True, seed=1)
     with pytest.raises(ValueError, match="1, 2, 4 or 8 query heads per KV head"):
@@ -100,6 +124,14 @@ def test_mma_refuses_what_it_does_not_cover():
         DecodeConfig("mma", block_n=16, num_warps=1)
     with pytest.raises(ValueError, match="page_ahead"):
         DecodeConfig("mma", block_n=32, num_warps=1, prefetch=False, page_ahead=True)
+    with pytest.raises(ValueError, match="heads_per_program"):
+        DecodeConfig("fma", heads_per_program=2)
+    with pytest.raises(ValueError, match="heads_per_program"):
+        DecodeConfig("mma", block_n=32, num_warps=1, heads_per_program=8)
+    q, k_cache, v_cache, tables, lens = _paged_batch([20], 1, 2, 128, True, seed=1)
+    with pytest.raises(ValueError, match="does not divide the group of 2"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens,
+                               config=DecodeConfig("mma", block_n=32, num_warps=1, heads_per_program=4))
 
 
 @pytest.mark.parametrize("kv4", [True, False])

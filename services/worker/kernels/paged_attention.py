@@ -78,6 +78,9 @@ class DecodeConfig:
     # KV4 "fma" / "mma" with prefetch: block-table entries loaded a tile ahead of the words they
     # address, so tile i + 1's loads need not wait on a block-table load issued in iteration i.
     page_ahead: bool = False
+    # "mma": query heads per program when fewer than the group's (a divisor of it), so several
+    # programs read one KV head. Group 8 in one warp is bound by its instructions, not its bytes.
+    heads_per_program: int | None = None
 
     def __post_init__(self):
         if self.variant not in ("fma", "dot", "mma"):
@@ -91,6 +94,9 @@ class DecodeConfig:
             raise ValueError(f"partition_size {self.partition_size} is not a multiple of block_n {self.block_n}")
         if self.page_ahead and not (self.variant in ("fma", "mma") and self.prefetch):
             raise ValueError("page_ahead is a mode of the KV4 'fma' and 'mma' kernels with prefetch")
+        if self.heads_per_program is not None and (self.variant != "mma" or self.heads_per_program not in (1, 2, 4)):
+            raise ValueError(f"heads_per_program is a mode of the 'mma' kernel (1, 2 or 4 heads), not {self.variant!r} "
+                             f"with {self.heads_per_program}")
         if self.qk_int16 and self.variant != "fma":
             raise ValueError(f"qk_int16 is a mode of the KV4 'fma' kernel, not of {self.variant!r}")
 
@@ -118,8 +124,8 @@ def _multiprocessors(device: torch.device) -> int | None:
 
 # The launch the engine gets, per cache and group size (rounded up to a power of two, at most 8):
 # the fastest configs measured by bench/attention.py on an H200 at head_dim 128
-# (bench/results/h200/attention.json). Group 2 and 8 were not measured: group 2 takes group 4's
-# tile (the register budget of two query heads), group 8 the tensor-core kernel. Group 1 with
+# (bench/results/h200/attention.json). Group 2 and 8 were not measured here: group 2 takes group
+# 4's tile (the register budget of two query heads), group 8 the tensor-core kernel. Group 1 with
 # integer scores (session 8): 160.4 -> 143.7 us at batch 64 / context 1536, 487.5 -> 437.2 us at
 # batch 256 / context 1280 (bench/results/h200/attention_points.json). GQA 32/8 at batch 64 /
 # context 1536 (512 programs): partitions of 256 took 107.6-107.9 us in three runs, 512 115-130
@@ -153,14 +159,21 @@ _DEFAULTS = {
 # context 1280) against the "fma" entry's 119.6, 254.1, 286.7 and SDPA's 106.3, 250.4, 309.9.
 # Session 18: one V word per lane (8 sums per head) left group 4 at 168 registers with prefetch and
 # took it to 65.1 us at context 1536, 144.2 at 4096 (graph-timed, bench/results/h200/attention_v_word_ab.json).
-# Group 8 (Llama-2/3-70B's 64/8) runs on the kernel too (a second set of MMAs for heads 4..7) but is
-# not measured yet, so its default stays the "dot" entry above.
+# Group 8 (Llama-2/3-70B's 64/8; session 19, 32/4 at batch 64, 4-call graph timing,
+# bench/results/h200/attention_group8*.json): the whole group in one warp (a second set of MMAs for
+# heads 4..7, 255 registers) took 76-77 us at context 1536 against the "dot" entry's 171.6, but one
+# warp of 8 heads is bound by its instructions; two programs of 4 heads per KV head
+# (heads_per_program=4, group 4's tile) took 55.3-57.0 us and 131-138 us at context 4096, against
+# 77.3 and 153.0 whole-group in the same run. That is about SDPA fp16's 53.7 and 127.0 (cuDNN reads
+# 8x fewer cache bytes here than at MHA, so KV4 wins capacity, not time, at group 8).
 MMA_DEFAULTS = {  # group -> the "mma" kernel's launch
     1: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
                     whole_context=True, page_ahead=True),
     2: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
                     page_ahead=True),
     4: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=False),
+    8: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=False,
+                    heads_per_program=4),
 }
 MMA_GROUPS = (1, 2, 4, 8)  # query heads per KV head the "mma" kernel takes (a config may ask for it)
 
@@ -850,13 +863,17 @@ def paged_decode_attention(
     if cfg.variant == "mma" and not _mma_covers(group, d, k_cache.shape[2]):
         raise ValueError(f"the 'mma' kernel takes 1, 2, 4 or 8 query heads per KV head, head_dim 128 and pages of a "
                          f"multiple of 16 tokens, not group {group}, head_dim {d}, pages of {k_cache.shape[2]}")
+    heads_per_program = cfg.heads_per_program or group if cfg.variant == "mma" else group
+    if group % heads_per_program:
+        raise ValueError(f"heads_per_program {cfg.heads_per_program} does not divide the group of {group} query heads")
+    kv_share = group // heads_per_program  # programs per KV head ("mma" only; 1 otherwise)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if max_context_len is None:
         max_context_len = int(context_lens.max().item()) if b else 0
     out = torch.empty_like(query)
     if b == 0:
         return out
-    partition_size = partition_for(cfg, b * kv_heads, max_context_len, _multiprocessors(query.device))
+    partition_size = partition_for(cfg, b * kv_heads * kv_share, max_context_len, _multiprocessors(query.device))
     num_partitions = max(1, triton.cdiv(max_context_len, partition_size))
     split = num_partitions > 1
     if split:
@@ -865,7 +882,7 @@ def paged_decode_attention(
         part_o = torch.empty(b, heads, num_partitions, d, dtype=torch.float32, device=query.device)
     else:
         part_m = part_l = part_o = out  # unused
-    grid = (b * kv_heads, num_partitions)
+    grid = (b * kv_heads * kv_share, num_partitions)
     overlap = launch_kwargs(query.device, b)  # every launch below has the batch's rows
     common = dict(
         GROUP=group, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], BLOCK_N=cfg.block_n,
@@ -893,12 +910,13 @@ def paged_decode_attention(
     elif cfg.variant == "mma":
         k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)
         _kv4_decode_mma_kernel[grid](
-            query, k_words, v_words, block_tables, context_lens, out, part_m, part_l, part_o, *sizes,
+            query, k_words, v_words, block_tables, context_lens, out, part_m, part_l, part_o,
+            scale * LOG2E, kv_heads * kv_share, num_partitions, partition_size,
             _NIBBLE_MASK, _FP32_ONE_BITS,
             query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1),
             HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], SPLIT=split, PREFETCH=cfg.prefetch, FAST=query.is_cuda,
-            GROUP=group, PAGE_AHEAD=cfg.page_ahead, num_warps=1,
+            GROUP=heads_per_program, KV_SHARE=kv_share, PAGE_AHEAD=cfg.page_ahead, num_warps=1,
             num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
             **overlap,
         )

@@ -378,8 +378,11 @@ def _kv4_decode_mma_kernel(
     stride_qb, stride_qh, stride_cb, stride_ch, stride_bt, stride_ob, stride_oh,
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, FAST: tl.constexpr,
-    GROUP: tl.constexpr = 1, PAGE_AHEAD: tl.constexpr = False, PDL: tl.constexpr = 0,
+    GROUP: tl.constexpr = 1, PAGE_AHEAD: tl.constexpr = False, PDL: tl.constexpr = 0, KV_SHARE: tl.constexpr = 1,
 ):
+    # KV_SHARE programs share one cache head, each taking GROUP of its query heads: the launcher
+    # passes num_kv_heads = cache heads x KV_SHARE, so kvh below is a program's slice of heads and
+    # kvh * GROUP its first query head either way; only the cache reads use kvh // KV_SHARE.
     _overlap_entry(PDL)
     W: tl.constexpr = HEAD_DIM // 8
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -447,7 +450,7 @@ def _kv4_decode_mma_kernel(
     a6 = zero
     a7 = zero
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    head_off = kvh * stride_ch
+    head_off = (kvh // KV_SHARE) * stride_ch
     mask_lo = nibble_mask
     mask_hi = nibble_mask << 4
     one = nibble_one
