@@ -71,6 +71,14 @@ GQA_MMA_SWEEP = [_cfg("mma", 32, 1, True, None, page_ahead=True), _cfg("mma", 32
 # Group 8 as two programs of 4 heads per KV head (heads_per_program): group 4's tile, twice the programs.
 GROUP8_SPLIT_SWEEP = [_cfg("mma", 32, 1, False, None, heads_per_program=4),
                       _cfg("mma", 32, 1, True, 168, page_ahead=True, heads_per_program=4)]
+# The value sums on the fp16 tensor cores (pv_mma; SASS with Triton 3.6 per 32-token tile: group 1
+# 542 -> 441 instructions, group 4 1090 -> 593, group 8 1843 -> 853 at 168 registers instead of 255).
+PV_MMA_SWEEP_MHA = [_cfg("mma", 32, 1, True, 128, whole_context=True, page_ahead=True, pv_mma=True),
+                    _cfg("mma", 32, 1, True, 96, whole_context=True, page_ahead=True, pv_mma=True)]
+PV_MMA_SWEEP_GQA = [_cfg("mma", 32, 1, False, None, pv_mma=True), _cfg("mma", 32, 1, True, None, page_ahead=True, pv_mma=True),
+                    _cfg("mma", 32, 1, True, 168, page_ahead=True, pv_mma=True),
+                    _cfg("mma", 32, 1, True, 128, page_ahead=True, pv_mma=True)]
+PV_MMA_SWEEP_GROUP8 = [_cfg("mma", 32, 1, False, None, heads_per_program=4, pv_mma=True)]
 PARTITIONS = [256, 512, 768, 1024, 2048]
 GRAPH_COPIES = 4  # input copies per timed decode graph (see Bench.time_graph_ms)
 WRITE_TOKENS = (64, 16384)  # a decode step of 64 sequences, a prefill chunk
@@ -213,7 +221,7 @@ class Bench:
                      f"{' prefetch' if cfg.prefetch and cfg.variant in ('fma', 'mma') and kv4 else ''} r{cfg.maxnreg or '-'}"
                      f"{' qk16' if cfg.qk_int16 else ''}{' whole' if cfg.whole_context else ''}"
                      f"{' page_ahead' if cfg.page_ahead else ''}"
-                     f"{f' h{cfg.heads_per_program}' if cfg.heads_per_program else ''}")
+                     f"{f' h{cfg.heads_per_program}' if cfg.heads_per_program else ''}{' pv_mma' if cfg.pv_mma else ''}")
             try:
                 ok, rel = self.check_decode(fn(), ref)
             except Exception as e:  # a config that does not compile is a result, not a crash
@@ -457,6 +465,9 @@ def main() -> None:
                              "(the engine's decode shapes) or 64:1536:8 (GQA)")
     parser.add_argument("--gqa-mma", action="store_true",
                         help="with --points: sweep the 'mma' kernel's configs (every group it takes) instead of the usual")
+    parser.add_argument("--pv-mma", action="store_true",
+                        help="with --points: sweep the 'mma' kernel's value sums on the fp16 tensor cores (pv_mma), "
+                             "against the default in the same run")
     parser.add_argument("--sdpa", action="store_true", help="with --points: time SDPA at each point too")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="the full run's parts, comma-separated: one device call (600 s) no longer holds them all, "
@@ -478,9 +489,11 @@ def main() -> None:
                 sweep = GQA_MMA_SWEEP if args.gqa_mma else GQA_SWEEP[1:2] + GQA_SWEEP[6:]
                 if args.gqa_mma and kv_heads == 4:  # group 8: the whole group compiles for minutes, so only uncapped
                     sweep = GQA_MMA_SWEEP[-1:] + GROUP8_SPLIT_SWEEP
+            if args.pv_mma:
+                sweep = PV_MMA_SWEEP_MHA if kv_heads == 32 else PV_MMA_SWEEP_GQA + (PV_MMA_SWEEP_GROUP8 if kv_heads == 4 else [])
             rows = bench.decode_point(f"b{batch}_ctx{ctx}" + (f"_kv{kv_heads}" if kv_heads != 32 else ""), batch, 32,
                                       kv_heads, ctx, 128, sweep=sweep,
-                                      partitions=(256, 512, 1024) if args.gqa_mma else PARTITIONS,
+                                      partitions=(256, 512, 1024) if args.gqa_mma or args.pv_mma else PARTITIONS,
                                       fp16=False, sdpa=args.sdpa)
             if (batch, ctx, kv_heads) == (MAIN["batch"], MAIN["ctx"], MAIN["kv_heads"]) and args.sdpa:
                 bench.summarize(rows)  # the issue's point, with SDPA in the same run: its check

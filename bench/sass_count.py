@@ -58,7 +58,7 @@ def compile_sass(fn, pointer_types: dict[str, str], constexprs: dict, floats=(),
         sass = _run(_tools() / "nvdisasm", "-c", cubin)
     regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
     layouts = sorted(set(re.findall(r"#ttg\.blocked<\{[^}]*\}>", compiled.asm["ttgir"])))
-    return {"regs": regs, "stack": stack, "sass": sass, "layouts": layouts}
+    return {"regs": regs, "stack": stack, "sass": sass, "layouts": layouts, "ttgir": compiled.asm["ttgir"]}
 
 
 def _run(tool: Path, *args) -> str:
@@ -95,7 +95,7 @@ def attention(a):
     pointers |= {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_o_ptr")}
     if a.mma:  # scores on the int8 tensor cores (paged_attention_mma.py): one warp, 32-token tiles
         consts = dict(HEAD_DIM=a.head_dim, BLOCK_SIZE=16, SPLIT=a.split, PREFETCH=not a.no_prefetch, FAST=True,
-                      GROUP=a.group, PAGE_AHEAD=a.page_ahead)
+                      GROUP=a.group, PAGE_AHEAD=a.page_ahead, PV_MMA=a.pv_mma)
         sass = compile_sass(pa._kv4_decode_mma_kernel, pointers, consts, floats=("qk_scale",), num_warps=1, maxnreg=a.maxnreg)
         return sass, 32
     consts = dict(GROUP=a.group, BLOCK_G=triton.next_power_of_2(a.group), HEAD_DIM=a.head_dim, BLOCK_SIZE=16,
@@ -141,6 +141,7 @@ def main() -> None:
     att.add_argument("--no-prefetch", action="store_true")
     att.add_argument("--mma", action="store_true", help="the 'mma' kernel (int8 tensor-core scores, head_dim 128)")
     att.add_argument("--page-ahead", action="store_true", help="block-table entries a tile ahead of the words")
+    att.add_argument("--pv-mma", action="store_true", help="with --mma: the value sums on the fp16 tensor cores")
     aq = sub.add_parser("act_quant", help="rmsnorm / silu / plain per-token int8 quantization")
     aq.add_argument("--op", choices=("quantize", "rmsnorm", "silu"), default="silu")
     aq.add_argument("--block", type=int, default=16384)

@@ -108,6 +108,24 @@ def test_mma_heads_split_across_programs(group, heads_per_program, lengths, part
     _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
 
 
+@pytest.mark.parametrize(
+    "group,lengths,partition,prefetch,q_gain,heads_per_program",
+    [(1, [1, 15, 17, 33, 100, 0, 161], 512, True, 1.0, None), (2, [130, 0, 7, 64], 64, True, 6.0, None),
+     (4, [33, 100, 1], 512, False, 1.0, None), (8, [1, 15, 17, 33, 100, 0, 161], 64, True, 1.0, None),
+     (8, [130, 0, 7, 64], 512, False, 6.0, 4)],
+)
+def test_mma_value_sums_on_tensor_cores_match_reference(group, lengths, partition, prefetch, q_gain, heads_per_program):
+    """pv_mma: the value sums as fp16 MMAs (codes as 1024 + c, weights rounded to fp16, the 1024s
+    taken back out with the rounded weights' sum): every group, the split path, partial tiles, empty
+    sequences, large logits, and a group split over programs."""
+    q, k_cache, v_cache, tables, lens = _paged_batch(lengths, 2, group, 128, True, seed=len(lengths) + 10 * group)
+    q = (q.float() * q_gain).half()
+    config = DecodeConfig("mma", block_n=32, partition_size=partition, num_warps=1, prefetch=prefetch,
+                          page_ahead=prefetch, heads_per_program=heads_per_program, pv_mma=True)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config)
+    _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
+
+
 def test_group_8_default_splits_the_group_and_matches_reference():
     """With no config, group 8 at head_dim 128 gets MMA_DEFAULTS[8] (two programs of 4 heads per KV head)."""
     q, k_cache, v_cache, tables, lens = _paged_batch([1, 40, 0, 100], 2, 8, 128, True, seed=8)
@@ -126,6 +144,8 @@ def test_mma_refuses_what_it_does_not_cover():
         DecodeConfig("mma", block_n=32, num_warps=1, prefetch=False, page_ahead=True)
     with pytest.raises(ValueError, match="heads_per_program"):
         DecodeConfig("fma", heads_per_program=2)
+    with pytest.raises(ValueError, match="pv_mma"):
+        DecodeConfig("dot", pv_mma=True)
     with pytest.raises(ValueError, match="heads_per_program"):
         DecodeConfig("mma", block_n=32, num_warps=1, heads_per_program=8)
     q, k_cache, v_cache, tables, lens = _paged_batch([20], 1, 2, 128, True, seed=1)

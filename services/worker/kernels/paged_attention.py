@@ -81,6 +81,9 @@ class DecodeConfig:
     # "mma": query heads per program when fewer than the group's (a divisor of it), so several
     # programs read one KV head. Group 8 in one warp is bound by its instructions, not its bytes.
     heads_per_program: int | None = None
+    # "mma": the value sums on the fp16 tensor cores (one m16n8k16 per 16 dims x 16 tokens for up to
+    # 8 heads) instead of an FFMA per code and head on the CUDA cores.
+    pv_mma: bool = False
 
     def __post_init__(self):
         if self.variant not in ("fma", "dot", "mma"):
@@ -97,6 +100,8 @@ class DecodeConfig:
         if self.heads_per_program is not None and (self.variant != "mma" or self.heads_per_program not in (1, 2, 4)):
             raise ValueError(f"heads_per_program is a mode of the 'mma' kernel (1, 2 or 4 heads), not {self.variant!r} "
                              f"with {self.heads_per_program}")
+        if self.pv_mma and self.variant != "mma":
+            raise ValueError(f"pv_mma is a mode of the 'mma' kernel, not of {self.variant!r}")
         if self.qk_int16 and self.variant != "fma":
             raise ValueError(f"qk_int16 is a mode of the KV4 'fma' kernel, not of {self.variant!r}")
 
@@ -916,7 +921,7 @@ def paged_decode_attention(
             query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1),
             HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], SPLIT=split, PREFETCH=cfg.prefetch, FAST=query.is_cuda,
-            GROUP=heads_per_program, KV_SHARE=kv_share, PAGE_AHEAD=cfg.page_ahead, num_warps=1,
+            GROUP=heads_per_program, KV_SHARE=kv_share, PAGE_AHEAD=cfg.page_ahead, PV_MMA=cfg.pv_mma, num_warps=1,
             num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
             **overlap,
         )

@@ -32,6 +32,13 @@ group, so a group of G heads costs G FFMAs per code and one LOP3. (Session 17's 
 of 8 tokens per lane, kept 16 sums per head: 255 registers at group 4 with prefetch against 168
 now, and 4-16% slower on GQA 32/8 on the H200, bench/results/h200/attention_v_word_ab.json.)
 
+With pv_mma (PV_MMA) the value sums go to the fp16 tensor cores instead: out^T = V^T P^T, one
+`mma.sync.m16n8k16` per 16 dims x 16 tokens for up to 8 heads (the MMA's 8 columns), the codes
+turned into fp16 1024 + c by a PRMT and a LOP3 per pair of tokens, the weights rounded to fp16
+(_pv_mma_block). A code then costs a few instructions for the whole group instead of an FFMA per
+head: SASS with Triton 3.6 per 32-token tile, group 4 1090 -> 593 instructions, group 8 1843 -> 853
+(168 registers instead of 255), group 1 542 -> 441. Not yet measured on the GPU, so not a default.
+
 On the GPU the MMA and the shuffles are inline PTX; under TRITON_INTERPRET they are emulated over
 the 32 lanes with gathers, fragment layout included, so the CPU tests check the bookkeeping.
 Head_dim 128, page sizes a multiple of 16, groups of 1, 2, 4 or 8 (launcher: paged_attention.py,
@@ -107,6 +114,89 @@ def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FAST: tl.constexpr):
             is_pure=True, pack=1,
         )
     return _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+
+@triton.jit
+def _prmt(a, b, sel, FAST: tl.constexpr):
+    """prmt.b32: byte i of the result is byte (sel >> 4i) & 7 of the pair (b:a) (a bytes 0..3, b 4..7)."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            asm="prmt.b32 $0, $1, $2, $3;", constraints="=r,r,r,r", args=[a, b, sel], dtype=tl.int32,
+            is_pure=True, pack=1,
+        )
+    out = tl.zeros(a.shape, tl.int32)
+    for i in tl.static_range(4):
+        idx = (sel >> (4 * i)) & 7
+        byte = tl.where(idx < 4, a >> (8 * (idx & 3)), b >> (8 * (idx & 3))) & 0xFF
+        out |= byte << (8 * i)
+    return out
+
+
+@triton.jit
+def _pack_f16x2(lo, hi, FAST: tl.constexpr):
+    """Two fp32 (32,) rounded to fp16 (to nearest even) in one int32: lo in bits 0..15, hi in 16..31."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            asm="cvt.rn.f16x2.f32 $0, $2, $1;", constraints="=r,f,f", args=[lo, hi], dtype=tl.int32,
+            is_pure=True, pack=1,
+        )
+    lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo16 | (hi16 << 16)
+
+
+@triton.jit
+def _half(regs, reg, lane, half, R: tl.constexpr):
+    """fp16 half `half` of register `reg` of lane `lane` (all (E,) int32), from regs (32 * R,) lane-major, as fp32."""
+    v = (tl.gather(regs, lane * R + reg, 0) >> (16 * half)) & 0xFFFF
+    return v.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _mma_f16_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """mma.m16n8k16 f16 x f16 + f32 over the 32 lanes' (32,) fragments (PTX ISA; lane l, g = l // 4,
+    t = l % 4; the lower half of a register holds the even k):
+        A (16 x 16): a0 = row g, k 2t, 2t + 1; a1 = row g + 8; a2, a3 the same rows, k 8 + 2t, 9 + 2t
+        B (16 x 8):  b0 = col g, k 2t, 2t + 1;  b1 = col g, k 8 + 2t, 9 + 2t
+        C (16 x 8):  as the int8 MMA's."""
+    regs_a = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (128,))  # lane * 4 + register
+    e = tl.arange(0, 256)
+    row, k = e // 16, e % 16
+    a = _half(regs_a, (row // 8) + 2 * (k // 8), 4 * (row % 8) + (k % 8) // 2, k % 2, 4)
+    regs_b = tl.reshape(tl.join(b0, b1), (64,))
+    e = tl.arange(0, 128)
+    k, col = e // 8, e % 8
+    b = _half(regs_b, k // 8, 4 * col + (k % 8) // 2, k % 2, 2)
+    d = tl.reshape(tl.sum(tl.reshape(a, (16, 16, 1)) * tl.reshape(b, (1, 16, 8)), axis=1), (128,))  # row * 8 + col
+    lane = tl.arange(0, 32)
+    at = (lane // 4) * 8 + 2 * (lane % 4)
+    return (c0 + tl.gather(d, at, 0), c1 + tl.gather(d, at + 1, 0),
+            c2 + tl.gather(d, at + 64, 0), c3 + tl.gather(d, at + 65, 0))
+
+
+@triton.jit
+def _mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FAST: tl.constexpr):
+    """One m16n8k16 MMA per row of the (R, 32) operands (b0, b1 (32,) shared by the rows)."""
+    if FAST:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            asm="mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+                "{$10, $11, $12, $13};",
+            constraints="=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+            args=[a0, a1, a2, a3, tl.broadcast_to(b0[None, :], a0.shape), tl.broadcast_to(b1[None, :], a0.shape),
+                  c0, c1, c2, c3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1,
+        )
+    else:
+        rows = tl.arange(0, a0.shape[0])[:, None]
+        for r in tl.static_range(a0.shape[0]):
+            d0, d1, d2, d3 = _mma_f16_emulated(_head_row(a0, r), _head_row(a1, r), _head_row(a2, r), _head_row(a3, r),
+                                               b0, b1, _head_row(c0, r), _head_row(c1, r), _head_row(c2, r),
+                                               _head_row(c3, r))
+            c0 = tl.where(rows == r, d0[None, :], c0)
+            c1 = tl.where(rows == r, d1[None, :], c1)
+            c2 = tl.where(rows == r, d2[None, :], c2)
+            c3 = tl.where(rows == r, d3[None, :], c3)
+    return c0, c1, c2, c3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,6 +300,90 @@ def _store_word_planes(out_row, head_stride, lane, w, a0, a1, a2, a3, a4, a5, a6
     _store_plane(out_row, head_stride, lane, w, a7, pw_sum, z_sum, denom, ok, 7, HALF, FAST, SPLIT, GROUP)
 
 
+@triton.jit
+def _lane_head(x, head):
+    """x (G, 1) or (G, 32) per head -> (32,): lane i's value of head head[i] (0 for a head past the group)."""
+    rows = tl.arange(0, x.shape[0])[:, None]
+    return tl.sum(tl.where(rows == head[None, :], x, 0.0), axis=0)
+
+
+@triton.jit
+def _pv_mma_block(w16, first: tl.constexpr, v0, v1, v2, v3, v4, v5, v6, v7, c0, c1, c2, c3, lane,
+                  FAST: tl.constexpr):
+    """Value sums of the 16 tokens first .. first + 15 of the tile on the fp16 tensor cores:
+    out^T (dims x heads) += V^T (dims x tokens) P^T (tokens x heads), one m16n8k16 per 16 dims.
+
+    B (P^T): lane (g, t) holds head g's fp16 weights of tokens 2t, 2t + 1 (b0) and 8 + 2t, 9 + 2t
+    (b1); w16 (G, 32) has them in lanes first + token, so each comes over with a shuffle per head.
+    A (V^T): row m of the (8, 32) operands is MMA m. Its row g is dim 4 (g + 8 (m // 4)) + m % 4 and
+    its row g + 8 that dim + D/2: the low and high nibble of one byte of lane g's code word g or
+    g + 8 (v0..v3: word g of tokens 2t, 2t + 1, 8 + 2t, 9 + 2t; v4..v7: word g + 8). A PRMT pairs
+    the byte of two tokens, a LOP3 puts each nibble under the exponent of fp16 1024:
+    0x6400 | c = 1024 + c (low nibble), 0x6400 | c << 4 = 1024 + 16 c (high), exact; the launcher's
+    store takes 1024 * sum(w16) back out and divides the high dims by 16."""
+    g = lane // 4
+    t = lane % 4
+    heads = tl.arange(0, w16.shape[0])[:, None]
+    mine = heads == g[None, :]  # row g of a (G, 32) shuffle result is this lane's head
+    src = first + 2 * t
+    e0 = tl.sum(tl.where(mine, _shfl_f32(w16, tl.broadcast_to(src[None, :], w16.shape), FAST), 0.0), axis=0)
+    e1 = tl.sum(tl.where(mine, _shfl_f32(w16, tl.broadcast_to((src + 1)[None, :], w16.shape), FAST), 0.0), axis=0)
+    e2 = tl.sum(tl.where(mine, _shfl_f32(w16, tl.broadcast_to((src + 8)[None, :], w16.shape), FAST), 0.0), axis=0)
+    e3 = tl.sum(tl.where(mine, _shfl_f32(w16, tl.broadcast_to((src + 9)[None, :], w16.shape), FAST), 0.0), axis=0)
+    b0 = _pack_f16x2(e0, e1, FAST)
+    b1 = _pack_f16x2(e2, e3, FAST)
+    m = tl.arange(0, 8)[:, None]
+    j = m % 4
+    sel = tl.broadcast_to(j | (j << 4) | ((4 + j) << 8) | ((4 + j) << 12), (8, 32))  # byte j of each token
+    lo_pair = _prmt(tl.where(m < 4, v0[None, :], v4[None, :]), tl.where(m < 4, v1[None, :], v5[None, :]), sel, FAST)
+    hi_pair = _prmt(tl.where(m < 4, v2[None, :], v6[None, :]), tl.where(m < 4, v3[None, :], v7[None, :]), sel, FAST)
+    a0 = (lo_pair & 0x000F000F) | 0x64006400
+    a1 = (lo_pair & 0x00F000F0) | 0x64006400
+    a2 = (hi_pair & 0x000F000F) | 0x64006400
+    a3 = (hi_pair & 0x00F000F0) | 0x64006400
+    return _mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FAST)
+
+
+@triton.jit
+def _store_pv_mma(out_row, head_stride, lane, c0, c1, c2, c3, pw_sum, z_sum, denom, ok, HALF: tl.constexpr,
+                  SPLIT: tl.constexpr, GROUP: tl.constexpr):
+    """Stores the (8, 32) MMA sums of _pv_mma_block: lane (g, t) holds heads 2t (c0, c2) and 2t + 1
+    (c1, c3) of dim 4 (g + 8 (m // 4)) + m % 4 (c0, c1) and that dim + D/2 (c2, c3), row m.
+    value = ((c - 1024 sum w16) * (1 or 1/16) + sum p zero) / denom. Stores row by row, (32,) each
+    (see the kernel on why no memory op is (G, 32))."""
+    g = lane // 4
+    t = lane % 4
+    he = 2 * t
+    ho = 2 * t + 1
+    pw_e = _lane_head(pw_sum[:, None], he)
+    pw_o = _lane_head(pw_sum[:, None], ho)
+    z_e = _lane_head(z_sum[:, None], he)
+    z_o = _lane_head(z_sum[:, None], ho)
+    d_e = _lane_head(denom[:, None], he)
+    d_o = _lane_head(denom[:, None], ho)
+    ok_e = he < GROUP
+    ok_o = ho < GROUP
+    if SPLIT:  # ok: per lane, whether the partition holds tokens
+        ok_e = ok_e & ok
+        ok_o = ok_o & ok
+    for m in tl.static_range(8):
+        dim = 4 * (g + 8 * (m // 4)) + m % 4
+        v_lo_e = (_head_row(c0, m) - 1024.0 * pw_e + z_e) / d_e
+        v_lo_o = (_head_row(c1, m) - 1024.0 * pw_o + z_o) / d_o
+        v_hi_e = ((_head_row(c2, m) - 1024.0 * pw_e) * 0.0625 + z_e) / d_e
+        v_hi_o = ((_head_row(c3, m) - 1024.0 * pw_o) * 0.0625 + z_o) / d_o
+        if SPLIT:
+            tl.store(out_row + he * head_stride + dim, v_lo_e, mask=ok_e)
+            tl.store(out_row + ho * head_stride + dim, v_lo_o, mask=ok_o)
+            tl.store(out_row + he * head_stride + dim + HALF, v_hi_e, mask=ok_e)
+            tl.store(out_row + ho * head_stride + dim + HALF, v_hi_o, mask=ok_o)
+        else:
+            tl.store(out_row + he * head_stride + dim, v_lo_e.to(tl.float16), mask=ok_e)
+            tl.store(out_row + ho * head_stride + dim, v_lo_o.to(tl.float16), mask=ok_o)
+            tl.store(out_row + he * head_stride + dim + HALF, v_hi_e.to(tl.float16), mask=ok_e)
+            tl.store(out_row + ho * head_stride + dim + HALF, v_hi_o.to(tl.float16), mask=ok_o)
+
+
 # ---------------------------------------------------------------------------------------------
 # the kernel
 
@@ -228,7 +402,7 @@ def _pages(bt_row, n0, end, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
 
 @triton.jit
 def _tile_loads(k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, lane, g, t,
-                BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, W: tl.constexpr):
+                BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, W: tl.constexpr, PV_MMA: tl.constexpr = False):
     """Every word a lane needs of tokens [n0, n0 + 32): its K words of the two MMA row groups
     (_scores16's w0..w7 each), its token's K and V scale/zero words (lane n: token n0 + n; 0 past
     the context, whose fp16 bits may be NaN), and its V word lane % 16 of tokens
@@ -264,6 +438,17 @@ def _tile_loads(k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, lane, 
     else:
         ksz = tl.load(k_ptr + my_row)
         vsz = tl.load(v_ptr + my_row)
+    if PV_MMA:  # _pv_mma_block's words: x of the first 16 tokens, y of the second
+        x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7 = _pv_mma_loads(v_ptr, base0, base1, g, t, ROW)
+    else:
+        x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7 = _pv_word_loads(v_ptr, base0, base1, lane, ROW)
+    return (k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
+            x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7)
+
+
+@triton.jit
+def _pv_word_loads(v_ptr, base0, base1, lane, ROW: tl.constexpr):
+    """The CUDA-core value sums' words: word lane % 16 of tokens 16 (lane // 16) + i (x_i) and + 8 + i (y_i)."""
     vr = tl.where(lane < 16, base0, base1) + (lane % 16)
     x0 = tl.load(v_ptr + vr)
     x1 = tl.load(v_ptr + vr + ROW)
@@ -281,8 +466,32 @@ def _tile_loads(k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, lane, 
     y5 = tl.load(v_ptr + vr + 13 * ROW)
     y6 = tl.load(v_ptr + vr + 14 * ROW)
     y7 = tl.load(v_ptr + vr + 15 * ROW)
-    return (k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
-            x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7)
+    return x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7
+
+
+@triton.jit
+def _pv_mma_loads(v_ptr, base0, base1, g, t, ROW: tl.constexpr):
+    """The V words of _pv_mma_block: word g of tokens 2t, 2t + 1, 8 + 2t, 9 + 2t of each group of 16
+    (x0..x3, y0..y3), then word g + 8 of them (x4..x7, y4..y7)."""
+    r0 = base0 + (2 * t) * ROW + g
+    r1 = base1 + (2 * t) * ROW + g
+    x0 = tl.load(v_ptr + r0)
+    x1 = tl.load(v_ptr + r0 + ROW)
+    x2 = tl.load(v_ptr + r0 + 8 * ROW)
+    x3 = tl.load(v_ptr + r0 + 9 * ROW)
+    x4 = tl.load(v_ptr + r0 + 8)
+    x5 = tl.load(v_ptr + r0 + ROW + 8)
+    x6 = tl.load(v_ptr + r0 + 8 * ROW + 8)
+    x7 = tl.load(v_ptr + r0 + 9 * ROW + 8)
+    y0 = tl.load(v_ptr + r1)
+    y1 = tl.load(v_ptr + r1 + ROW)
+    y2 = tl.load(v_ptr + r1 + 8 * ROW)
+    y3 = tl.load(v_ptr + r1 + 9 * ROW)
+    y4 = tl.load(v_ptr + r1 + 8)
+    y5 = tl.load(v_ptr + r1 + ROW + 8)
+    y6 = tl.load(v_ptr + r1 + 8 * ROW + 8)
+    y7 = tl.load(v_ptr + r1 + 9 * ROW + 8)
+    return x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7
 
 
 @triton.jit
@@ -304,7 +513,7 @@ def _tile_math(
     n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
     qc0, qc1, qc2, qc3, qc4, qc5, qc6, qc7, q_step, q_sum,
     m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7,
-    MASKED: tl.constexpr, FAST: tl.constexpr, GROUP: tl.constexpr,
+    MASKED: tl.constexpr, FAST: tl.constexpr, GROUP: tl.constexpr, PV_MMA: tl.constexpr = False,
 ):
     """Online-softmax update with the words of tokens [n0, n0 + 32) (_tile_loads); MASKED only for
     a partial last tile. Per head (rows of (G, 32); m_i, q_step, q_sum (G,)): l_p, pw_p, z_p this
@@ -338,33 +547,46 @@ def _tile_math(
     p = tl.exp2(s - m_new[:, None])
     pw = p * v_scale  # 0 past the context
     l_p = l_p * alpha + p
-    pw_p = pw_p * alpha + pw
     z_p = z_p * alpha + p * v_zero
+    if PV_MMA:  # a0..a3 are the (8, 32) MMA sums of _pv_mma_block
+        w16 = pw.to(tl.float16).to(tl.float32)  # the weights the MMA sees: their sum takes the 1024s out exactly
+        pw_p = pw_p * alpha + w16
+        lane_t = lane % 4
+        alpha_e = _lane_head(alpha, 2 * lane_t)[None, :]  # lane (g, t) sums heads 2t and 2t + 1
+        alpha_o = _lane_head(alpha, 2 * lane_t + 1)[None, :]
+        a0 = a0 * alpha_e
+        a1 = a1 * alpha_o
+        a2 = a2 * alpha_e
+        a3 = a3 * alpha_o
+        a0, a1, a2, a3 = _pv_mma_block(w16, 0, x0, x1, x2, x3, x4, x5, x6, x7, a0, a1, a2, a3, lane, FAST)
+        a0, a1, a2, a3 = _pv_mma_block(w16, 16, y0, y1, y2, y3, y4, y5, y6, y7, a0, a1, a2, a3, lane, FAST)
+    else:
+        pw_p = pw_p * alpha + pw
 
-    a0 *= alpha
-    a1 *= alpha
-    a2 *= alpha
-    a3 *= alpha
-    a4 *= alpha
-    a5 *= alpha
-    a6 *= alpha
-    a7 *= alpha
-    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
-        pw, 0, x0, y0, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
-        pw, 1, x1, y1, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
-        pw, 2, x2, y2, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
-        pw, 3, x3, y3, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
-        pw, 4, x4, y4, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
-        pw, 5, x5, y5, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
-        pw, 6, x6, y6, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
-        pw, 7, x7, y7, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
+        a0 *= alpha
+        a1 *= alpha
+        a2 *= alpha
+        a3 *= alpha
+        a4 *= alpha
+        a5 *= alpha
+        a6 *= alpha
+        a7 *= alpha
+        a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
+            pw, 0, x0, y0, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
+            pw, 1, x1, y1, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
+            pw, 2, x2, y2, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
+            pw, 3, x3, y3, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
+            pw, 4, x4, y4, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
+            pw, 5, x5, y5, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
+            pw, 6, x6, y6, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _pv_token(
+            pw, 7, x7, y7, a0, a1, a2, a3, a4, a5, a6, a7, lane, mask_lo, mask_hi, one, FAST)
     return m_new, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7
 
 
@@ -379,6 +601,7 @@ def _kv4_decode_mma_kernel(
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, FAST: tl.constexpr,
     GROUP: tl.constexpr = 1, PAGE_AHEAD: tl.constexpr = False, PDL: tl.constexpr = 0, KV_SHARE: tl.constexpr = 1,
+    PV_MMA: tl.constexpr = False,
 ):
     # KV_SHARE programs share one cache head, each taking GROUP of its query heads: the launcher
     # passes num_kv_heads = cache heads x KV_SHARE, so kvh below is a program's slice of heads and
@@ -449,6 +672,11 @@ def _kv4_decode_mma_kernel(
     a5 = zero
     a6 = zero
     a7 = zero
+    if PV_MMA:  # the MMA sums of _pv_mma_block: row m of a0..a3 is MMA m's c0..c3
+        a0 = tl.zeros((8, 32), tl.float32)
+        a1 = a0
+        a2 = a0
+        a3 = a0
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     head_off = (kvh // KV_SHARE) * stride_ch
     mask_lo = nibble_mask
@@ -461,7 +689,7 @@ def _kv4_decode_mma_kernel(
         page0, page1 = _pages(bt_row, start, end, BLOCK_SIZE, True)
         (k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
          x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7) = _tile_loads(
-            k_ptr, v_ptr, page0, page1, head_off, start, end, stride_cb, lane, g, t, BLOCK_SIZE, True, W)
+            k_ptr, v_ptr, page0, page1, head_off, start, end, stride_cb, lane, g, t, BLOCK_SIZE, True, W, PV_MMA)
         last_full = tl.maximum(full_end - TILE, start)
         if PAGE_AHEAD:
             # The block-table entries run one tile further ahead than the words, so the address
@@ -476,13 +704,13 @@ def _kv4_decode_mma_kernel(
                 page0, page1 = _pages(bt_row, nxt, end, BLOCK_SIZE, False)
             (nk0, nk1, nk2, nk3, nk4, nk5, nk6, nk7, nj0, nj1, nj2, nj3, nj4, nj5, nj6, nj7, nksz, nvsz,
              nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, ny0, ny1, ny2, ny3, ny4, ny5, ny6, ny7) = _tile_loads(
-                k_ptr, v_ptr, page0, page1, head_off, nxt, end, stride_cb, lane, g, t, BLOCK_SIZE, False, W)
+                k_ptr, v_ptr, page0, page1, head_off, nxt, end, stride_cb, lane, g, t, BLOCK_SIZE, False, W, PV_MMA)
             m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7 = _tile_math(
                 k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
                 x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
                 n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
                 qc0, qc1, qc2, qc3, qc4, qc5, qc6, qc7, q_step, q_sum,
-                m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, False, FAST, GROUP,
+                m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, False, FAST, GROUP, PV_MMA,
             )
             k0, k1, k2, k3, k4, k5, k6, k7 = nk0, nk1, nk2, nk3, nk4, nk5, nk6, nk7
             j0, j1, j2, j3, j4, j5, j6, j7 = nj0, nj1, nj2, nj3, nj4, nj5, nj6, nj7
@@ -494,25 +722,25 @@ def _kv4_decode_mma_kernel(
             page0, page1 = _pages(bt_row, n0, end, BLOCK_SIZE, False)
             (k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
              x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7) = _tile_loads(
-                k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, lane, g, t, BLOCK_SIZE, False, W)
+                k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, lane, g, t, BLOCK_SIZE, False, W, PV_MMA)
             m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7 = _tile_math(
                 k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
                 x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
                 n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
                 qc0, qc1, qc2, qc3, qc4, qc5, qc6, qc7, q_step, q_sum,
-                m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, False, FAST, GROUP,
+                m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, False, FAST, GROUP, PV_MMA,
             )
     for n0 in range(full_end, end, TILE):  # at most one partial tile
         page0, page1 = _pages(bt_row, n0, end, BLOCK_SIZE, True)
         (k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
          x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7) = _tile_loads(
-            k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, lane, g, t, BLOCK_SIZE, True, W)
+            k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, lane, g, t, BLOCK_SIZE, True, W, PV_MMA)
         m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7 = _tile_math(
             k0, k1, k2, k3, k4, k5, k6, k7, j0, j1, j2, j3, j4, j5, j6, j7, ksz, vsz,
             x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
             n0, end, lane, mask_lo, mask_hi, one, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
             qc0, qc1, qc2, qc3, qc4, qc5, qc6, qc7, q_step, q_sum,
-            m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, True, FAST, GROUP,
+            m_i, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7, True, FAST, GROUP, PV_MMA,
         )
     _overlap_release(PDL)
 
@@ -533,5 +761,8 @@ def _kv4_decode_mma_kernel(
         out_row = out_ptr + b.to(tl.int64) * stride_ob + (kvh * GROUP) * stride_oh
         head_stride = stride_oh
         denom = tl.where(l_i > 0, l_i, 1.0)
-    _store_word_planes(out_row, head_stride, lane, lane % 16, a0, a1, a2, a3, a4, a5, a6, a7, pw_sum, z_sum, denom,
-                       ok, HALF, FAST, SPLIT, GROUP)
+    if PV_MMA:
+        _store_pv_mma(out_row, head_stride, lane, a0, a1, a2, a3, pw_sum, z_sum, denom, ok, HALF, SPLIT, GROUP)
+    else:
+        _store_word_planes(out_row, head_stride, lane, lane % 16, a0, a1, a2, a3, a4, a5, a6, a7, pw_sum, z_sum,
+                           denom, ok, HALF, FAST, SPLIT, GROUP)
