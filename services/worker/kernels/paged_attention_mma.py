@@ -86,6 +86,17 @@ def _bytes_of(regs, reg, lane, byte, R: tl.constexpr, SIGNED: tl.constexpr):
 
 
 @triton.jit
+def _add_product(a, b, c0, c1, c2, c3, K: tl.constexpr):
+    """a (16 * K,) row-major times b (K * 8,) row-major, added to the lanes' C fragments: c0, c1 =
+    row g, cols 2t, 2t + 1; c2, c3 = row g + 8 (lane l, g = l // 4, t = l % 4)."""
+    d = tl.reshape(tl.sum(tl.reshape(a, (16, K, 1)) * tl.reshape(b, (1, K, 8)), axis=1), (128,))  # row * 8 + col
+    lane = tl.arange(0, 32)
+    at = (lane // 4) * 8 + 2 * (lane % 4)
+    return (c0 + tl.gather(d, at, 0), c1 + tl.gather(d, at + 1, 0),
+            c2 + tl.gather(d, at + 64, 0), c3 + tl.gather(d, at + 65, 0))
+
+
+@triton.jit
 def _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     """mma.m16n8k32 u8 x s8 + s32 over the 32 lanes' fragments (see the module docstring)."""
     regs_a = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (128,))  # lane * 4 + register (join adds the last axis)
@@ -96,11 +107,7 @@ def _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     e = tl.arange(0, 256)
     k, col = e // 8, e % 8
     b = _bytes_of(regs_b, k // 16, 4 * col + (k % 16) // 4, k % 4, 2, True)
-    d = tl.reshape(tl.sum(tl.reshape(a, (16, 32, 1)) * tl.reshape(b, (1, 32, 8)), axis=1), (128,))  # row * 8 + col
-    lane = tl.arange(0, 32)
-    at = (lane // 4) * 8 + 2 * (lane % 4)
-    return (c0 + tl.gather(d, at, 0), c1 + tl.gather(d, at + 1, 0),
-            c2 + tl.gather(d, at + 64, 0), c3 + tl.gather(d, at + 65, 0))
+    return _add_product(a, b, c0, c1, c2, c3, 32)
 
 
 @triton.jit
@@ -167,11 +174,7 @@ def _mma_f16_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     e = tl.arange(0, 128)
     k, col = e // 8, e % 8
     b = _half(regs_b, k // 8, 4 * col + (k % 8) // 2, k % 2, 2)
-    d = tl.reshape(tl.sum(tl.reshape(a, (16, 16, 1)) * tl.reshape(b, (1, 16, 8)), axis=1), (128,))  # row * 8 + col
-    lane = tl.arange(0, 32)
-    at = (lane // 4) * 8 + 2 * (lane % 4)
-    return (c0 + tl.gather(d, at, 0), c1 + tl.gather(d, at + 1, 0),
-            c2 + tl.gather(d, at + 64, 0), c3 + tl.gather(d, at + 65, 0))
+    return _add_product(a, b, c0, c1, c2, c3, 16)
 
 
 @triton.jit
