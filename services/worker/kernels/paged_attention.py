@@ -868,7 +868,7 @@ def paged_decode_attention(
     if cfg.variant == "mma" and not _mma_covers(group, d, k_cache.shape[2]):
         raise ValueError(f"the 'mma' kernel takes 1, 2, 4 or 8 query heads per KV head, head_dim 128 and pages of a "
                          f"multiple of 16 tokens, not group {group}, head_dim {d}, pages of {k_cache.shape[2]}")
-    heads_per_program = cfg.heads_per_program or group if cfg.variant == "mma" else group
+    heads_per_program = (cfg.heads_per_program or group) if cfg.variant == "mma" else group
     if group % heads_per_program:
         raise ValueError(f"heads_per_program {cfg.heads_per_program} does not divide the group of {group} query heads")
     kv_share = group // heads_per_program  # programs per KV head ("mma" only; 1 otherwise)
