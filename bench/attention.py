@@ -79,6 +79,9 @@ PV_MMA_SWEEP_GQA = [_cfg("mma", 32, 1, False, None, pv_mma=True), _cfg("mma", 32
                     _cfg("mma", 32, 1, True, 168, page_ahead=True, pv_mma=True),
                     _cfg("mma", 32, 1, True, 128, page_ahead=True, pv_mma=True)]
 PV_MMA_SWEEP_GROUP8 = [_cfg("mma", 32, 1, False, None, heads_per_program=4, pv_mma=True)]
+# The query heads as the score MMA's rows (paged_attention_head_rows.py): 587 instructions per tile
+# for 8 heads at 128 registers with Triton 3.6, against 2 x ~1100 for the group-8 default.
+HEAD_ROWS_SWEEP = [_cfg("mma", 32, 1, False, None, head_rows=True), _cfg("mma", 32, 1, False, 128, head_rows=True)]
 PARTITIONS = [256, 512, 768, 1024, 2048]
 GRAPH_COPIES = 4  # input copies per timed decode graph (see Bench.time_graph_ms)
 WRITE_TOKENS = (64, 16384)  # a decode step of 64 sequences, a prefill chunk
@@ -221,7 +224,8 @@ class Bench:
                      f"{' prefetch' if cfg.prefetch and cfg.variant in ('fma', 'mma') and kv4 else ''} r{cfg.maxnreg or '-'}"
                      f"{' qk16' if cfg.qk_int16 else ''}{' whole' if cfg.whole_context else ''}"
                      f"{' page_ahead' if cfg.page_ahead else ''}"
-                     f"{f' h{cfg.heads_per_program}' if cfg.heads_per_program else ''}{' pv_mma' if cfg.pv_mma else ''}")
+                     f"{f' h{cfg.heads_per_program}' if cfg.heads_per_program else ''}{' pv_mma' if cfg.pv_mma else ''}"
+                     f"{' head_rows' if cfg.head_rows else ''}")
             try:
                 ok, rel = self.check_decode(fn(), ref)
             except Exception as e:  # a config that does not compile is a result, not a crash
@@ -466,8 +470,8 @@ def main() -> None:
     parser.add_argument("--gqa-mma", action="store_true",
                         help="with --points: sweep the 'mma' kernel's configs (every group it takes) instead of the usual")
     parser.add_argument("--pv-mma", action="store_true",
-                        help="with --points: sweep the 'mma' kernel's value sums on the fp16 tensor cores (pv_mma), "
-                             "against the default in the same run")
+                        help="with --points: sweep the 'mma' kernel's value sums on the fp16 tensor cores (pv_mma) "
+                             "and, at GQA points, the head-rows kernel, against the default in the same run")
     parser.add_argument("--sdpa", action="store_true", help="with --points: time SDPA at each point too")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="the full run's parts, comma-separated: one device call (600 s) no longer holds them all, "
@@ -490,7 +494,8 @@ def main() -> None:
                 if args.gqa_mma and kv_heads == 4:  # group 8: the whole group compiles for minutes, so only uncapped
                     sweep = GQA_MMA_SWEEP[-1:] + GROUP8_SPLIT_SWEEP
             if args.pv_mma:
-                sweep = PV_MMA_SWEEP_MHA if kv_heads == 32 else PV_MMA_SWEEP_GQA + (PV_MMA_SWEEP_GROUP8 if kv_heads == 4 else [])
+                sweep = (PV_MMA_SWEEP_MHA if kv_heads == 32
+                         else PV_MMA_SWEEP_GQA + HEAD_ROWS_SWEEP + (PV_MMA_SWEEP_GROUP8 if kv_heads == 4 else []))
             rows = bench.decode_point(f"b{batch}_ctx{ctx}" + (f"_kv{kv_heads}" if kv_heads != 32 else ""), batch, 32,
                                       kv_heads, ctx, 128, sweep=sweep,
                                       partitions=(256, 512, 1024) if args.gqa_mma or args.pv_mma else PARTITIONS,

@@ -93,6 +93,13 @@ def attention(a):
     pointers = {n: "*fp16" for n in ("q_ptr", "out_ptr")}
     pointers |= {n: "*i32" for n in ("k_ptr", "v_ptr", "block_tables_ptr", "context_lens_ptr")}
     pointers |= {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_o_ptr")}
+    if a.head_rows:  # heads as the score MMA's rows (paged_attention_head_rows.py)
+        consts = dict(HEAD_DIM=a.head_dim, BLOCK_SIZE=16, SPLIT=a.split, FAST=True, GROUP=a.group)
+        from services.worker.kernels import paged_attention_head_rows as hr
+
+        sass = compile_sass(hr._kv4_decode_head_rows_kernel, pointers, consts, floats=("qk_scale",), num_warps=1,
+                            maxnreg=a.maxnreg)
+        return sass, 32
     if a.mma:  # scores on the int8 tensor cores (paged_attention_mma.py): one warp, 32-token tiles
         consts = dict(HEAD_DIM=a.head_dim, BLOCK_SIZE=16, SPLIT=a.split, PREFETCH=not a.no_prefetch, FAST=True,
                       GROUP=a.group, PAGE_AHEAD=a.page_ahead, PV_MMA=a.pv_mma)
@@ -142,6 +149,7 @@ def main() -> None:
     att.add_argument("--mma", action="store_true", help="the 'mma' kernel (int8 tensor-core scores, head_dim 128)")
     att.add_argument("--page-ahead", action="store_true", help="block-table entries a tile ahead of the words")
     att.add_argument("--pv-mma", action="store_true", help="with --mma: the value sums on the fp16 tensor cores")
+    att.add_argument("--head-rows", action="store_true", help="the head-rows kernel (heads as the score MMA's rows)")
     aq = sub.add_parser("act_quant", help="rmsnorm / silu / plain per-token int8 quantization")
     aq.add_argument("--op", choices=("quantize", "rmsnorm", "silu"), default="silu")
     aq.add_argument("--block", type=int, default=16384)

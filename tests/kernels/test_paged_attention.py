@@ -126,6 +126,22 @@ def test_mma_value_sums_on_tensor_cores_match_reference(group, lengths, partitio
     _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
 
 
+@pytest.mark.parametrize(
+    "group,lengths,partition,q_gain",
+    [(8, [1, 17, 100, 0], 64, 1.0), (8, [130, 0, 7, 64], 512, 6.0), (4, [33, 100, 1], 64, 1.0),
+     (1, [1, 15, 161, 0], 512, 1.0)],
+)
+def test_head_rows_kernel_matches_reference(group, lengths, partition, q_gain):
+    """head_rows (paged_attention_head_rows.py): the query heads as the score MMA's rows (s8 x u8,
+    emulated), the softmax over quads, the value MMAs fed from the score fragments: groups of 8, 4
+    and 1, the split path, partial tiles, empty sequences, large logits."""
+    q, k_cache, v_cache, tables, lens = _paged_batch(lengths, 2, group, 128, True, seed=len(lengths) + 20 * group)
+    q = (q.float() * q_gain).half()
+    config = DecodeConfig("mma", block_n=32, partition_size=partition, num_warps=1, prefetch=False, head_rows=True)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config)
+    _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
+
+
 def test_group_8_default_splits_the_group_and_matches_reference():
     """With no config, group 8 at head_dim 128 gets MMA_DEFAULTS[8] (two programs of 4 heads per KV head)."""
     q, k_cache, v_cache, tables, lens = _paged_batch([1, 40, 0, 100], 2, 8, 128, True, seed=8)
@@ -146,6 +162,8 @@ def test_mma_refuses_what_it_does_not_cover():
         DecodeConfig("fma", heads_per_program=2)
     with pytest.raises(ValueError, match="pv_mma"):
         DecodeConfig("dot", pv_mma=True)
+    with pytest.raises(ValueError, match="head_rows"):
+        DecodeConfig("mma", block_n=32, num_warps=1, page_ahead=True, head_rows=True)
     with pytest.raises(ValueError, match="heads_per_program"):
         DecodeConfig("mma", block_n=32, num_warps=1, heads_per_program=8)
     q, k_cache, v_cache, tables, lens = _paged_batch([20], 1, 2, 128, True, seed=1)

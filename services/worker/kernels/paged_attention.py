@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
+from services.worker.kernels.paged_attention_head_rows import _kv4_decode_head_rows_kernel
 from services.worker.kernels.paged_attention_mma import _kv4_decode_mma_kernel
 from services.worker.kernels.paged_decode_parts import _bytes_at_15, _nibble, _program_span, _scale_zero
 from services.worker.kernels.w4a8_gemv import _dot_chn
@@ -84,6 +85,9 @@ class DecodeConfig:
     # "mma": the value sums on the fp16 tensor cores (one m16n8k16 per 16 dims x 16 tokens for up to
     # 8 heads) instead of an FFMA per code and head on the CUDA cores.
     pv_mma: bool = False
+    # "mma": the query heads as the score MMA's rows and the value sums on the fp16 tensor cores, no
+    # shuffles between the two (paged_attention_head_rows.py; written for groups of 8, no prefetch).
+    head_rows: bool = False
 
     def __post_init__(self):
         if self.variant not in ("fma", "dot", "mma"):
@@ -102,6 +106,8 @@ class DecodeConfig:
                              f"with {self.heads_per_program}")
         if self.pv_mma and self.variant != "mma":
             raise ValueError(f"pv_mma is a mode of the 'mma' kernel, not of {self.variant!r}")
+        if self.head_rows and (self.variant != "mma" or self.page_ahead or self.heads_per_program is not None):
+            raise ValueError("head_rows is a mode of the 'mma' kernel without page_ahead or heads_per_program")
         if self.qk_int16 and self.variant != "fma":
             raise ValueError(f"qk_int16 is a mode of the KV4 'fma' kernel, not of {self.variant!r}")
 
@@ -911,6 +917,15 @@ def paged_decode_attention(
             block_tables.stride(0), out.stride(0), out.stride(1),
             BLOCK_G=triton.next_power_of_2(group), PREFETCH=cfg.prefetch, QK_INT=cfg.qk_int16, FAST=query.is_cuda,
             PAGE_AHEAD=cfg.page_ahead, **common,
+        )
+    elif cfg.variant == "mma" and cfg.head_rows:
+        k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)
+        _kv4_decode_head_rows_kernel[grid](
+            query, k_words, v_words, block_tables, context_lens, out, part_m, part_l, part_o, *sizes,
+            query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], SPLIT=split, FAST=query.is_cuda, GROUP=group, num_warps=1,
+            num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **overlap,
         )
     elif cfg.variant == "mma":
         k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)

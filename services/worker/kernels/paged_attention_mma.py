@@ -97,16 +97,16 @@ def _add_product(a, b, c0, c1, c2, c3, K: tl.constexpr):
 
 
 @triton.jit
-def _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-    """mma.m16n8k32 u8 x s8 + s32 over the 32 lanes' fragments (see the module docstring)."""
+def _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, A_SIGNED: tl.constexpr = False, B_SIGNED: tl.constexpr = True):
+    """mma.m16n8k32 u8 x s8 (or s8 x u8) + s32 over the 32 lanes' fragments (see the module docstring)."""
     regs_a = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (128,))  # lane * 4 + register (join adds the last axis)
     e = tl.arange(0, 512)
     row, k = e // 32, e % 32
-    a = _bytes_of(regs_a, (row // 8) + 2 * (k // 16), 4 * (row % 8) + (k % 16) // 4, k % 4, 4, False)
+    a = _bytes_of(regs_a, (row // 8) + 2 * (k // 16), 4 * (row % 8) + (k % 16) // 4, k % 4, 4, A_SIGNED)
     regs_b = tl.reshape(tl.join(b0, b1), (64,))
     e = tl.arange(0, 256)
     k, col = e // 8, e % 8
-    b = _bytes_of(regs_b, k // 16, 4 * col + (k % 16) // 4, k % 4, 2, True)
+    b = _bytes_of(regs_b, k // 16, 4 * col + (k % 16) // 4, k % 4, 2, B_SIGNED)
     return _add_product(a, b, c0, c1, c2, c3, 32)
 
 
@@ -200,6 +200,20 @@ def _mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FAST: tl.constexpr):
             c2 = tl.where(rows == r, d2[None, :], c2)
             c3 = tl.where(rows == r, d3[None, :], c3)
     return c0, c1, c2, c3
+
+
+@triton.jit
+def _mma_s8_u8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FAST: tl.constexpr):
+    """As _mma with signed A (query bytes) and unsigned B (K codes): paged_attention_head_rows.py."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            asm="mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+                "{$10, $11, $12, $13};",
+            constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
+            args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=1,
+        )
+    return _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, True, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,8 +347,14 @@ def _pv_mma_block(w16, first: tl.constexpr, v0, v1, v2, v3, v4, v5, v6, v7, c0, 
     e1 = tl.sum(tl.where(mine, _shfl_f32(w16, tl.broadcast_to((src + 1)[None, :], w16.shape), FAST), 0.0), axis=0)
     e2 = tl.sum(tl.where(mine, _shfl_f32(w16, tl.broadcast_to((src + 8)[None, :], w16.shape), FAST), 0.0), axis=0)
     e3 = tl.sum(tl.where(mine, _shfl_f32(w16, tl.broadcast_to((src + 9)[None, :], w16.shape), FAST), 0.0), axis=0)
-    b0 = _pack_f16x2(e0, e1, FAST)
-    b1 = _pack_f16x2(e2, e3, FAST)
+    return _pv_mma_apply(_pack_f16x2(e0, e1, FAST), _pack_f16x2(e2, e3, FAST), v0, v1, v2, v3, v4, v5, v6, v7,
+                         c0, c1, c2, c3, FAST)
+
+
+@triton.jit
+def _pv_mma_apply(b0, b1, v0, v1, v2, v3, v4, v5, v6, v7, c0, c1, c2, c3, FAST: tl.constexpr):
+    """The 8 value MMAs of 16 tokens given their B fragments (fp16 weight pairs) and code words (see
+    _pv_mma_block)."""
     m = tl.arange(0, 8)[:, None]
     j = m % 4
     sel = tl.broadcast_to(j | (j << 4) | ((4 + j) << 8) | ((4 + j) << 12), (8, 32))  # byte j of each token
@@ -354,16 +374,24 @@ def _store_pv_mma(out_row, head_stride, lane, c0, c1, c2, c3, pw_sum, z_sum, den
     (c1, c3) of dim 4 (g + 8 (m // 4)) + m % 4 (c0, c1) and that dim + D/2 (c2, c3), row m.
     value = ((c - 1024 sum w16) * (1 or 1/16) + sum p zero) / denom. Stores row by row, (32,) each
     (see the kernel on why no memory op is (G, 32))."""
+    t = lane % 4
+    he = 2 * t
+    ho = 2 * t + 1
+    _store_pv_rows(out_row, head_stride, lane, c0, c1, c2, c3,
+                   _lane_head(pw_sum[:, None], he), _lane_head(pw_sum[:, None], ho),
+                   _lane_head(z_sum[:, None], he), _lane_head(z_sum[:, None], ho),
+                   _lane_head(denom[:, None], he), _lane_head(denom[:, None], ho), ok, HALF, SPLIT, GROUP)
+
+
+@triton.jit
+def _store_pv_rows(out_row, head_stride, lane, c0, c1, c2, c3, pw_e, pw_o, z_e, z_o, d_e, d_o, ok,
+                   HALF: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr):
+    """_store_pv_mma with lane (g, t)'s sums of weights, of p * zero and denominators of heads 2t (_e)
+    and 2t + 1 (_o) given."""
     g = lane // 4
     t = lane % 4
     he = 2 * t
     ho = 2 * t + 1
-    pw_e = _lane_head(pw_sum[:, None], he)
-    pw_o = _lane_head(pw_sum[:, None], ho)
-    z_e = _lane_head(z_sum[:, None], he)
-    z_o = _lane_head(z_sum[:, None], ho)
-    d_e = _lane_head(denom[:, None], he)
-    d_o = _lane_head(denom[:, None], ho)
     ok_e = he < GROUP
     ok_o = ho < GROUP
     if SPLIT:  # ok: per lane, whether the partition holds tokens
