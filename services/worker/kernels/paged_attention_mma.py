@@ -110,17 +110,35 @@ def _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, A_SIGNED: tl.constexpr
     return _add_product(a, b, c0, c1, c2, c3, 32)
 
 
+# The int8 MMA, as the 'mma' kernel uses it (A: K codes, unsigned; B: query bytes, signed) and as the
+# head-rows kernel does (A: query bytes; B: K codes).
+_IMMA_U8_S8 = tl.constexpr("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
+                           "{$8, $9}, {$10, $11, $12, $13};")
+_IMMA_S8_U8 = tl.constexpr("mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
+                           "{$8, $9}, {$10, $11, $12, $13};")
+
+
 @triton.jit
-def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FAST: tl.constexpr):
+def _mma_i8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ASM: tl.constexpr, A_SIGNED: tl.constexpr, B_SIGNED: tl.constexpr,
+            FAST: tl.constexpr):
     if FAST:
         return tl.inline_asm_elementwise(
-            asm="mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-                "{$10, $11, $12, $13};",
-            constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
+            asm=ASM, constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
             args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
             is_pure=True, pack=1,
         )
-    return _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+    return _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, A_SIGNED, B_SIGNED)
+
+
+@triton.jit
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FAST: tl.constexpr):
+    return _mma_i8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, _IMMA_U8_S8, False, True, FAST)
+
+
+@triton.jit
+def _mma_s8_u8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FAST: tl.constexpr):
+    """As _mma with signed A (query bytes) and unsigned B (K codes): paged_attention_head_rows.py."""
+    return _mma_i8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, _IMMA_S8_U8, True, False, FAST)
 
 
 @triton.jit
@@ -200,20 +218,6 @@ def _mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FAST: tl.constexpr):
             c2 = tl.where(rows == r, d2[None, :], c2)
             c3 = tl.where(rows == r, d3[None, :], c3)
     return c0, c1, c2, c3
-
-
-@triton.jit
-def _mma_s8_u8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FAST: tl.constexpr):
-    """As _mma with signed A (query bytes) and unsigned B (K codes): paged_attention_head_rows.py."""
-    if FAST:
-        return tl.inline_asm_elementwise(
-            asm="mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-                "{$10, $11, $12, $13};",
-            constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
-            args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-            is_pure=True, pack=1,
-        )
-    return _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, True, False)
 
 
 # ---------------------------------------------------------------------------------------------
