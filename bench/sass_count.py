@@ -58,7 +58,7 @@ def compile_sass(fn, pointer_types: dict[str, str], constexprs: dict, floats=(),
         sass = _run(_tools() / "nvdisasm", "-c", cubin)
     regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
     layouts = sorted(set(re.findall(r"#ttg\.blocked<\{[^}]*\}>", compiled.asm["ttgir"])))
-    return {"regs": regs, "stack": stack, "sass": sass, "layouts": layouts, "ttgir": compiled.asm["ttgir"]}
+    return {"regs": regs, "stack": stack, "sass": sass, "layouts": layouts}
 
 
 def _run(tool: Path, *args) -> str:

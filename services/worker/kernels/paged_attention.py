@@ -21,9 +21,12 @@ Three KV4 kernels, chosen per group size (see default_config):
   * "mma" (paged_attention_mma.py): 1, 2, 4 or 8 query heads per KV head at head_dim 128: the
     scores on the int8 tensor cores (mma.sync, written lane by lane; a head per pair of the MMA's 8
     columns), the value sums as in "fma", each V code unpacked once for the group. The default
-    for groups 1, 2 and 4 (group 8 is not measured yet).
-  * "dot": tensor cores (tl.dot) on nibble halves converted to fp16, query heads padded to 16.
-    Pays for itself once a KV group has many query heads (the default for groups of 8).
+    for those groups (group 8 as two programs of 4 heads, heads_per_program). Options not yet
+    measured on the GPU: the value sums on the fp16 tensor cores (pv_mma), and for groups of 8 the
+    head-rows kernel (head_rows, paged_attention_head_rows.py).
+  * "dot": tensor cores (tl.dot) on nibble halves converted to fp16, query heads padded to 16
+    (the default for groups of 5 to 8 the "mma" kernel does not take: head_dim 64, other page sizes,
+    groups 5 to 7).
 The fp16 cache has an "fma" kernel of the same structure (fp32 math on fp16 rows).
 
 Layouts:
@@ -900,7 +903,7 @@ def paged_decode_attention(
         SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **overlap,
     )
-    sizes = (scale * LOG2E, kv_heads, num_partitions, partition_size)
+    sizes = (scale * LOG2E, kv_heads * kv_share, num_partitions, partition_size)  # the programs' "KV heads"
     if not kv4:
         _fp16_decode_fma_kernel[grid](
             query, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_o, *sizes,
@@ -930,8 +933,7 @@ def paged_decode_attention(
     elif cfg.variant == "mma":
         k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)
         _kv4_decode_mma_kernel[grid](
-            query, k_words, v_words, block_tables, context_lens, out, part_m, part_l, part_o,
-            scale * LOG2E, kv_heads * kv_share, num_partitions, partition_size,
+            query, k_words, v_words, block_tables, context_lens, out, part_m, part_l, part_o, *sizes,
             _NIBBLE_MASK, _FP32_ONE_BITS,
             query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1),

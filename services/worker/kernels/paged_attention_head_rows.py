@@ -34,20 +34,10 @@ from services.worker.kernels.paged_attention_mma import (
     _pages,
     _pv_mma_apply,
     _pv_mma_loads,
+    _shfl_f32,
     _store_pv_rows,
 )
 from services.worker.kernels.paged_decode_parts import _program_span, _scale_zero
-
-
-@triton.jit
-def _shfl_f32(x, src, FAST: tl.constexpr):
-    """fp32 (32,) x of lane src[i], for every lane i (shfl.sync.idx)."""
-    if FAST:
-        return tl.inline_asm_elementwise(
-            asm="shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;",
-            constraints="=r,r,r", args=[x.to(tl.int32, bitcast=True), src], dtype=tl.int32, is_pure=True, pack=1,
-        ).to(tl.float32, bitcast=True)
-    return tl.gather(x, src, 0)
 
 
 @triton.jit

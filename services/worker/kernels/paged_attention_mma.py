@@ -62,13 +62,13 @@ TILE = tl.constexpr(32)  # tokens per loop iteration: two MMA row groups of 16
 
 @triton.jit
 def _shfl(x, src, FAST: tl.constexpr):
-    """x (G, 32) int32 of lane src[h, i], for every lane i and row h (shfl.sync.idx, one per row)."""
+    """x (G, 32) or (32,) int32 of lane src[..., i], for every lane i (and row; shfl.sync.idx, one per row)."""
     if FAST:
         return tl.inline_asm_elementwise(
             asm="shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;",
             constraints="=r,r,r", args=[x, src], dtype=tl.int32, is_pure=True, pack=1,
         )
-    return tl.gather(x, src, 1)
+    return tl.gather(x, src, len(x.shape) - 1)
 
 
 @triton.jit
@@ -344,13 +344,11 @@ def _pv_mma_block(w16, first: tl.constexpr, v0, v1, v2, v3, v4, v5, v6, v7, c0, 
     store takes 1024 * sum(w16) back out and divides the high dims by 16."""
     g = lane // 4
     t = lane % 4
-    heads = tl.arange(0, w16.shape[0])[:, None]
-    mine = heads == g[None, :]  # row g of a (G, 32) shuffle result is this lane's head
-    src = first + 2 * t
-    e0 = tl.sum(tl.where(mine, _shfl_f32(w16, tl.broadcast_to(src[None, :], w16.shape), FAST), 0.0), axis=0)
-    e1 = tl.sum(tl.where(mine, _shfl_f32(w16, tl.broadcast_to((src + 1)[None, :], w16.shape), FAST), 0.0), axis=0)
-    e2 = tl.sum(tl.where(mine, _shfl_f32(w16, tl.broadcast_to((src + 8)[None, :], w16.shape), FAST), 0.0), axis=0)
-    e3 = tl.sum(tl.where(mine, _shfl_f32(w16, tl.broadcast_to((src + 9)[None, :], w16.shape), FAST), 0.0), axis=0)
+    src = first + 2 * t  # row g of each (G, 32) shuffle result is this lane's head
+    e0 = _lane_head(_shfl_f32(w16, tl.broadcast_to(src[None, :], w16.shape), FAST), g)
+    e1 = _lane_head(_shfl_f32(w16, tl.broadcast_to((src + 1)[None, :], w16.shape), FAST), g)
+    e2 = _lane_head(_shfl_f32(w16, tl.broadcast_to((src + 8)[None, :], w16.shape), FAST), g)
+    e3 = _lane_head(_shfl_f32(w16, tl.broadcast_to((src + 9)[None, :], w16.shape), FAST), g)
     return _pv_mma_apply(_pack_f16x2(e0, e1, FAST), _pack_f16x2(e2, e3, FAST), v0, v1, v2, v3, v4, v5, v6, v7,
                          c0, c1, c2, c3, FAST)
 
