@@ -82,6 +82,12 @@ PV_MMA_SWEEP_GROUP8 = [_cfg("mma", 32, 1, False, None, heads_per_program=4, pv_m
 # The query heads as the score MMA's rows (paged_attention_head_rows.py): 587 instructions per tile
 # for 8 heads at 128 registers with Triton 3.6, against 2 x ~1100 for the group-8 default.
 HEAD_ROWS_SWEEP = [_cfg("mma", 32, 1, False, None, head_rows=True), _cfg("mma", 32, 1, False, 128, head_rows=True)]
+# --check-defaults: each group's previous default and the runner-up, timed against today's default.
+DEFAULTS_CHECK_SWEEP = {
+    1: [_cfg("mma", 32, 1, True, 128, whole_context=True, page_ahead=True)],
+    4: [_cfg("mma", 32, 1, False, None), _cfg("mma", 32, 1, True, 168, page_ahead=True, pv_mma=True)],
+    8: [_cfg("mma", 32, 1, False, None, heads_per_program=4)],
+}
 PARTITIONS = [256, 512, 768, 1024, 2048]
 GRAPH_COPIES = 4  # input copies per timed decode graph (see Bench.time_graph_ms)
 WRITE_TOKENS = (64, 16384)  # a decode step of 64 sequences, a prefill chunk
@@ -207,7 +213,7 @@ class Bench:
     def decode_point(self, name, batch, heads, kv_heads, ctx, head_dim, sweep, partitions=(512,), fp16=True, sdpa=True):
         """Check then time every config of `sweep` (KV4), our fp16 kernel and SDPA at one shape."""
         from services.worker.kernels.attention_reference import paged_decode_reference
-        from services.worker.kernels.paged_attention import DecodeConfig, default_config, paged_decode_attention
+        from services.worker.kernels.paged_attention import DecodeConfig, default_config, paged_decode_attention, partition_for
 
         torch = self.torch
         group = heads // kv_heads
@@ -225,7 +231,12 @@ class Bench:
                      f"{' qk16' if cfg.qk_int16 else ''}{' whole' if cfg.whole_context else ''}"
                      f"{' page_ahead' if cfg.page_ahead else ''}"
                      f"{f' h{cfg.heads_per_program}' if cfg.heads_per_program else ''}{' pv_mma' if cfg.pv_mma else ''}"
-                     f"{' head_rows' if cfg.head_rows else ''}")
+                     f"{' head_rows' if cfg.head_rows else ''}"
+                     f"{f' grow<={cfg.max_partition_size}' if cfg.max_partition_size else ''}")
+            kv_share = group // cfg.heads_per_program if cfg.heads_per_program else 1
+            used = partition_for(cfg, batch * kv_heads * kv_share, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
+            if cfg.max_partition_size:
+                label += f" (p{used})"
             try:
                 ok, rel = self.check_decode(fn(), ref)
             except Exception as e:  # a config that does not compile is a result, not a crash
@@ -238,7 +249,7 @@ class Bench:
                 return None
             self.warm_up()  # the check compiled it: the clocks come back up before it is timed
             t = self.time_graph_ms(make_fn, q, kcache, vcache)
-            row = dict(point, kind=kind, config=dataclasses.asdict(cfg), rel_err=rel,
+            row = dict(point, kind=kind, config=dataclasses.asdict(cfg), partition_used=used, rel_err=rel,
                        **self.figure(t, self.decode_bytes(batch, heads, kv_heads, ctx, head_dim, kv4)))
             self.result["decode"].append(row)
             print(f"  {label}: {row['time_us']:8.1f} us {row['GBps']:7.0f} GB/s ({row['fraction_of_copy']:.2f} of copy)", flush=True)
@@ -256,8 +267,8 @@ class Bench:
         if best is not None:
             c = best["config"]
             for part in partitions:
-                if part != c["partition_size"] and part % c["block_n"] == 0:
-                    row = run("kv4", DecodeConfig(**dict(c, partition_size=part)), kc, vc, tables, lens, ref, True)
+                if (part != c["partition_size"] or c["max_partition_size"]) and part % c["block_n"] == 0:
+                    row = run("kv4", DecodeConfig(**dict(c, partition_size=part, max_partition_size=None)), kc, vc, tables, lens, ref, True)
                     if row and row["time_us"] < best["time_us"]:
                         best = row
         rows["kv4_best"] = best
@@ -472,6 +483,8 @@ def main() -> None:
     parser.add_argument("--pv-mma", action="store_true",
                         help="with --points: sweep the 'mma' kernel's value sums on the fp16 tensor cores (pv_mma) "
                              "and, at GQA points, the head-rows kernel, against the default in the same run")
+    parser.add_argument("--check-defaults", action="store_true",
+                        help="with --points: time only the default, the group's previous default and runner-up")
     parser.add_argument("--sdpa", action="store_true", help="with --points: time SDPA at each point too")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="the full run's parts, comma-separated: one device call (600 s) no longer holds them all, "
@@ -496,9 +509,11 @@ def main() -> None:
             if args.pv_mma:
                 sweep = (PV_MMA_SWEEP_MHA if kv_heads == 32
                          else PV_MMA_SWEEP_GQA + HEAD_ROWS_SWEEP + (PV_MMA_SWEEP_GROUP8 if kv_heads == 4 else []))
+            if args.check_defaults:
+                sweep = DEFAULTS_CHECK_SWEEP.get(32 // kv_heads, [])
             rows = bench.decode_point(f"b{batch}_ctx{ctx}" + (f"_kv{kv_heads}" if kv_heads != 32 else ""), batch, 32,
                                       kv_heads, ctx, 128, sweep=sweep,
-                                      partitions=(256, 512, 1024) if args.gqa_mma or args.pv_mma else PARTITIONS,
+                                      partitions=(256, 512, 1024) if args.gqa_mma or args.pv_mma or args.check_defaults else PARTITIONS,
                                       fp16=False, sdpa=args.sdpa)
             if (batch, ctx, kv_heads) == (MAIN["batch"], MAIN["ctx"], MAIN["kv_heads"]) and args.sdpa:
                 bench.summarize(rows)  # the issue's point, with SDPA in the same run: its check

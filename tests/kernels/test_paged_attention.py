@@ -13,6 +13,7 @@ from services.worker.kernels.attention_reference import build_rope_cache, paged_
 from services.worker.kernels.kv4_cache import write_kv4_cache
 from services.worker.kernels.paged_attention import (
     WHOLE_CONTEXT_MAX,
+    MMA_DEFAULTS,
     DecodeConfig,
     default_config,
     paged_decode_attention,
@@ -142,12 +143,29 @@ def test_head_rows_kernel_matches_reference(group, lengths, partition, q_gain):
     _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
 
 
-def test_group_8_default_splits_the_group_and_matches_reference():
-    """With no config, group 8 at head_dim 128 gets MMA_DEFAULTS[8] (two programs of 4 heads per KV head)."""
-    q, k_cache, v_cache, tables, lens = _paged_batch([1, 40, 0, 100], 2, 8, 128, True, seed=8)
-    assert default_config(True, 8, 128, BLOCK_SIZE).heads_per_program == 4
+@pytest.mark.parametrize("group", [4, 8])
+def test_group_4_and_8_defaults_are_head_rows_and_match_reference(group):
+    """With no config, groups 4 and 8 at head_dim 128 get MMA_DEFAULTS (the head-rows kernel)."""
+    q, k_cache, v_cache, tables, lens = _paged_batch([1, 40, 0, 100], 2, group, 128, True, seed=group)
+    assert default_config(True, group, 128, BLOCK_SIZE).head_rows
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens)
     _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
+
+
+def test_partition_grows_while_every_sm_keeps_enough_programs():
+    """max_partition_size: the H200 (132 SMs) points that chose the head-rows defaults'
+    partitions (bench/results/h200/attention_head_rows_defaults.json)."""
+    cfg = DecodeConfig("mma", block_n=32, partition_size=256, num_warps=1, prefetch=False, head_rows=True,
+                       max_partition_size=1024)
+    assert partition_for(cfg, 64 * 4, 1536, 132) == 256  # group 8, batch 64: 512 would leave 768 programs
+    assert partition_for(cfg, 64 * 4, 4096, 132) == 512
+    assert partition_for(cfg, 64 * 8, 1536, 132) == 512  # group 4
+    assert partition_for(cfg, 64 * 8, 4096, 132) == 1024  # never beyond max_partition_size
+    assert partition_for(cfg, 8, 1_000_000, 132) == 1024
+    assert partition_for(cfg, 64 * 8, 4096, None) == 256  # not a GPU: the configured partition
+    assert partition_for(MMA_DEFAULTS[8], 256 * 4, 1280, 132) == 512  # group 8 lost with 1024 at every point
+    with pytest.raises(ValueError, match="max_partition_size"):
+        DecodeConfig(block_n=32, partition_size=512, max_partition_size=256)
 
 
 def test_mma_refuses_what_it_does_not_cover():

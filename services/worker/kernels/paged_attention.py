@@ -21,9 +21,10 @@ Three KV4 kernels, chosen per group size (see default_config):
   * "mma" (paged_attention_mma.py): 1, 2, 4 or 8 query heads per KV head at head_dim 128: the
     scores on the int8 tensor cores (mma.sync, written lane by lane; a head per pair of the MMA's 8
     columns), the value sums as in "fma", each V code unpacked once for the group. The default
-    for those groups (group 8 as two programs of 4 heads, heads_per_program). Options not yet
-    measured on the GPU: the value sums on the fp16 tensor cores (pv_mma), and for groups of 8 the
-    head-rows kernel (head_rows, paged_attention_head_rows.py).
+    for groups 1 and 2. Options: the value sums on the fp16 tensor cores (pv_mma), a group split
+    over programs (heads_per_program), and the head-rows kernel (head_rows,
+    paged_attention_head_rows.py: query heads as the score MMA's rows, value sums on the fp16
+    tensor cores), the default for groups 4 and 8.
   * "dot": tensor cores (tl.dot) on nibble halves converted to fp16, query heads padded to 16
     (the default for groups of 5 to 8 the "mma" kernel does not take: head_dim 64, other page sizes,
     groups 5 to 7).
@@ -77,7 +78,7 @@ class DecodeConfig:
     # int16 (dp4a, 4 codes an instruction) instead of an fp32 FMA per code (see _qk_int16).
     qk_int16: bool = False
     # Take each sequence's whole context in one program (no partials, no reduction kernel) when
-    # the batch alone gives every SM WHOLE_CONTEXT_PROGRAMS_PER_SM programs; see partition_for.
+    # the batch alone gives every SM PROGRAMS_PER_SM programs; see partition_for.
     whole_context: bool = False
     # KV4 "fma" / "mma" with prefetch: block-table entries loaded a tile ahead of the words they
     # address, so tile i + 1's loads need not wait on a block-table load issued in iteration i.
@@ -91,6 +92,10 @@ class DecodeConfig:
     # "mma": the query heads as the score MMA's rows and the value sums on the fp16 tensor cores, no
     # shuffles between the two (paged_attention_head_rows.py; written for groups of 8, no prefetch).
     head_rows: bool = False
+    # Let the partition grow from partition_size by doubling, up to this, while the grid keeps
+    # PROGRAMS_PER_SM programs per SM: fewer partials to merge on long contexts, enough programs on
+    # short ones (see partition_for).
+    max_partition_size: int | None = None
 
     def __post_init__(self):
         if self.variant not in ("fma", "dot", "mma"):
@@ -111,6 +116,9 @@ class DecodeConfig:
             raise ValueError(f"pv_mma is a mode of the 'mma' kernel, not of {self.variant!r}")
         if self.head_rows and (self.variant != "mma" or self.page_ahead or self.heads_per_program is not None):
             raise ValueError("head_rows is a mode of the 'mma' kernel without page_ahead or heads_per_program")
+        if self.max_partition_size is not None and (self.max_partition_size < self.partition_size or self.whole_context):
+            raise ValueError(f"max_partition_size {self.max_partition_size} must be >= partition_size "
+                             f"{self.partition_size}, and not with whole_context")
         if self.qk_int16 and self.variant != "fma":
             raise ValueError(f"qk_int16 is a mode of the KV4 'fma' kernel, not of {self.variant!r}")
 
@@ -119,16 +127,23 @@ class DecodeConfig:
 # 15.5 per SM) one partition per sequence took 128.0 us against 136.6 with partitions of 512; at
 # batch 256 / context 1280, 398.0 against 409.7; at batch 8 / context 4096 (256 programs) the
 # partitions of 512 are what keep the SMs busy. Contexts beyond WHOLE_CONTEXT_MAX keep splitting.
-WHOLE_CONTEXT_PROGRAMS_PER_SM = 8
+PROGRAMS_PER_SM = 8
 WHOLE_CONTEXT_MAX = 4096
 
 
 def partition_for(cfg: DecodeConfig, programs: int, max_context_len: int, sms: int | None) -> int:
     """Tokens per program: the whole (padded) context when cfg.whole_context and `programs`
-    (sequences x KV heads) give every one of `sms` multiprocessors enough work, else cfg.partition_size."""
-    if cfg.whole_context and sms and programs >= WHOLE_CONTEXT_PROGRAMS_PER_SM * sms and 0 < max_context_len <= WHOLE_CONTEXT_MAX:
+    (sequences x KV heads) give every one of `sms` multiprocessors enough work; with
+    cfg.max_partition_size, the largest doubling of cfg.partition_size that still gives them that
+    work; else cfg.partition_size."""
+    enough = PROGRAMS_PER_SM * sms if sms else None
+    if cfg.whole_context and enough and programs >= enough and 0 < max_context_len <= WHOLE_CONTEXT_MAX:
         return max(cfg.partition_size, triton.cdiv(max_context_len, cfg.block_n) * cfg.block_n)
-    return cfg.partition_size
+    part = cfg.partition_size
+    if cfg.max_partition_size and enough:
+        while part * 2 <= cfg.max_partition_size and programs * triton.cdiv(max_context_len, part * 2) >= enough:
+            part *= 2
+    return part
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,14 +195,26 @@ _DEFAULTS = {
 # (heads_per_program=4, group 4's tile) took 55.3-57.0 us and 131-138 us at context 4096, against
 # 77.3 and 153.0 whole-group in the same run. That is about SDPA fp16's 53.7 and 127.0 (cuDNN reads
 # 8x fewer cache bytes here than at MHA, so KV4 wins capacity, not time, at group 8).
+# Session 20: the head-rows kernel (query heads as the score MMA's rows, value sums on the fp16
+# tensor cores) for groups 4 and 8, one run, 4-call graph timing, batch x context (us; SDPA fp16 beside;
+# bench/results/h200/attention_head_rows_defaults.json, `--check-defaults`):
+#   group 8: 64 x 1536: 31.7 (was 57.4; SDPA 52.8), 64 x 4096: 56.8 at p512 (135.3; 124.6),
+#            256 x 1280: 78.6 at p512 (166.8; 157.1); partitions of 1024 lost at every point;
+#   group 4: 64 x 1536: 47.5 (was 60.2; SDPA 97.3), 64 x 4096: 98.3 (138.1; 240.6),
+#            256 x 1280: 124.8 (174.5; 301.0).
+# Which partition paid followed the grid (max_partition_size): the largest doubling of 256 that
+# still leaves PROGRAMS_PER_SM programs per SM. pv_mma on the 'mma' kernel (prefetch, 168 registers)
+# took group 4 to 44.9 at 64 x 1536 but 112.6 / 144.3 at the other two points; at group 1 it
+# measured 116.5 us against the default's 115.7 (memory-bound already: attention_pv_mma_mha.json).
 MMA_DEFAULTS = {  # group -> the "mma" kernel's launch
     1: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
                     whole_context=True, page_ahead=True),
     2: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
                     page_ahead=True),
-    4: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=False),
-    8: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=False,
-                    heads_per_program=4),
+    4: DecodeConfig("mma", block_n=32, partition_size=256, num_warps=1, num_stages=1, prefetch=False, head_rows=True,
+                    max_partition_size=1024),
+    8: DecodeConfig("mma", block_n=32, partition_size=256, num_warps=1, num_stages=1, prefetch=False, head_rows=True,
+                    max_partition_size=512),
 }
 MMA_GROUPS = (1, 2, 4, 8)  # query heads per KV head the "mma" kernel takes (a config may ask for it)
 
