@@ -82,9 +82,11 @@ PV_MMA_SWEEP_GROUP8 = [_cfg("mma", 32, 1, False, None, heads_per_program=4, pv_m
 # The query heads as the score MMA's rows (paged_attention_head_rows.py): 587 instructions per tile
 # for 8 heads at 128 registers with Triton 3.6, against 2 x ~1100 for the group-8 default.
 HEAD_ROWS_SWEEP = [_cfg("mma", 32, 1, False, None, head_rows=True), _cfg("mma", 32, 1, False, 128, head_rows=True)]
-# --check-defaults: each group's previous default and the runner-up, timed against today's default.
+# --check-defaults: each group's previous default and the runner-up (group 2: head_rows, its lanes
+# three quarters idle), timed against today's default.
 DEFAULTS_CHECK_SWEEP = {
     1: [_cfg("mma", 32, 1, True, 128, whole_context=True, page_ahead=True)],
+    2: [_cfg("mma", 32, 1, False, None, head_rows=True, max_partition_size=1024)],
     4: [_cfg("mma", 32, 1, False, None), _cfg("mma", 32, 1, True, 168, page_ahead=True, pv_mma=True)],
     8: [_cfg("mma", 32, 1, False, None, heads_per_program=4)],
 }
