@@ -90,7 +90,7 @@ class DecodeConfig:
     # 8 heads) instead of an FFMA per code and head on the CUDA cores.
     pv_mma: bool = False
     # "mma": the query heads as the score MMA's rows and the value sums on the fp16 tensor cores, no
-    # shuffles between the two (paged_attention_head_rows.py; written for groups of 8, no prefetch).
+    # shuffles between the two (paged_attention_head_rows.py; no prefetch; the default for groups 4 and 8).
     head_rows: bool = False
     # Let the partition grow from partition_size by doubling, up to this, while the grid keeps
     # PROGRAMS_PER_SM programs per SM: fewer partials to merge on long contexts, enough programs on
