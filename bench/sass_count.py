@@ -94,7 +94,8 @@ def attention(a):
     pointers |= {n: "*i32" for n in ("k_ptr", "v_ptr", "block_tables_ptr", "context_lens_ptr")}
     pointers |= {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_o_ptr")}
     if a.head_rows:  # heads as the score MMA's rows (paged_attention_head_rows.py)
-        consts = dict(HEAD_DIM=a.head_dim, BLOCK_SIZE=16, SPLIT=a.split, FAST=True, GROUP=a.group)
+        consts = dict(HEAD_DIM=a.head_dim, BLOCK_SIZE=16, SPLIT=a.split, FAST=True, GROUP=a.group,
+                      PREFETCH=not a.no_prefetch)
         from services.worker.kernels import paged_attention_head_rows as hr
 
         sass = compile_sass(hr._kv4_decode_head_rows_kernel, pointers, consts, floats=("qk_scale",), num_warps=1,

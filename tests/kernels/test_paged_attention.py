@@ -128,17 +128,18 @@ def test_mma_value_sums_on_tensor_cores_match_reference(group, lengths, partitio
 
 
 @pytest.mark.parametrize(
-    "group,lengths,partition,q_gain",
-    [(8, [1, 17, 100, 0], 64, 1.0), (8, [130, 0, 7, 64], 512, 6.0), (4, [33, 100, 1], 64, 1.0),
-     (1, [1, 15, 161, 0], 512, 1.0)],
+    "group,lengths,partition,q_gain,prefetch",
+    [(8, [1, 17, 100, 0], 64, 1.0, False), (8, [130, 0, 7, 64], 512, 6.0, False), (4, [33, 100, 1], 64, 1.0, False),
+     (1, [1, 15, 161, 0], 512, 1.0, False), (8, [1, 17, 130, 0, 64], 64, 1.0, True), (4, [161, 31, 96], 512, 6.0, True)],
 )
-def test_head_rows_kernel_matches_reference(group, lengths, partition, q_gain):
+def test_head_rows_kernel_matches_reference(group, lengths, partition, q_gain, prefetch):
     """head_rows (paged_attention_head_rows.py): the query heads as the score MMA's rows (s8 x u8,
     emulated), the softmax over quads, the value MMAs fed from the score fragments: groups of 8, 4
-    and 1, the split path, partial tiles, empty sequences, large logits."""
+    and 1, the split path, partial tiles, empty sequences, large logits, and with prefetch
+    sequences of no, one and several full tiles."""
     q, k_cache, v_cache, tables, lens = _paged_batch(lengths, 2, group, 128, True, seed=len(lengths) + 20 * group)
     q = (q.float() * q_gain).half()
-    config = DecodeConfig("mma", block_n=32, partition_size=partition, num_warps=1, prefetch=False, head_rows=True)
+    config = DecodeConfig("mma", block_n=32, partition_size=partition, num_warps=1, prefetch=prefetch, head_rows=True)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, config=config)
     _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
 

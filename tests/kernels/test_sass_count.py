@@ -49,15 +49,16 @@ def test_mma_attention_assembles_for_sm90():
     assert "IMMA.16832.U8.S8 8 " in out and "SHFL.IDX" in out, out
 
 
-@pytest.mark.parametrize("group,value_sums", [("4", []), ("8", []), ("4", ["--pv-mma"]), ("8", ["--pv-mma"]),
-                                              ("8", ["--head-rows"])])
+@pytest.mark.parametrize("group,value_sums", [("4", ["--no-prefetch"]), ("8", ["--no-prefetch"]),
+                                              ("4", ["--no-prefetch", "--pv-mma"]), ("8", ["--no-prefetch", "--pv-mma"]),
+                                              ("8", ["--no-prefetch", "--head-rows"]), ("8", ["--head-rows"])])
 def test_mma_attention_keeps_each_head_row_in_one_lane_per_token(group, value_sums):
     """With 4 or 8 query heads per KV head the kernel's (G, 32) tensors (and pv_mma's (8, 32) MMA
     operands, and the head-rows kernel's) must put row h, column i in lane i (the shuffles' source lanes and the MMA fragments
     assume it; the interpreter cannot tell). Triton picks the layout: 3.6 once spread 4 heads x 8
     lanes across the warp and the GPU results were garbage. Every layout of the compiled kernel is
     one element per lane along its last axis; no spills."""
-    out = _sass_count("attention", "--mma", "--group", group, "--no-prefetch", "--split", *value_sums)
+    out = _sass_count("attention", "--mma", "--group", group, "--split", *value_sums)
     layouts = [line.split("layout ", 1)[1] for line in out.splitlines() if line.strip().startswith("layout ")]
     assert layouts, out
     for layout in layouts:

@@ -90,7 +90,7 @@ class DecodeConfig:
     # 8 heads) instead of an FFMA per code and head on the CUDA cores.
     pv_mma: bool = False
     # "mma": the query heads as the score MMA's rows and the value sums on the fp16 tensor cores, no
-    # shuffles between the two (paged_attention_head_rows.py; no prefetch; the default for groups 4 and 8).
+    # shuffles between the two (paged_attention_head_rows.py; the default for groups 4 and 8, without prefetch).
     head_rows: bool = False
     # Let the partition grow from partition_size by doubling, up to this, while the grid keeps
     # PROGRAMS_PER_SM programs per SM: fewer partials to merge on long contexts, enough programs on
@@ -954,7 +954,8 @@ def paged_decode_attention(
             query, k_words, v_words, block_tables, context_lens, out, part_m, part_l, part_o, *sizes,
             query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], SPLIT=split, FAST=query.is_cuda, GROUP=group, num_warps=1,
+            HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], SPLIT=split, FAST=query.is_cuda, GROUP=group,
+            PREFETCH=cfg.prefetch, num_warps=1,
             num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **overlap,
         )
     elif cfg.variant == "mma":

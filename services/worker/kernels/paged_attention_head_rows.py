@@ -17,7 +17,8 @@ B's column g is token g of the block: K code word 8c + t of that token, `& 0x0F0
 dims 32c + 4t .. + 3 (low nibbles) and one shift more dims D/2 + 32c + 4t .. (as in the "mma"
 kernel). Score of head g, token 2t = 256 c0 + c2 (exact int32), token 2t + 1 = 256 c1 + c3.
 
-Head_dim 128, pages of a multiple of 16 tokens, groups of 1..8 (written for 8), no prefetch.
+Head_dim 128, pages of a multiple of 16 tokens, groups of 1..8 (written for 8); optional prefetch
+(PREFETCH: tile i + 1's words in flight during tile i's math).
 Launcher: paged_attention.py, variant "mma" with head_rows.
 """
 
@@ -56,17 +57,13 @@ def _query_rows(q_row, stride_qh, inv, g, t, base: tl.constexpr, GROUP: tl.const
 
 
 @triton.jit
-def _block_scores(k_ptr, row, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7,
+def _block_scores(w0, w1, w2, w3, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7,
                   FAST: tl.constexpr):
-    """Integer scores of head g against tokens 2t, 2t + 1 of an 8-token block whose token g's K row
-    starts at word `row`: 4 MMAs over the 4 runs of 32 dims (query fragments qh/ql 0..7: dims 0..31,
-    16.. of each run in turn, see _query_rows)."""
+    """Integer scores of head g against tokens 2t, 2t + 1 of an 8-token block, from K words t, t + 4,
+    t + 8, t + 12 of the block's token g (_head_rows_loads): 4 MMAs over the 4 runs of 32 dims (query
+    fragments qh/ql 0..7: dims 0..31, 16.. of each run in turn, see _query_rows)."""
     lo = 0x0F0F0F0F
-    w0 = tl.load(k_ptr + row)
-    w1 = tl.load(k_ptr + row + 4)
-    w2 = tl.load(k_ptr + row + 8)
-    w3 = tl.load(k_ptr + row + 12)
-    c0 = tl.zeros(row.shape, tl.int32)
+    c0 = tl.zeros(w0.shape, tl.int32)
     c1 = c0
     c2 = c0
     c3 = c0
@@ -78,10 +75,9 @@ def _block_scores(k_ptr, row, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, 
 
 
 @triton.jit
-def _token_log2_score(score, k_ptr, v_ptr, base, slot, n0, end, q_step, q_sum, ROW: tl.constexpr, W: tl.constexpr,
-                      MASKED: tl.constexpr):
-    """Scores in log2 units of the tokens at `slot` of the group of 16 whose slot 0 is at `base`,
-    and their V scale and zero (0 past the context, whose fp16 bits may be NaN)."""
+def _scale_zero_words(k_ptr, v_ptr, base, slot, n0, end, ROW: tl.constexpr, W: tl.constexpr, MASKED: tl.constexpr):
+    """The K and V scale/zero words of the token at `slot` of the group of 16 whose slot 0 is at
+    `base` (0 past the context, whose fp16 bits may be NaN)."""
     if MASKED:
         valid = n0 + slot < end
         ksz = tl.load(k_ptr + base + slot * ROW + W, mask=valid, other=0)
@@ -89,6 +85,13 @@ def _token_log2_score(score, k_ptr, v_ptr, base, slot, n0, end, q_step, q_sum, R
     else:
         ksz = tl.load(k_ptr + base + slot * ROW + W)
         vsz = tl.load(v_ptr + base + slot * ROW + W)
+    return ksz, vsz
+
+
+@triton.jit
+def _token_log2_score(score, ksz, vsz, slot, n0, end, q_step, q_sum, MASKED: tl.constexpr):
+    """Scores in log2 units of the tokens at `slot` of the group of 16 starting at token n0, and
+    their V scale and zero."""
     k_scale, k_zero = _scale_zero(ksz)
     v_scale, v_zero = _scale_zero(vsz)
     s = score.to(tl.float32) * q_step * k_scale + q_sum * k_zero
@@ -110,39 +113,79 @@ def _quad_sum(x, lane, FAST: tl.constexpr):
 
 
 @triton.jit
-def _head_rows_tile(
-    k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, lane, g, t,
-    qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7,
-    q_step, q_sum, m_i, l_p, pw_p, z_p, c0, c1, c2, c3,
-    BLOCK_SIZE: tl.constexpr, W: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, GROUP: tl.constexpr,
-):
-    """Online-softmax update of head g (lane (g, t)) with tokens [n0, n0 + 32): m_i, and this lane's
-    parts l_p, pw_p, z_p of the softmax sum, of sum fp16(p * v_scale) and of sum p * v_zero;
-    c0..c3 the (8, 32) value MMA sums (_pv_mma_apply)."""
+def _head_rows_loads(k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, g, t,
+                     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, W: tl.constexpr):
+    """Every word lane (g, t) needs of tokens [n0, n0 + 32): K words t, t + 4, t + 8, t + 12 of
+    token g of each block of 8 (blocks 0, 1 in the first group of 16: slots g, 8 + g; 2, 3 in the
+    second), the K and V scale/zero words of its tokens (slots 2t, 2t + 1, 2t + 8, 2t + 9 of each
+    group of 16) and its value-MMA words (_pv_mma_loads). Code rows past the context are read
+    unmasked (their page is a real one, page 0 at worst): their scores are masked."""
     ROW: tl.constexpr = W + 1
-    page0, page1 = _pages(bt_row, n0, end, BLOCK_SIZE, MASKED)
     base0 = page0 * stride_cb + head_off + (n0 % BLOCK_SIZE) * ROW
     base1 = page1 * stride_cb + head_off + ((n0 + 16) % BLOCK_SIZE) * ROW
-    # blocks of 8 tokens: 0, 1 in the first group of 16 (slots g, 8 + g), 2, 3 in the second
-    r00, r01 = _block_scores(k_ptr, base0 + g * ROW + t, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3,
+    r0 = base0 + g * ROW + t
+    r1 = base0 + (8 + g) * ROW + t
+    r2 = base1 + g * ROW + t
+    r3 = base1 + (8 + g) * ROW + t
+    k00 = tl.load(k_ptr + r0)
+    k01 = tl.load(k_ptr + r0 + 4)
+    k02 = tl.load(k_ptr + r0 + 8)
+    k03 = tl.load(k_ptr + r0 + 12)
+    k10 = tl.load(k_ptr + r1)
+    k11 = tl.load(k_ptr + r1 + 4)
+    k12 = tl.load(k_ptr + r1 + 8)
+    k13 = tl.load(k_ptr + r1 + 12)
+    k20 = tl.load(k_ptr + r2)
+    k21 = tl.load(k_ptr + r2 + 4)
+    k22 = tl.load(k_ptr + r2 + 8)
+    k23 = tl.load(k_ptr + r2 + 12)
+    k30 = tl.load(k_ptr + r3)
+    k31 = tl.load(k_ptr + r3 + 4)
+    k32 = tl.load(k_ptr + r3 + 8)
+    k33 = tl.load(k_ptr + r3 + 12)
+    ka0, va0 = _scale_zero_words(k_ptr, v_ptr, base0, 2 * t, n0, end, ROW, W, MASKED)
+    ka1, va1 = _scale_zero_words(k_ptr, v_ptr, base0, 2 * t + 1, n0, end, ROW, W, MASKED)
+    ka2, va2 = _scale_zero_words(k_ptr, v_ptr, base0, 2 * t + 8, n0, end, ROW, W, MASKED)
+    ka3, va3 = _scale_zero_words(k_ptr, v_ptr, base0, 2 * t + 9, n0, end, ROW, W, MASKED)
+    ka4, va4 = _scale_zero_words(k_ptr, v_ptr, base1, 2 * t, n0 + 16, end, ROW, W, MASKED)
+    ka5, va5 = _scale_zero_words(k_ptr, v_ptr, base1, 2 * t + 1, n0 + 16, end, ROW, W, MASKED)
+    ka6, va6 = _scale_zero_words(k_ptr, v_ptr, base1, 2 * t + 8, n0 + 16, end, ROW, W, MASKED)
+    ka7, va7 = _scale_zero_words(k_ptr, v_ptr, base1, 2 * t + 9, n0 + 16, end, ROW, W, MASKED)
+    x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7 = _pv_mma_loads(v_ptr, base0, base1, g, t, ROW)
+    return (k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33,
+            ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7, va0, va1, va2, va3, va4, va5, va6, va7,
+            x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7)
+
+
+@triton.jit
+def _head_rows_math(
+    k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33,
+    ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7, va0, va1, va2, va3, va4, va5, va6, va7,
+    x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
+    n0, end, lane, g, t,
+    qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7,
+    q_step, q_sum, m_i, l_p, pw_p, z_p, c0, c1, c2, c3,
+    MASKED: tl.constexpr, FAST: tl.constexpr, GROUP: tl.constexpr,
+):
+    """Online-softmax update of head g (lane (g, t)) with tokens [n0, n0 + 32) from the words of
+    _head_rows_loads: m_i, and this lane's parts l_p, pw_p, z_p of the softmax sum, of
+    sum fp16(p * v_scale) and of sum p * v_zero; c0..c3 the (8, 32) value MMA sums (_pv_mma_apply)."""
+    r00, r01 = _block_scores(k00, k01, k02, k03, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3,
                              qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, FAST)
-    r10, r11 = _block_scores(k_ptr, base0 + (8 + g) * ROW + t, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3,
+    r10, r11 = _block_scores(k10, k11, k12, k13, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3,
                              qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, FAST)
-    r20, r21 = _block_scores(k_ptr, base1 + g * ROW + t, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3,
+    r20, r21 = _block_scores(k20, k21, k22, k23, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3,
                              qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, FAST)
-    r30, r31 = _block_scores(k_ptr, base1 + (8 + g) * ROW + t, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3,
+    r30, r31 = _block_scores(k30, k31, k32, k33, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3,
                              qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, FAST)
-    s00, vs00, vz00 = _token_log2_score(r00, k_ptr, v_ptr, base0, 2 * t, n0, end, q_step, q_sum, ROW, W, MASKED)
-    s01, vs01, vz01 = _token_log2_score(r01, k_ptr, v_ptr, base0, 2 * t + 1, n0, end, q_step, q_sum, ROW, W, MASKED)
-    s10, vs10, vz10 = _token_log2_score(r10, k_ptr, v_ptr, base0, 2 * t + 8, n0, end, q_step, q_sum, ROW, W, MASKED)
-    s11, vs11, vz11 = _token_log2_score(r11, k_ptr, v_ptr, base0, 2 * t + 9, n0, end, q_step, q_sum, ROW, W, MASKED)
-    s20, vs20, vz20 = _token_log2_score(r20, k_ptr, v_ptr, base1, 2 * t, n0 + 16, end, q_step, q_sum, ROW, W, MASKED)
-    s21, vs21, vz21 = _token_log2_score(r21, k_ptr, v_ptr, base1, 2 * t + 1, n0 + 16, end, q_step, q_sum, ROW, W,
-                                        MASKED)
-    s30, vs30, vz30 = _token_log2_score(r30, k_ptr, v_ptr, base1, 2 * t + 8, n0 + 16, end, q_step, q_sum, ROW, W,
-                                        MASKED)
-    s31, vs31, vz31 = _token_log2_score(r31, k_ptr, v_ptr, base1, 2 * t + 9, n0 + 16, end, q_step, q_sum, ROW, W,
-                                        MASKED)
+    s00, vs00, vz00 = _token_log2_score(r00, ka0, va0, 2 * t, n0, end, q_step, q_sum, MASKED)
+    s01, vs01, vz01 = _token_log2_score(r01, ka1, va1, 2 * t + 1, n0, end, q_step, q_sum, MASKED)
+    s10, vs10, vz10 = _token_log2_score(r10, ka2, va2, 2 * t + 8, n0, end, q_step, q_sum, MASKED)
+    s11, vs11, vz11 = _token_log2_score(r11, ka3, va3, 2 * t + 9, n0, end, q_step, q_sum, MASKED)
+    s20, vs20, vz20 = _token_log2_score(r20, ka4, va4, 2 * t, n0 + 16, end, q_step, q_sum, MASKED)
+    s21, vs21, vz21 = _token_log2_score(r21, ka5, va5, 2 * t + 1, n0 + 16, end, q_step, q_sum, MASKED)
+    s30, vs30, vz30 = _token_log2_score(r30, ka6, va6, 2 * t + 8, n0 + 16, end, q_step, q_sum, MASKED)
+    s31, vs31, vz31 = _token_log2_score(r31, ka7, va7, 2 * t + 9, n0 + 16, end, q_step, q_sum, MASKED)
     m_tile = tl.maximum(tl.maximum(tl.maximum(s00, s01), tl.maximum(s10, s11)),
                         tl.maximum(tl.maximum(s20, s21), tl.maximum(s30, s31)))
     m_new = tl.maximum(m_i, _quad_max(m_tile, lane, FAST))
@@ -175,7 +218,6 @@ def _head_rows_tile(
     c1 = c1 * alpha_o
     c2 = c2 * alpha_e
     c3 = c3 * alpha_o
-    x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7 = _pv_mma_loads(v_ptr, base0, base1, g, t, ROW)
     c0, c1, c2, c3 = _pv_mma_apply(_pack_f16x2(w00, w01, FAST), _pack_f16x2(w10, w11, FAST),
                                    x0, x1, x2, x3, x4, x5, x6, x7, c0, c1, c2, c3, FAST)
     c0, c1, c2, c3 = _pv_mma_apply(_pack_f16x2(w20, w21, FAST), _pack_f16x2(w30, w31, FAST),
@@ -193,7 +235,7 @@ def _kv4_decode_head_rows_kernel(
     stride_qb, stride_qh, stride_cb, stride_ch, stride_bt, stride_ob, stride_oh,
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
-    GROUP: tl.constexpr = 8, PDL: tl.constexpr = 0,
+    GROUP: tl.constexpr = 8, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     _overlap_entry(PDL)
     W: tl.constexpr = HEAD_DIM // 8
@@ -238,16 +280,60 @@ def _kv4_decode_head_rows_kernel(
     c3 = c0
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     head_off = kvh * stride_ch
-    for n0 in range(start, full_end, TILE):
-        m_i, l_p, pw_p, z_p, c0, c1, c2, c3 = _head_rows_tile(
-            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, lane, g, t,
-            qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7,
-            q_step, q_sum, m_i, l_p, pw_p, z_p, c0, c1, c2, c3, BLOCK_SIZE, W, False, FAST, GROUP)
+    if PREFETCH:
+        # Software pipelining by one tile, as the 'mma' kernel: tile i + 1's pages and words are in
+        # flight during tile i's math. The prologue's loads are masked (there may be no full tile);
+        # the last iteration reloads the last full tile (cache hits) instead of branching.
+        page0, page1 = _pages(bt_row, start, end, BLOCK_SIZE, True)
+        (k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33,
+         ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7, va0, va1, va2, va3, va4, va5, va6, va7,
+         x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7) = _head_rows_loads(
+            k_ptr, v_ptr, page0, page1, head_off, start, end, stride_cb, g, t, BLOCK_SIZE, True, W)
+        last_full = tl.maximum(full_end - TILE, start)
+        for n0 in range(start, full_end, TILE):
+            nxt = tl.minimum(n0 + TILE, last_full)
+            page0, page1 = _pages(bt_row, nxt, end, BLOCK_SIZE, False)
+            (nk00, nk01, nk02, nk03, nk10, nk11, nk12, nk13, nk20, nk21, nk22, nk23, nk30, nk31, nk32, nk33,
+             nka0, nka1, nka2, nka3, nka4, nka5, nka6, nka7, nva0, nva1, nva2, nva3, nva4, nva5, nva6, nva7,
+             nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, ny0, ny1, ny2, ny3, ny4, ny5, ny6, ny7) = _head_rows_loads(
+                k_ptr, v_ptr, page0, page1, head_off, nxt, end, stride_cb, g, t, BLOCK_SIZE, False, W)
+            m_i, l_p, pw_p, z_p, c0, c1, c2, c3 = _head_rows_math(
+                k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33,
+                ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7, va0, va1, va2, va3, va4, va5, va6, va7,
+                x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
+                n0, end, lane, g, t, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7,
+                q_step, q_sum, m_i, l_p, pw_p, z_p, c0, c1, c2, c3, False, FAST, GROUP)
+            (k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33,
+             ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7, va0, va1, va2, va3, va4, va5, va6, va7,
+             x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7) = (
+                nk00, nk01, nk02, nk03, nk10, nk11, nk12, nk13, nk20, nk21, nk22, nk23, nk30, nk31, nk32, nk33,
+                nka0, nka1, nka2, nka3, nka4, nka5, nka6, nka7, nva0, nva1, nva2, nva3, nva4, nva5, nva6, nva7,
+                nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, ny0, ny1, ny2, ny3, ny4, ny5, ny6, ny7)
+    else:
+        for n0 in range(start, full_end, TILE):
+            page0, page1 = _pages(bt_row, n0, end, BLOCK_SIZE, False)
+            (k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33,
+             ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7, va0, va1, va2, va3, va4, va5, va6, va7,
+             x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7) = _head_rows_loads(
+                k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, g, t, BLOCK_SIZE, False, W)
+            m_i, l_p, pw_p, z_p, c0, c1, c2, c3 = _head_rows_math(
+                k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33,
+                ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7, va0, va1, va2, va3, va4, va5, va6, va7,
+                x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
+                n0, end, lane, g, t, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7,
+                q_step, q_sum, m_i, l_p, pw_p, z_p, c0, c1, c2, c3, False, FAST, GROUP)
     for n0 in range(full_end, end, TILE):  # at most one partial tile
-        m_i, l_p, pw_p, z_p, c0, c1, c2, c3 = _head_rows_tile(
-            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, lane, g, t,
-            qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7,
-            q_step, q_sum, m_i, l_p, pw_p, z_p, c0, c1, c2, c3, BLOCK_SIZE, W, True, FAST, GROUP)
+        page0, page1 = _pages(bt_row, n0, end, BLOCK_SIZE, True)
+        (k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33,
+         ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7, va0, va1, va2, va3, va4, va5, va6, va7,
+         x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7) = _head_rows_loads(
+            k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, g, t, BLOCK_SIZE, True, W)
+        m_i, l_p, pw_p, z_p, c0, c1, c2, c3 = _head_rows_math(
+            k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33,
+            ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7, va0, va1, va2, va3, va4, va5, va6, va7,
+            x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
+            n0, end, lane, g, t, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7,
+            q_step, q_sum, m_i, l_p, pw_p, z_p, c0, c1, c2, c3, True, FAST, GROUP)
     _overlap_release(PDL)
 
     l_i = _quad_sum(l_p, lane, FAST)  # head g's, in each lane of its quad
