@@ -113,6 +113,12 @@ def _quad_sum(x, lane, FAST: tl.constexpr):
 
 
 @triton.jit
+def _k_words(k_ptr, row):
+    """K words t, t + 4, t + 8, t + 12 of a token (`row` addresses word t): _block_scores' B operands."""
+    return tl.load(k_ptr + row), tl.load(k_ptr + row + 4), tl.load(k_ptr + row + 8), tl.load(k_ptr + row + 12)
+
+
+@triton.jit
 def _head_rows_loads(k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, g, t,
                      BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, W: tl.constexpr):
     """Every word lane (g, t) needs of tokens [n0, n0 + 32): K words t, t + 4, t + 8, t + 12 of
@@ -127,22 +133,10 @@ def _head_rows_loads(k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, g
     r1 = base0 + (8 + g) * ROW + t
     r2 = base1 + g * ROW + t
     r3 = base1 + (8 + g) * ROW + t
-    k00 = tl.load(k_ptr + r0)
-    k01 = tl.load(k_ptr + r0 + 4)
-    k02 = tl.load(k_ptr + r0 + 8)
-    k03 = tl.load(k_ptr + r0 + 12)
-    k10 = tl.load(k_ptr + r1)
-    k11 = tl.load(k_ptr + r1 + 4)
-    k12 = tl.load(k_ptr + r1 + 8)
-    k13 = tl.load(k_ptr + r1 + 12)
-    k20 = tl.load(k_ptr + r2)
-    k21 = tl.load(k_ptr + r2 + 4)
-    k22 = tl.load(k_ptr + r2 + 8)
-    k23 = tl.load(k_ptr + r2 + 12)
-    k30 = tl.load(k_ptr + r3)
-    k31 = tl.load(k_ptr + r3 + 4)
-    k32 = tl.load(k_ptr + r3 + 8)
-    k33 = tl.load(k_ptr + r3 + 12)
+    k00, k01, k02, k03 = _k_words(k_ptr, r0)
+    k10, k11, k12, k13 = _k_words(k_ptr, r1)
+    k20, k21, k22, k23 = _k_words(k_ptr, r2)
+    k30, k31, k32, k33 = _k_words(k_ptr, r3)
     ka0, va0 = _scale_zero_words(k_ptr, v_ptr, base0, 2 * t, n0, end, ROW, W, MASKED)
     ka1, va1 = _scale_zero_words(k_ptr, v_ptr, base0, 2 * t + 1, n0, end, ROW, W, MASKED)
     ka2, va2 = _scale_zero_words(k_ptr, v_ptr, base0, 2 * t + 8, n0, end, ROW, W, MASKED)
@@ -223,6 +217,27 @@ def _head_rows_math(
     c0, c1, c2, c3 = _pv_mma_apply(_pack_f16x2(w20, w21, FAST), _pack_f16x2(w30, w31, FAST),
                                    y0, y1, y2, y3, y4, y5, y6, y7, c0, c1, c2, c3, FAST)
     return m_new, l_p, pw_p, z_p, c0, c1, c2, c3
+
+
+@triton.jit
+def _head_rows_tile(
+    k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, lane, g, t,
+    qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7,
+    q_step, q_sum, m_i, l_p, pw_p, z_p, c0, c1, c2, c3,
+    BLOCK_SIZE: tl.constexpr, W: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, GROUP: tl.constexpr,
+):
+    """Tokens [n0, n0 + 32) without prefetch: their pages, words (_head_rows_loads) and math."""
+    page0, page1 = _pages(bt_row, n0, end, BLOCK_SIZE, MASKED)
+    (k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33,
+     ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7, va0, va1, va2, va3, va4, va5, va6, va7,
+     x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7) = _head_rows_loads(
+        k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, g, t, BLOCK_SIZE, MASKED, W)
+    return _head_rows_math(
+        k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33,
+        ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7, va0, va1, va2, va3, va4, va5, va6, va7,
+        x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
+        n0, end, lane, g, t, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7,
+        q_step, q_sum, m_i, l_p, pw_p, z_p, c0, c1, c2, c3, MASKED, FAST, GROUP)
 
 
 @triton.jit
@@ -311,29 +326,15 @@ def _kv4_decode_head_rows_kernel(
                 nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, ny0, ny1, ny2, ny3, ny4, ny5, ny6, ny7)
     else:
         for n0 in range(start, full_end, TILE):
-            page0, page1 = _pages(bt_row, n0, end, BLOCK_SIZE, False)
-            (k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33,
-             ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7, va0, va1, va2, va3, va4, va5, va6, va7,
-             x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7) = _head_rows_loads(
-                k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, g, t, BLOCK_SIZE, False, W)
-            m_i, l_p, pw_p, z_p, c0, c1, c2, c3 = _head_rows_math(
-                k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33,
-                ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7, va0, va1, va2, va3, va4, va5, va6, va7,
-                x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
-                n0, end, lane, g, t, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7,
-                q_step, q_sum, m_i, l_p, pw_p, z_p, c0, c1, c2, c3, False, FAST, GROUP)
+            m_i, l_p, pw_p, z_p, c0, c1, c2, c3 = _head_rows_tile(
+                k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, lane, g, t,
+                qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7,
+                q_step, q_sum, m_i, l_p, pw_p, z_p, c0, c1, c2, c3, BLOCK_SIZE, W, False, FAST, GROUP)
     for n0 in range(full_end, end, TILE):  # at most one partial tile
-        page0, page1 = _pages(bt_row, n0, end, BLOCK_SIZE, True)
-        (k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33,
-         ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7, va0, va1, va2, va3, va4, va5, va6, va7,
-         x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7) = _head_rows_loads(
-            k_ptr, v_ptr, page0, page1, head_off, n0, end, stride_cb, g, t, BLOCK_SIZE, True, W)
-        m_i, l_p, pw_p, z_p, c0, c1, c2, c3 = _head_rows_math(
-            k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33,
-            ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7, va0, va1, va2, va3, va4, va5, va6, va7,
-            x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
-            n0, end, lane, g, t, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7,
-            q_step, q_sum, m_i, l_p, pw_p, z_p, c0, c1, c2, c3, True, FAST, GROUP)
+        m_i, l_p, pw_p, z_p, c0, c1, c2, c3 = _head_rows_tile(
+            k_ptr, v_ptr, bt_row, head_off, n0, end, stride_cb, lane, g, t,
+            qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7,
+            q_step, q_sum, m_i, l_p, pw_p, z_p, c0, c1, c2, c3, BLOCK_SIZE, W, True, FAST, GROUP)
     _overlap_release(PDL)
 
     l_i = _quad_sum(l_p, lane, FAST)  # head g's, in each lane of its quad
