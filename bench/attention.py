@@ -36,11 +36,11 @@ CHECK_NAME = "KV4 decode attention vs SDPA fp16 (B=64, H=32, ctx=1536, D=128)"
 CHECK_TARGET = 3.0
 
 
-def _cfg(variant, block_n, num_warps, prefetch, maxnreg, qk_int16=False, **more):
-    """A sweep entry: a DecodeConfig at partition 512 (the partitions are swept on the best one)."""
+def _cfg(variant, block_n, num_warps, prefetch, maxnreg, qk_int16=False, partition_size=512, **more):
+    """A sweep entry: a DecodeConfig, at partition 512 unless told (the partitions are swept on the best one)."""
     from services.worker.kernels.paged_attention import DecodeConfig
 
-    return DecodeConfig(variant, block_n, 512, num_warps, 1, prefetch, maxnreg, qk_int16, **more)
+    return DecodeConfig(variant, block_n, partition_size, num_warps, 1, prefetch, maxnreg, qk_int16, **more)
 
 
 # Launches swept at each point; partitions swept on the best.
@@ -82,13 +82,12 @@ PV_MMA_SWEEP_GROUP8 = [_cfg("mma", 32, 1, False, None, heads_per_program=4, pv_m
 # The query heads as the score MMA's rows (paged_attention_head_rows.py): 587 instructions per tile
 # for 8 heads at 128 registers with Triton 3.6, against 2 x ~1100 for the group-8 default.
 HEAD_ROWS_SWEEP = [_cfg("mma", 32, 1, False, None, head_rows=True), _cfg("mma", 32, 1, False, 128, head_rows=True)]
-# --check-defaults: each group's previous default and the runner-up (group 2: head_rows, its lanes
-# three quarters idle), timed against today's default.
 # head_rows with prefetch (unmeasured; Triton 3.6 at group 8: 580 instructions per tile at 128
 # registers, no spill; 587 at 168 uncapped) at the defaults' partitions.
-HEAD_ROWS_PREFETCH = [dataclasses.replace(_cfg("mma", 32, 1, True, cap, head_rows=True, max_partition_size=grow),
-                                          partition_size=256)
+HEAD_ROWS_PREFETCH = [_cfg("mma", 32, 1, True, cap, partition_size=256, head_rows=True, max_partition_size=grow)
                       for cap in (128, None) for grow in (512, 1024)]
+# --check-defaults: each group's previous default and the runner-up (group 2: head_rows, its lanes
+# three quarters idle), timed against today's default.
 DEFAULTS_CHECK_SWEEP = {
     1: [_cfg("mma", 32, 1, True, 128, whole_context=True, page_ahead=True)],
     2: [_cfg("mma", 32, 1, False, None, head_rows=True, max_partition_size=1024)],
@@ -221,7 +220,8 @@ class Bench:
     def decode_point(self, name, batch, heads, kv_heads, ctx, head_dim, sweep, partitions=(512,), fp16=True, sdpa=True):
         """Check then time every config of `sweep` (KV4), our fp16 kernel and SDPA at one shape."""
         from services.worker.kernels.attention_reference import paged_decode_reference
-        from services.worker.kernels.paged_attention import DecodeConfig, default_config, paged_decode_attention, partition_for
+        from services.worker.kernels.paged_attention import (DecodeConfig, default_config, multiprocessors,
+                                                             paged_decode_attention, partition_for, programs_per_kv_head)
 
         torch = self.torch
         group = heads // kv_heads
@@ -241,8 +241,7 @@ class Bench:
                      f"{f' h{cfg.heads_per_program}' if cfg.heads_per_program else ''}{' pv_mma' if cfg.pv_mma else ''}"
                      f"{' head_rows' if cfg.head_rows else ''}"
                      f"{f' grow<={cfg.max_partition_size}' if cfg.max_partition_size else ''}")
-            kv_share = group // cfg.heads_per_program if cfg.heads_per_program else 1
-            used = partition_for(cfg, batch * kv_heads * kv_share, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
+            used = partition_for(cfg, batch * kv_heads * programs_per_kv_head(cfg, group), ctx, multiprocessors(q.device))
             if cfg.max_partition_size:
                 label += f" (p{used})"
             try:

@@ -146,8 +146,17 @@ def partition_for(cfg: DecodeConfig, programs: int, max_context_len: int, sms: i
     return part
 
 
+def programs_per_kv_head(cfg: DecodeConfig, group: int) -> int:
+    """group / cfg.heads_per_program for the "mma" kernel (1 otherwise): the launch's programs per
+    KV head, so the grid (and partition_for's `programs`) is sequences x KV heads x this."""
+    heads_per_program = (cfg.heads_per_program or group) if cfg.variant == "mma" else group
+    if group % heads_per_program:
+        raise ValueError(f"heads_per_program {cfg.heads_per_program} does not divide the group of {group} query heads")
+    return group // heads_per_program
+
+
 @functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int | None:
+def multiprocessors(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
@@ -904,17 +913,14 @@ def paged_decode_attention(
     if cfg.variant == "mma" and not _mma_covers(group, d, k_cache.shape[2]):
         raise ValueError(f"the 'mma' kernel takes 1, 2, 4 or 8 query heads per KV head, head_dim 128 and pages of a "
                          f"multiple of 16 tokens, not group {group}, head_dim {d}, pages of {k_cache.shape[2]}")
-    heads_per_program = (cfg.heads_per_program or group) if cfg.variant == "mma" else group
-    if group % heads_per_program:
-        raise ValueError(f"heads_per_program {cfg.heads_per_program} does not divide the group of {group} query heads")
-    kv_share = group // heads_per_program  # programs per KV head ("mma" only; 1 otherwise)
+    kv_share = programs_per_kv_head(cfg, group)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if max_context_len is None:
         max_context_len = int(context_lens.max().item()) if b else 0
     out = torch.empty_like(query)
     if b == 0:
         return out
-    partition_size = partition_for(cfg, b * kv_heads * kv_share, max_context_len, _multiprocessors(query.device))
+    partition_size = partition_for(cfg, b * kv_heads * kv_share, max_context_len, multiprocessors(query.device))
     num_partitions = max(1, triton.cdiv(max_context_len, partition_size))
     split = num_partitions > 1
     if split:
@@ -966,7 +972,7 @@ def paged_decode_attention(
             query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1),
             HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], SPLIT=split, PREFETCH=cfg.prefetch, FAST=query.is_cuda,
-            GROUP=heads_per_program, KV_SHARE=kv_share, PAGE_AHEAD=cfg.page_ahead, PV_MMA=cfg.pv_mma, num_warps=1,
+            GROUP=group // kv_share, KV_SHARE=kv_share, PAGE_AHEAD=cfg.page_ahead, PV_MMA=cfg.pv_mma, num_warps=1,
             num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
             **overlap,
         )
