@@ -146,9 +146,11 @@ def test_head_rows_kernel_matches_reference(group, lengths, partition, q_gain, p
 
 @pytest.mark.parametrize("group", [4, 8])
 def test_group_4_and_8_defaults_are_head_rows_and_match_reference(group):
-    """With no config, groups 4 and 8 at head_dim 128 get MMA_DEFAULTS (the head-rows kernel)."""
-    q, k_cache, v_cache, tables, lens = _paged_batch([1, 40, 0, 100], 2, group, 128, True, seed=group)
-    assert default_config(True, group, 128, BLOCK_SIZE).head_rows
+    """With no config, groups 4 and 8 at head_dim 128 get MMA_DEFAULTS (the head-rows kernel with
+    prefetch), here over sequences of no, one and several full tiles."""
+    q, k_cache, v_cache, tables, lens = _paged_batch([1, 40, 0, 100, 64], 2, group, 128, True, seed=group)
+    config = default_config(True, group, 128, BLOCK_SIZE)
+    assert config.head_rows and config.prefetch
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens)
     _assert_close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens))
 

@@ -51,7 +51,9 @@ def test_mma_attention_assembles_for_sm90():
 
 @pytest.mark.parametrize("group,value_sums", [("4", ["--no-prefetch"]), ("8", ["--no-prefetch"]),
                                               ("4", ["--no-prefetch", "--pv-mma"]), ("8", ["--no-prefetch", "--pv-mma"]),
-                                              ("8", ["--no-prefetch", "--head-rows"]), ("8", ["--head-rows"])])
+                                              ("8", ["--no-prefetch", "--head-rows"]), ("8", ["--head-rows"]),
+                                              ("4", ["--head-rows", "--maxnreg", "128"]),
+                                              ("8", ["--head-rows", "--maxnreg", "128"])])
 def test_mma_attention_keeps_each_head_row_in_one_lane_per_token(group, value_sums):
     """With 4 or 8 query heads per KV head the kernel's (G, 32) tensors (and pv_mma's (8, 32) MMA
     operands, and the head-rows kernel's) must put row h, column i in lane i (the shuffles' source lanes and the MMA fragments

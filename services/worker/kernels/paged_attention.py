@@ -90,7 +90,7 @@ class DecodeConfig:
     # 8 heads) instead of an FFMA per code and head on the CUDA cores.
     pv_mma: bool = False
     # "mma": the query heads as the score MMA's rows and the value sums on the fp16 tensor cores, no
-    # shuffles between the two (paged_attention_head_rows.py; the default for groups 4 and 8, without prefetch).
+    # shuffles between the two (paged_attention_head_rows.py; the default for groups 4 and 8, with prefetch under 128 registers).
     head_rows: bool = False
     # Let the partition grow from partition_size by doubling, up to this, while the grid keeps
     # PROGRAMS_PER_SM programs per SM: fewer partials to merge on long contexts, enough programs on
@@ -215,15 +215,20 @@ _DEFAULTS = {
 # still leaves PROGRAMS_PER_SM programs per SM. pv_mma on the 'mma' kernel (prefetch, 168 registers)
 # took group 4 to 44.9 at 64 x 1536 but 112.6 / 144.3 at the other two points; at group 1 it
 # measured 116.5 us against the default's 115.7 (memory-bound already: attention_pv_mma_mha.json).
+# Session 21: head_rows with prefetch (tile i + 1's pages and words loaded before tile i's math),
+# one run against the defaults above without it (bench/results/h200/attention_head_rows_prefetch.json):
+# capped at 128 registers, group 4: 64 x 1536 43.4 us (was 50.1), 64 x 4096 92.3 (101.7),
+# 256 x 1280 124.5 (138.7); group 8: 64 x 1536 29.8 (31.2), 64 x 4096 57.4 (57.1). Uncapped (168)
+# prefetch lost at long contexts (group 4, 64 x 4096: 125.3; group 8: 68.5), hence the cap.
 MMA_DEFAULTS = {  # group -> the "mma" kernel's launch
     1: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
                     whole_context=True, page_ahead=True),
     2: DecodeConfig("mma", block_n=32, partition_size=512, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
                     page_ahead=True),
-    4: DecodeConfig("mma", block_n=32, partition_size=256, num_warps=1, num_stages=1, prefetch=False, head_rows=True,
-                    max_partition_size=1024),
-    8: DecodeConfig("mma", block_n=32, partition_size=256, num_warps=1, num_stages=1, prefetch=False, head_rows=True,
-                    max_partition_size=512),
+    4: DecodeConfig("mma", block_n=32, partition_size=256, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
+                    head_rows=True, max_partition_size=1024),
+    8: DecodeConfig("mma", block_n=32, partition_size=256, num_warps=1, num_stages=1, prefetch=True, maxnreg=128,
+                    head_rows=True, max_partition_size=512),
 }
 MMA_GROUPS = (1, 2, 4, 8)  # query heads per KV head the "mma" kernel takes (a config may ask for it)
 
