@@ -135,6 +135,19 @@ def kv_write(a):
     return compile_sass(kc._rope_cache_write_kernel, pointers, consts, floats=("k_margin", "v_margin"), num_warps=a.warps), None
 
 
+def gemv(a):
+    from services.worker.kernels import w4a8_gemv as gv
+
+    pointers = {"x_ptr": "*i32", "sx_ptr": "*fp32", "rowsum_ptr": "*i32", "qw_ptr": "*i32", "s2_ptr": "*u8",
+                "zero_ptr": "*u8", "col_scale_ptr": "*fp16", "out_ptr": "*fp16", "ws_ptr": "*i32"}
+    if not a.g128:
+        pointers |= {"s2_ptr": "*fp16", "zero_ptr": "*fp16"}
+    consts = dict(G128=a.g128, HAS_ROWSUM=not a.g128, BLOCK_N=a.block_n, BLOCK_M=a.block_m,
+                  GROUPS_PER_STEP=a.groups_per_step, USE_SPLIT=False, FAST=True, PDL=0,
+                  ONE_ROW=a.block_m == 1 and not a.broadcast_m)
+    return compile_sass(gv._w4a8_gemv_kernel, pointers, consts, num_warps=a.warps), None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="kernel", required=True)
@@ -163,8 +176,16 @@ def main() -> None:
     kv.add_argument("--head-dim", type=int, default=128)
     kv.add_argument("--block-h", type=int, default=8)
     kv.add_argument("--warps", type=int, default=4)
+    gv = sub.add_parser("gemv", help="the W4A8 dp4a kernel for M <= 4 (w4a8_gemv.py)")
+    gv.add_argument("--g128", action="store_true", help="per-group weights (default per-channel)")
+    gv.add_argument("--block-n", type=int, default=16)
+    gv.add_argument("--block-m", type=int, default=1)
+    gv.add_argument("--groups-per-step", type=int, default=8)
+    gv.add_argument("--warps", type=int, default=4)
+    gv.add_argument("--broadcast-m", action="store_true", help="M = 1 through the general (rows, M, words) loop")
     a = p.parse_args()
-    result, tile_tokens = {"attention": attention, "act_quant": act_quant, "kv_write": kv_write}[a.kernel](a)
+    result, tile_tokens = {"attention": attention, "act_quant": act_quant, "kv_write": kv_write,
+                           "gemv": gemv}[a.kernel](a)
     total = len(re.findall(r"/\*[0-9a-f]{4,}\*/", result["sass"]))
     print(f"{a.kernel}: {result['regs']} registers, {result['stack']} bytes of stack, {total} instructions")
     for layout in result["layouts"]:

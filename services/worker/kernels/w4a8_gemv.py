@@ -100,35 +100,75 @@ def _load_step(
     return w, x_lo, x_hi, s2, z
 
 
-@triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT"])
-def _w4a8_gemv_kernel(
-    # pointers: x and qweight as int32 words
-    x_ptr, sx_ptr, rowsum_ptr, qw_ptr, s2_ptr, zero_ptr, col_scale_ptr, out_ptr, ws_ptr,
-    # sizes
-    M, N, K, GROUPS_PER_SPLIT,
-    # strides (x and qweight rows in words; s2 / zero rows in elements)
-    stride_xm, stride_qn, stride_sn, stride_om, stride_on,
-    # meta
-    G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    GROUPS_PER_STEP: tl.constexpr, USE_SPLIT: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr = 0,
+@triton.jit
+def _load_step_one_row(
+    qw_ptr, x_ptr, s2_ptr, zero_ptr, g0, g_end, rn, offs_g, offs_j, stride_qn, stride_sn, G128: tl.constexpr,
 ):
-    """acc (BLOCK_N, BLOCK_M) int32 over this program's K slice; BLOCK_M >= M (one program covers M).
+    """M = 1: the words of groups g0 + offs_g (those < g_end; the rest read as 0) as (BN, GPS, 16)
+    weights, (GPS, 16) x words of each group's low and high half, and for g128 (BN, GPS) s2 and z.
+    Group, word-in-group as two axes: s2 and z broadcast along the last one in registers."""
+    groups = g0 + offs_g
+    in_slice = groups < g_end
+    words = (g0 * 16 + offs_g * 16)[:, None] + offs_j[None, :]  # (GPS, 16): runs of 16 contiguous words
+    w = tl.load(qw_ptr + rn[:, None, None] * stride_qn + words[None, :, :], mask=in_slice[None, :, None], other=0)
+    # x words spelled per weight word (every row reads the same ones, from L1), so they arrive in
+    # the weights' register layout: a (GPS, 16) load would be moved through shared memory each step.
+    x_words = x_ptr + (rn * 0)[:, None, None] + ((groups * 32)[:, None] + offs_j[None, :])[None, :, :]
+    x_lo = tl.load(x_words, mask=in_slice[None, :, None], other=0)
+    x_hi = tl.load(x_words + 16, mask=in_slice[None, :, None], other=0)
+    if G128:
+        g_ptrs = rn[:, None] * stride_sn + groups[None, :]
+        s2 = tl.load(s2_ptr + g_ptrs, mask=in_slice[None, :], other=0).to(tl.int32)
+        z = tl.load(zero_ptr + g_ptrs, mask=in_slice[None, :], other=0).to(tl.int32)
+    else:
+        s2 = x_lo
+        z = x_lo
+    return w, x_lo, x_hi, s2, z
 
-    A step reads GROUPS_PER_STEP groups of 128: 16 weight words per group and row, the matching
-    x words for the low (first 64) and high (last 64) halves of each group.
-    """
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+
+@triton.jit
+def _one_row_sums(
+    qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
+    G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
+    FAST: tl.constexpr,
+):
+    """M = 1: (BLOCK_N,) int32 sums over groups g_start .. g_end - 1 (chn: less zero * sum x when
+    there is no rowsum), with no 3-D broadcast over M: the (BN, BM, C) tiles of the general loop
+    need a layout conversion through shared memory (and its barriers) every step."""
+    offs_g = tl.arange(0, GROUPS_PER_STEP)
+    offs_j = tl.arange(0, 16)
+    acc = tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32)
+    x_sum = tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32)  # every row holds the same sums
+    w, x_lo, x_hi, s2, z = _load_step_one_row(
+        qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_g, offs_j, stride_qn, stride_sn, G128)
+    for g0 in range(g_start, g_end, GROUPS_PER_STEP):
+        w_n, x_lo_n, x_hi_n, s2_n, z_n = _load_step_one_row(
+            qw_ptr, x_ptr, s2_ptr, zero_ptr, g0 + GROUPS_PER_STEP, g_end, rn, offs_g, offs_j, stride_qn, stride_sn, G128)
+        if G128:
+            x_word_sum = _byte_sum(x_hi, _byte_sum(x_lo, tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32), FAST), FAST)
+            dot = _dot_chn(w, x_lo, x_hi, tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32), FAST)
+            acc += s2[:, :, None] * dot - (s2 * z)[:, :, None] * x_word_sum
+        else:
+            acc = _dot_chn(w, x_lo, x_hi, acc, FAST)
+            if not HAS_ROWSUM:
+                x_sum = _byte_sum(x_hi, _byte_sum(x_lo, x_sum, FAST), FAST)
+        w, x_lo, x_hi, s2, z = w_n, x_lo_n, x_hi_n, s2_n, z_n
+    total = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if not G128 and not HAS_ROWSUM:
+        zero = tl.load(zero_ptr + rn).to(tl.int32)
+        total -= zero * tl.sum(tl.sum(x_sum, axis=2), axis=1)
+    return total
+
+
+@triton.jit
+def _many_row_sums(
+    x_ptr, qw_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_m, mask_m, offs_c, stride_qn, stride_xm, stride_sn,
+    G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    GROUPS_PER_STEP: tl.constexpr, FAST: tl.constexpr,
+):
+    """M > 1: (BLOCK_N, BLOCK_M) int32 sums over groups g_start .. g_end - 1, each weight word
+    broadcast over the BLOCK_M rows of x (chn: less zero * sum x when there is no rowsum)."""
     C: tl.constexpr = 16 * GROUPS_PER_STEP  # weight words per row per step
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_c = tl.arange(0, C)
-    rn = offs_n % N  # rows past N read a valid row, dropped at the store
-    mask_m = offs_m < M
-    g_start = pid_k * GROUPS_PER_SPLIT
-    g_end = min(g_start + GROUPS_PER_SPLIT, K // 128)
-    _overlap_entry(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M, C), dtype=tl.int32)
     x_sum = tl.zeros((BLOCK_M, C), dtype=tl.int32)
     # Software pipelining by one step: the next step's loads are issued before this step's math,
@@ -153,12 +193,48 @@ def _w4a8_gemv_kernel(
             if not HAS_ROWSUM:
                 x_sum = _byte_sum(x_hi, _byte_sum(x_lo, x_sum, FAST), FAST)
         w, x_lo, x_hi, s2, z = w_n, x_lo_n, x_hi_n, s2_n, z_n
-    _overlap_release(PDL)
     total = tl.sum(acc, axis=2)  # (BN, BM)
-    if not G128:
-        zero = tl.load(zero_ptr + rn).to(tl.float32)  # (BN,) integers in [0, 15]
-        if not HAS_ROWSUM:
-            total -= zero.to(tl.int32)[:, None] * tl.sum(x_sum, axis=1)[None, :]
+    if not G128 and not HAS_ROWSUM:
+        zero = tl.load(zero_ptr + rn).to(tl.int32)
+        total -= zero[:, None] * tl.sum(x_sum, axis=1)[None, :]
+    return total
+
+
+@triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT"])
+def _w4a8_gemv_kernel(
+    # pointers: x and qweight as int32 words
+    x_ptr, sx_ptr, rowsum_ptr, qw_ptr, s2_ptr, zero_ptr, col_scale_ptr, out_ptr, ws_ptr,
+    # sizes
+    M, N, K, GROUPS_PER_SPLIT,
+    # strides (x and qweight rows in words; s2 / zero rows in elements)
+    stride_xm, stride_qn, stride_sn, stride_om, stride_on,
+    # meta
+    G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    GROUPS_PER_STEP: tl.constexpr, USE_SPLIT: tl.constexpr, FAST: tl.constexpr, ONE_ROW: tl.constexpr,
+    PDL: tl.constexpr = 0,
+):
+    """(BLOCK_N, BLOCK_M) int32 sums over this program's K slice; BLOCK_M >= M (one program covers M).
+
+    A step reads GROUPS_PER_STEP groups of 128: 16 weight words per group and row, the matching
+    x words for the low (first 64) and high (last 64) halves of each group.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    rn = offs_n % N  # rows past N read a valid row, dropped at the store
+    mask_m = offs_m < M
+    g_start = pid_k * GROUPS_PER_SPLIT
+    g_end = min(g_start + GROUPS_PER_SPLIT, K // 128)
+    _overlap_entry(PDL)
+    if ONE_ROW:  # BLOCK_M == 1
+        total = _one_row_sums(qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
+                              G128, HAS_ROWSUM, BLOCK_N, GROUPS_PER_STEP, FAST)[:, None]
+    else:
+        total = _many_row_sums(
+            x_ptr, qw_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_m, mask_m, tl.arange(0, 16 * GROUPS_PER_STEP),
+            stride_qn, stride_xm, stride_sn, G128, HAS_ROWSUM, BLOCK_N, BLOCK_M, GROUPS_PER_STEP, FAST)
+    _overlap_release(PDL)
     out_mask = (offs_n < N)[:, None] & mask_m[None, :]
     if USE_SPLIT:
         ws_ptrs = ws_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None]
@@ -166,6 +242,7 @@ def _w4a8_gemv_kernel(
     else:
         y = total.to(tl.float32)
         if not G128 and HAS_ROWSUM:
+            zero = tl.load(zero_ptr + rn).to(tl.float32)  # (BN,) integers in [0, 15]
             y = y - tl.load(rowsum_ptr + offs_m, mask=mask_m, other=0).to(tl.float32)[None, :] * zero[:, None]
         sx = tl.load(sx_ptr + offs_m, mask=mask_m, other=0.0)
         y = y * sx[None, :] * tl.load(col_scale_ptr + rn).to(tl.float32)[:, None]
