@@ -109,12 +109,12 @@ def test_g128_full_int8_weight_range(variant: gemm.GemmVariant):
 def test_channel_rowsum_given_or_computed(name: str):
     from services.worker.kernels.act_quant import quantize
 
-    m, n, k = 3, 200, 640
+    variant = gemm.get_variant(name)
+    m, n, k = min(3, variant.max_m or 3), 200, 640
     weight = _weight("w4chn", n, k, seed=5)
     x = _activations(m, k, seed=6)
     x8, sx, rowsum = quantize(x)
     ref = reference_linear(weight)(x)
-    variant = gemm.get_variant(name)
     for rs in (rowsum, None):
         _assert_matches(gemm.w4a8_gemm(x8, sx, weight, rowsum=rs, variant=name, split_k=2), ref, variant)
 

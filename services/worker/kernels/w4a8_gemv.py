@@ -101,49 +101,67 @@ def _load_step(
 
 
 @triton.jit
-def _load_step_one_row(
-    qw_ptr, x_ptr, s2_ptr, zero_ptr, g0, g_end, rn, offs_g, offs_j, stride_qn, stride_sn, G128: tl.constexpr,
-):
-    """M = 1: the words of groups g0 + offs_g (those < g_end; the rest read as 0) as (BN, GPS, 16)
-    weights, (GPS, 16) x words of each group's low and high half, and for g128 (BN, GPS) s2 and z.
-    Group, word-in-group as two axes: s2 and z broadcast along the last one in registers."""
+def _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g0, g_end, rn, offs_g, offs_j, stride_qn, stride_sn,
+                         G128: tl.constexpr):
+    """M = 1: the weight words of groups g0 + offs_g (those < g_end; the rest read as 0) as
+    (BN, GPS, 16), and for g128 (BN, GPS) s2 and z. Group and word-in-group as two axes: s2 and z
+    broadcast along the last one in registers."""
     groups = g0 + offs_g
     in_slice = groups < g_end
     words = (g0 * 16 + offs_g * 16)[:, None] + offs_j[None, :]  # (GPS, 16): runs of 16 contiguous words
     w = tl.load(qw_ptr + rn[:, None, None] * stride_qn + words[None, :, :], mask=in_slice[None, :, None], other=0)
-    # x words spelled per weight word (every row reads the same ones, from L1), so they arrive in
-    # the weights' register layout: a (GPS, 16) load would be moved through shared memory each step.
-    x_words = x_ptr + (rn * 0)[:, None, None] + ((groups * 32)[:, None] + offs_j[None, :])[None, :, :]
-    x_lo = tl.load(x_words, mask=in_slice[None, :, None], other=0)
-    x_hi = tl.load(x_words + 16, mask=in_slice[None, :, None], other=0)
     if G128:
         g_ptrs = rn[:, None] * stride_sn + groups[None, :]
         s2 = tl.load(s2_ptr + g_ptrs, mask=in_slice[None, :], other=0).to(tl.int32)
         z = tl.load(zero_ptr + g_ptrs, mask=in_slice[None, :], other=0).to(tl.int32)
     else:
-        s2 = x_lo
-        z = x_lo
-    return w, x_lo, x_hi, s2, z
+        s2 = w
+        z = w
+    return w, s2, z
+
+
+@triton.jit
+def _x_step_one_row(x_ptr, g0, g_end, rn, offs_g, offs_j):
+    """M = 1: the x words of groups g0 + offs_g, low and high halves, spelled per weight word (every
+    row reads the same ones, from L1) so they arrive in the weights' register layout: a (GPS, 16)
+    load would be moved through shared memory each step."""
+    groups = g0 + offs_g
+    in_slice = (groups < g_end)[None, :, None]
+    x_words = x_ptr + (rn * 0)[:, None, None] + ((groups * 32)[:, None] + offs_j[None, :])[None, :, :]
+    return tl.load(x_words, mask=in_slice, other=0), tl.load(x_words + 16, mask=in_slice, other=0)
 
 
 @triton.jit
 def _one_row_sums(
     qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
     G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
-    FAST: tl.constexpr,
+    FAST: tl.constexpr, EARLY_WEIGHTS: tl.constexpr, PDL: tl.constexpr,
 ):
     """M = 1: (BLOCK_N,) int32 sums over groups g_start .. g_end - 1 (chn: less zero * sum x when
     there is no rowsum), with no 3-D broadcast over M: the (BN, BM, C) tiles of the general loop
-    need a layout conversion through shared memory (and its barriers) every step."""
+    need a layout conversion through shared memory (and its barriers) every step.
+
+    Waits for the kernel before (_overlap_entry) itself: with EARLY_WEIGHTS the first step's weight
+    words are requested before that wait (weights are never written by a kernel, x is), so under
+    PDL their DRAM latency overlaps the previous kernel's tail."""
     offs_g = tl.arange(0, GROUPS_PER_STEP)
     offs_j = tl.arange(0, 16)
     acc = tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32)
     x_sum = tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32)  # every row holds the same sums
-    w, x_lo, x_hi, s2, z = _load_step_one_row(
-        qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_g, offs_j, stride_qn, stride_sn, G128)
+    if EARLY_WEIGHTS:
+        w, s2, z = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_g, offs_j,
+                                        stride_qn, stride_sn, G128)
+        _overlap_entry(PDL)
+    else:
+        _overlap_entry(PDL)
+        w, s2, z = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_g, offs_j,
+                                        stride_qn, stride_sn, G128)
+    x_lo, x_hi = _x_step_one_row(x_ptr, g_start, g_end, rn, offs_g, offs_j)
+    # Software pipelining by one step, as in _many_row_sums.
     for g0 in range(g_start, g_end, GROUPS_PER_STEP):
-        w_n, x_lo_n, x_hi_n, s2_n, z_n = _load_step_one_row(
-            qw_ptr, x_ptr, s2_ptr, zero_ptr, g0 + GROUPS_PER_STEP, g_end, rn, offs_g, offs_j, stride_qn, stride_sn, G128)
+        w_n, s2_n, z_n = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g0 + GROUPS_PER_STEP, g_end, rn, offs_g,
+                                              offs_j, stride_qn, stride_sn, G128)
+        x_lo_n, x_hi_n = _x_step_one_row(x_ptr, g0 + GROUPS_PER_STEP, g_end, rn, offs_g, offs_j)
         if G128:
             x_word_sum = _byte_sum(x_hi, _byte_sum(x_lo, tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32), FAST), FAST)
             dot = _dot_chn(w, x_lo, x_hi, tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32), FAST)
@@ -210,8 +228,8 @@ def _w4a8_gemv_kernel(
     stride_xm, stride_qn, stride_sn, stride_om, stride_on,
     # meta
     G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    GROUPS_PER_STEP: tl.constexpr, USE_SPLIT: tl.constexpr, FAST: tl.constexpr, ONE_ROW: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    GROUPS_PER_STEP: tl.constexpr, USE_SPLIT: tl.constexpr, FAST: tl.constexpr,
+    EARLY_WEIGHTS: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     """(BLOCK_N, BLOCK_M) int32 sums over this program's K slice; BLOCK_M >= M (one program covers M).
 
@@ -226,11 +244,11 @@ def _w4a8_gemv_kernel(
     mask_m = offs_m < M
     g_start = pid_k * GROUPS_PER_SPLIT
     g_end = min(g_start + GROUPS_PER_SPLIT, K // 128)
-    _overlap_entry(PDL)
-    if ONE_ROW:  # BLOCK_M == 1
+    if BLOCK_M == 1:
         total = _one_row_sums(qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
-                              G128, HAS_ROWSUM, BLOCK_N, GROUPS_PER_STEP, FAST)[:, None]
+                              G128, HAS_ROWSUM, BLOCK_N, GROUPS_PER_STEP, FAST, EARLY_WEIGHTS, PDL)[:, None]
     else:
+        _overlap_entry(PDL)
         total = _many_row_sums(
             x_ptr, qw_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_m, mask_m, tl.arange(0, 16 * GROUPS_PER_STEP),
             stride_qn, stride_xm, stride_sn, G128, HAS_ROWSUM, BLOCK_N, BLOCK_M, GROUPS_PER_STEP, FAST)
