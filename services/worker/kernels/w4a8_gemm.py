@@ -312,9 +312,6 @@ class GemmVariant:
     swar: bool = False  # g128 on the GPU: (q - z) * s2 on 4 bytes per register (see the module doc)
     gemv: bool = False  # no tensor cores: dp4a on CUDA cores, one program covers M <= block_m (w4a8_gemv.py)
     groups_per_step: int = 1  # gemv: 128-groups of K read per loop step
-    # gemv at M = 1: request the first (1) or first two (2) steps' weight words before waiting for
-    # the kernel before (PDL), so their latency overlaps its tail (w4a8_gemv._one_row_sums).
-    early_weights: int = 0
     max_m: int | None = None
     group_m: int = 8
     # Register cap per thread (ptxas .maxnreg). An 8-warp n128m128 tile compiles to 128-149 registers
@@ -346,14 +343,12 @@ def _v(name: str, kind: str, bn: int, bm: int, warps: int, stages: int, **kw) ->
     return GemmVariant(name, kind, bn, bm, warps, stages, **kw)
 
 
-def _gemv(kind: str, bn: int, bm: int, groups_per_step: int, warps: int = 4, early: int = 0) -> GemmVariant:
+def _gemv(kind: str, bn: int, bm: int, groups_per_step: int, warps: int = 4) -> GemmVariant:
     prefix = "g128" if kind == G128 else "chn"
-    name = (f"{prefix}.gemv.n{bn}m{bm}g{groups_per_step}" + (f".w{warps}" if warps != 4 else "")
-            + {0: "", 1: ".early", 2: ".early2"}[early])
+    name = f"{prefix}.gemv.n{bn}m{bm}g{groups_per_step}" + (f".w{warps}" if warps != 4 else "")
     # No automatic split-K: on the H200 its second (epilogue) launch cost more than the extra
     # programs gained at every Llama-2-7B shape; an explicit split_k still works.
-    return GemmVariant(name, kind, bn, bm, warps, 3, gemv=True, groups_per_step=groups_per_step, max_m=bm,
-                       early_weights=early)
+    return GemmVariant(name, kind, bn, bm, warps, 3, gemv=True, groups_per_step=groups_per_step, max_m=bm)
 
 
 G128, CHN = KINDS
@@ -396,9 +391,6 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # Decode at batch 1..4: a weight stream with dp4a, no MMA tile padding M to 16.
     *(_gemv(kind, bn, bm, gps) for kind in KINDS
       for bn, bm, gps in ((4, 1, 16), (8, 1, 16), (16, 1, 8), (32, 1, 4), (8, 4, 4))),
-    *(_gemv(kind, 4, 1, 16, warps=2, early=early) for kind in KINDS for early in (0, 1)),
-    *(_gemv(kind, bn, 1, gps, early=early) for kind in KINDS for bn, gps in ((4, 16), (8, 16), (16, 8), (32, 4))
-      for early in (1, 2)),
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 
@@ -652,7 +644,6 @@ def w4a8_gemv(
         x32.stride(0), qw32.stride(0), s2.stride(0), out.stride(0), out.stride(1),
         G128=g128, HAS_ROWSUM=rowsum is not None, BLOCK_N=variant.block_n, BLOCK_M=variant.block_m,
         GROUPS_PER_STEP=variant.groups_per_step, USE_SPLIT=split > 1, FAST=x8.is_cuda,
-        EARLY_WEIGHTS=variant.early_weights,
         **variant.launch_options, **launch_kwargs(x8.device, M),
     )
     if split > 1:

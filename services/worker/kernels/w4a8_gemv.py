@@ -135,41 +135,30 @@ def _x_step_one_row(x_ptr, g0, g_end, rn, offs_g, offs_j):
 def _one_row_sums(
     qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
     G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
-    FAST: tl.constexpr, EARLY_WEIGHTS: tl.constexpr, PDL: tl.constexpr,
+    FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """M = 1: (BLOCK_N,) int32 sums over groups g_start .. g_end - 1 (chn: less zero * sum x when
     there is no rowsum), with no 3-D broadcast over M: the (BN, BM, C) tiles of the general loop
     need a layout conversion through shared memory (and its barriers) every step.
 
-    Waits for the kernel before (_overlap_entry) itself: with EARLY_WEIGHTS = 1 (2) the first
-    (two) step's weight words are requested before that wait (weights are never written by a
-    kernel, x is), so under PDL their DRAM latency overlaps the previous kernel's tail."""
+    Waits for the kernel before (_overlap_entry) itself, after requesting the first step's weight
+    words: weights are never written by a kernel (x is), so under PDL their DRAM latency overlaps
+    the previous kernel's tail. H200 (session 22, graph of 4 calls, bench/kernels.py): 2-7% at
+    every Llama-2-7B shape, e.g. chn 4096x4096 5.98 -> 5.66 us, 12288x4096 11.35 -> 10.86; the
+    first two steps before the wait (more registers) won nothing more.
+    """
     offs_g = tl.arange(0, GROUPS_PER_STEP)
     offs_j = tl.arange(0, 16)
     acc = tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32)
     x_sum = tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32)  # every row holds the same sums
-    if EARLY_WEIGHTS > 0:
-        w, s2, z = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_g, offs_j,
-                                        stride_qn, stride_sn, G128)
-    if EARLY_WEIGHTS > 1:  # the second step's words too: two steps of weights in flight from here on
-        w_a, s2_a, z_a = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g_start + GROUPS_PER_STEP, g_end, rn,
-                                              offs_g, offs_j, stride_qn, stride_sn, G128)
+    w, s2, z = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_g, offs_j,
+                                    stride_qn, stride_sn, G128)
     _overlap_entry(PDL)
-    if EARLY_WEIGHTS == 0:
-        w, s2, z = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_g, offs_j,
-                                        stride_qn, stride_sn, G128)
-    if EARLY_WEIGHTS < 2:
-        w_a, s2_a, z_a = w, s2, z  # unused
     x_lo, x_hi = _x_step_one_row(x_ptr, g_start, g_end, rn, offs_g, offs_j)
-    # Software pipelining by one step (two for EARLY_WEIGHTS = 2), as in _many_row_sums.
+    # Software pipelining by one step, as in _many_row_sums.
     for g0 in range(g_start, g_end, GROUPS_PER_STEP):
-        if EARLY_WEIGHTS > 1:
-            w_n, s2_n, z_n = w_a, s2_a, z_a
-            w_a, s2_a, z_a = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g0 + 2 * GROUPS_PER_STEP, g_end, rn,
-                                                  offs_g, offs_j, stride_qn, stride_sn, G128)
-        else:
-            w_n, s2_n, z_n = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g0 + GROUPS_PER_STEP, g_end, rn,
-                                                  offs_g, offs_j, stride_qn, stride_sn, G128)
+        w_n, s2_n, z_n = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g0 + GROUPS_PER_STEP, g_end, rn,
+                                              offs_g, offs_j, stride_qn, stride_sn, G128)
         x_lo_n, x_hi_n = _x_step_one_row(x_ptr, g0 + GROUPS_PER_STEP, g_end, rn, offs_g, offs_j)
         if G128:
             x_word_sum = _byte_sum(x_hi, _byte_sum(x_lo, tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32), FAST), FAST)
@@ -238,7 +227,7 @@ def _w4a8_gemv_kernel(
     # meta
     G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     GROUPS_PER_STEP: tl.constexpr, USE_SPLIT: tl.constexpr, FAST: tl.constexpr,
-    EARLY_WEIGHTS: tl.constexpr = 0, PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0,
 ):
     """(BLOCK_N, BLOCK_M) int32 sums over this program's K slice; BLOCK_M >= M (one program covers M).
 
@@ -255,7 +244,7 @@ def _w4a8_gemv_kernel(
     g_end = min(g_start + GROUPS_PER_SPLIT, K // 128)
     if BLOCK_M == 1:
         total = _one_row_sums(qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
-                              G128, HAS_ROWSUM, BLOCK_N, GROUPS_PER_STEP, FAST, EARLY_WEIGHTS, PDL)[:, None]
+                              G128, HAS_ROWSUM, BLOCK_N, GROUPS_PER_STEP, FAST, PDL)[:, None]
     else:
         _overlap_entry(PDL)
         total = _many_row_sums(
