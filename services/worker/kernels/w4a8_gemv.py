@@ -8,8 +8,12 @@ instructions (sum of 4 byte products into int32), so the loop is loads plus a fe
 
     chn:  acc = sum x8 * q                  (the zero term as in the tensor-core kernel)
     g128: acc = sum x8 * ((q - z) * s2)     computed per word as s2 * (sum x8 * q - z * sum x8):
-          the chn dot of the unsigned nibbles, corrected by the word's x byte sum (shared by every
-          row), so no int8 weight is built (the SWAR (q - z) * s2 per word cost ~30% more time)
+          the chn dot of the unsigned nibbles, corrected by the word's x byte sum, so no int8
+          weight is built (the SWAR (q - z) * s2 per word cost ~30% more time)
+
+M = 1 (_one_row_sums) and M = 2..4 (_many_row_sums) take different tilings: broadcasting each
+weight word over M rows of x costs a layout change through shared memory per step, which at
+M = 1 is pure overhead.
 
 The sums are the same exact int32 values as the reference; the epilogue (or the split-K
 workspace and its epilogue kernel) is shared with w4a8_gemm.py. In the interpreter the byte
