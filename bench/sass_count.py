@@ -143,12 +143,14 @@ def gemv(a):
     if not a.g128:
         pointers |= {"s2_ptr": "*fp16", "zero_ptr": "*fp16"}
     consts = dict(G128=a.g128, HAS_ROWSUM=not a.g128, BLOCK_N=a.block_n, BLOCK_M=a.block_m,
-                  GROUPS_PER_STEP=a.groups_per_step, USE_SPLIT=False, FAST=True, PDL=0)
+                  GROUPS_PER_STEP=a.groups_per_step, USE_SPLIT=False, FAST=True, PDL=0,
+                  ROW_ACCUMULATORS=a.row_accumulators)
     return compile_sass(gv._w4a8_gemv_kernel, pointers, consts, num_warps=a.warps), None
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--loop-min", type=int, default=LOOP_MIN, help="shortest loop to report (instructions)")
     sub = p.add_subparsers(dest="kernel", required=True)
     att = sub.add_parser("attention", help="the KV4 decode 'fma' kernel (or with --mma the 'mma' one)")
     att.add_argument("--group", type=int, default=1)
@@ -181,6 +183,7 @@ def main() -> None:
     gv.add_argument("--block-m", type=int, default=1)
     gv.add_argument("--groups-per-step", type=int, default=8)
     gv.add_argument("--warps", type=int, default=4)
+    gv.add_argument("--row-accumulators", action="store_true", help="M > 1 with one accumulator per row (.acc)")
     a = p.parse_args()
     result, tile_tokens = {"attention": attention, "act_quant": act_quant, "kv_write": kv_write,
                            "gemv": gemv}[a.kernel](a)
@@ -188,7 +191,7 @@ def main() -> None:
     print(f"{a.kernel}: {result['regs']} registers, {result['stack']} bytes of stack, {total} instructions")
     for layout in result["layouts"]:
         print(f"  layout {layout}")
-    for body in (b for b in loops(result["sass"]) if len(b) >= LOOP_MIN):
+    for body in (b for b in loops(result["sass"]) if len(b) >= a.loop_min):
         per = f" ({len(body) * 32 / tile_tokens:.0f} per 32 tokens)" if tile_tokens else ""
         mix = collections.Counter(ins.split()[0] for ins in body).most_common(12)
         print(f"  loop of {len(body)} instructions{per}: " + " ".join(f"{op} {n}" for op, n in mix))

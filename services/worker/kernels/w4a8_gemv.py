@@ -11,9 +11,9 @@ instructions (sum of 4 byte products into int32), so the loop is loads plus a fe
           the chn dot of the unsigned nibbles, corrected by the word's x byte sum, so no int8
           weight is built (the SWAR (q - z) * s2 per word cost ~30% more time)
 
-M = 1 (_one_row_sums) and M = 2..4 (_many_row_sums) take different tilings: broadcasting each
-weight word over M rows of x costs a layout change through shared memory per step, which at
-M = 1 is pure overhead.
+M = 1 (_row_sums) and M = 2..4 (_many_row_sums, or _row_sums for the `.acc` variants) take
+different tilings: broadcasting each weight word over M rows of x costs a layout change through
+shared memory per step, which at M = 1 is pure overhead.
 
 The sums are the same exact int32 values as the reference; the epilogue (or the split-K
 workspace and its epilogue kernel) is shared with w4a8_gemm.py. In the interpreter the byte
@@ -107,7 +107,7 @@ def _load_step(
 @triton.jit
 def _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g0, g_end, rn, offs_g, offs_j, stride_qn, stride_sn,
                          G128: tl.constexpr):
-    """M = 1: the weight words of groups g0 + offs_g (those < g_end; the rest read as 0) as
+    """The weight words of groups g0 + offs_g (those < g_end; the rest read as 0) as
     (BN, GPS, 16), and for g128 (BN, GPS) s2 and z. Group and word-in-group as two axes: s2 and z
     broadcast along the last one in registers."""
     groups = g0 + offs_g
@@ -126,9 +126,9 @@ def _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g0, g_end, rn, offs_g, offs_j
 
 @triton.jit
 def _x_step_one_row(x_ptr, g0, g_end, rn, offs_g, offs_j):
-    """M = 1: the x words of groups g0 + offs_g, low and high halves, spelled per weight word (every
-    row reads the same ones, from L1) so they arrive in the weights' register layout: a (GPS, 16)
-    load would be moved through shared memory each step."""
+    """One row of x: the words of groups g0 + offs_g, low and high halves, spelled per weight word
+    (every weight row reads the same ones, from L1) so they arrive in the weights' register
+    layout: a (GPS, 16) load would be moved through shared memory each step."""
     groups = g0 + offs_g
     in_slice = (groups < g_end)[None, :, None]
     x_words = x_ptr + (rn * 0)[:, None, None] + ((groups * 32)[:, None] + offs_j[None, :])[None, :, :]
@@ -136,47 +136,98 @@ def _x_step_one_row(x_ptr, g0, g_end, rn, offs_g, offs_j):
 
 
 @triton.jit
-def _one_row_sums(
-    qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
-    G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
-    FAST: tl.constexpr, PDL: tl.constexpr,
-):
-    """M = 1: (BLOCK_N,) int32 sums over groups g_start .. g_end - 1 (chn: less zero * sum x when
-    there is no rowsum), with no 3-D broadcast over M: the (BN, BM, C) tiles of the general loop
-    need a layout conversion through shared memory (and its barriers) every step.
+def _accumulate(w, s2, z, x_lo, x_hi, acc, x_sum, G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, FAST: tl.constexpr):
+    """One step of one row of x against the weight words w (BN, GPS, 16)."""
+    if G128:
+        x_word_sum = _byte_sum(x_hi, _byte_sum(x_lo, tl.zeros_like(acc), FAST), FAST)
+        dot = _dot_chn(w, x_lo, x_hi, tl.zeros_like(acc), FAST)
+        acc += s2[:, :, None] * dot - (s2 * z)[:, :, None] * x_word_sum
+    else:
+        acc = _dot_chn(w, x_lo, x_hi, acc, FAST)
+        if not HAS_ROWSUM:
+            x_sum = _byte_sum(x_hi, _byte_sum(x_lo, x_sum, FAST), FAST)
+    return acc, x_sum
 
-    Waits for the kernel before (_overlap_entry) itself, after requesting the first step's weight
-    words: weights are never written by a kernel (x is), so under PDL their DRAM latency overlaps
-    the previous kernel's tail. H200 (session 22, graph of 4 calls, bench/kernels.py): 2-7% at
-    every Llama-2-7B shape, e.g. chn 4096x4096 5.98 -> 5.66 us, 12288x4096 11.35 -> 10.86; the
-    first two steps before the wait (more registers) won nothing more.
-    """
-    offs_g = tl.arange(0, GROUPS_PER_STEP)
-    offs_j = tl.arange(0, 16)
-    acc = tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32)
-    x_sum = tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32)  # every row holds the same sums
-    w, s2, z = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_g, offs_j,
-                                    stride_qn, stride_sn, G128)
-    _overlap_entry(PDL)
-    x_lo, x_hi = _x_step_one_row(x_ptr, g_start, g_end, rn, offs_g, offs_j)
-    # Software pipelining by one step, as in _many_row_sums.
-    for g0 in range(g_start, g_end, GROUPS_PER_STEP):
-        w_n, s2_n, z_n = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g0 + GROUPS_PER_STEP, g_end, rn,
-                                              offs_g, offs_j, stride_qn, stride_sn, G128)
-        x_lo_n, x_hi_n = _x_step_one_row(x_ptr, g0 + GROUPS_PER_STEP, g_end, rn, offs_g, offs_j)
-        if G128:
-            x_word_sum = _byte_sum(x_hi, _byte_sum(x_lo, tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32), FAST), FAST)
-            dot = _dot_chn(w, x_lo, x_hi, tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32), FAST)
-            acc += s2[:, :, None] * dot - (s2 * z)[:, :, None] * x_word_sum
-        else:
-            acc = _dot_chn(w, x_lo, x_hi, acc, FAST)
-            if not HAS_ROWSUM:
-                x_sum = _byte_sum(x_hi, _byte_sum(x_lo, x_sum, FAST), FAST)
-        w, x_lo, x_hi, s2, z = w_n, x_lo_n, x_hi_n, s2_n, z_n
+
+@triton.jit
+def _row_total(acc, x_sum, zero_ptr, rn, G128: tl.constexpr, HAS_ROWSUM: tl.constexpr):
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
     if not G128 and not HAS_ROWSUM:
         zero = tl.load(zero_ptr + rn).to(tl.int32)
         total -= zero * tl.sum(tl.sum(x_sum, axis=2), axis=1)
+    return total
+
+
+@triton.jit
+def _row_sums(
+    qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, M, stride_qn, stride_xm, stride_sn,
+    G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    GROUPS_PER_STEP: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+):
+    """M <= BLOCK_M <= 4: (BLOCK_N, BLOCK_M) int32 sums over groups g_start .. g_end - 1 (chn: less
+    zero * sum x when there is no rowsum), one accumulator per row of x, so no tile is broadcast
+    over M: the (BN, BM, C) tiles of _many_row_sums need a layout conversion through shared memory
+    (and its barriers) every step. The M = 1 path of every gemv variant; for M <= 4 the `.acc`
+    variants' (unmeasured on the GPU when written, session 22: the policy table decides).
+
+    Waits for the kernel before (_overlap_entry) itself, after requesting the first step's weight
+    words: weights are never written by a kernel (x is), so under PDL their DRAM latency overlaps
+    the previous kernel's tail. H200 (session 22, graph of 4 calls, bench/kernels.py): 2-7% at
+    every Llama-2-7B shape at M = 1, e.g. chn 4096x4096 5.98 -> 5.66 us, 12288x4096 11.35 -> 10.86;
+    the first two steps before the wait (more registers) won nothing more.
+    """
+    tl.static_assert(BLOCK_M <= 4, "one accumulator per row: at most 4 rows")
+    offs_g = tl.arange(0, GROUPS_PER_STEP)
+    offs_j = tl.arange(0, 16)
+    acc0 = tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32)
+    acc1, acc2, acc3 = acc0, acc0, acc0
+    # x sums (chn without a rowsum): every weight row holds the same ones
+    x_sum0, x_sum1, x_sum2, x_sum3 = acc0, acc0, acc0, acc0
+    w, s2, z = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_g, offs_j,
+                                    stride_qn, stride_sn, G128)
+    _overlap_entry(PDL)
+    x0_lo, x0_hi = _x_step_one_row(x_ptr, g_start, g_end, rn, offs_g, offs_j)
+    x1_lo, x1_hi, x2_lo, x2_hi, x3_lo, x3_hi = x0_lo, x0_hi, x0_lo, x0_hi, x0_lo, x0_hi
+    # Rows past M read row M - 1 (valid memory); their sums are dropped at the store.
+    x1_ptr = x_ptr + min(1, M - 1) * stride_xm
+    x2_ptr = x_ptr + min(2, M - 1) * stride_xm
+    x3_ptr = x_ptr + min(3, M - 1) * stride_xm
+    if BLOCK_M > 1:
+        x1_lo, x1_hi = _x_step_one_row(x1_ptr, g_start, g_end, rn, offs_g, offs_j)
+    if BLOCK_M > 2:
+        x2_lo, x2_hi = _x_step_one_row(x2_ptr, g_start, g_end, rn, offs_g, offs_j)
+    if BLOCK_M > 3:
+        x3_lo, x3_hi = _x_step_one_row(x3_ptr, g_start, g_end, rn, offs_g, offs_j)
+    # Software pipelining by one step, as in _many_row_sums.
+    for g0 in range(g_start, g_end, GROUPS_PER_STEP):
+        g_next = g0 + GROUPS_PER_STEP
+        w_n, s2_n, z_n = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g_next, g_end, rn,
+                                              offs_g, offs_j, stride_qn, stride_sn, G128)
+        x0_lo_n, x0_hi_n = _x_step_one_row(x_ptr, g_next, g_end, rn, offs_g, offs_j)
+        acc0, x_sum0 = _accumulate(w, s2, z, x0_lo, x0_hi, acc0, x_sum0, G128, HAS_ROWSUM, FAST)
+        x0_lo, x0_hi = x0_lo_n, x0_hi_n
+        if BLOCK_M > 1:
+            x1_lo_n, x1_hi_n = _x_step_one_row(x1_ptr, g_next, g_end, rn, offs_g, offs_j)
+            acc1, x_sum1 = _accumulate(w, s2, z, x1_lo, x1_hi, acc1, x_sum1, G128, HAS_ROWSUM, FAST)
+            x1_lo, x1_hi = x1_lo_n, x1_hi_n
+        if BLOCK_M > 2:
+            x2_lo_n, x2_hi_n = _x_step_one_row(x2_ptr, g_next, g_end, rn, offs_g, offs_j)
+            acc2, x_sum2 = _accumulate(w, s2, z, x2_lo, x2_hi, acc2, x_sum2, G128, HAS_ROWSUM, FAST)
+            x2_lo, x2_hi = x2_lo_n, x2_hi_n
+        if BLOCK_M > 3:
+            x3_lo_n, x3_hi_n = _x_step_one_row(x3_ptr, g_next, g_end, rn, offs_g, offs_j)
+            acc3, x_sum3 = _accumulate(w, s2, z, x3_lo, x3_hi, acc3, x_sum3, G128, HAS_ROWSUM, FAST)
+            x3_lo, x3_hi = x3_lo_n, x3_hi_n
+        w, s2, z = w_n, s2_n, z_n
+    total = _row_total(acc0, x_sum0, zero_ptr, rn, G128, HAS_ROWSUM)[:, None]
+    if BLOCK_M > 1:
+        offs_m = tl.arange(0, BLOCK_M)[None, :]
+        total = tl.where(offs_m == 0, total, 0)
+        total = tl.where(offs_m == 1, _row_total(acc1, x_sum1, zero_ptr, rn, G128, HAS_ROWSUM)[:, None], total)
+        if BLOCK_M > 2:
+            total = tl.where(offs_m == 2, _row_total(acc2, x_sum2, zero_ptr, rn, G128, HAS_ROWSUM)[:, None], total)
+        if BLOCK_M > 3:
+            total = tl.where(offs_m == 3, _row_total(acc3, x_sum3, zero_ptr, rn, G128, HAS_ROWSUM)[:, None], total)
     return total
 
 
@@ -231,7 +282,7 @@ def _w4a8_gemv_kernel(
     # meta
     G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     GROUPS_PER_STEP: tl.constexpr, USE_SPLIT: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    ROW_ACCUMULATORS: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     """(BLOCK_N, BLOCK_M) int32 sums over this program's K slice; BLOCK_M >= M (one program covers M).
 
@@ -246,9 +297,9 @@ def _w4a8_gemv_kernel(
     mask_m = offs_m < M
     g_start = pid_k * GROUPS_PER_SPLIT
     g_end = min(g_start + GROUPS_PER_SPLIT, K // 128)
-    if BLOCK_M == 1:
-        total = _one_row_sums(qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
-                              G128, HAS_ROWSUM, BLOCK_N, GROUPS_PER_STEP, FAST, PDL)[:, None]
+    if BLOCK_M == 1 or ROW_ACCUMULATORS:
+        total = _row_sums(qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, M, stride_qn, stride_xm, stride_sn,
+                          G128, HAS_ROWSUM, BLOCK_N, BLOCK_M, GROUPS_PER_STEP, FAST, PDL)
     else:
         _overlap_entry(PDL)
         total = _many_row_sums(
