@@ -150,6 +150,15 @@ def _accumulate(w, s2, z, x_lo, x_hi, acc, x_sum, G128: tl.constexpr, HAS_ROWSUM
 
 
 @triton.jit
+def _row_step(w, s2, z, x_lo, x_hi, acc, x_sum, x_row_ptr, g_next, g_end, rn, offs_g, offs_j,
+              G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, FAST: tl.constexpr):
+    """One row of x in one step: its next step's words requested, this step's accumulated."""
+    x_lo_next, x_hi_next = _x_step_one_row(x_row_ptr, g_next, g_end, rn, offs_g, offs_j)
+    acc, x_sum = _accumulate(w, s2, z, x_lo, x_hi, acc, x_sum, G128, HAS_ROWSUM, FAST)
+    return acc, x_sum, x_lo_next, x_hi_next
+
+
+@triton.jit
 def _row_total(acc, x_sum, zero_ptr, rn, G128: tl.constexpr, HAS_ROWSUM: tl.constexpr):
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
     if not G128 and not HAS_ROWSUM:
@@ -203,21 +212,17 @@ def _row_sums(
         g_next = g0 + GROUPS_PER_STEP
         w_n, s2_n, z_n = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g_next, g_end, rn,
                                               offs_g, offs_j, stride_qn, stride_sn, G128)
-        x0_lo_n, x0_hi_n = _x_step_one_row(x_ptr, g_next, g_end, rn, offs_g, offs_j)
-        acc0, x_sum0 = _accumulate(w, s2, z, x0_lo, x0_hi, acc0, x_sum0, G128, HAS_ROWSUM, FAST)
-        x0_lo, x0_hi = x0_lo_n, x0_hi_n
+        acc0, x_sum0, x0_lo, x0_hi = _row_step(w, s2, z, x0_lo, x0_hi, acc0, x_sum0, x_ptr, g_next, g_end, rn,
+                                               offs_g, offs_j, G128, HAS_ROWSUM, FAST)
         if BLOCK_M > 1:
-            x1_lo_n, x1_hi_n = _x_step_one_row(x1_ptr, g_next, g_end, rn, offs_g, offs_j)
-            acc1, x_sum1 = _accumulate(w, s2, z, x1_lo, x1_hi, acc1, x_sum1, G128, HAS_ROWSUM, FAST)
-            x1_lo, x1_hi = x1_lo_n, x1_hi_n
+            acc1, x_sum1, x1_lo, x1_hi = _row_step(w, s2, z, x1_lo, x1_hi, acc1, x_sum1, x1_ptr, g_next, g_end, rn,
+                                                   offs_g, offs_j, G128, HAS_ROWSUM, FAST)
         if BLOCK_M > 2:
-            x2_lo_n, x2_hi_n = _x_step_one_row(x2_ptr, g_next, g_end, rn, offs_g, offs_j)
-            acc2, x_sum2 = _accumulate(w, s2, z, x2_lo, x2_hi, acc2, x_sum2, G128, HAS_ROWSUM, FAST)
-            x2_lo, x2_hi = x2_lo_n, x2_hi_n
+            acc2, x_sum2, x2_lo, x2_hi = _row_step(w, s2, z, x2_lo, x2_hi, acc2, x_sum2, x2_ptr, g_next, g_end, rn,
+                                                   offs_g, offs_j, G128, HAS_ROWSUM, FAST)
         if BLOCK_M > 3:
-            x3_lo_n, x3_hi_n = _x_step_one_row(x3_ptr, g_next, g_end, rn, offs_g, offs_j)
-            acc3, x_sum3 = _accumulate(w, s2, z, x3_lo, x3_hi, acc3, x_sum3, G128, HAS_ROWSUM, FAST)
-            x3_lo, x3_hi = x3_lo_n, x3_hi_n
+            acc3, x_sum3, x3_lo, x3_hi = _row_step(w, s2, z, x3_lo, x3_hi, acc3, x_sum3, x3_ptr, g_next, g_end, rn,
+                                                   offs_g, offs_j, G128, HAS_ROWSUM, FAST)
         w, s2, z = w_n, s2_n, z_n
     total = _row_total(acc0, x_sum0, zero_ptr, rn, G128, HAS_ROWSUM)[:, None]
     if BLOCK_M > 1:
