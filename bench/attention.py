@@ -82,19 +82,22 @@ PV_MMA_SWEEP_GROUP8 = [_cfg("mma", 32, 1, False, None, heads_per_program=4, pv_m
 # The query heads as the score MMA's rows (paged_attention_head_rows.py): 587 instructions per tile
 # for 8 heads at 128 registers with Triton 3.6, against 2 x ~1100 for the group-8 default.
 HEAD_ROWS_SWEEP = [_cfg("mma", 32, 1, False, None, head_rows=True), _cfg("mma", 32, 1, False, 128, head_rows=True)]
-# head_rows with prefetch at the defaults' partitions (session 21, attention_head_rows_prefetch.json):
-# the 128-register cap became the default for groups 4 and 8; uncapped lost at long contexts.
-HEAD_ROWS_PREFETCH = [_cfg("mma", 32, 1, True, cap, partition_size=256, head_rows=True, max_partition_size=grow)
-                      for cap in (128, None) for grow in (512, 1024)]
+
+
+def _head_rows(prefetch: bool, maxnreg: int | None, grow: int):
+    """The head-rows kernel at the defaults' partitions: 256, doubling up to `grow`."""
+    return _cfg("mma", 32, 1, prefetch, maxnreg, partition_size=256, head_rows=True, max_partition_size=grow)
+
+
 # --check-defaults: each group's previous default and the runner-up (group 2: head_rows, its lanes
-# three quarters idle), timed against today's default.
-HEAD_ROWS_NO_PREFETCH = {grow: _cfg("mma", 32, 1, False, None, partition_size=256, head_rows=True, max_partition_size=grow)
-                         for grow in (512, 1024)}
+# three quarters idle; groups 4 and 8: head_rows with prefetch uncapped, which lost at long
+# contexts in session 21, attention_head_rows_prefetch.json), timed against today's default.
 DEFAULTS_CHECK_SWEEP = {
     1: [_cfg("mma", 32, 1, True, 128, whole_context=True, page_ahead=True)],
     2: [_cfg("mma", 32, 1, False, None, head_rows=True, max_partition_size=1024)],
-    4: [HEAD_ROWS_NO_PREFETCH[1024], _cfg("mma", 32, 1, True, 168, page_ahead=True, pv_mma=True), HEAD_ROWS_PREFETCH[3]],
-    8: [HEAD_ROWS_NO_PREFETCH[512], _cfg("mma", 32, 1, False, None, heads_per_program=4), HEAD_ROWS_PREFETCH[2]],
+    4: [_head_rows(False, None, 1024), _cfg("mma", 32, 1, True, 168, page_ahead=True, pv_mma=True),
+        _head_rows(True, None, 1024)],
+    8: [_head_rows(False, None, 512), _cfg("mma", 32, 1, False, None, heads_per_program=4), _head_rows(True, None, 512)],
 }
 PARTITIONS = [256, 512, 768, 1024, 2048]
 GRAPH_COPIES = 4  # input copies per timed decode graph (see Bench.time_graph_ms)
