@@ -143,8 +143,7 @@ def gemv(a):
     if not a.g128:
         pointers |= {"s2_ptr": "*fp16", "zero_ptr": "*fp16"}
     consts = dict(G128=a.g128, HAS_ROWSUM=not a.g128, BLOCK_N=a.block_n, BLOCK_M=a.block_m,
-                  GROUPS_PER_STEP=a.groups_per_step, USE_SPLIT=False, FAST=True, PDL=0,
-                  ROW_ACCUMULATORS=a.row_accumulators)
+                  GROUPS_PER_STEP=a.groups_per_step, USE_SPLIT=False, FAST=True, PDL=0)
     return compile_sass(gv._w4a8_gemv_kernel, pointers, consts, num_warps=a.warps), None
 
 
@@ -183,7 +182,6 @@ def main() -> None:
     gv.add_argument("--block-m", type=int, default=1)
     gv.add_argument("--groups-per-step", type=int, default=8)
     gv.add_argument("--warps", type=int, default=4)
-    gv.add_argument("--row-accumulators", action="store_true", help="M > 1 with one accumulator per row (.acc)")
     a = p.parse_args()
     result, tile_tokens = {"attention": attention, "act_quant": act_quant, "kv_write": kv_write,
                            "gemv": gemv}[a.kernel](a)

@@ -312,9 +312,6 @@ class GemmVariant:
     swar: bool = False  # g128 on the GPU: (q - z) * s2 on 4 bytes per register (see the module doc)
     gemv: bool = False  # no tensor cores: dp4a on CUDA cores, one program covers M <= block_m (w4a8_gemv.py)
     groups_per_step: int = 1  # gemv: 128-groups of K read per loop step
-    # gemv with M > 1: one accumulator per row of x instead of a (rows, M, words) tile broadcast
-    # over M, which changes layout through shared memory every step (w4a8_gemv._row_sums).
-    row_accumulators: bool = False
     max_m: int | None = None
     group_m: int = 8
     # Register cap per thread (ptxas .maxnreg). An 8-warp n128m128 tile compiles to 128-149 registers
@@ -346,13 +343,12 @@ def _v(name: str, kind: str, bn: int, bm: int, warps: int, stages: int, **kw) ->
     return GemmVariant(name, kind, bn, bm, warps, stages, **kw)
 
 
-def _gemv(kind: str, bn: int, bm: int, groups_per_step: int, row_accumulators: bool = False) -> GemmVariant:
+def _gemv(kind: str, bn: int, bm: int, groups_per_step: int) -> GemmVariant:
     prefix = "g128" if kind == G128 else "chn"
-    name = f"{prefix}.gemv.n{bn}m{bm}g{groups_per_step}" + (".acc" if row_accumulators else "")
+    name = f"{prefix}.gemv.n{bn}m{bm}g{groups_per_step}"
     # No automatic split-K: on the H200 its second (epilogue) launch cost more than the extra
     # programs gained at every Llama-2-7B shape; an explicit split_k still works.
-    return GemmVariant(name, kind, bn, bm, 4, 3, gemv=True, groups_per_step=groups_per_step, max_m=bm,
-                       row_accumulators=row_accumulators)
+    return GemmVariant(name, kind, bn, bm, 4, 3, gemv=True, groups_per_step=groups_per_step, max_m=bm)
 
 
 G128, CHN = KINDS
@@ -392,13 +388,16 @@ VARIANTS: tuple[GemmVariant, ...] = (
     _v("chn.n128m128.r128", CHN, 128, 128, 8, 3, maxnreg=128),
     _v("chn.n128m128.sk.r128", CHN, 128, 128, 8, 3, split_k=True, maxnreg=128),
     _v("chn.n128m128.s4.r128", CHN, 128, 128, 8, 4, maxnreg=128),
+    # 64 x 64 tiles (4 warps; session 23): at M = 24..128 the 128-wide 8-warp tiles left SMs idle
+    # (g128 M = 64: 22.0 vs 25.0 us at 12288x4096, 33.5 vs 39.2 at 22016x4096). A deeper cp.async
+    # pipeline won only chn 12288x4096 M = 24..32 (15.8 vs 16.6 us). Tried and dropped there: 1-2 warp
+    # n16m16 / n32m16 / n32m64 tiles on mma.sync (slower at every M: 10.5-74 vs 9.5-20.8 us at M = 16).
+    _v("chn.n64m64.sk", CHN, 64, 64, 4, 4, split_k=True),
+    _v("chn.n64m16.sk.s8", CHN, 64, 16, 4, 8, split_k=True),
+    _v("g128.n64m64.sk.swar", G128, 64, 64, 4, 4, split_k=True, swar=True),
     # Decode at batch 1..4: a weight stream with dp4a, no MMA tile padding M to 16.
     *(_gemv(kind, bn, bm, gps) for kind in KINDS
       for bn, bm, gps in ((4, 1, 16), (8, 1, 16), (16, 1, 8), (32, 1, 4), (8, 4, 4))),
-    # M = 2..4 with one accumulator per row (sm_90 SASS, Triton 3.6, n8m4g4: the loop without its 6
-    # barriers and shared-memory round trips, chn 104 -> 91 instructions, g128 278 -> 188); not yet
-    # timed on the GPU when added (session 22): the policy table decides.
-    *(_gemv(kind, 8, 4, 4, row_accumulators=True) for kind in KINDS),
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 
@@ -652,7 +651,6 @@ def w4a8_gemv(
         x32.stride(0), qw32.stride(0), s2.stride(0), out.stride(0), out.stride(1),
         G128=g128, HAS_ROWSUM=rowsum is not None, BLOCK_N=variant.block_n, BLOCK_M=variant.block_m,
         GROUPS_PER_STEP=variant.groups_per_step, USE_SPLIT=split > 1, FAST=x8.is_cuda,
-        ROW_ACCUMULATORS=variant.row_accumulators,
         **variant.launch_options, **launch_kwargs(x8.device, M),
     )
     if split > 1:

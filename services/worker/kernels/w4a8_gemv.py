@@ -11,9 +11,9 @@ instructions (sum of 4 byte products into int32), so the loop is loads plus a fe
           the chn dot of the unsigned nibbles, corrected by the word's x byte sum, so no int8
           weight is built (the SWAR (q - z) * s2 per word cost ~30% more time)
 
-M = 1 (_row_sums) and M = 2..4 (_many_row_sums, or _row_sums for the `.acc` variants) take
-different tilings: broadcasting each weight word over M rows of x costs a layout change through
-shared memory per step, which at M = 1 is pure overhead.
+M = 1 (_row_sums) and M = 2..4 (_many_row_sums) take different tilings: broadcasting each weight
+word over M rows of x costs a layout change through shared memory per step, which at M = 1 is
+pure overhead.
 
 The sums are the same exact int32 values as the reference; the epilogue (or the split-K
 workspace and its epilogue kernel) is shared with w4a8_gemm.py. In the interpreter the byte
@@ -150,90 +150,46 @@ def _accumulate(w, s2, z, x_lo, x_hi, acc, x_sum, G128: tl.constexpr, HAS_ROWSUM
 
 
 @triton.jit
-def _row_step(w, s2, z, x_lo, x_hi, acc, x_sum, x_row_ptr, g_next, g_end, rn, offs_g, offs_j,
-              G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, FAST: tl.constexpr):
-    """One row of x in one step: its next step's words requested, this step's accumulated."""
-    x_lo_next, x_hi_next = _x_step_one_row(x_row_ptr, g_next, g_end, rn, offs_g, offs_j)
-    acc, x_sum = _accumulate(w, s2, z, x_lo, x_hi, acc, x_sum, G128, HAS_ROWSUM, FAST)
-    return acc, x_sum, x_lo_next, x_hi_next
-
-
-@triton.jit
-def _row_total(acc, x_sum, zero_ptr, rn, G128: tl.constexpr, HAS_ROWSUM: tl.constexpr):
-    total = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if not G128 and not HAS_ROWSUM:
-        zero = tl.load(zero_ptr + rn).to(tl.int32)
-        total -= zero * tl.sum(tl.sum(x_sum, axis=2), axis=1)
-    return total
-
-
-@triton.jit
 def _row_sums(
-    qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, M, stride_qn, stride_xm, stride_sn,
-    G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    GROUPS_PER_STEP: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+    qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
+    G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
+    FAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """M <= BLOCK_M <= 4: (BLOCK_N, BLOCK_M) int32 sums over groups g_start .. g_end - 1 (chn: less
-    zero * sum x when there is no rowsum), one accumulator per row of x, so no tile is broadcast
-    over M: the (BN, BM, C) tiles of _many_row_sums need a layout conversion through shared memory
-    (and its barriers) every step. The M = 1 path of every gemv variant; for M <= 4 the `.acc`
-    variants' (unmeasured on the GPU when written, session 22: the policy table decides).
+    """M = 1: (BLOCK_N, 1) int32 sums over groups g_start .. g_end - 1 (chn: less zero * sum x when
+    there is no rowsum), with no tile broadcast over M: the (BN, BM, C) tiles of _many_row_sums need
+    a layout conversion through shared memory (and its barriers) every step.
 
     Waits for the kernel before (_overlap_entry) itself, after requesting the first step's weight
     words: weights are never written by a kernel (x is), so under PDL their DRAM latency overlaps
     the previous kernel's tail. H200 (session 22, graph of 4 calls, bench/kernels.py): 2-7% at
     every Llama-2-7B shape at M = 1, e.g. chn 4096x4096 5.98 -> 5.66 us, 12288x4096 11.35 -> 10.86;
     the first two steps before the wait (more registers) won nothing more.
+
+    The same loop with one accumulator per row of x for M = 2..4 (session 22, no barriers in its
+    SASS either) was slower on the H200 than the broadcast loop for chn (4096x4096 M = 2: 9.4 vs
+    8.1 us) and than the MMA kernels for g128 (12288x4096: 20.8 vs 17.2 us): dropped in session 23.
     """
-    tl.static_assert(BLOCK_M <= 4, "one accumulator per row: at most 4 rows")
     offs_g = tl.arange(0, GROUPS_PER_STEP)
     offs_j = tl.arange(0, 16)
-    acc0 = tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32)
-    acc1, acc2, acc3 = acc0, acc0, acc0
-    # x sums (chn without a rowsum): every weight row holds the same ones
-    x_sum0, x_sum1, x_sum2, x_sum3 = acc0, acc0, acc0, acc0
+    acc = tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32)
+    x_sum = acc  # chn without a rowsum: every weight row holds the same x sums
     w, s2, z = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_g, offs_j,
                                     stride_qn, stride_sn, G128)
     _overlap_entry(PDL)
-    x0_lo, x0_hi = _x_step_one_row(x_ptr, g_start, g_end, rn, offs_g, offs_j)
-    x1_lo, x1_hi, x2_lo, x2_hi, x3_lo, x3_hi = x0_lo, x0_hi, x0_lo, x0_hi, x0_lo, x0_hi
-    # Rows past M read row M - 1 (valid memory); their sums are dropped at the store.
-    x1_ptr = x_ptr + min(1, M - 1) * stride_xm
-    x2_ptr = x_ptr + min(2, M - 1) * stride_xm
-    x3_ptr = x_ptr + min(3, M - 1) * stride_xm
-    if BLOCK_M > 1:
-        x1_lo, x1_hi = _x_step_one_row(x1_ptr, g_start, g_end, rn, offs_g, offs_j)
-    if BLOCK_M > 2:
-        x2_lo, x2_hi = _x_step_one_row(x2_ptr, g_start, g_end, rn, offs_g, offs_j)
-    if BLOCK_M > 3:
-        x3_lo, x3_hi = _x_step_one_row(x3_ptr, g_start, g_end, rn, offs_g, offs_j)
+    x_lo, x_hi = _x_step_one_row(x_ptr, g_start, g_end, rn, offs_g, offs_j)
     # Software pipelining by one step, as in _many_row_sums.
     for g0 in range(g_start, g_end, GROUPS_PER_STEP):
         g_next = g0 + GROUPS_PER_STEP
         w_n, s2_n, z_n = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g_next, g_end, rn,
                                               offs_g, offs_j, stride_qn, stride_sn, G128)
-        acc0, x_sum0, x0_lo, x0_hi = _row_step(w, s2, z, x0_lo, x0_hi, acc0, x_sum0, x_ptr, g_next, g_end, rn,
-                                               offs_g, offs_j, G128, HAS_ROWSUM, FAST)
-        if BLOCK_M > 1:
-            acc1, x_sum1, x1_lo, x1_hi = _row_step(w, s2, z, x1_lo, x1_hi, acc1, x_sum1, x1_ptr, g_next, g_end, rn,
-                                                   offs_g, offs_j, G128, HAS_ROWSUM, FAST)
-        if BLOCK_M > 2:
-            acc2, x_sum2, x2_lo, x2_hi = _row_step(w, s2, z, x2_lo, x2_hi, acc2, x_sum2, x2_ptr, g_next, g_end, rn,
-                                                   offs_g, offs_j, G128, HAS_ROWSUM, FAST)
-        if BLOCK_M > 3:
-            acc3, x_sum3, x3_lo, x3_hi = _row_step(w, s2, z, x3_lo, x3_hi, acc3, x_sum3, x3_ptr, g_next, g_end, rn,
-                                                   offs_g, offs_j, G128, HAS_ROWSUM, FAST)
-        w, s2, z = w_n, s2_n, z_n
-    total = _row_total(acc0, x_sum0, zero_ptr, rn, G128, HAS_ROWSUM)[:, None]
-    if BLOCK_M > 1:
-        offs_m = tl.arange(0, BLOCK_M)[None, :]
-        total = tl.where(offs_m == 0, total, 0)
-        total = tl.where(offs_m == 1, _row_total(acc1, x_sum1, zero_ptr, rn, G128, HAS_ROWSUM)[:, None], total)
-        if BLOCK_M > 2:
-            total = tl.where(offs_m == 2, _row_total(acc2, x_sum2, zero_ptr, rn, G128, HAS_ROWSUM)[:, None], total)
-        if BLOCK_M > 3:
-            total = tl.where(offs_m == 3, _row_total(acc3, x_sum3, zero_ptr, rn, G128, HAS_ROWSUM)[:, None], total)
-    return total
+        x_lo_n, x_hi_n = _x_step_one_row(x_ptr, g_next, g_end, rn, offs_g, offs_j)
+        acc, x_sum = _accumulate(w, s2, z, x_lo, x_hi, acc, x_sum, G128, HAS_ROWSUM, FAST)
+        w, s2, z, x_lo, x_hi = w_n, s2_n, z_n, x_lo_n, x_hi_n
+    total = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if not G128 and not HAS_ROWSUM:
+        zero = tl.load(zero_ptr + rn).to(tl.int32)
+        total -= zero * tl.sum(tl.sum(x_sum, axis=2), axis=1)
+    return total[:, None]
 
 
 @triton.jit
@@ -287,7 +243,7 @@ def _w4a8_gemv_kernel(
     # meta
     G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     GROUPS_PER_STEP: tl.constexpr, USE_SPLIT: tl.constexpr, FAST: tl.constexpr,
-    ROW_ACCUMULATORS: tl.constexpr = False, PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0,
 ):
     """(BLOCK_N, BLOCK_M) int32 sums over this program's K slice; BLOCK_M >= M (one program covers M).
 
@@ -302,9 +258,9 @@ def _w4a8_gemv_kernel(
     mask_m = offs_m < M
     g_start = pid_k * GROUPS_PER_SPLIT
     g_end = min(g_start + GROUPS_PER_SPLIT, K // 128)
-    if BLOCK_M == 1 or ROW_ACCUMULATORS:
-        total = _row_sums(qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, M, stride_qn, stride_xm, stride_sn,
-                          G128, HAS_ROWSUM, BLOCK_N, BLOCK_M, GROUPS_PER_STEP, FAST, PDL)
+    if BLOCK_M == 1:
+        total = _row_sums(qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
+                          G128, HAS_ROWSUM, BLOCK_N, GROUPS_PER_STEP, FAST, PDL)
     else:
         _overlap_entry(PDL)
         total = _many_row_sums(
