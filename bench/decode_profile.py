@@ -1,6 +1,6 @@
-"""Where a decode step's GPU time goes: one eager decode step of a Llama-2-7B-shaped model under the
-torch profiler, kernel time summed by kind (GPU only). With --prefill, a prefill step instead:
-`batch` prompts of `context` tokens each from position 0 (batch x context tokens in one step).
+"""Where a decode step's GPU time goes: one eager decode step of a random model of a real shape
+(Llama-2-7B unless --shape says otherwise) under the torch profiler, kernel time summed by kind
+(GPU only). With --prefill, a prefill step instead: `batch` prompts of `context` tokens each from position 0 (batch x context tokens in one step).
 
     python3 bench/decode_profile.py --format w4a8kv4-chn --batch 256 --context 1280 --out bench/results/h200/decode_profile.json
     python3 bench/decode_profile.py --prefill --batch 8 --context 1024 --out bench/results/h200/prefill_profile.json
@@ -83,6 +83,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prefill", action="store_true", help="profile a prefill step of batch x context prompt tokens")
     p.add_argument("--graph", action="store_true", help="replay the step as a CUDA graph and report the gaps between its kernels")
+    p.add_argument("--shape", default="llama2-7b", help="bench/random_model.py SHAPES key, e.g. llama3-8b")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     if a.graph and a.prefill:
@@ -91,13 +92,13 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.e2e import llama2_7b_artifact
+    from bench.e2e import describe, random_artifact
     from services.worker.engine.runner import SequenceChunk, StepBatch
     from services.worker.engine.step_inputs import build_host_step, to_device
     from services.worker.engine.triton_runner import TritonRunner, TritonRunnerSettings
 
     dev = torch.device("cuda")
-    reader = llama2_7b_artifact(a.format, dev)
+    reader = random_artifact(a.format, dev, a.shape)
     max_len = a.context + 1
     runner = TritonRunner(reader, "cuda", 16, TritonRunnerSettings(max_model_len=max_len, cuda_graphs=False))
     per_seq = -(-max_len // runner.block_size)
@@ -140,7 +141,7 @@ def main() -> None:
     result = {
         "command": " ".join(["python3"] + sys.argv),
         "machine": gpu_machine(dev),
-        "model": "Llama-2-7B shape, random weights (bench/random_model.py)",
+        "model": describe(a.shape) + ", random weights (bench/random_model.py)",
         "step": "prefill" if a.prefill else "decode", "format": a.format, "batch": a.batch, "context": a.context,
         ("step_wall_ms_graph" if a.graph else "step_wall_ms_eager"): round(step_ms, 3), "kernel_ms_per_step": round(total, 3),
         "groups": {g: {"ms": round(ms, 3), "share": round(ms / total, 3)} for g, ms in sorted(groups.items(), key=lambda kv: -kv[1])},

@@ -225,7 +225,7 @@ class Bench:
         torch = self.torch
         if runner.graphs is None or runner.graphs.bucket_for(batch) not in runner.graphs.graphs:
             return {}
-        graph, _ = runner.graphs.graphs[runner.graphs.bucket_for(batch)]
+        graph = runner.graphs.graphs[runner.graphs.bucket_for(batch)]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         graph.replay()
         start.record()

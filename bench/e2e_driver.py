@@ -39,11 +39,11 @@ def blocks_per_seq(runner, total_len: int) -> int:
 def max_batch_for_budget(runner, budget_bytes: int, total_len: int, prefill_tokens: int, spare_blocks: int = 0) -> dict:
     """The most sequences of total_len tokens whose KV cache fits beside weights and activations
     (spare_blocks: extra blocks per sequence the driver's allocator keeps, 1 for the engine's scheduler)."""
-    graph_pool = runner.activation_bytes(512)  # the largest decode graph's private pool
-    free = budget_bytes - CONTEXT_RESERVE - runner.weight_bytes() - runner.activation_bytes(prefill_tokens) - graph_pool
+    # activation_bytes covers the decode graphs' private pool and logits too
+    free = budget_bytes - CONTEXT_RESERVE - runner.weight_bytes() - runner.activation_bytes(prefill_tokens)
     per_seq = (blocks_per_seq(runner, total_len) + spare_blocks) * runner.kv_block_bytes()
     return {"budget_GiB": budget_bytes / GiB, "weights_GiB": runner.weight_bytes() / GiB,
-            "activations_GiB": (runner.activation_bytes(prefill_tokens) + graph_pool) / GiB,
+            "activations_GiB": runner.activation_bytes(prefill_tokens) / GiB,
             "context_reserve_GiB": CONTEXT_RESERVE / GiB, "kv_per_seq_MiB": per_seq / (1 << 20),
             "max_batch": max(0, free // per_seq)}
 

@@ -8,7 +8,10 @@ write) and context 0 (zero attention output), and their logits are dropped.
 Every graph bakes in the addresses it saw at capture: the KV cache, the weights, the static
 buffers and the W4A8 split-K workspace. The runner drops the graphs when the cache is
 re-allocated, and `replay` re-captures if the shared workspace was re-allocated since.
-Graphs share one memory pool: they never run concurrently and their outputs stay allocated.
+Graphs share one memory pool (they never run concurrently) and write their logits into one
+static (largest bucket, vocab) fp32 buffer, so no graph keeps an output of its own alive in the
+pool: per-bucket outputs would hold sum(buckets) rows of logits, 3.2 GB at Llama-3's vocabulary
+with every bucket up to 1024 captured.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from services.worker.engine.runner import resolve_token_ids
 from services.worker.engine.step_inputs import HostStep, StepTensors
 from services.worker.kernels import w4a8_gemm
 
-Forward = Callable[[StepTensors], torch.Tensor]  # -> (rows, vocab) fp32 logits
+Forward = Callable[..., torch.Tensor]  # (StepTensors, logits_out=None) -> (rows, vocab) fp32 logits
 
 
 class DecodeGraphs:
@@ -38,7 +41,8 @@ class DecodeGraphs:
         self.slots = torch.full((b,), -1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros((b, max_blocks), dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(b, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.logits: torch.Tensor | None = None  # (largest bucket, vocab) fp32, allocated at the first capture
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.workspace_ptr = None
 
@@ -74,17 +78,19 @@ class DecodeGraphs:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: compiles kernels and sizes the workspace outside capture
-            self.forward(inputs)
+            vocab = self.forward(inputs).shape[1]
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         if self._workspace_ptr() != self.workspace_ptr:
             self.clear()
             self.workspace_ptr = self._workspace_ptr()
+        if self.logits is None:
+            self.logits = torch.empty((self.buckets[-1], vocab), dtype=torch.float32, device=self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.forward(inputs)
+            self.forward(inputs, self.logits[:b])
         self.pool = graph.pool()
-        self.graphs[b] = (graph, logits)
+        self.graphs[b] = graph
 
     def replay(self, host: HostStep, previous_token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """host: a decode-only step of n <= the largest bucket rows -> (n, vocab) fp32 logits (a copy).
@@ -108,6 +114,5 @@ class DecodeGraphs:
         upload(self.block_tables[:n], tables)
         if previous_token_ids is not None:
             self.tokens[:b] = resolve_token_ids(self.tokens[:b], previous_token_ids)
-        graph, logits = self.graphs[b]
-        graph.replay()
-        return logits[:n].clone()
+        self.graphs[b].replay()
+        return self.logits[:n].clone()

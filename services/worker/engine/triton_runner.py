@@ -46,7 +46,10 @@ from shared.formats.kv4 import page_row_bytes
 from shared.model.config import LlamaConfig
 from shared.model.rope import inverse_frequencies
 
-DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# Up to 1024: a batch above the largest bucket decodes eagerly, and on the H200 that launch cost
+# was ~13 ms a step at batch 603 of Llama-3-8B (a 19.6 ms graph step; session 23, bench/e2e.py).
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512,
+                             640, 768, 896, 1024)
 
 
 @dataclass(slots=True, frozen=True)
@@ -150,9 +153,18 @@ class TritonRunner:
             w4a8_gemm.WORKSPACE.get(self.device, elements)
 
     def activation_bytes(self, max_batch_tokens: int) -> int:
-        """An upper bound of one step's transient memory (buffers that can be live at once)."""
+        """An upper bound of the memory besides weights and KV cache: one eager step's transient
+        buffers, the W4A8 workspace, and with CUDA graphs their private pool (the largest bucket's
+        step, which the caching allocator cannot lend to eager steps) and shared logits."""
+        total = self._step_bytes(max_batch_tokens) + self.workspace_bytes
+        if self.graphs is not None:
+            b = self.graphs.buckets[-1]
+            total += self._step_bytes(b) + b * self.config.vocab_size * 4
+        return total
+
+    def _step_bytes(self, t: int) -> int:
+        """Buffers that can be live at once in a step of t tokens."""
         c = self.config
-        t = max_batch_tokens
         h, q, kv, f, v = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size, c.vocab_size
         per_token = 2 * (
             h  # residual stream
@@ -165,7 +177,7 @@ class TritonRunner:
         parts = triton.cdiv(self.max_model_len, 256)  # decode partials: the smallest tuned partition
         partials = t * c.num_heads * parts * (c.head_dim + 2) * 4
         logits = t * v * (4 + 2)  # fp16 GEMM output, fp32 copy
-        return t * per_token + partials + logits + self.workspace_bytes
+        return t * per_token + partials + logits
 
     def allocate_cache(self, num_blocks: int) -> None:
         c = self.config
@@ -208,8 +220,8 @@ class TritonRunner:
         st.tokens = resolve_token_ids(st.tokens, batch.previous_token_ids)
         return self._forward(st)
 
-    def _forward(self, st: StepTensors) -> torch.Tensor:
-        """-> (rows, vocab) fp32 logits of st.logit_rows (all rows when None)."""
+    def _forward(self, st: StepTensors, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """-> (rows, vocab) fp32 logits of st.logit_rows (all rows when None), in logits_out if given."""
         c = self.config
         x = F.embedding(st.tokens, self.weights.embed)  # (T, H) fp16 residual stream
         pending = None  # a GEMM output still to be added to x (see _layer)
@@ -220,7 +232,8 @@ class TritonRunner:
         if st.logit_rows is not None:
             x = x.index_select(0, st.logit_rows)
         h = rmsnorm_fp16(x, self.weights.final_norm, c.rms_norm_eps)  # (n, H) fp16
-        return F.linear(h, self.weights.lm_head).float()  # (n, V)
+        logits = F.linear(h, self.weights.lm_head)  # (n, V) fp16
+        return logits.float() if logits_out is None else logits_out.copy_(logits)
 
     def _layer(self, i: int, w: LayerWeights, x: torch.Tensor, pending: torch.Tensor | None,
                st: StepTensors) -> torch.Tensor | None:
