@@ -44,7 +44,7 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
     reader = artifact.reader
     budget = _budget(config, device)  # before loading: the default is a share of what is free now
     runner = load_runner(reader, device, config.block_size, max_batch_tokens=config.max_batch_tokens,
-                         max_model_len=config.max_context_tokens)
+                         max_model_len=config.max_context_tokens, max_decode_batch=config.max_running_sequences)
     model_config = runner.config
     num_blocks = config.kv_blocks or plan_kv_blocks(
         budget, runner.weight_bytes(), runner.activation_bytes(config.max_batch_tokens), runner.kv_block_bytes(),

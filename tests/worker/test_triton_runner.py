@@ -174,3 +174,16 @@ def test_cpu_needs_the_interpreter(tiny_artifacts, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         TritonRunner(ArtifactReader(tiny_artifacts["fp16"]), "cpu")
+
+
+@pytest.mark.parametrize("max_decode_batch,largest", [(None, 1024), (1, 1), (32, 32), (33, 48), (600, 640), (5000, 1024)])
+def test_decode_graphs_stop_at_the_engines_largest_batch(max_decode_batch, largest):
+    """Graphs for batches the engine never runs would still reserve their pool and logits."""
+    buckets = TritonRunnerSettings(max_decode_batch=max_decode_batch).decode_buckets()
+    assert buckets[-1] == largest
+    assert buckets == tuple(sorted(buckets)) and buckets[0] == 1
+
+
+def test_decode_batch_cap_must_be_positive():
+    with pytest.raises(ValueError, match="max_decode_batch 0"):
+        TritonRunnerSettings(max_decode_batch=0)

@@ -86,18 +86,20 @@ def load_runner(
     *,
     max_batch_tokens: int | None = None,
     max_model_len: int | None = None,
+    max_decode_batch: int | None = None,
 ):
     """The ModelRunner (services/worker/engine/runner.py) for the device, weights loaded.
 
-    max_batch_tokens and max_model_len size the GPU runner's workspace; the reference runner
-    allocates per step and ignores them.
+    max_batch_tokens and max_model_len size the GPU runner's workspace, max_decode_batch (the
+    engine's most running sequences) its decode graphs; the reference runner allocates per step
+    and ignores them.
     """
     device = torch.device(device)
     cls = runner_class(device)
     if device.type != "cuda":
         return cls(reader, device, block_size)
     settings_cls = importlib.import_module(TRITON_RUNNER_MODULE).TritonRunnerSettings
-    options = {"block_size": block_size, "max_model_len": max_model_len}
+    options = {"block_size": block_size, "max_model_len": max_model_len, "max_decode_batch": max_decode_batch}
     if max_batch_tokens is not None:
         options["max_batch_tokens"] = max_batch_tokens
     try:

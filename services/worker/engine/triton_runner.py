@@ -59,6 +59,9 @@ class TritonRunnerSettings:
     max_batch_tokens: int = 8192  # largest step (tokens) the activation estimate and workspace cover
     cuda_graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
+    # The engine's most running sequences: graphs for larger batches would never run, yet their
+    # private pool and logits buffer are reserved (activation_bytes). None: every bucket.
+    max_decode_batch: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -67,6 +70,16 @@ class TritonRunnerSettings:
             raise ValueError(f"max_batch_tokens {self.max_batch_tokens} must be positive")
         if not self.graph_batch_sizes or min(self.graph_batch_sizes) < 1:
             raise ValueError(f"graph_batch_sizes {self.graph_batch_sizes} must be positive batch sizes")
+        if self.max_decode_batch is not None and self.max_decode_batch < 1:
+            raise ValueError(f"max_decode_batch {self.max_decode_batch} must be positive")
+
+    def decode_buckets(self) -> tuple[int, ...]:
+        """The graph batch sizes a decode batch of at most max_decode_batch rows can use."""
+        sizes = sorted(set(self.graph_batch_sizes))
+        if self.max_decode_batch is None:
+            return tuple(sizes)
+        covering = [b for b in sizes if b >= self.max_decode_batch][:1]
+        return tuple(b for b in sizes if b < self.max_decode_batch) + tuple(covering)
 
 
 class TritonRunner:
@@ -107,7 +120,7 @@ class TritonRunner:
         self.k_cache = self.v_cache = None  # (layers, blocks, kv_heads, block_size, row)
         use_graphs = self.settings.cuda_graphs and self.device.type == "cuda"
         self.graphs = (
-            DecodeGraphs(self._forward, self.settings.graph_batch_sizes, self.max_blocks, self.max_model_len, self.device)
+            DecodeGraphs(self._forward, self.settings.decode_buckets(), self.max_blocks, self.max_model_len, self.device)
             if use_graphs else None
         )
         self._reserve_workspace()
@@ -147,7 +160,7 @@ class TritonRunner:
     def _reserve_workspace(self) -> None:
         # Sized once for every step up to max_batch_tokens, so an eager prefill never re-allocates
         # the workspace under captured graphs.
-        elements = self._workspace_elements(max(self.settings.max_batch_tokens, max(self.settings.graph_batch_sizes)))
+        elements = self._workspace_elements(max(self.settings.max_batch_tokens, max(self.settings.decode_buckets())))
         self.workspace_bytes = 4 * elements if elements > 1 else 0
         if elements > 1:
             w4a8_gemm.WORKSPACE.get(self.device, elements)
