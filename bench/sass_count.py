@@ -5,6 +5,7 @@
     python3 bench/sass_count.py act_quant --op silu --block 16384 --warps 16
     python3 bench/sass_count.py act_quant --op rmsnorm --block 4096 --warps 8 --add
     python3 bench/sass_count.py kv_write --group 2 --block-h 8 --warps 4
+    python3 bench/sass_count.py --loop-min 50 gemm g128.n64m64.sk.swar
 
 Triton compiles the kernel for an H100/H200 target (ptxas ships with the triton wheel), the
 integer arguments specialized as divisible by 16 the way real launches are; nvdisasm (also in
@@ -135,6 +136,30 @@ def kv_write(a):
     return compile_sass(kc._rope_cache_write_kernel, pointers, consts, floats=("k_margin", "v_margin"), num_warps=a.warps), None
 
 
+def gemm(a):
+    """A W4A8 tensor-core variant by name (w4a8_gemm.VARIANTS), as a split-K launch compiles it.
+
+    The unit strides are passed as the constant 1, as Triton specializes them at launch: compiled
+    with them as plain (16-divisible) integers, the tile loads degrade to byte loads."""
+    from services.worker.kernels import w4a8_gemm as wg
+
+    v = wg.get_variant(a.variant)
+    if v.gemv:
+        raise SystemExit(f"{v.name} is a dp4a variant: use the gemv subcommand")
+    common = dict(BLOCK_M=v.block_m, BLOCK_N=v.block_n, GROUP_M=v.group_m, DOT_FP16=v.dot_fp16, USE_SPLIT=v.split_k,
+                  FAST_UNPACK=True, PDL=0, stride_xk=1, stride_qk=1, stride_on=1)
+    pointers = {"x_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*u8", "out_ptr": "*fp16", "ws_ptr": "*i32"}
+    if v.kind == wg.G128:
+        pointers |= {"s2_ptr": "*u8", "zero_ptr": "*u8", "s1_ptr": "*fp16"}
+        consts = common | dict(ZERO_AFTER_DOT=v.zero_after_dot, SWAR=v.swar, stride_sg=1)
+        kernel = wg._w4a8_g128_kernel
+    else:
+        pointers |= {"rowsum_ptr": "*i32", "scale_ptr": "*fp16", "zero_ptr": "*fp16"}
+        consts = common | dict(HAS_ROWSUM=True)
+        kernel = wg._w4a8_channel_kernel
+    return compile_sass(kernel, pointers, consts, num_warps=v.num_warps, num_stages=v.num_stages, maxnreg=v.maxnreg), None
+
+
 def gemv(a):
     from services.worker.kernels import w4a8_gemv as gv
 
@@ -150,6 +175,7 @@ def gemv(a):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--loop-min", type=int, default=LOOP_MIN, help="shortest loop to report (instructions)")
+    p.add_argument("--ops", type=int, default=12, help="opcodes listed per loop, most frequent first")
     sub = p.add_subparsers(dest="kernel", required=True)
     att = sub.add_parser("attention", help="the KV4 decode 'fma' kernel (or with --mma the 'mma' one)")
     att.add_argument("--group", type=int, default=1)
@@ -176,6 +202,8 @@ def main() -> None:
     kv.add_argument("--head-dim", type=int, default=128)
     kv.add_argument("--block-h", type=int, default=8)
     kv.add_argument("--warps", type=int, default=4)
+    gm = sub.add_parser("gemm", help="a W4A8 tensor-core variant of w4a8_gemm.py, by name")
+    gm.add_argument("variant", help="e.g. chn.n128m16.sk or g128.n64m64.sk.swar")
     gv = sub.add_parser("gemv", help="the W4A8 dp4a kernel for M <= 4 (w4a8_gemv.py)")
     gv.add_argument("--g128", action="store_true", help="per-group weights (default per-channel)")
     gv.add_argument("--block-n", type=int, default=16)
@@ -184,14 +212,14 @@ def main() -> None:
     gv.add_argument("--warps", type=int, default=4)
     a = p.parse_args()
     result, tile_tokens = {"attention": attention, "act_quant": act_quant, "kv_write": kv_write,
-                           "gemv": gemv}[a.kernel](a)
+                           "gemm": gemm, "gemv": gemv}[a.kernel](a)
     total = len(re.findall(r"/\*[0-9a-f]{4,}\*/", result["sass"]))
     print(f"{a.kernel}: {result['regs']} registers, {result['stack']} bytes of stack, {total} instructions")
     for layout in result["layouts"]:
         print(f"  layout {layout}")
     for body in (b for b in loops(result["sass"]) if len(b) >= a.loop_min):
         per = f" ({len(body) * 32 / tile_tokens:.0f} per 32 tokens)" if tile_tokens else ""
-        mix = collections.Counter(ins.split()[0] for ins in body).most_common(12)
+        mix = collections.Counter(ins.split()[0] for ins in body).most_common(a.ops)
         print(f"  loop of {len(body)} instructions{per}: " + " ".join(f"{op} {n}" for op, n in mix))
 
 

@@ -76,3 +76,16 @@ def test_gemv_loop_keeps_x_in_the_weights_layout():
     (loop,) = [line for line in out.splitlines() if line.strip().startswith("loop of")]
     assert "IDP.4A" in loop and "BAR.SYNC" not in loop and " STS" not in loop, loop
     assert "0 bytes of stack" in out, out
+
+
+@pytest.mark.parametrize("variant", ["chn.n64m16.sk", "g128.n64m64.sk.swar"])
+def test_gemm_tiles_stream_weights_through_async_copies(variant):
+    """The W4A8 tensor-core loops (sm_90): weight and x tiles arrive by 16-byte cp.async and meet
+    wgmma; byte-wide global loads in the loop would mean the unit strides were not specialized
+    (they are at launch; bench/sass_count.py must pass them so) or the pipelining was lost."""
+    out = _sass_count("--loop-min", "50", "--ops", "100", "gemm", variant)
+    (loop,) = [line for line in out.splitlines() if line.strip().startswith("loop of")]
+    assert "LDGSTS.E.BYPASS.128" in loop and "IGMMA" in loop, loop
+    if variant.startswith("chn"):
+        assert "LDG.E.U8" not in loop, loop  # g128 reads its per-group s2 / zero bytes one step ahead
+    assert "0 bytes of stack" in out, out
