@@ -5,8 +5,8 @@
     python3 bench/e2e.py --merge e2e_a.json e2e_b.json --out bench/results/h200/e2e.json
 
 `--shape llama3-8b` runs the same on Llama-3-8B's shape (GQA 32/8, FFN 14336, vocab 128256), with
-the sm90 policy table the quantizer ships. Its GEMM shapes other than 4096x4096 take the safe
-default, with a log line, until they are tuned into that table:
+the sm90 policy table the quantizer ships; its GEMM shapes were tuned into that table in session 23
+(a shape missing from it takes the safe default, with a log line):
 
     python3 bench/tune.py --shapes 6144x4096,28672x4096,4096x14336 --target sm90 --merge --out $OUT/policy_l3.json
 
