@@ -25,7 +25,8 @@ for _name in (
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from services.worker.engine.runner import SequenceChunk, StepBatch  # noqa: E402
+from services.worker.engine.runner import SequenceChunk, StepBatch, resolve_token_ids  # noqa: E402
+from services.worker.engine.step_inputs import to_device  # noqa: E402
 from services.worker.engine.triton_runner import TritonRunner, TritonRunnerSettings  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -75,10 +76,13 @@ def tiny_artifacts(tmp_path_factory):
     return out
 
 
-def _run_steps(reader: ArtifactReader, block: int = BLOCK) -> tuple[dict[int, list[int]], dict[int, dict[int, torch.Tensor]]]:
-    """The steps of _steps through a TritonRunner -> (tokens per seq, seq -> position -> logits)."""
+def _run_steps(reader: ArtifactReader, block: int = BLOCK, install=None) -> tuple[dict[int, list[int]], dict[int, dict[int, torch.Tensor]]]:
+    """The steps of _steps through a TritonRunner -> (tokens per seq, seq -> position -> logits).
+    install(runner), if given, runs after the cache is allocated."""
     runner = TritonRunner(reader, "cpu", block, TritonRunnerSettings(max_model_len=32, cuda_graphs=False))
     runner.allocate_cache(16)
+    if install is not None:
+        install(runner)
     g = torch.Generator().manual_seed(3)
     tokens = {s: torch.randint(0, 512, (n + DECODE_STEPS,), generator=g).tolist() for s, (n, _, _) in SEQS.items()}
 
@@ -187,3 +191,30 @@ def test_decode_graphs_stop_at_the_engines_largest_batch(max_decode_batch, large
 def test_decode_batch_cap_must_be_positive():
     with pytest.raises(ValueError, match="max_decode_batch 0"):
         TritonRunnerSettings(max_decode_batch=0)
+
+
+class _EagerGraphs:
+    """DecodeGraphs' interface on the CPU: each "replay" is an eager forward of the rows it is given."""
+
+    def __init__(self, runner: TritonRunner, largest: int):
+        self.runner, self.buckets, self.pieces = runner, (largest,), []
+
+    def replay(self, host, previous_token_ids):
+        self.pieces.append(len(host.tokens))
+        st = to_device(host, self.runner.device)
+        st.tokens = resolve_token_ids(st.tokens, previous_token_ids)
+        return self.runner._forward(st)
+
+
+def test_a_decode_batch_above_the_largest_graph_runs_in_pieces(tiny_artifacts):
+    """Two-row decode steps with graphs of at most one row: each row replayed on its own, logits in
+    row order and equal to the unsplit step's."""
+    reader = ArtifactReader(tiny_artifacts["w4a8kv4-g128"])
+    graphs = []
+    tokens, split = _run_steps(reader, install=lambda r: graphs.append(_EagerGraphs(r, 1)) or setattr(r, "graphs", graphs[0]))
+    _, whole = _run_steps(reader)
+    assert graphs[0].pieces == [1] * (2 * (DECODE_STEPS - 1) + 1)  # the decode-only steps, a row per piece
+    for s in SEQS:
+        assert sorted(split[s]) == sorted(whole[s])
+        for pos, row in whole[s].items():
+            torch.testing.assert_close(split[s][pos], row, rtol=1e-4, atol=1e-4)

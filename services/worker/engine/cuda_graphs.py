@@ -2,8 +2,9 @@
 
 A decode step launches ~10 kernels per layer; replaying a captured graph removes the host's
 launch cost (hundreds of microseconds of Python per step) from the critical path. A batch of n
-decode tokens runs the graph of the smallest bucket >= n; the padding rows have slot -1 (no cache
-write) and context 0 (zero attention output), and their logits are dropped.
+decode tokens runs the graph of the smallest bucket >= n (a batch above the largest bucket runs in
+pieces of it: TritonRunner._decode_through_graphs); the padding rows have slot -1 (no cache write)
+and context 0 (zero attention output), and their logits are dropped.
 
 Every graph bakes in the addresses it saw at capture: the KV cache, the weights, the static
 buffers and the W4A8 split-K workspace. The runner drops the graphs when the cache is

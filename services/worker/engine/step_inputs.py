@@ -14,7 +14,7 @@ chunk comes from the positions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import numpy as np
@@ -165,6 +165,17 @@ def to_device(host: HostStep, device: torch.device) -> StepTensors:
         chunk_tables=t(host.chunk_tables) if has_chunked else None,
         max_chunk=host.max_chunk,
     )
+
+
+def decode_rows(host: HostStep, start: int, stop: int) -> HostStep:
+    """Rows [start, stop) of a decode-only step, as a step of their own: each decode row writes only
+    its own cache slot and reads only its own blocks, so a step splits into pieces freely."""
+    if host.num_prefill or host.num_chunked:
+        raise ValueError("decode_rows splits decode-only steps")
+    rows = slice(start, stop)
+    return replace(host, tokens=host.tokens[rows], positions=host.positions[rows], slots=host.slots[rows],
+                   block_tables=host.block_tables[rows], context_lens=host.context_lens[rows],
+                   logit_rows=np.arange(len(host.tokens[rows]), dtype=np.int64))
 
 
 def _build_decode_step(batch: StepBatch, block_size: int, max_blocks: int, max_model_len: int) -> HostStep:

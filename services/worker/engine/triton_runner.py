@@ -39,7 +39,7 @@ from services.worker.engine.gpu_layers import Fp16Ops, W4A8Ops, rmsnorm_fp16
 from services.worker.engine.gpu_weights import LayerWeights, load_weights
 from services.worker.engine.kernel_policy import GemmPolicy
 from services.worker.engine.runner import StepBatch, resolve_token_ids
-from services.worker.engine.step_inputs import StepTensors, build_host_step, to_device
+from services.worker.engine.step_inputs import HostStep, StepTensors, build_host_step, decode_rows, to_device
 from services.worker.kernels import kv4_cache, paged_attention, paged_prefill_attention, prefill_attention, w4a8_gemm
 from services.worker.kernels.attention_reference import build_rope_cache
 from shared.formats.kv4 import page_row_bytes
@@ -222,8 +222,8 @@ class TritonRunner:
         if not batch.chunks:
             return torch.zeros((0, self.config.vocab_size), dtype=torch.float32, device=self.device)
         host = build_host_step(batch, self.block_size, self.max_blocks, self.max_model_len)
-        if self.graphs is not None and batch.is_decode_only and self.graphs.bucket_for(len(host.tokens)):
-            logits = self.graphs.replay(host, batch.previous_token_ids)
+        if self.graphs is not None and batch.is_decode_only:
+            logits = self._decode_through_graphs(host, batch.previous_token_ids)
             if len(host.logit_rows) != len(host.tokens):
                 logits = logits[torch.from_numpy(host.logit_rows).to(self.device, non_blocking=True)]
             return logits
@@ -232,6 +232,17 @@ class TritonRunner:
         st = to_device(host, self.device)
         st.tokens = resolve_token_ids(st.tokens, batch.previous_token_ids)
         return self._forward(st)
+
+    def _decode_through_graphs(self, host: HostStep, previous_token_ids: torch.Tensor | None) -> torch.Tensor:
+        """A decode step by graph replay; a batch above the largest bucket in pieces of that size
+        (decode_rows), not eagerly: an eager decode step pays every launch from the host, ~13 ms a
+        step at batch 603 of Llama-3-8B on the H200 (session 23)."""
+        piece = self.graphs.buckets[-1]
+        n = len(host.tokens)
+        if n <= piece:
+            return self.graphs.replay(host, previous_token_ids)
+        return torch.cat([self.graphs.replay(decode_rows(host, start, min(start + piece, n)), previous_token_ids)
+                          for start in range(0, n, piece)])
 
     def _forward(self, st: StepTensors, logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """-> (rows, vocab) fp32 logits of st.logit_rows (all rows when None), in logits_out if given."""
