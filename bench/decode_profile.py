@@ -1,6 +1,7 @@
 """Where a decode step's GPU time goes: one eager decode step of a random model of a real shape
 (Llama-2-7B unless --shape says otherwise) under the torch profiler, kernel time summed by kind
-(GPU only). With --prefill, a prefill step instead: `batch` prompts of `context` tokens each from position 0 (batch x context tokens in one step).
+(GPU only). With --prefill, a prefill step instead: `batch` prompts of `context` tokens each from
+position 0 (batch x context tokens in one step).
 
     python3 bench/decode_profile.py --format w4a8kv4-chn --batch 256 --context 1280 --out bench/results/h200/decode_profile.json
     python3 bench/decode_profile.py --prefill --batch 8 --context 1024 --out bench/results/h200/prefill_profile.json

@@ -25,8 +25,7 @@ for _name in (
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from services.worker.engine.runner import SequenceChunk, StepBatch, resolve_token_ids  # noqa: E402
-from services.worker.engine.step_inputs import to_device  # noqa: E402
+from services.worker.engine.runner import SequenceChunk, StepBatch  # noqa: E402
 from services.worker.engine.triton_runner import TritonRunner, TritonRunnerSettings  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -194,26 +193,29 @@ def test_decode_batch_cap_must_be_positive():
 
 
 class _EagerGraphs:
-    """DecodeGraphs' interface on the CPU: each "replay" is an eager forward of the rows it is given."""
+    """DecodeGraphs' interface on the CPU: each "replay" is an eager step of the rows it is given."""
 
     def __init__(self, runner: TritonRunner, largest: int):
         self.runner, self.buckets, self.pieces = runner, (largest,), []
 
     def replay(self, host, previous_token_ids):
         self.pieces.append(len(host.tokens))
-        st = to_device(host, self.runner.device)
-        st.tokens = resolve_token_ids(st.tokens, previous_token_ids)
-        return self.runner._forward(st)
+        return self.runner._eager_step(host, previous_token_ids)
 
 
 def test_a_decode_batch_above_the_largest_graph_runs_in_pieces(tiny_artifacts):
     """Two-row decode steps with graphs of at most one row: each row replayed on its own, logits in
     row order and equal to the unsplit step's."""
     reader = ArtifactReader(tiny_artifacts["w4a8kv4-g128"])
-    graphs = []
-    tokens, split = _run_steps(reader, install=lambda r: graphs.append(_EagerGraphs(r, 1)) or setattr(r, "graphs", graphs[0]))
+    stand_ins = []
+
+    def one_row_graphs(runner: TritonRunner) -> None:
+        runner.graphs = _EagerGraphs(runner, largest=1)
+        stand_ins.append(runner.graphs)
+
+    _, split = _run_steps(reader, install=one_row_graphs)
     _, whole = _run_steps(reader)
-    assert graphs[0].pieces == [1] * (2 * (DECODE_STEPS - 1) + 1)  # the decode-only steps, a row per piece
+    assert stand_ins[0].pieces == [1] * (2 * (DECODE_STEPS - 1) + 1)  # the decode-only steps, a row per piece
     for s in SEQS:
         assert sorted(split[s]) == sorted(whole[s])
         for pos, row in whole[s].items():

@@ -173,9 +173,10 @@ def decode_rows(host: HostStep, start: int, stop: int) -> HostStep:
     if host.num_prefill or host.num_chunked:
         raise ValueError("decode_rows splits decode-only steps")
     rows = slice(start, stop)
-    return replace(host, tokens=host.tokens[rows], positions=host.positions[rows], slots=host.slots[rows],
+    tokens = host.tokens[rows]
+    return replace(host, tokens=tokens, positions=host.positions[rows], slots=host.slots[rows],
                    block_tables=host.block_tables[rows], context_lens=host.context_lens[rows],
-                   logit_rows=np.arange(len(host.tokens[rows]), dtype=np.int64))
+                   logit_rows=np.arange(len(tokens), dtype=np.int64))
 
 
 def _build_decode_step(batch: StepBatch, block_size: int, max_blocks: int, max_model_len: int) -> HostStep:

@@ -46,8 +46,9 @@ from shared.formats.kv4 import page_row_bytes
 from shared.model.config import LlamaConfig
 from shared.model.rope import inverse_frequencies
 
-# Up to 1024: a batch above the largest bucket decodes eagerly, and on the H200 that launch cost
-# was ~13 ms a step at batch 603 of Llama-3-8B (a 19.6 ms graph step; session 23, bench/e2e.py).
+# Up to 1024: before, a batch above 512 decoded eagerly, and on the H200 that launch cost was ~13 ms
+# a step at batch 603 of Llama-3-8B (a 19.6 ms graph step; session 23, bench/e2e.py). A batch above
+# the largest bucket now replays in pieces of it (_decode_through_graphs).
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512,
                              640, 768, 896, 1024)
 
@@ -229,8 +230,12 @@ class TritonRunner:
             return logits
         if len(host.tokens) > self.settings.max_batch_tokens:
             raise ValueError(f"a step of {len(host.tokens)} tokens exceeds max_batch_tokens={self.settings.max_batch_tokens}")
+        return self._eager_step(host, batch.previous_token_ids)
+
+    def _eager_step(self, host: HostStep, previous_token_ids: torch.Tensor | None) -> torch.Tensor:
+        """A step launched kernel by kernel from the host (prefill, mixed steps, no graphs)."""
         st = to_device(host, self.device)
-        st.tokens = resolve_token_ids(st.tokens, batch.previous_token_ids)
+        st.tokens = resolve_token_ids(st.tokens, previous_token_ids)
         return self._forward(st)
 
     def _decode_through_graphs(self, host: HostStep, previous_token_ids: torch.Tensor | None) -> torch.Tensor:
