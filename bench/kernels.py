@@ -99,7 +99,8 @@ def w4a8_weight_set(n: int, k: int, dev) -> dict:
 
 def w4a8_act_set(m: int, k: int, dev) -> dict:
     """Random activations x (M, K) fp32 with a few outlier channels, and their per-token int8 codes
-    x8, scales sx (M,) and row sums (M,) int32: the W4A8 GEMM's inputs."""
+    x8, scales sx (M,), row sums (M,) and 128-group sums (M, K / 128) int32: the W4A8 GEMM's inputs,
+    as the activation-quant kernels give them."""
     import torch
 
     from shared.quant.activations import quantize_per_token
@@ -107,7 +108,13 @@ def w4a8_act_set(m: int, k: int, dev) -> dict:
     x = torch.randn(m, k, device=dev)
     x[:, torch.randint(0, k, (8,), device=dev)] *= 10  # a few outlier channels
     x8, sx = quantize_per_token(x)
-    return {"x": x, "x8": x8, "sx": sx[:, 0].contiguous(), "rowsum": x8.sum(dim=1, dtype=torch.int32)}
+    return {"x": x, "x8": x8, "sx": sx[:, 0].contiguous(), "rowsum": x8.sum(dim=1, dtype=torch.int32),
+            "group_sums": x8.view(m, k // 128, 128).sum(dim=2, dtype=torch.int32)}
+
+
+def x_sums(a: dict, kind: str) -> dict:
+    """The activation sums w4a8_gemm takes for this weight kind (from w4a8_act_set), as keywords."""
+    return {"rowsum": a["rowsum"]} if kind == "w4chn" else {"group_sums": a["group_sums"]}
 
 
 def gemm_calls(gemm_fn, variant: str, kind: str, ws: list, acts: list, split=None) -> list:
@@ -118,8 +125,8 @@ def gemm_calls(gemm_fn, variant: str, kind: str, ws: list, acts: list, split=Non
     m, n = acts[0]["x8"].shape[0], ws[0][kind].qweight.shape[0]
     outs = [torch.empty((m, n), dtype=torch.float16, device=acts[0]["x8"].device) for _ in ws]
     return [lambda w=w, a=a, o=o: gemm_fn(
-        a["x8"], a["sx"], w[kind], rowsum=a["rowsum"] if kind == "w4chn" else None,
-        variant=variant, split_k=split, out=o) for w, a, o in zip(ws, acts, outs)]
+        a["x8"], a["sx"], w[kind], **x_sums(a, kind), variant=variant, split_k=split, out=o)
+        for w, a, o in zip(ws, acts, outs)]
 
 
 def check_output(out, ref, dot_fp16: bool) -> dict:
@@ -188,12 +195,14 @@ class Bench:
             for name, fns, ref_in, nbytes in cases:
                 row = {"op": name, "M": m}
                 try:
-                    x8, scale, rowsum = fns[0]()
+                    x8, scale, rowsum, group_sums = fns[0]()
                     r8, rs = quantize_per_token(ref_in)
                     row["scale_max_rel_err"] = ((scale - rs[:, 0]).abs() / rs[:, 0]).max().item()
                     row["code_max_diff"] = (x8.int() - r8.int()).abs().max().item()
                     row["rowsum_exact"] = bool(torch.equal(rowsum, x8.int().sum(1)))
-                    row["correct"] = row["scale_max_rel_err"] < 1e-6 and row["code_max_diff"] <= 1 and row["rowsum_exact"]
+                    row["group_sums_exact"] = bool(torch.equal(group_sums, x8.int().view(m, -1, 128).sum(2)))
+                    row["correct"] = (row["scale_max_rel_err"] < 1e-6 and row["code_max_diff"] <= 1
+                                      and row["rowsum_exact"] and row["group_sums_exact"])
                     t = self.time_calls(fns)
                     row.update(us=t * 1e3, gbps=nbytes / t / 1e6)
                     # the same op forced down the chunked path, in the same run: what one pass saves
@@ -233,18 +242,20 @@ class Bench:
             x = torch.randn(m, k, device=self.dev)
             x[:, :4] *= 10
             x8, sx = quantize_per_token(x)
-            rowsum = x8.sum(dim=1, dtype=torch.int32)
+            sums = {"rowsum": x8.sum(dim=1, dtype=torch.int32),
+                    "group_sums": x8.view(m, k // 128, 128).sum(dim=2, dtype=torch.int32)}
             for kind, p in weights.items():
                 ref = reference_linear(p)(x)
                 for v in gemm.variants_for(kind):
                     if (pattern and not pattern.search(v.name)) or not v.can_implement(m, n, k, kind)[0]:
                         continue
                     for split in ((None, 1, 3, k // 128) if v.split_k else (None,)):
-                        for rs in ((rowsum, None) if kind == "w4chn" else (None,)):
-                            case = f"{v.name} M={m} split={split} rowsum={rs is not None}"
+                        given = "rowsum" if kind == "w4chn" else "group_sums"
+                        for given_sums in ({given: sums[given]}, {}):
+                            case = f"{v.name} M={m} split={split} {given}={bool(given_sums)}"
                             try:
                                 out = torch.full((m, n), float("nan"), dtype=torch.float16, device=self.dev)
-                                gemm.w4a8_gemm(x8, sx, p, rowsum=rs, variant=v.name, split_k=split, out=out)
+                                gemm.w4a8_gemm(x8, sx, p, **given_sums, variant=v.name, split_k=split, out=out)
                                 bad = (out.float() != ref)
                                 if bad.any():
                                     rows = bad.any(dim=1).nonzero()[:, 0].tolist()
@@ -368,8 +379,7 @@ class Bench:
         try:
             out = torch.full((m, n), float("nan"), dtype=torch.float16, device=self.dev)
             a = acts[0]
-            gemm.w4a8_gemm(a["x8"], a["sx"], ws[0][kind], rowsum=a["rowsum"] if kind == "w4chn" else None,
-                           variant=v.name, out=out)
+            gemm.w4a8_gemm(a["x8"], a["sx"], ws[0][kind], **x_sums(a, kind), variant=v.name, out=out)
             torch.cuda.synchronize()
             entry.update(check_output(out, ref, v.dot_fp16))
             del out

@@ -72,18 +72,16 @@ def chain(layers, best, kind, x, norm_w, m):
     from services.worker.kernels.act_quant import quantize, rmsnorm_quant, silu_mul_quant
     from services.worker.kernels.w4a8_gemm import w4a8_gemm
 
-    def gemm(x8, sx, rowsum, w):
-        return w4a8_gemm(x8, sx, w, rowsum if kind == "w4chn" else None, variant=_variant(best, kind, w, m))
+    def gemm(act, w):
+        chn = kind == "w4chn"
+        return w4a8_gemm(act.x8, act.scale, w, act.rowsum if chn else None, variant=_variant(best, kind, w, m),
+                         group_sums=None if chn else act.group_sums)
 
     for w in layers:
-        x8, sx, rs = rmsnorm_quant(x, norm_w, 1e-5)
-        qkv = gemm(x8, sx, rs, w["qkv"])
-        x8, sx, rs = quantize(qkv[:, :HIDDEN].contiguous())  # stands in for attention's output
-        o = gemm(x8, sx, rs, w["o"])
-        x8, sx, rs = rmsnorm_quant(x, norm_w, 1e-5, add=o)
-        gu = gemm(x8, sx, rs, w["gate_up"])
-        x8, sx, rs = silu_mul_quant(gu)
-        x = x + gemm(x8, sx, rs, w["down"])
+        qkv = gemm(rmsnorm_quant(x, norm_w, 1e-5), w["qkv"])
+        o = gemm(quantize(qkv[:, :HIDDEN].contiguous()), w["o"])  # stands in for attention's output
+        gu = gemm(rmsnorm_quant(x, norm_w, 1e-5, add=o), w["gate_up"])
+        x = x + gemm(silu_mul_quant(gu), w["down"])
     return x
 
 

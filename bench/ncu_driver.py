@@ -39,13 +39,14 @@ def attention_calls(args, torch, dev):
 
 
 def gemm_calls(args, torch, dev):
+    from bench.kernels import x_sums
     from services.worker.kernels.w4a8_gemm import w4a8_gemm
 
     n, k = (int(v) for v in args.shape.split("x"))
-    w = w4a8_weight_set(n, k, dev)["w4chn" if args.fmt == "chn" else "w4g128p"]
+    kind = "w4chn" if args.fmt == "chn" else "w4g128p"
+    w = w4a8_weight_set(n, k, dev)[kind]
     a = w4a8_act_set(args.m, k, dev)
-    rowsum = a["rowsum"] if args.fmt == "chn" else None
-    return lambda: w4a8_gemm(a["x8"], a["sx"], w, rowsum=rowsum, variant=args.variant)
+    return lambda: w4a8_gemm(a["x8"], a["sx"], w, **x_sums(a, kind), variant=args.variant)
 
 
 def dump_kernels(out: Path) -> None:

@@ -167,7 +167,7 @@ def gemv(a):
                 "zero_ptr": "*u8", "col_scale_ptr": "*fp16", "out_ptr": "*fp16", "ws_ptr": "*i32"}
     if not a.g128:
         pointers |= {"s2_ptr": "*fp16", "zero_ptr": "*fp16"}
-    consts = dict(G128=a.g128, HAS_ROWSUM=not a.g128, BLOCK_N=a.block_n, BLOCK_M=a.block_m,
+    consts = dict(G128=a.g128, HAS_ROWSUM=not a.g128 or a.group_sums, BLOCK_N=a.block_n, BLOCK_M=a.block_m,
                   GROUPS_PER_STEP=a.groups_per_step, USE_SPLIT=False, FAST=True, PDL=0)
     return compile_sass(gv._w4a8_gemv_kernel, pointers, consts, num_warps=a.warps), None
 
@@ -206,6 +206,7 @@ def main() -> None:
     gm.add_argument("variant", help="e.g. chn.n128m16.sk or g128.n64m64.sk.swar")
     gv = sub.add_parser("gemv", help="the W4A8 dp4a kernel for M <= 4 (w4a8_gemv.py)")
     gv.add_argument("--g128", action="store_true", help="per-group weights (default per-channel)")
+    gv.add_argument("--group-sums", action="store_true", help="g128: the zero term from the act-quant group sums")
     gv.add_argument("--block-n", type=int, default=16)
     gv.add_argument("--block-m", type=int, default=1)
     gv.add_argument("--groups-per-step", type=int, default=8)

@@ -41,7 +41,7 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.kernels import check_output, gemm_calls, time_calls, w4a8_act_set, w4a8_weight_set, warm_gpu  # noqa: E402
+from bench.kernels import check_output, gemm_calls, time_calls, w4a8_act_set, w4a8_weight_set, warm_gpu, x_sums  # noqa: E402
 from bench.policy_table import POLICY_DIR, write_policy  # noqa: E402
 
 FORMATS = ("w4a8kv4-g128", "w4a8kv4-chn")
@@ -172,8 +172,7 @@ class Tuner:
                 entry = {"kind": kind, "N": n, "K": k, "M": m, "variant": v.name}
                 try:
                     out = torch.full((m, n), float("nan"), dtype=torch.float16, device=self.device)
-                    self.gemm_fn(a["x8"], a["sx"], ws[0][kind], rowsum=a["rowsum"] if kind == "w4chn" else None,
-                                 variant=v.name, out=out)
+                    self.gemm_fn(a["x8"], a["sx"], ws[0][kind], **x_sums(a, kind), variant=v.name, out=out)
                     entry.update(check_output(out, ref, v.dot_fp16))
                 except Exception as e:  # a variant that does not run is a wrong one
                     entry.update(correct=False, error=f"{type(e).__name__}: {e}"[:500])

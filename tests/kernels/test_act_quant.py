@@ -26,15 +26,19 @@ def _path(request, monkeypatch):
         monkeypatch.setattr(act_quant, "CHUNK", 128)
 
 
-def _assert_quantized(got, ref_input: torch.Tensor) -> None:
-    x8, scale, rowsum = got
+def _assert_quantized(got: act_quant.QuantizedActivations, ref_input: torch.Tensor) -> None:
+    x8, scale, rowsum, group_sums = got
     r8, rscale = quantize_per_token(ref_input)
-    assert x8.dtype == torch.int8 and scale.dtype == torch.float32 and rowsum.dtype == torch.int32
+    assert x8.dtype == torch.int8 and scale.dtype == torch.float32 and rowsum.dtype == group_sums.dtype == torch.int32
     assert scale.shape == rowsum.shape == (x8.shape[0],)
     torch.testing.assert_close(scale, rscale[:, 0], rtol=4e-7, atol=0)
     diff = (x8.int() - r8.int()).abs()
     assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-2
     assert torch.equal(rowsum, x8.int().sum(dim=1))
+    # Group sums over 128 columns; a last partial group (K = 64, 200) sums what it has.
+    m, k = x8.shape
+    padded = F.pad(x8.int(), (0, -k % 128))
+    assert torch.equal(group_sums, padded.view(m, -1, 128).sum(dim=2))
 
 
 def _input(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -89,9 +93,9 @@ def test_quantize(m, k, dtype):
 def test_strided_rows_and_zero_rows():
     x = _input(4, 256, torch.float32, seed=2)[:, :200]  # row stride 256
     x[1] = 0
-    x8, scale, rowsum = quantize(x)
-    _assert_quantized((x8, scale, rowsum), x)
-    assert scale[1] == torch.tensor(1e-8) and not x8[1].any()
+    act = quantize(x)
+    _assert_quantized(act, x)
+    assert act.scale[1] == torch.tensor(1e-8) and not act.x8[1].any()
 
 
 def test_bad_inputs_are_refused_by_name():

@@ -69,7 +69,7 @@ def silu_mul_fp16(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class W4A8Ops:
-    """Quantized activations (x8 (M, K) int8, scale (M,) fp32, rowsum (M,) int32) into W4A8 GEMMs."""
+    """Quantized activations (act_quant.QuantizedActivations) into W4A8 GEMMs."""
 
     def __init__(self, policy: GemmPolicy):
         self.policy = policy
@@ -84,11 +84,12 @@ class W4A8Ops:
     def plain(self, x: torch.Tensor):
         return act_quant.quantize(x)
 
-    def linear(self, act, weight) -> torch.Tensor:
-        x8, sx, rowsum = act
+    def linear(self, act: act_quant.QuantizedActivations, weight) -> torch.Tensor:
         n, k = weight.qweight.shape[0], weight.qweight.shape[1] * 2
-        variant = self.policy.variant(weight.kind, n, k, x8.shape[0])
-        return w4a8_gemm.w4a8_gemm(x8, sx, weight, rowsum if weight.kind == "w4chn" else None, variant=variant)
+        variant = self.policy.variant(weight.kind, n, k, act.x8.shape[0])
+        chn = weight.kind == "w4chn"
+        return w4a8_gemm.w4a8_gemm(act.x8, act.scale, weight, act.rowsum if chn else None, variant=variant,
+                                   group_sums=None if chn else act.group_sums)
 
     def linear_into_residual(self, act, weight, residual: torch.Tensor) -> torch.Tensor:
         """residual += linear(act, weight), left to the next norm: returns the GEMM output, which the

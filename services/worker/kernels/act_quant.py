@@ -5,8 +5,11 @@
     silu_mul_quant(gate_up)        -> before down             (silu(gate) * up, gate_up = [gate | up])
     quantize(x)                    -> before o_proj
 
-Each returns x8 (M, K) int8 in [-127, 127], scale (M,) fp32 and rowsum (M,) int32 = x8.sum(-1)
-(the per-channel W4A8 GEMM's zero-point term), with shared/quant/activations.py numerics:
+Each returns QuantizedActivations: x8 (M, K) int8 in [-127, 127], scale (M,) fp32, rowsum (M,)
+int32 = x8.sum(-1) (the per-channel W4A8 GEMM's zero-point term) and group_sums (M, ceil(K / 128))
+int32, x8's sums over each 128-group (the g128 dp4a GEMV's zero-point term at M = 1: one
+multiply-add per weight row and group instead of x byte sums per weight word), with
+shared/quant/activations.py numerics:
 scale = max(absmax / 127, 1e-8), x8 = round_half_even(x / scale). One program quantizes one row
 in fp32. The per-row divisions and the square root are IEEE round-to-nearest, so the scale matches
 the reference to fp32 rounding (the reduction order still differs). The per-element ones are not:
@@ -17,6 +20,8 @@ tie, as the summation order already allows) and silu's 1 / (1 + e^-x) the approx
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -33,6 +38,14 @@ _ROUND_MAGIC = tl.constexpr(12582912.0)
 # per-element divisions went, session 9, chunks had won from about 512 rows.)
 ONE_PASS_MAX = 16384
 CHUNK = 2048  # chunk of the multi-pass path for wider rows
+GROUP = 128  # the width of one group sum (shared/formats GROUP_SIZE)
+
+
+class QuantizedActivations(NamedTuple):
+    x8: torch.Tensor  # (M, K) int8
+    scale: torch.Tensor  # (M,) fp32
+    rowsum: torch.Tensor  # (M,) int32
+    group_sums: torch.Tensor  # (M, ceil(K / 128)) int32
 
 
 @triton.jit
@@ -65,6 +78,16 @@ def _quantize_store(v, inv_scale, x8_row, offs, mask):
 
 
 @triton.jit
+def _store_group_sums(q, group_row, first_group, n_groups, BLOCK: tl.constexpr):
+    """Sums of the int32 codes q (BLOCK values from group first_group on) over each 128-group, stored
+    at group_row + first_group ...; returns their total (the codes' sum)."""
+    sums = tl.sum(tl.reshape(q, (BLOCK // 128, 128)), axis=1)
+    groups = first_group + tl.arange(0, BLOCK // 128)
+    tl.store(group_row + groups, sums, mask=groups < n_groups)
+    return tl.sum(sums, axis=0)
+
+
+@triton.jit
 def _add_residual(in_row, add_row, offs, mask):
     """x += y on one chunk of a row, rounded to x's dtype as torch's in-place add; returns the sum in fp32."""
     x = tl.load(in_row + offs, mask=mask, other=0.0).to(tl.float32) + tl.load(add_row + offs, mask=mask, other=0.0).to(tl.float32)
@@ -75,9 +98,9 @@ def _add_residual(in_row, add_row, offs, mask):
 
 @triton.jit
 def _act_quant_kernel(
-    in_ptr, w_ptr, x8_ptr, scale_ptr, rowsum_ptr, add_ptr,
+    in_ptr, w_ptr, x8_ptr, scale_ptr, rowsum_ptr, group_sums_ptr, add_ptr,
     K, eps,
-    stride_im, stride_qm, stride_am,
+    stride_im, stride_qm, stride_am, stride_gm,
     OP: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, ADD: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
@@ -96,6 +119,8 @@ def _act_quant_kernel(
     row = tl.program_id(0)
     in_row = in_ptr + row * stride_im
     x8_row = x8_ptr + row * stride_qm
+    group_row = group_sums_ptr + row * stride_gm
+    n_groups = tl.cdiv(K, 128)
     if ONE_PASS:
         offs = tl.arange(0, BLOCK)
         mask = offs < K
@@ -111,7 +136,8 @@ def _act_quant_kernel(
         else:
             v = _values(in_row, w_ptr, offs, mask, K, inv_rms, OP)
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=0), 127.0), 1e-8)
-        rowsum = tl.sum(_quantize_store(v, tl.math.div_rn(1.0, scale), x8_row, offs, mask), axis=0)
+        q = _quantize_store(v, tl.math.div_rn(1.0, scale), x8_row, offs, mask)
+        rowsum = _store_group_sums(q, group_row, 0, n_groups, BLOCK)
     else:
         inv_rms = 1.0
         if OP == 1:
@@ -131,12 +157,12 @@ def _act_quant_kernel(
             amax = tl.maximum(amax, tl.abs(_values(in_row, w_ptr, offs, offs < K, K, inv_rms, OP)))
         scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 127.0), 1e-8)
         inv_scale = tl.math.div_rn(1.0, scale)
-        sums = tl.zeros((BLOCK,), dtype=tl.int32)
+        rowsum = 0
         for start in range(0, K, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < K
-            sums += _quantize_store(_values(in_row, w_ptr, offs, mask, K, inv_rms, OP), inv_scale, x8_row, offs, mask)
-        rowsum = tl.sum(sums, axis=0)
+            q = _quantize_store(_values(in_row, w_ptr, offs, mask, K, inv_rms, OP), inv_scale, x8_row, offs, mask)
+            rowsum += _store_group_sums(q, group_row, start // 128, n_groups, BLOCK)
     _overlap_release(PDL)
     tl.store(scale_ptr + row, scale)
     tl.store(rowsum_ptr + row, rowsum)
@@ -153,41 +179,44 @@ def _check_rows(name: str, x: torch.Tensor, k: int) -> None:
         raise ValueError(f"{name}: empty rows (length {k})")
 
 
-def _outputs(m: int, k: int, device: torch.device):
-    x8 = torch.empty((m, k), dtype=torch.int8, device=device)
-    scale = torch.empty((m,), dtype=torch.float32, device=device)
-    rowsum = torch.empty((m,), dtype=torch.int32, device=device)
-    return x8, scale, rowsum
+def _outputs(m: int, k: int, device: torch.device) -> QuantizedActivations:
+    return QuantizedActivations(
+        x8=torch.empty((m, k), dtype=torch.int8, device=device),
+        scale=torch.empty((m,), dtype=torch.float32, device=device),
+        rowsum=torch.empty((m,), dtype=torch.int32, device=device),
+        group_sums=torch.empty((m, triton.cdiv(k, GROUP)), dtype=torch.int32, device=device),
+    )
 
 
 def launch_plan(k: int) -> tuple[bool, int, int]:
     """(one_pass, BLOCK, num_warps) for rows of k values, whatever the op and row count
     (bench/act_quant_paths.py times the alternatives per op and M)."""
     one_pass = k <= ONE_PASS_MAX
-    block = triton.next_power_of_2(k) if one_pass else CHUNK
+    block = max(triton.next_power_of_2(k), GROUP) if one_pass else CHUNK  # whole groups per block
     # one pass: 16 values a thread up to 8 warps (Llama-2-7B's 11008: 16 warps, 32 each); chunks: 8
     num_warps = max(1, min(16, block // 512)) if one_pass else max(1, min(4, block // 256))
     return one_pass, block, num_warps
 
 
 def _launch(op: int, src: torch.Tensor, weight: torch.Tensor | None, k: int, eps: float = 0.0,
-            add: torch.Tensor | None = None, plan: tuple[bool, int, int] | None = None):
+            add: torch.Tensor | None = None, plan: tuple[bool, int, int] | None = None) -> QuantizedActivations:
     m = src.shape[0]
-    x8, scale, rowsum = _outputs(m, k, src.device)
+    act = _outputs(m, k, src.device)
     one_pass, block, num_warps = plan or launch_plan(k)
     if m:
         _act_quant_kernel[(m,)](
-            src, src if weight is None else weight, x8, scale, rowsum, src if add is None else add,
+            src, src if weight is None else weight, act.x8, act.scale, act.rowsum, act.group_sums,
+            src if add is None else add,
             k, eps,
-            src.stride(0), x8.stride(0), 0 if add is None else add.stride(0),
+            src.stride(0), act.x8.stride(0), 0 if add is None else add.stride(0), act.group_sums.stride(0),
             OP=op, BLOCK=block, ONE_PASS=one_pass, ADD=add is not None, num_warps=num_warps,
             **launch_kwargs(src.device, m),
         )
-    return x8, scale, rowsum
+    return act
 
 
 def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None):
-    """x (M, K) residual stream, weight (K,) -> x8 (M, K) int8, scale (M,) fp32, rowsum (M,) int32.
+    """x (M, K) residual stream, weight (K,) -> QuantizedActivations of rms_norm(x) * weight.
 
     With add (M, K): x += add first, in place (rounded to x's dtype, as `x += add`), and the
     quantized norm is that of the sum.
@@ -205,7 +234,7 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.
 
 
 def silu_mul_quant(gate_up: torch.Tensor):
-    """gate_up (M, 2F) = [gate | up] -> quantized silu(gate) * up: x8 (M, F), scale (M,), rowsum (M,)."""
+    """gate_up (M, 2F) = [gate | up] -> QuantizedActivations of silu(gate) * up (x8 (M, F))."""
     _check_rows("silu_mul_quant gate_up", gate_up, gate_up.shape[-1] // 2)
     m, two_f = gate_up.shape
     if two_f % 2:
@@ -214,6 +243,6 @@ def silu_mul_quant(gate_up: torch.Tensor):
 
 
 def quantize(x: torch.Tensor):
-    """x (M, K) -> x8 (M, K) int8, scale (M,) fp32, rowsum (M,) int32."""
+    """x (M, K) -> QuantizedActivations of x."""
     _check_rows("quantize x", x, x.shape[-1])
     return _launch(0, x, None, x.shape[1])

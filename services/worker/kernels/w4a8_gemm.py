@@ -613,6 +613,16 @@ def _as_words(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.view(torch.int32)
 
 
+def _checked_group_sums(group_sums: torch.Tensor | None, M: int, K: int) -> torch.Tensor | None:
+    if group_sums is None:
+        return None
+    groups = K // GROUP_SIZE
+    assert group_sums.dtype == torch.int32 and group_sums.shape == (M, groups), (
+        f"group_sums: expected ({M}, {groups}) int32, got {tuple(group_sums.shape)} {group_sums.dtype}")
+    assert group_sums.stride(-1) == 1, "group_sums rows must be contiguous"
+    return group_sums
+
+
 def w4a8_gemv(
     x8: torch.Tensor,
     sx: torch.Tensor,
@@ -620,6 +630,7 @@ def w4a8_gemv(
     variant: GemmVariant,
     rowsum: torch.Tensor | None = None,
     *,
+    group_sums: torch.Tensor | None = None,
     split_k: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -634,7 +645,9 @@ def w4a8_gemv(
     if g128:
         s2, zero, col_scale = weight.s2, weight.zero, weight.s1
         assert s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride() and s2.stride(1) == 1
-        rowsum = None
+        # The kernel's x-sums input is the group sums for g128, read by the M = 1 loop only.
+        group_sums = _checked_group_sums(group_sums, M, K)
+        rowsum = group_sums if variant.block_m == 1 else None
     else:
         s2 = zero = weight.zero
         col_scale = weight.scale
@@ -668,12 +681,16 @@ def w4a8_gemm(
     rowsum: torch.Tensor | None = None,
     variant: str | None = None,
     *,
+    group_sums: torch.Tensor | None = None,
     split_k: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y (M, N) fp16 = the W4A8 linear of shared/model/linear.py on pre-quantized activations.
 
     variant: a name from VARIANTS (a policy table's choice); None picks a safe default by M.
+    rowsum (M,) int32 = x8.sum(-1) serves per-channel weights; group_sums (M, K // 128) int32, the
+    sums of x8 over each 128-group, serve g128 weights in the dp4a kernel at M = 1. Both as the
+    activation-quant kernels return them; each is optional (the kernels then sum x8 themselves).
     """
     if not isinstance(weight, (W4G128ProgressiveWeight, W4ChannelWeight)):
         raise TypeError(f"w4a8_gemm takes {KINDS} weights, got {type(weight).__name__}")
@@ -690,7 +707,7 @@ def w4a8_gemm(
         others = "; ".join(f"{v.name}: {v.can_implement(M, N, K, weight.kind)[1]}" for v in VARIANTS)
         raise ValueError(f"variant {variant} cannot run M={M} N={N} K={K} {weight.kind}: {reason}. All: {others}")
     if chosen.gemv:
-        return w4a8_gemv(x8, sx, weight, chosen, rowsum, split_k=split_k, out=out)
+        return w4a8_gemv(x8, sx, weight, chosen, rowsum, group_sums=group_sums, split_k=split_k, out=out)
     if isinstance(weight, W4G128ProgressiveWeight):
         return w4a8_g128_gemm(x8, sx, weight, chosen, split_k=split_k, out=out)
     return w4a8_channel_gemm(x8, sx, weight, chosen, rowsum, split_k=split_k, out=out)

@@ -137,11 +137,15 @@ def _x_step_one_row(x_ptr, g0, g_end, rn, offs_g, offs_j):
 
 @triton.jit
 def _accumulate(w, s2, z, x_lo, x_hi, acc, x_sum, G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, FAST: tl.constexpr):
-    """One step of one row of x against the weight words w (BN, GPS, 16)."""
+    """One step of one row of x against the weight words w (BN, GPS, 16). With group sums (g128
+    HAS_ROWSUM) the zero term is left to the caller: acc gets s2 * (x . q) only."""
     if G128:
-        x_word_sum = _byte_sum(x_hi, _byte_sum(x_lo, tl.zeros_like(acc), FAST), FAST)
         dot = _dot_chn(w, x_lo, x_hi, tl.zeros_like(acc), FAST)
-        acc += s2[:, :, None] * dot - (s2 * z)[:, :, None] * x_word_sum
+        if HAS_ROWSUM:
+            acc += s2[:, :, None] * dot
+        else:
+            x_word_sum = _byte_sum(x_hi, _byte_sum(x_lo, tl.zeros_like(acc), FAST), FAST)
+            acc += s2[:, :, None] * dot - (s2 * z)[:, :, None] * x_word_sum
     else:
         acc = _dot_chn(w, x_lo, x_hi, acc, FAST)
         if not HAS_ROWSUM:
@@ -151,7 +155,7 @@ def _accumulate(w, s2, z, x_lo, x_hi, acc, x_sum, G128: tl.constexpr, HAS_ROWSUM
 
 @triton.jit
 def _row_sums(
-    qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
+    qw_ptr, x_ptr, rowsum_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
     G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
     FAST: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -173,6 +177,7 @@ def _row_sums(
     offs_j = tl.arange(0, 16)
     acc = tl.zeros((BLOCK_N, GROUPS_PER_STEP, 16), dtype=tl.int32)
     x_sum = acc  # chn without a rowsum: every weight row holds the same x sums
+    zero_term = tl.zeros((BLOCK_N, GROUPS_PER_STEP), dtype=tl.int32)  # g128 with group sums: sum s2 * z * X_g
     w, s2, z = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_g, offs_j,
                                     stride_qn, stride_sn, G128)
     _overlap_entry(PDL)
@@ -183,9 +188,18 @@ def _row_sums(
         w_n, s2_n, z_n = _weight_step_one_row(qw_ptr, s2_ptr, zero_ptr, g_next, g_end, rn,
                                               offs_g, offs_j, stride_qn, stride_sn, G128)
         x_lo_n, x_hi_n = _x_step_one_row(x_ptr, g_next, g_end, rn, offs_g, offs_j)
+        if G128 and HAS_ROWSUM:
+            # X_g (the act-quant kernel's sum of the group's x bytes), read per weight row like
+            # x so it arrives in s2's layout: one multiply-add per row and group, where the
+            # per-word x byte sums cost two dp4a and a multiply-add per word.
+            groups = g0 + offs_g
+            x_group_sum = tl.load(rowsum_ptr + (rn * 0)[:, None] + groups[None, :], mask=(groups < g_end)[None, :], other=0)
+            zero_term += s2 * z * x_group_sum
         acc, x_sum = _accumulate(w, s2, z, x_lo, x_hi, acc, x_sum, G128, HAS_ROWSUM, FAST)
         w, s2, z, x_lo, x_hi = w_n, s2_n, z_n, x_lo_n, x_hi_n
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if G128 and HAS_ROWSUM:
+        total -= tl.sum(zero_term, axis=1)
     if not G128 and not HAS_ROWSUM:
         zero = tl.load(zero_ptr + rn).to(tl.int32)
         total -= zero * tl.sum(tl.sum(x_sum, axis=2), axis=1)
@@ -259,7 +273,7 @@ def _w4a8_gemv_kernel(
     g_start = pid_k * GROUPS_PER_SPLIT
     g_end = min(g_start + GROUPS_PER_SPLIT, K // 128)
     if BLOCK_M == 1:
-        total = _row_sums(qw_ptr, x_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
+        total = _row_sums(qw_ptr, x_ptr, rowsum_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
                           G128, HAS_ROWSUM, BLOCK_N, GROUPS_PER_STEP, FAST, PDL)
     else:
         _overlap_entry(PDL)
