@@ -195,14 +195,12 @@ class Bench:
             for name, fns, ref_in, nbytes in cases:
                 row = {"op": name, "M": m}
                 try:
-                    x8, scale, rowsum, group_sums = fns[0]()
+                    x8, scale, rowsum, _ = fns[0]()
                     r8, rs = quantize_per_token(ref_in)
                     row["scale_max_rel_err"] = ((scale - rs[:, 0]).abs() / rs[:, 0]).max().item()
                     row["code_max_diff"] = (x8.int() - r8.int()).abs().max().item()
                     row["rowsum_exact"] = bool(torch.equal(rowsum, x8.int().sum(1)))
-                    row["group_sums_exact"] = bool(torch.equal(group_sums, x8.int().view(m, -1, 128).sum(2)))
-                    row["correct"] = (row["scale_max_rel_err"] < 1e-6 and row["code_max_diff"] <= 1
-                                      and row["rowsum_exact"] and row["group_sums_exact"])
+                    row["correct"] = row["scale_max_rel_err"] < 1e-6 and row["code_max_diff"] <= 1 and row["rowsum_exact"]
                     t = self.time_calls(fns)
                     row.update(us=t * 1e3, gbps=nbytes / t / 1e6)
                     # the same op forced down the chunked path, in the same run: what one pass saves

@@ -77,11 +77,12 @@ def chain(layers, best, kind, x, norm_w, m):
         return w4a8_gemm(act.x8, act.scale, w, act.rowsum if chn else None, variant=_variant(best, kind, w, m),
                          group_sums=None if chn else act.group_sums)
 
+    sums = kind == "w4g128p" and m == 1  # as the engine's W4A8Ops asks
     for w in layers:
-        qkv = gemm(rmsnorm_quant(x, norm_w, 1e-5), w["qkv"])
-        o = gemm(quantize(qkv[:, :HIDDEN].contiguous()), w["o"])  # stands in for attention's output
-        gu = gemm(rmsnorm_quant(x, norm_w, 1e-5, add=o), w["gate_up"])
-        x = x + gemm(silu_mul_quant(gu), w["down"])
+        qkv = gemm(rmsnorm_quant(x, norm_w, 1e-5, group_sums=sums), w["qkv"])
+        o = gemm(quantize(qkv[:, :HIDDEN].contiguous(), group_sums=sums), w["o"])  # stands in for attention's output
+        gu = gemm(rmsnorm_quant(x, norm_w, 1e-5, add=o, group_sums=sums), w["gate_up"])
+        x = x + gemm(silu_mul_quant(gu, group_sums=sums), w["down"])
     return x
 
 

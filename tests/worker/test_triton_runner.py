@@ -75,6 +75,12 @@ def tiny_artifacts(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def g128_steps(tiny_artifacts):
+    """(tokens, logits) of the g128 artifact's steps as the runner takes them by default."""
+    return _run_steps(ArtifactReader(tiny_artifacts["w4a8kv4-g128"]))
+
+
 def _run_steps(reader: ArtifactReader, block: int = BLOCK, install=None) -> tuple[dict[int, list[int]], dict[int, dict[int, torch.Tensor]]]:
     """The steps of _steps through a TritonRunner -> (tokens per seq, seq -> position -> logits).
     install(runner), if given, runs after the cache is allocated."""
@@ -203,7 +209,7 @@ class _EagerGraphs:
         return self.runner._eager_step(host, previous_token_ids)
 
 
-def test_a_decode_batch_above_the_largest_graph_runs_in_pieces(tiny_artifacts):
+def test_a_decode_batch_above_the_largest_graph_runs_in_pieces(tiny_artifacts, g128_steps):
     """Two-row decode steps with graphs of at most one row: each row replayed on its own, logits in
     row order and equal to the unsplit step's."""
     reader = ArtifactReader(tiny_artifacts["w4a8kv4-g128"])
@@ -214,9 +220,44 @@ def test_a_decode_batch_above_the_largest_graph_runs_in_pieces(tiny_artifacts):
         stand_ins.append(runner.graphs)
 
     _, split = _run_steps(reader, install=one_row_graphs)
-    _, whole = _run_steps(reader)
+    _, whole = g128_steps
     assert stand_ins[0].pieces == [1] * (2 * (DECODE_STEPS - 1) + 1)  # the decode-only steps, a row per piece
     for s in SEQS:
         assert sorted(split[s]) == sorted(whole[s])
         for pos, row in whole[s].items():
             torch.testing.assert_close(split[s][pos], row, rtol=1e-4, atol=1e-4)
+
+
+def test_one_token_g128_decode_feeds_the_dp4a_gemv_group_sums(tiny_artifacts, g128_steps, monkeypatch):
+    """With the policy naming the dp4a GEMV at M = 1, the one-row decode steps quantize with 128-group
+    sums and the GEMV takes them; the logits equal those of the tensor-core kernels (both exact)."""
+    from services.worker.kernels import w4a8_gemm
+
+    reader = ArtifactReader(tiny_artifacts["w4a8kv4-g128"])
+    _, tensor_cores = g128_steps
+    calls = []
+    real = w4a8_gemm.w4a8_gemm
+
+    def spy(x8, sx, weight, rowsum=None, variant=None, **kw):
+        calls.append((x8.shape[0], variant, kw.get("group_sums") is not None))
+        return real(x8, sx, weight, rowsum, variant, **kw)
+
+    monkeypatch.setattr(w4a8_gemm, "w4a8_gemm", spy)
+
+    class GemvAtOneToken:
+        def __init__(self, policy):
+            self.policy = policy
+
+        def variant(self, kind, n, k, m):
+            return "g128.gemv.n4m1g16" if m == 1 else self.policy.variant(kind, n, k, m)
+
+    def gemv_at_one_token(runner: TritonRunner) -> None:
+        runner.ops.policy = GemvAtOneToken(runner.ops.policy)
+
+    _, gemv = _run_steps(reader, install=gemv_at_one_token)
+    one_token = [c for c in calls if c[0] == 1]
+    assert one_token and all(variant == "g128.gemv.n4m1g16" and sums for _, variant, sums in one_token)
+    assert not any(sums for m, _, sums in calls if m > 1)
+    for s in SEQS:
+        for pos, row in tensor_cores[s].items():
+            torch.testing.assert_close(gemv[s][pos], row, rtol=1e-5, atol=1e-5)

@@ -3,7 +3,7 @@
 Both classes turn the fp16 residual stream into each GEMM's input and run the GEMM:
 
 * `W4A8Ops` (w4a8kv4-g128 / -chn): RMSNorm / SiLU*mul / plain quantization fused into one
-  kernel each (services/worker/kernels/act_quant.py) give (x8, scale, rowsum); the W4A8 GEMM
+  kernel each (services/worker/kernels/act_quant.py) give (x8, scale, sums); the W4A8 GEMM
   variant per shape comes from the artifact's kernel policy.
 * `Fp16Ops` (fp16, the baseline engine): fp16 RMSNorm and SiLU*mul in one Triton kernel each
   (below), cuBLAS fp16 GEMMs (torch.nn.functional.linear).
@@ -71,18 +71,24 @@ def silu_mul_fp16(gate_up: torch.Tensor) -> torch.Tensor:
 class W4A8Ops:
     """Quantized activations (act_quant.QuantizedActivations) into W4A8 GEMMs."""
 
-    def __init__(self, policy: GemmPolicy):
+    def __init__(self, policy: GemmPolicy, g128: bool):
         self.policy = policy
+        self.g128 = g128
+
+    def _group_sums(self, x: torch.Tensor) -> bool:
+        """Whether the GEMM after this quantization wants x8's 128-group sums: g128 weights at one
+        token (the dp4a GEMV's zero term; see act_quant)."""
+        return self.g128 and x.shape[0] == 1
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None):
         """Quantized RMSNorm of x, after x += add (a GEMM output linear_into_residual left for it) in the same kernel."""
-        return act_quant.rmsnorm_quant(x, weight, eps, add=add)
+        return act_quant.rmsnorm_quant(x, weight, eps, add=add, group_sums=self._group_sums(x))
 
     def silu_mul(self, gate_up: torch.Tensor):
-        return act_quant.silu_mul_quant(gate_up)
+        return act_quant.silu_mul_quant(gate_up, group_sums=self._group_sums(gate_up))
 
     def plain(self, x: torch.Tensor):
-        return act_quant.quantize(x)
+        return act_quant.quantize(x, group_sums=self._group_sums(x))
 
     def linear(self, act: act_quant.QuantizedActivations, weight) -> torch.Tensor:
         n, k = weight.qweight.shape[0], weight.qweight.shape[1] * 2

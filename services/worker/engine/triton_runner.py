@@ -115,7 +115,8 @@ class TritonRunner:
         if reader.spec.weight_kind == "fp16":
             self.ops = Fp16Ops()
         else:
-            self.ops = W4A8Ops(GemmPolicy.from_manifest(reader.manifest.kernel_policy))
+            self.ops = W4A8Ops(GemmPolicy.from_manifest(reader.manifest.kernel_policy),
+                               g128=reader.spec.weight_kind == "w4g128p")
         inv_freq = inverse_frequencies(self.config.rope, self.config.head_dim).to(self.device)
         self.rope_cache = build_rope_cache(inv_freq, self.max_model_len)  # (P, D) fp32 [cos | sin]
         self.k_cache = self.v_cache = None  # (layers, blocks, kv_heads, block_size, row)

@@ -6,10 +6,12 @@
     quantize(x)                    -> before o_proj
 
 Each returns QuantizedActivations: x8 (M, K) int8 in [-127, 127], scale (M,) fp32, rowsum (M,)
-int32 = x8.sum(-1) (the per-channel W4A8 GEMM's zero-point term) and group_sums (M, ceil(K / 128))
-int32, x8's sums over each 128-group (the g128 dp4a GEMV's zero-point term at M = 1: one
-multiply-add per weight row and group instead of x byte sums per weight word), with
-shared/quant/activations.py numerics:
+int32 = x8.sum(-1) (the per-channel W4A8 GEMM's zero-point term) and, when asked for
+(group_sums=True), (M, ceil(K / 128)) int32 sums of x8 over each 128-group: the g128 dp4a GEMV's
+zero-point term at M = 1, one multiply-add per weight row and group instead of x byte sums per
+weight word (H200, same run: 4096x4096 6.09 -> 5.75 us, 4096x11008 11.78 -> 11.00, the wide
+layers within 2%). Not written otherwise: that cost the act-quant kernels 3-6%. Numerics of
+shared/quant/activations.py:
 scale = max(absmax / 127, 1e-8), x8 = round_half_even(x / scale). One program quantizes one row
 in fp32. The per-row divisions and the square root are IEEE round-to-nearest, so the scale matches
 the reference to fp32 rounding (the reduction order still differs). The per-element ones are not:
@@ -45,7 +47,7 @@ class QuantizedActivations(NamedTuple):
     x8: torch.Tensor  # (M, K) int8
     scale: torch.Tensor  # (M,) fp32
     rowsum: torch.Tensor  # (M,) int32
-    group_sums: torch.Tensor  # (M, ceil(K / 128)) int32
+    group_sums: torch.Tensor | None  # (M, ceil(K / 128)) int32, when asked for
 
 
 @triton.jit
@@ -78,9 +80,11 @@ def _quantize_store(v, inv_scale, x8_row, offs, mask):
 
 
 @triton.jit
-def _store_group_sums(q, group_row, first_group, n_groups, BLOCK: tl.constexpr):
-    """Sums of the int32 codes q (BLOCK values from group first_group on) over each 128-group, stored
-    at group_row + first_group ...; returns their total (the codes' sum)."""
+def _store_group_sums(q, group_row, first_group, n_groups, BLOCK: tl.constexpr, GROUP_SUMS: tl.constexpr):
+    """The sum of the int32 codes q (BLOCK values from group first_group on); with GROUP_SUMS their
+    sums over each 128-group are stored at group_row + first_group ... as well."""
+    if not GROUP_SUMS:
+        return tl.sum(q, axis=0)
     sums = tl.sum(tl.reshape(q, (BLOCK // 128, 128)), axis=1)
     groups = first_group + tl.arange(0, BLOCK // 128)
     tl.store(group_row + groups, sums, mask=groups < n_groups)
@@ -102,7 +106,7 @@ def _act_quant_kernel(
     K, eps,
     stride_im, stride_qm, stride_am, stride_gm,
     OP: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, ADD: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    GROUP_SUMS: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     """One row per program. OP 0: x (M, K); OP 1: rms_norm(x) * w; OP 2: silu(gate) * up of [gate | up] (M, 2K).
 
@@ -137,7 +141,7 @@ def _act_quant_kernel(
             v = _values(in_row, w_ptr, offs, mask, K, inv_rms, OP)
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=0), 127.0), 1e-8)
         q = _quantize_store(v, tl.math.div_rn(1.0, scale), x8_row, offs, mask)
-        rowsum = _store_group_sums(q, group_row, 0, n_groups, BLOCK)
+        rowsum = _store_group_sums(q, group_row, 0, n_groups, BLOCK, GROUP_SUMS)
     else:
         inv_rms = 1.0
         if OP == 1:
@@ -162,7 +166,7 @@ def _act_quant_kernel(
             offs = start + tl.arange(0, BLOCK)
             mask = offs < K
             q = _quantize_store(_values(in_row, w_ptr, offs, mask, K, inv_rms, OP), inv_scale, x8_row, offs, mask)
-            rowsum += _store_group_sums(q, group_row, start // 128, n_groups, BLOCK)
+            rowsum += _store_group_sums(q, group_row, start // 128, n_groups, BLOCK, GROUP_SUMS)
     _overlap_release(PDL)
     tl.store(scale_ptr + row, scale)
     tl.store(rowsum_ptr + row, rowsum)
@@ -179,12 +183,12 @@ def _check_rows(name: str, x: torch.Tensor, k: int) -> None:
         raise ValueError(f"{name}: empty rows (length {k})")
 
 
-def _outputs(m: int, k: int, device: torch.device) -> QuantizedActivations:
+def _outputs(m: int, k: int, device: torch.device, group_sums: bool) -> QuantizedActivations:
     return QuantizedActivations(
         x8=torch.empty((m, k), dtype=torch.int8, device=device),
         scale=torch.empty((m,), dtype=torch.float32, device=device),
         rowsum=torch.empty((m,), dtype=torch.int32, device=device),
-        group_sums=torch.empty((m, triton.cdiv(k, GROUP)), dtype=torch.int32, device=device),
+        group_sums=torch.empty((m, triton.cdiv(k, GROUP)), dtype=torch.int32, device=device) if group_sums else None,
     )
 
 
@@ -199,23 +203,26 @@ def launch_plan(k: int) -> tuple[bool, int, int]:
 
 
 def _launch(op: int, src: torch.Tensor, weight: torch.Tensor | None, k: int, eps: float = 0.0,
-            add: torch.Tensor | None = None, plan: tuple[bool, int, int] | None = None) -> QuantizedActivations:
+            add: torch.Tensor | None = None, plan: tuple[bool, int, int] | None = None,
+            group_sums: bool = False) -> QuantizedActivations:
     m = src.shape[0]
-    act = _outputs(m, k, src.device)
+    act = _outputs(m, k, src.device, group_sums)
+    sums = act.rowsum if act.group_sums is None else act.group_sums
     one_pass, block, num_warps = plan or launch_plan(k)
     if m:
         _act_quant_kernel[(m,)](
-            src, src if weight is None else weight, act.x8, act.scale, act.rowsum, act.group_sums,
+            src, src if weight is None else weight, act.x8, act.scale, act.rowsum, sums,
             src if add is None else add,
             k, eps,
-            src.stride(0), act.x8.stride(0), 0 if add is None else add.stride(0), act.group_sums.stride(0),
-            OP=op, BLOCK=block, ONE_PASS=one_pass, ADD=add is not None, num_warps=num_warps,
+            src.stride(0), act.x8.stride(0), 0 if add is None else add.stride(0), sums.stride(0),
+            OP=op, BLOCK=block, ONE_PASS=one_pass, ADD=add is not None, GROUP_SUMS=group_sums, num_warps=num_warps,
             **launch_kwargs(src.device, m),
         )
     return act
 
 
-def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None):
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None,
+                  group_sums: bool = False):
     """x (M, K) residual stream, weight (K,) -> QuantizedActivations of rms_norm(x) * weight.
 
     With add (M, K): x += add first, in place (rounded to x's dtype, as `x += add`), and the
@@ -230,19 +237,19 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.
         if add.shape != x.shape or add.device != x.device:
             raise ValueError(f"rmsnorm_quant add: expected shape {tuple(x.shape)} on {x.device}, "
                              f"got {tuple(add.shape)} on {add.device}")
-    return _launch(1, x, weight, k, eps, add)
+    return _launch(1, x, weight, k, eps, add, group_sums=group_sums)
 
 
-def silu_mul_quant(gate_up: torch.Tensor):
+def silu_mul_quant(gate_up: torch.Tensor, group_sums: bool = False):
     """gate_up (M, 2F) = [gate | up] -> QuantizedActivations of silu(gate) * up (x8 (M, F))."""
     _check_rows("silu_mul_quant gate_up", gate_up, gate_up.shape[-1] // 2)
     m, two_f = gate_up.shape
     if two_f % 2:
         raise ValueError(f"silu_mul_quant: gate_up width {two_f} is odd; expected [gate | up] of 2F")
-    return _launch(2, gate_up, None, two_f // 2)
+    return _launch(2, gate_up, None, two_f // 2, group_sums=group_sums)
 
 
-def quantize(x: torch.Tensor):
+def quantize(x: torch.Tensor, group_sums: bool = False):
     """x (M, K) -> QuantizedActivations of x."""
     _check_rows("quantize x", x, x.shape[-1])
-    return _launch(0, x, None, x.shape[1])
+    return _launch(0, x, None, x.shape[1], group_sums=group_sums)
