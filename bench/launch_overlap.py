@@ -70,19 +70,21 @@ def chain(layers, best, kind, x, norm_w, m):
     import torch
 
     from services.worker.kernels.act_quant import quantize, rmsnorm_quant, silu_mul_quant
-    from services.worker.kernels.w4a8_gemm import w4a8_gemm
+    from services.worker.kernels.w4a8_gemm import get_variant, w4a8_gemm
 
     def gemm(act, w):
         chn = kind == "w4chn"
         return w4a8_gemm(act.x8, act.scale, w, act.rowsum if chn else None, variant=_variant(best, kind, w, m),
                          group_sums=None if chn else act.group_sums)
 
-    sums = kind == "w4g128p" and m == 1  # as the engine's W4A8Ops asks
+    def sums(w):  # as the engine's W4A8Ops asks: when the GEMM's variant reads them
+        return get_variant(_variant(best, kind, w, m)).takes_group_sums
+
     for w in layers:
-        qkv = gemm(rmsnorm_quant(x, norm_w, 1e-5, group_sums=sums), w["qkv"])
-        o = gemm(quantize(qkv[:, :HIDDEN].contiguous(), group_sums=sums), w["o"])  # stands in for attention's output
-        gu = gemm(rmsnorm_quant(x, norm_w, 1e-5, add=o, group_sums=sums), w["gate_up"])
-        x = x + gemm(silu_mul_quant(gu, group_sums=sums), w["down"])
+        qkv = gemm(rmsnorm_quant(x, norm_w, 1e-5, group_sums=sums(w["qkv"])), w["qkv"])
+        o = gemm(quantize(qkv[:, :HIDDEN].contiguous(), group_sums=sums(w["o"])), w["o"])  # stands in for attention's output
+        gu = gemm(rmsnorm_quant(x, norm_w, 1e-5, add=o, group_sums=sums(w["gate_up"])), w["gate_up"])
+        x = x + gemm(silu_mul_quant(gu, group_sums=sums(w["down"])), w["down"])
     return x
 
 

@@ -118,7 +118,7 @@ def act_quant(a):
     from services.worker.kernels import act_quant as aq
 
     pointers = {"in_ptr": "*fp16", "w_ptr": "*fp16", "x8_ptr": "*i8", "scale_ptr": "*fp32", "rowsum_ptr": "*i32",
-                "add_ptr": "*fp16"}
+                "group_sums_ptr": "*i32", "add_ptr": "*fp16"}
     consts = dict(OP={"quantize": 0, "rmsnorm": 1, "silu": 2}[a.op], BLOCK=a.block, ONE_PASS=not a.chunked,
                   ADD=a.add)
     return compile_sass(aq._act_quant_kernel, pointers, consts, floats=("eps",), num_warps=a.warps), None
@@ -150,8 +150,9 @@ def gemm(a):
                   FAST_UNPACK=True, PDL=0, stride_xk=1, stride_qk=1, stride_on=1)
     pointers = {"x_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*u8", "out_ptr": "*fp16", "ws_ptr": "*i32"}
     if v.kind == wg.G128:
-        pointers |= {"s2_ptr": "*u8", "zero_ptr": "*u8", "s1_ptr": "*fp16"}
-        consts = common | dict(ZERO_AFTER_DOT=v.zero_after_dot, SWAR=v.swar, stride_sg=1)
+        pointers |= {"s2_ptr": "*u8", "zero_ptr": "*u8", "s1_ptr": "*fp16", "group_sums_ptr": "*i32"}
+        consts = common | dict(ZERO_AFTER_DOT=v.zero_after_dot, SWAR=v.swar, stride_sg=1,
+                               HAS_GROUP_SUMS=v.zero_after_dot and a.group_sums)
         kernel = wg._w4a8_g128_kernel
     else:
         pointers |= {"rowsum_ptr": "*i32", "scale_ptr": "*fp16", "zero_ptr": "*fp16"}
@@ -204,6 +205,7 @@ def main() -> None:
     kv.add_argument("--warps", type=int, default=4)
     gm = sub.add_parser("gemm", help="a W4A8 tensor-core variant of w4a8_gemm.py, by name")
     gm.add_argument("variant", help="e.g. chn.n128m16.sk or g128.n64m64.sk.swar")
+    gm.add_argument("--group-sums", action="store_true", help="g128 .zp: x8's group sums from the act-quant kernel")
     gv = sub.add_parser("gemv", help="the W4A8 dp4a kernel for M <= 4 (w4a8_gemv.py)")
     gv.add_argument("--g128", action="store_true", help="per-group weights (default per-channel)")
     gv.add_argument("--group-sums", action="store_true", help="g128: the zero term from the act-quant group sums")

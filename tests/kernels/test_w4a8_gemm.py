@@ -119,21 +119,31 @@ def test_channel_rowsum_given_or_computed(name: str):
         _assert_matches(gemm.w4a8_gemm(x8, sx, weight, rowsum=rs, variant=name, split_k=2), ref, variant)
 
 
-@pytest.mark.parametrize("variant", [v for v in gemm.VARIANTS if v.kind == "w4g128p" and v.gemv], ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", [v for v in gemm.VARIANTS if v.kind == "w4g128p" and (v.gemv or v.zero_after_dot)],
+                         ids=lambda v: v.name)
 def test_g128_group_sums_given_or_computed(variant: gemm.GemmVariant):
-    """The M = 1 dp4a loop takes the zero term from the group sums when given (full int8 weight
-    range, a K slice per program or several); the M = 2..4 loop ignores them."""
-    m, n, k = 1, 67, 640
-    weight = _full_range_g128(n, k, seed=9)
-    x = _activations(m, k, seed=10)
-    x8, sx = quantize_per_token(x)
-    group_sums = x8.view(m, k // GROUP_SIZE, GROUP_SIZE).sum(-1, dtype=torch.int32)
-    ref = reference_linear(weight)(x)
-    for split in (1, 2, 5):
-        for sums in (group_sums, None):
-            _assert_matches(gemm.w4a8_gemm(x8, sx, weight, variant=variant.name, group_sums=sums, split_k=split), ref, variant)
-    with pytest.raises(AssertionError, match="group_sums"):
-        gemm.w4a8_gemm(x8, sx, weight, variant=variant.name, group_sums=group_sums[:, 1:])
+    """The variants that take x8's group sums (the M = 1 dp4a loop, the .zp kernels) use them for the
+    zero term when given (full int8 weight range, a K slice per program or several); the others
+    ignore them. Same exact result either way."""
+    m, n, k = min(3, variant.max_m or 3), 67, 640
+    for rows in sorted({1, m}):
+        weight = _full_range_g128(n, k, seed=9)
+        x = _activations(rows, k, seed=10 + rows)
+        x8, sx = quantize_per_token(x)
+        group_sums = x8.view(rows, k // GROUP_SIZE, GROUP_SIZE).sum(-1, dtype=torch.int32)
+        ref = reference_linear(weight)(x)
+        for split in (1, 2, 5) if variant.split_k or variant.gemv else (None,):
+            for sums in (group_sums, None):
+                y = gemm.w4a8_gemm(x8, sx, weight, variant=variant.name, group_sums=sums, split_k=split)
+                _assert_matches(y, ref, variant)
+        with pytest.raises(AssertionError, match="group_sums"):
+            gemm.w4a8_gemm(x8, sx, weight, variant=variant.name, group_sums=group_sums[:, 1:])
+
+
+def test_which_variants_take_group_sums():
+    takes = {v.name for v in gemm.VARIANTS if v.takes_group_sums}
+    assert takes == {v.name for v in gemm.VARIANTS if v.kind == "w4g128p" and (v.zero_after_dot or (v.gemv and v.max_m == 1))}
+    assert "g128.gemv.n8m4g4" not in takes and "g128.n128m16.sk.zp" in takes
 
 
 def test_every_output_is_written_into_a_given_buffer():

@@ -228,36 +228,32 @@ def test_a_decode_batch_above_the_largest_graph_runs_in_pieces(tiny_artifacts, g
             torch.testing.assert_close(split[s][pos], row, rtol=1e-4, atol=1e-4)
 
 
-def test_one_token_g128_decode_feeds_the_dp4a_gemv_group_sums(tiny_artifacts, g128_steps, monkeypatch):
-    """With the policy naming the dp4a GEMV at M = 1, the one-row decode steps quantize with 128-group
-    sums and the GEMV takes them; the logits equal those of the tensor-core kernels (both exact)."""
+def test_g128_activations_carry_group_sums_exactly_when_the_gemm_reads_them(tiny_artifacts, g128_steps, monkeypatch):
+    """With a policy naming the dp4a GEMV at M = 1, the .zp kernel at odd M and the SWAR kernel at
+    even M, each quantization writes x8's group sums exactly when the GEMM it feeds takes them, and
+    the logits equal the default policy's (every variant's sums are exact)."""
     from services.worker.kernels import w4a8_gemm
 
     reader = ArtifactReader(tiny_artifacts["w4a8kv4-g128"])
-    _, tensor_cores = g128_steps
+    _, default = g128_steps
     calls = []
     real = w4a8_gemm.w4a8_gemm
 
     def spy(x8, sx, weight, rowsum=None, variant=None, **kw):
-        calls.append((x8.shape[0], variant, kw.get("group_sums") is not None))
+        calls.append((variant, kw.get("group_sums") is not None))
         return real(x8, sx, weight, rowsum, variant, **kw)
 
-    monkeypatch.setattr(w4a8_gemm, "w4a8_gemm", spy)
-
-    class GemvAtOneToken:
-        def __init__(self, policy):
-            self.policy = policy
-
+    class MixedPolicy:
         def variant(self, kind, n, k, m):
-            return "g128.gemv.n4m1g16" if m == 1 else self.policy.variant(kind, n, k, m)
+            return "g128.gemv.n4m1g16" if m == 1 else "g128.n128m16.sk.zp" if m % 2 else "g128.n64m16.sk.swar"
 
-    def gemv_at_one_token(runner: TritonRunner) -> None:
-        runner.ops.policy = GemvAtOneToken(runner.ops.policy)
+    def mixed(runner: TritonRunner) -> None:
+        runner.ops.policy = MixedPolicy()
 
-    _, gemv = _run_steps(reader, install=gemv_at_one_token)
-    one_token = [c for c in calls if c[0] == 1]
-    assert one_token and all(variant == "g128.gemv.n4m1g16" and sums for _, variant, sums in one_token)
-    assert not any(sums for m, _, sums in calls if m > 1)
+    monkeypatch.setattr(w4a8_gemm, "w4a8_gemm", spy)
+    _, mixed_run = _run_steps(reader, install=mixed)
+    assert {variant for variant, _ in calls} == {"g128.gemv.n4m1g16", "g128.n128m16.sk.zp", "g128.n64m16.sk.swar"}
+    assert all(sums == w4a8_gemm.get_variant(variant).takes_group_sums for variant, sums in calls)
     for s in SEQS:
-        for pos, row in tensor_cores[s].items():
-            torch.testing.assert_close(gemv[s][pos], row, rtol=1e-5, atol=1e-5)
+        for pos, row in default[s].items():
+            torch.testing.assert_close(mixed_run[s][pos], row, rtol=1e-5, atol=1e-5)

@@ -71,28 +71,30 @@ def silu_mul_fp16(gate_up: torch.Tensor) -> torch.Tensor:
 class W4A8Ops:
     """Quantized activations (act_quant.QuantizedActivations) into W4A8 GEMMs."""
 
-    def __init__(self, policy: GemmPolicy, g128: bool):
+    def __init__(self, policy: GemmPolicy):
         self.policy = policy
-        self.g128 = g128
 
-    def _group_sums(self, x: torch.Tensor) -> bool:
-        """Whether the GEMM after this quantization wants x8's 128-group sums: g128 weights at one
-        token (the dp4a GEMV's zero term; see act_quant)."""
-        return self.g128 and x.shape[0] == 1
+    def _variant(self, weight, m: int) -> str:
+        return self.policy.variant(weight.kind, weight.qweight.shape[0], weight.qweight.shape[1] * 2, m)
 
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None):
-        """Quantized RMSNorm of x, after x += add (a GEMM output linear_into_residual left for it) in the same kernel."""
-        return act_quant.rmsnorm_quant(x, weight, eps, add=add, group_sums=self._group_sums(x))
+    def _group_sums(self, rows: int, feeds) -> bool:
+        """Whether the GEMM this quantization feeds reads x8's 128-group sums (its variant at this M
+        takes them: g128 .zp and the M = 1 dp4a loop); act_quant writes them only then."""
+        return w4a8_gemm.get_variant(self._variant(feeds, rows)).takes_group_sums
 
-    def silu_mul(self, gate_up: torch.Tensor):
-        return act_quant.silu_mul_quant(gate_up, group_sums=self._group_sums(gate_up))
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None, *, feeds):
+        """Quantized RMSNorm of x, after x += add (a GEMM output linear_into_residual left for it) in
+        the same kernel, for the GEMM on weight `feeds`."""
+        return act_quant.rmsnorm_quant(x, weight, eps, add=add, group_sums=self._group_sums(x.shape[0], feeds))
 
-    def plain(self, x: torch.Tensor):
-        return act_quant.quantize(x, group_sums=self._group_sums(x))
+    def silu_mul(self, gate_up: torch.Tensor, *, feeds):
+        return act_quant.silu_mul_quant(gate_up, group_sums=self._group_sums(gate_up.shape[0], feeds))
+
+    def plain(self, x: torch.Tensor, *, feeds):
+        return act_quant.quantize(x, group_sums=self._group_sums(x.shape[0], feeds))
 
     def linear(self, act: act_quant.QuantizedActivations, weight) -> torch.Tensor:
-        n, k = weight.qweight.shape[0], weight.qweight.shape[1] * 2
-        variant = self.policy.variant(weight.kind, n, k, act.x8.shape[0])
+        variant = self._variant(weight, act.x8.shape[0])
         chn = weight.kind == "w4chn"
         return w4a8_gemm.w4a8_gemm(act.x8, act.scale, weight, act.rowsum if chn else None, variant=variant,
                                    group_sums=None if chn else act.group_sums)
@@ -108,15 +110,16 @@ class W4A8Ops:
 class Fp16Ops:
     """fp16 activations into cuBLAS fp16 GEMMs (weights (N, K) fp16)."""
 
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None) -> torch.Tensor:
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None, *,
+             feeds=None) -> torch.Tensor:
         if add is not None:
             x += add
         return rmsnorm_fp16(x, weight, eps)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor, *, feeds=None) -> torch.Tensor:
         return silu_mul_fp16(gate_up)
 
-    def plain(self, x: torch.Tensor) -> torch.Tensor:
+    def plain(self, x: torch.Tensor, *, feeds=None) -> torch.Tensor:
         return x
 
     def linear(self, act: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

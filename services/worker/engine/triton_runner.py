@@ -115,8 +115,7 @@ class TritonRunner:
         if reader.spec.weight_kind == "fp16":
             self.ops = Fp16Ops()
         else:
-            self.ops = W4A8Ops(GemmPolicy.from_manifest(reader.manifest.kernel_policy),
-                               g128=reader.spec.weight_kind == "w4g128p")
+            self.ops = W4A8Ops(GemmPolicy.from_manifest(reader.manifest.kernel_policy))
         inv_freq = inverse_frequencies(self.config.rope, self.config.head_dim).to(self.device)
         self.rope_cache = build_rope_cache(inv_freq, self.max_model_len)  # (P, D) fp32 [cos | sin]
         self.k_cache = self.v_cache = None  # (layers, blocks, kv_heads, block_size, row)
@@ -274,11 +273,12 @@ class TritonRunner:
         previous block's down projection, and the return value is this block's.
         """
         eps, ops = self.config.rms_norm_eps, self.ops
-        qkv = ops.linear(ops.norm(x, w.attn_norm, eps, add=pending), w.qkv)  # (T, q + 2kv) fp16
+        # Each activation is quantized for the GEMM it feeds (which sums of x8 that GEMM reads).
+        qkv = ops.linear(ops.norm(x, w.attn_norm, eps, add=pending, feeds=w.qkv), w.qkv)  # (T, q + 2kv) fp16
         attn = self._attention(i, qkv, st)  # (T, q) fp16
-        pending = ops.linear_into_residual(ops.plain(attn), w.o, x)  # x += o(attn), now or in the next norm
-        gate_up = ops.linear(ops.norm(x, w.mlp_norm, eps, add=pending), w.gate_up)  # (T, 2F) fp16
-        return ops.linear_into_residual(ops.silu_mul(gate_up), w.down, x)
+        pending = ops.linear_into_residual(ops.plain(attn, feeds=w.o), w.o, x)  # x += o(attn), now or in the next norm
+        gate_up = ops.linear(ops.norm(x, w.mlp_norm, eps, add=pending, feeds=w.gate_up), w.gate_up)  # (T, 2F) fp16
+        return ops.linear_into_residual(ops.silu_mul(gate_up, feeds=w.down), w.down, x)
 
     def _attention(self, i: int, qkv: torch.Tensor, st: StepTensors) -> torch.Tensor:
         c = self.config

@@ -140,18 +140,21 @@ def _dequant_swar(packed, s2, zs):
 @triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT"])
 def _w4a8_g128_kernel(
     # pointers
-    x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_ptr,
+    x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_ptr, group_sums_ptr,
     # sizes
     M, N, K, GROUPS_PER_SPLIT,
     # strides
-    stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_om, stride_on,
+    stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_om, stride_on, stride_gm,
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     ZERO_AFTER_DOT: tl.constexpr, DOT_FP16: tl.constexpr, SWAR: tl.constexpr, USE_SPLIT: tl.constexpr,
-    FAST_UNPACK: tl.constexpr,
+    FAST_UNPACK: tl.constexpr, HAS_GROUP_SUMS: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
-    """acc (BLOCK_N, BLOCK_M) int32 = sum over groups of ((q - z) * s2) @ x8^T; fp16 out."""
+    """acc (BLOCK_N, BLOCK_M) int32 = sum over groups of ((q - z) * s2) @ x8^T; fp16 out.
+
+    HAS_GROUP_SUMS (ZERO_AFTER_DOT only): each group's sum of x8 per row comes from the act-quant
+    kernel's group sums (M, K / 128) instead of a reduction of the x tiles in every step."""
     pid_n, pid_m = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     HALF_K: tl.constexpr = 64
@@ -174,6 +177,9 @@ def _w4a8_g128_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     s2 = tl.load(s2_ptrs)
     z = tl.load(z_ptrs)
+    if HAS_GROUP_SUMS:
+        gs_ptrs = group_sums_ptr + rm * stride_gm + g_start  # (BM,) i32
+        x_group_sum = tl.load(gs_ptrs)
     for g in range(g_start, g_end):
         packed = tl.load(w_ptrs)
         x_lo = tl.load(x_ptrs)
@@ -183,6 +189,8 @@ def _w4a8_g128_kernel(
         has_next = tl.full((BLOCK_N,), g + 1, tl.int32) < g_end
         s2_next = tl.load(s2_ptrs + stride_sg, mask=has_next, other=0)
         z_next = tl.load(z_ptrs + stride_sg, mask=has_next, other=0)
+        if HAS_GROUP_SUMS:
+            x_group_sum_next = tl.load(gs_ptrs + 1, mask=tl.full((BLOCK_M,), g + 1, tl.int32) < g_end, other=0)
         q_lo, q_hi = _split_nibbles(packed, OP_DTYPE, FAST_UNPACK)
         if DOT_FP16:
             # (q - z) * s2 is an integer in [-240, 240]: exact in fp16, and so are the x8 codes.
@@ -194,7 +202,10 @@ def _w4a8_g128_kernel(
             # MMA on the raw codes; sum x * (q - z) * s2 = s2 * (sum x * q - z * sum x), per group.
             part = tl.dot(q_lo, x_lo, out_dtype=tl.int32)
             part = tl.dot(q_hi, x_hi, part, out_dtype=tl.int32)
-            x_sum = tl.sum(x_lo.to(tl.int32), axis=0) + tl.sum(x_hi.to(tl.int32), axis=0)  # (BM,)
+            if HAS_GROUP_SUMS:
+                x_sum = x_group_sum
+            else:
+                x_sum = tl.sum(x_lo.to(tl.int32), axis=0) + tl.sum(x_hi.to(tl.int32), axis=0)  # (BM,)
             acc += (part - z.to(tl.int32)[:, None] * x_sum[None, :]) * s2.to(tl.int32)[:, None]
         elif SWAR and FAST_UNPACK:
             zs = (z.to(tl.int32) * s2.to(tl.int32)).to(tl.uint8)
@@ -213,6 +224,9 @@ def _w4a8_g128_kernel(
         z_ptrs += stride_sg
         s2 = s2_next
         z = z_next
+        if HAS_GROUP_SUMS:
+            gs_ptrs += 1
+            x_group_sum = x_group_sum_next
     _overlap_release(PDL)
     if DOT_FP16:
         acc = tl.trans(acc_f).to(tl.int32)  # integer-valued: fp32 holds these sums exactly below 2^24
@@ -319,6 +333,12 @@ class GemmVariant:
     # wgmma (each dot completes before the next dequantization) can be covered by the other's
     # work. Measured on the H200 (session 10): 1-5% at some M, about the run-to-run spread.
     maxnreg: int | None = None
+
+    @property
+    def takes_group_sums(self) -> bool:
+        """Whether this variant reads x8's 128-group sums when given them (w4a8_gemm's group_sums):
+        the g128 dp4a loop at M = 1 and the MMA-on-raw-codes (.zp) kernel."""
+        return self.kind == G128 and ((self.gemv and self.block_m == 1) or self.zero_after_dot)
 
     @property
     def launch_options(self) -> dict:
@@ -528,10 +548,12 @@ def w4a8_g128_gemm(
     weight: W4G128ProgressiveWeight,
     variant: GemmVariant,
     *,
+    group_sums: torch.Tensor | None = None,
     split_k: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x8 (M, K) int8, sx (M,) fp32, progressive g128 weight (N, K) -> (M, N) fp16."""
+    """x8 (M, K) int8, sx (M,) fp32, progressive g128 weight (N, K) -> (M, N) fp16; group_sums
+    (M, K // 128) int32 or None (read by the .zp variants)."""
     qw, s2, zero, s1 = weight.qweight, weight.s2, weight.zero, weight.s1
     N, K = qw.shape[0], qw.shape[1] * 2
     sx = _check_common(x8, sx, N, K, out)
@@ -544,15 +566,18 @@ def w4a8_g128_gemm(
     assert all(t.device == x8.device for t in (sx, qw, s2, zero, s1)), "all tensors on one device"
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
+    group_sums = _checked_group_sums(group_sums, M, K)
+    if not variant.takes_group_sums:
+        group_sums = None
     grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
     _w4a8_g128_kernel[grid](
-        x8, sx, qw, s2, zero, s1, out, ws,
+        x8, sx, qw, s2, zero, s1, out, ws, sx if group_sums is None else group_sums,
         M, N, K, per_split,
         x8.stride(0), x8.stride(1), qw.stride(0), qw.stride(1), s2.stride(0), s2.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), 0 if group_sums is None else group_sums.stride(0),
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
         ZERO_AFTER_DOT=variant.zero_after_dot, DOT_FP16=variant.dot_fp16, SWAR=variant.swar,
-        USE_SPLIT=split > 1, FAST_UNPACK=x8.is_cuda,
+        USE_SPLIT=split > 1, FAST_UNPACK=x8.is_cuda, HAS_GROUP_SUMS=group_sums is not None,
         **variant.launch_options, **launch_kwargs(x8.device, M),
     )
     if split > 1:
@@ -647,7 +672,7 @@ def w4a8_gemv(
         assert s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride() and s2.stride(1) == 1
         # The kernel's x-sums input is the group sums for g128, read by the M = 1 loop only.
         group_sums = _checked_group_sums(group_sums, M, K)
-        rowsum = group_sums if variant.block_m == 1 else None
+        rowsum = group_sums if variant.takes_group_sums else None
     else:
         s2 = zero = weight.zero
         col_scale = weight.scale
@@ -689,8 +714,8 @@ def w4a8_gemm(
 
     variant: a name from VARIANTS (a policy table's choice); None picks a safe default by M.
     rowsum (M,) int32 = x8.sum(-1) serves per-channel weights; group_sums (M, K // 128) int32, the
-    sums of x8 over each 128-group, serve g128 weights in the dp4a kernel at M = 1. Both as the
-    activation-quant kernels return them; each is optional (the kernels then sum x8 themselves).
+    sums of x8 over each 128-group, serve the g128 variants that take them (takes_group_sums). Both
+    as the activation-quant kernels return them; each is optional (the kernels then sum x8 themselves).
     """
     if not isinstance(weight, (W4G128ProgressiveWeight, W4ChannelWeight)):
         raise TypeError(f"w4a8_gemm takes {KINDS} weights, got {type(weight).__name__}")
@@ -709,5 +734,5 @@ def w4a8_gemm(
     if chosen.gemv:
         return w4a8_gemv(x8, sx, weight, chosen, rowsum, group_sums=group_sums, split_k=split_k, out=out)
     if isinstance(weight, W4G128ProgressiveWeight):
-        return w4a8_g128_gemm(x8, sx, weight, chosen, split_k=split_k, out=out)
+        return w4a8_g128_gemm(x8, sx, weight, chosen, group_sums=group_sums, split_k=split_k, out=out)
     return w4a8_channel_gemm(x8, sx, weight, chosen, rowsum, split_k=split_k, out=out)
