@@ -39,8 +39,8 @@ EXPECTED = {
 }
 
 
-def faulty_gemm(x8, sx, weight, rowsum=None, variant=None, *, split_k=None, out=None):
-    y = gemm.w4a8_gemm(x8, sx, weight, rowsum=rowsum, variant=variant, split_k=split_k, out=out)
+def faulty_gemm(x8, sx, weight, rowsum=None, variant=None, *, group_sums=None, split_k=None, out=None):
+    y = gemm.w4a8_gemm(x8, sx, weight, rowsum=rowsum, variant=variant, group_sums=group_sums, split_k=split_k, out=out)
     if variant == FAULTY:
         y[0, 0] += 1.0 + y.abs().max()  # one wrong element, far outside the `.f16` tolerance
     return y

@@ -7,11 +7,11 @@
 
 Each returns QuantizedActivations: x8 (M, K) int8 in [-127, 127], scale (M,) fp32, rowsum (M,)
 int32 = x8.sum(-1) (the per-channel W4A8 GEMM's zero-point term) and, when asked for
-(group_sums=True), (M, ceil(K / 128)) int32 sums of x8 over each 128-group: the g128 dp4a GEMV's
-zero-point term at M = 1, one multiply-add per weight row and group instead of x byte sums per
-weight word (H200, same run: 4096x4096 6.09 -> 5.75 us, 4096x11008 11.78 -> 11.00, the wide
-layers within 2%). Not written otherwise: that cost the act-quant kernels 3-6%. Numerics of
-shared/quant/activations.py:
+(group_sums=True), (M, ceil(K / 128)) int32 sums of x8 over each 128-group: the zero-point term
+of the g128 kernels that take them (w4a8_gemm GemmVariant.takes_group_sums: the M = 1 dp4a GEMV,
+one multiply-add per weight row and group instead of x byte sums per weight word; the .zp MMA
+kernels, no per-step reduction of the x tiles). Not written otherwise: that cost these kernels
+3-6%. Numerics of shared/quant/activations.py:
 scale = max(absmax / 127, 1e-8), x8 = round_half_even(x / scale). One program quantizes one row
 in fp32. The per-row divisions and the square root are IEEE round-to-nearest, so the scale matches
 the reference to fp32 rounding (the reduction order still differs). The per-element ones are not:
