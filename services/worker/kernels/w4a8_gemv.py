@@ -9,7 +9,9 @@ instructions (sum of 4 byte products into int32), so the loop is loads plus a fe
     chn:  acc = sum x8 * q                  (the zero term as in the tensor-core kernel)
     g128: acc = sum x8 * ((q - z) * s2)     computed per word as s2 * (sum x8 * q - z * sum x8):
           the chn dot of the unsigned nibbles, corrected by the word's x byte sum, so no int8
-          weight is built (the SWAR (q - z) * s2 per word cost ~30% more time)
+          weight is built (the SWAR (q - z) * s2 per word cost ~30% more time). At M = 1 with
+          x8's 128-group sums X_g given (the act-quant kernel writes them), the correction is
+          s2 * z * X_g once per weight row and group instead of per word.
 
 M = 1 (_row_sums) and M = 2..4 (_many_row_sums) take different tilings: broadcasting each weight
 word over M rows of x costs a layout change through shared memory per step, which at M = 1 is
@@ -260,6 +262,9 @@ def _w4a8_gemv_kernel(
     PDL: tl.constexpr = 0,
 ):
     """(BLOCK_N, BLOCK_M) int32 sums over this program's K slice; BLOCK_M >= M (one program covers M).
+
+    rowsum_ptr / HAS_ROWSUM: chn, x8's row sums (M,); g128 (read at M = 1 only), its 128-group
+    sums (M, K / 128), contiguous along the groups.
 
     A step reads GROUPS_PER_STEP groups of 128: 16 weight words per group and row, the matching
     x words for the low (first 64) and high (last 64) halves of each group.
