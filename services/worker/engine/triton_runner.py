@@ -187,7 +187,8 @@ class TritonRunner:
             + 2 * q  # attention output (+ a gathered copy in mixed steps)
             + 2 * f  # gate_up
             + h  # GEMM output before the residual add
-        ) + max(h, f) + 8  # int8 activations + scale + rowsum (fp16: the normed input, 2 * h <= max(h, f) + h)
+        ) + max(h, f) + 8 + 4 * triton.cdiv(max(h, f), 128)  # int8 activations + scale + rowsum + group sums
+        # (fp16: the normed input, 2 * h <= max(h, f) + h)
         parts = triton.cdiv(self.max_model_len, 256)  # decode partials: the smallest tuned partition
         partials = t * c.num_heads * parts * (c.head_dim + 2) * 4
         logits = t * v * (4 + 2)  # fp16 GEMM output, fp32 copy
