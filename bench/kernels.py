@@ -112,9 +112,10 @@ def w4a8_act_set(m: int, k: int, dev) -> dict:
             "group_sums": x8.view(m, k // 128, 128).sum(dim=2, dtype=torch.int32)}
 
 
-def x_sums(a: dict, kind: str) -> dict:
-    """The activation sums w4a8_gemm takes for this weight kind (from w4a8_act_set), as keywords."""
-    return {"rowsum": a["rowsum"]} if kind == "w4chn" else {"group_sums": a["group_sums"]}
+def x_sums(a: dict) -> dict:
+    """Both activation sums of w4a8_act_set as w4a8_gemm keywords, as the engine passes them:
+    w4a8_gemm reads the ones its weight kind and variant use."""
+    return {"rowsum": a["rowsum"], "group_sums": a["group_sums"]}
 
 
 def gemm_calls(gemm_fn, variant: str, kind: str, ws: list, acts: list, split=None) -> list:
@@ -125,7 +126,7 @@ def gemm_calls(gemm_fn, variant: str, kind: str, ws: list, acts: list, split=Non
     m, n = acts[0]["x8"].shape[0], ws[0][kind].qweight.shape[0]
     outs = [torch.empty((m, n), dtype=torch.float16, device=acts[0]["x8"].device) for _ in ws]
     return [lambda w=w, a=a, o=o: gemm_fn(
-        a["x8"], a["sx"], w[kind], **x_sums(a, kind), variant=variant, split_k=split, out=o)
+        a["x8"], a["sx"], w[kind], **x_sums(a), variant=variant, split_k=split, out=o)
         for w, a, o in zip(ws, acts, outs)]
 
 
@@ -377,7 +378,7 @@ class Bench:
         try:
             out = torch.full((m, n), float("nan"), dtype=torch.float16, device=self.dev)
             a = acts[0]
-            gemm.w4a8_gemm(a["x8"], a["sx"], ws[0][kind], **x_sums(a, kind), variant=v.name, out=out)
+            gemm.w4a8_gemm(a["x8"], a["sx"], ws[0][kind], **x_sums(a), variant=v.name, out=out)
             torch.cuda.synchronize()
             entry.update(check_output(out, ref, v.dot_fp16))
             del out

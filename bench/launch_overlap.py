@@ -72,10 +72,8 @@ def chain(layers, best, kind, x, norm_w, m):
     from services.worker.kernels.act_quant import quantize, rmsnorm_quant, silu_mul_quant
     from services.worker.kernels.w4a8_gemm import get_variant, w4a8_gemm
 
-    def gemm(act, w):
-        chn = kind == "w4chn"
-        return w4a8_gemm(act.x8, act.scale, w, act.rowsum if chn else None, variant=_variant(best, kind, w, m),
-                         group_sums=None if chn else act.group_sums)
+    def gemm(act, w):  # both sums, as the engine passes them
+        return w4a8_gemm(act.x8, act.scale, w, act.rowsum, variant=_variant(best, kind, w, m), group_sums=act.group_sums)
 
     def sums(w):  # as the engine's W4A8Ops asks: when the GEMM's variant reads them
         return get_variant(_variant(best, kind, w, m)).takes_group_sums

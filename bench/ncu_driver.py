@@ -46,7 +46,7 @@ def gemm_calls(args, torch, dev):
     kind = "w4chn" if args.fmt == "chn" else "w4g128p"
     w = w4a8_weight_set(n, k, dev)[kind]
     a = w4a8_act_set(args.m, k, dev)
-    return lambda: w4a8_gemm(a["x8"], a["sx"], w, **x_sums(a, kind), variant=args.variant)
+    return lambda: w4a8_gemm(a["x8"], a["sx"], w, **x_sums(a), variant=args.variant)
 
 
 def dump_kernels(out: Path) -> None:

@@ -172,7 +172,7 @@ class Tuner:
                 entry = {"kind": kind, "N": n, "K": k, "M": m, "variant": v.name}
                 try:
                     out = torch.full((m, n), float("nan"), dtype=torch.float16, device=self.device)
-                    self.gemm_fn(a["x8"], a["sx"], ws[0][kind], **x_sums(a, kind), variant=v.name, out=out)
+                    self.gemm_fn(a["x8"], a["sx"], ws[0][kind], **x_sums(a), variant=v.name, out=out)
                     entry.update(check_output(out, ref, v.dot_fp16))
                 except Exception as e:  # a variant that does not run is a wrong one
                     entry.update(correct=False, error=f"{type(e).__name__}: {e}"[:500])

@@ -94,10 +94,9 @@ class W4A8Ops:
         return act_quant.quantize(x, group_sums=self._group_sums(x.shape[0], feeds))
 
     def linear(self, act: act_quant.QuantizedActivations, weight) -> torch.Tensor:
-        variant = self._variant(weight, act.x8.shape[0])
-        chn = weight.kind == "w4chn"
-        return w4a8_gemm.w4a8_gemm(act.x8, act.scale, weight, act.rowsum if chn else None, variant=variant,
-                                   group_sums=None if chn else act.group_sums)
+        # Both sums: w4a8_gemm reads the ones its weight kind and variant use.
+        return w4a8_gemm.w4a8_gemm(act.x8, act.scale, weight, act.rowsum, variant=self._variant(weight, act.x8.shape[0]),
+                                   group_sums=act.group_sums)
 
     def linear_into_residual(self, act, weight, residual: torch.Tensor) -> torch.Tensor:
         """residual += linear(act, weight), left to the next norm: returns the GEMM output, which the

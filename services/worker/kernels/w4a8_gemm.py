@@ -566,9 +566,7 @@ def w4a8_g128_gemm(
     assert all(t.device == x8.device for t in (sx, qw, s2, zero, s1)), "all tensors on one device"
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
-    group_sums = _checked_group_sums(group_sums, M, K)
-    if not variant.takes_group_sums:
-        group_sums = None
+    group_sums = _group_sums_read_by(variant, group_sums, M, K)
     grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
     _w4a8_g128_kernel[grid](
         x8, sx, qw, s2, zero, s1, out, ws, sx if group_sums is None else group_sums,
@@ -638,14 +636,16 @@ def _as_words(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.view(torch.int32)
 
 
-def _checked_group_sums(group_sums: torch.Tensor | None, M: int, K: int) -> torch.Tensor | None:
+def _group_sums_read_by(variant: GemmVariant, group_sums: torch.Tensor | None, M: int, K: int) -> torch.Tensor | None:
+    """The group sums checked (whatever the variant), then the ones the variant reads: None where it
+    does not take them (takes_group_sums) or none were given."""
     if group_sums is None:
         return None
     groups = K // GROUP_SIZE
     assert group_sums.dtype == torch.int32 and group_sums.shape == (M, groups), (
         f"group_sums: expected ({M}, {groups}) int32, got {tuple(group_sums.shape)} {group_sums.dtype}")
     assert group_sums.stride(-1) == 1, "group_sums rows must be contiguous"
-    return group_sums
+    return group_sums if variant.takes_group_sums else None
 
 
 def w4a8_gemv(
@@ -671,8 +671,7 @@ def w4a8_gemv(
         s2, zero, col_scale = weight.s2, weight.zero, weight.s1
         assert s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride() and s2.stride(1) == 1
         # The kernel's x-sums input is the group sums for g128, read by the M = 1 loop only.
-        group_sums = _checked_group_sums(group_sums, M, K)
-        rowsum = group_sums if variant.takes_group_sums else None
+        rowsum = _group_sums_read_by(variant, group_sums, M, K)
     else:
         s2 = zero = weight.zero
         col_scale = weight.scale
@@ -715,7 +714,8 @@ def w4a8_gemm(
     variant: a name from VARIANTS (a policy table's choice); None picks a safe default by M.
     rowsum (M,) int32 = x8.sum(-1) serves per-channel weights; group_sums (M, K // 128) int32, the
     sums of x8 over each 128-group, serve the g128 variants that take them (takes_group_sums). Both
-    as the activation-quant kernels return them; each is optional (the kernels then sum x8 themselves).
+    as the activation-quant kernels return them; a kernel reads only the one it uses, and each is
+    optional (the kernels then sum x8 themselves).
     """
     if not isinstance(weight, (W4G128ProgressiveWeight, W4ChannelWeight)):
         raise TypeError(f"w4a8_gemm takes {KINDS} weights, got {type(weight).__name__}")
