@@ -56,9 +56,19 @@ def gemm_bytes(kind: str, m: int, n: int, k: int) -> int:
     raise ValueError(kind)
 
 
-def time_calls(fns, warmup: int, rep: int) -> float:
-    """Median ms per call of fns (one per input set) run back to back in a CUDA graph: do_bench
-    (warmup / rep in ms) over the graph's replays, L2 cleared before each, divided by len(fns)."""
+FLUSHES = ("write", "read")
+
+
+def time_calls(fns, warmup: int, rep: int, flush: str = "write") -> float:
+    """Median ms per call of fns (one per input set) run back to back in a CUDA graph, over the
+    graph's replays (warmup / rep in ms), the L2 cleared before each, divided by len(fns).
+
+    flush "write" is triton.testing.do_bench's own clear: it zeroes 256 MB, so the L2 is full of
+    dirty lines and the first ~60 MB a timed replay reads each evict one, a DRAM write-back per
+    line read. "read" reads 256 MB instead: the replay finds the L2 full of clean lines of other
+    data, as a kernel in a forward pass finds it (the previous layers' weights), and its reads are
+    reads only. The write clear costs a kernel that reads a few MB (decode GEMMs) proportionally
+    more than cuBLAS fp16, which reads four times the bytes."""
     import torch
     from triton.testing import do_bench
 
@@ -72,7 +82,52 @@ def time_calls(fns, warmup: int, rep: int) -> float:
     with torch.cuda.graph(graph):
         for fn in fns:
             fn()
-    return do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median") / len(fns)
+    if flush == "write":
+        return do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median") / len(fns)
+    if flush != "read":
+        raise ValueError(f"flush must be one of {FLUSHES}, not {flush!r}")
+    return _median_ms_read_flush(graph.replay, warmup, rep) / len(fns)
+
+
+_FLUSH_BUFFER = []
+
+
+def _median_ms_read_flush(fn, warmup: int, rep: int) -> float:
+    """do_bench's loop (an estimate from 5 runs sets the counts; events around each timed run),
+    with a 256 MB read before every run in place of its 256 MB zeroing."""
+    import statistics
+
+    import torch
+
+    if not _FLUSH_BUFFER:
+        _FLUSH_BUFFER.append(torch.ones(64 << 20, dtype=torch.int32, device="cuda"))
+    buf = _FLUSH_BUFFER[0]
+
+    def flush():
+        torch.sum(buf, dtype=torch.int32)
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = start.elapsed_time(end) / 5
+    for _ in range(max(1, int(warmup / estimate))):
+        fn()
+    n = max(1, int(rep / estimate))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for s, e in zip(starts, ends):
+        flush()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
 def warm_gpu(dev) -> None:
@@ -155,14 +210,14 @@ class Bench:
         self.result = {
             "command": " ".join(["python3"] + sys.argv),
             "machine": gpu_machine(self.dev),
-            "timing": "per call: triton.testing.do_bench median (warmup %d ms, rep %d ms, L2 cleared before each"
-            " replay) of a CUDA graph of %d calls on distinct weight/activation sets, divided by %d"
-            % (args.warmup, args.rep, ROTATE, ROTATE),
+            "timing": "per call: median (warmup %d ms, rep %d ms, L2 cleared before each replay by a 256 MB %s,"
+            " see time_calls) of a CUDA graph of %d calls on distinct weight/activation sets, divided by %d"
+            % (args.warmup, args.rep, args.flush, ROTATE, ROTATE),
             "act_quant": [], "gemm": [], "baseline_notes": {}, "checks": [], "best_variant": {},
         }
 
     def time_calls(self, fns) -> float:
-        return time_calls(fns, self.args.warmup, self.args.rep)
+        return time_calls(fns, self.args.warmup, self.args.rep, self.args.flush)
 
     def warm_gpu(self) -> None:
         warm_gpu(self.dev)
@@ -458,6 +513,7 @@ def main() -> None:
     p.add_argument("--variants", default="", help="regular expression on variant names")
     p.add_argument("--warmup", type=int, default=5, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=20, help="do_bench repetition, ms")
+    p.add_argument("--flush", choices=FLUSHES, default="write", help="how the L2 is cleared before a replay (time_calls)")
     p.add_argument("--skip-act-quant", action="store_true")
     p.add_argument("--only-act-quant", action="store_true", help="the activation-quant kernels alone (no GEMMs)")
     p.add_argument("--sweep-max-m", type=int, default=64, help="time every split-K factor up to this M")

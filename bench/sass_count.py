@@ -169,8 +169,8 @@ def gemv(a):
     if not a.g128:
         pointers |= {"s2_ptr": "*fp16", "zero_ptr": "*fp16"}
     consts = dict(G128=a.g128, HAS_ROWSUM=not a.g128 or a.group_sums, BLOCK_N=a.block_n, BLOCK_M=a.block_m,
-                  GROUPS_PER_STEP=a.groups_per_step, USE_SPLIT=False, FAST=True, PDL=0)
-    return compile_sass(gv._w4a8_gemv_kernel, pointers, consts, num_warps=a.warps), None
+                  GROUPS_PER_STEP=a.groups_per_step, USE_SPLIT=False, FAST=True, PDL=0, X_SHARED=a.x_shared)
+    return compile_sass(gv._w4a8_gemv_kernel, pointers, consts, num_warps=a.warps, maxnreg=a.maxnreg), None
 
 
 def main() -> None:
@@ -213,6 +213,8 @@ def main() -> None:
     gv.add_argument("--block-m", type=int, default=1)
     gv.add_argument("--groups-per-step", type=int, default=8)
     gv.add_argument("--warps", type=int, default=4)
+    gv.add_argument("--maxnreg", type=int)
+    gv.add_argument("--x-shared", action="store_true", help="M = 1: x held once for all rows (_row_sums_x_shared)")
     a = p.parse_args()
     result, tile_tokens = {"attention": attention, "act_quant": act_quant, "kv_write": kv_write,
                            "gemm": gemm, "gemv": gemv}[a.kernel](a)

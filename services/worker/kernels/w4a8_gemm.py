@@ -326,6 +326,7 @@ class GemmVariant:
     swar: bool = False  # g128 on the GPU: (q - z) * s2 on 4 bytes per register (see the module doc)
     gemv: bool = False  # no tensor cores: dp4a on CUDA cores, one program covers M <= block_m (w4a8_gemv.py)
     groups_per_step: int = 1  # gemv: 128-groups of K read per loop step
+    x_shared: bool = False  # gemv M = 1: x words held once per thread for all its rows (_row_sums_x_shared)
     max_m: int | None = None
     group_m: int = 8
     # Register cap per thread (ptxas .maxnreg). An 8-warp n128m128 tile compiles to 128-149 registers
@@ -687,7 +688,7 @@ def w4a8_gemv(
         M, N, K, per_split,
         x32.stride(0), qw32.stride(0), s2.stride(0), out.stride(0), out.stride(1),
         G128=g128, HAS_ROWSUM=rowsum is not None, BLOCK_N=variant.block_n, BLOCK_M=variant.block_m,
-        GROUPS_PER_STEP=variant.groups_per_step, USE_SPLIT=split > 1, FAST=x8.is_cuda,
+        GROUPS_PER_STEP=variant.groups_per_step, USE_SPLIT=split > 1, FAST=x8.is_cuda, X_SHARED=variant.x_shared,
         **variant.launch_options, **launch_kwargs(x8.device, M),
     )
     if split > 1:

@@ -209,6 +209,84 @@ def _row_sums(
 
 
 @triton.jit
+def _split4(v):
+    """The 4 words of each thread's vector (last axis, size 4) as four tensors, in registers."""
+    a, b = tl.split(tl.reshape(v, v.shape[:-1] + (2, 2)))
+    return tl.split(a) + tl.split(b)
+
+
+@triton.jit
+def _row_sums_x_shared(
+    qw_ptr, x_ptr, rowsum_ptr, sx_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
+    G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
+    FAST: tl.constexpr, PDL: tl.constexpr,
+):
+    """M = 1 with the x words shared by all BLOCK_N rows in registers: a (V, BLOCK_N, 4) tile, V = 4
+    vectors of 4 words per group, every lane along V (GROUPS_PER_STEP * 4 = 32 * num_warps), so a
+    thread holds one 4-word vector of each of the BLOCK_N rows and the 8 x words that vector meets
+    once (_row_sums loads x per weight row: twice the weight registers). The 4 words' dp4a chain into
+    one sum per row and vector, so for g128 s2 multiplies once per 4 words, and the zero term (the
+    group sum X_g, or the vector's x byte sums computed once for all rows) once per vector.
+
+    V is the first axis, rows the second, on purpose: Triton's coalescing gives the lanes to the
+    first of equally non-contiguous axes, and every tensor here (weights, x, s2, z, X_g) then gets
+    the same lanes-along-V layout, with no shared-memory layout change in the loop.
+    A step's weights are requested before the previous step's math (before the PDL wait for the first).
+    Returns the (BLOCK_N, 1) sums, x's scale and (chn with HAS_ROWSUM) its row sum, each (1,)."""
+    V: tl.constexpr = GROUPS_PER_STEP * 4
+    offs_v = tl.arange(0, V)
+    offs_e = tl.arange(0, 4)
+    first_of_group = (offs_v % 4 == 0)[:, None]
+    acc = tl.zeros((V, BLOCK_N), dtype=tl.int32)
+    x_sum = tl.zeros((V, 1), dtype=tl.int32)  # chn without a rowsum
+
+    w = _weights_x_shared(qw_ptr, g_start, g_end, rn, offs_v, offs_e, stride_qn)
+    _overlap_entry(PDL)
+    # x's scale (and chn row sum) for the epilogue, requested now rather than after the loop.
+    x_scale = tl.load(sx_ptr + tl.arange(0, 1))
+    x_rowsum = tl.load(rowsum_ptr + tl.arange(0, 1)) if not G128 and HAS_ROWSUM else x_scale
+    for g0 in range(g_start, g_end, GROUPS_PER_STEP):
+        v = g0 * 4 + offs_v  # global 4-word vector index: group v // 4, words (v % 4) * 4 .. + 3
+        in_slice = (v < g_end * 4)[:, None]
+        x_words = x_ptr + ((v // 4) * 32 + (v % 4) * 4)[:, None, None] + offs_e[None, None, :]
+        x_lo = tl.load(x_words, mask=in_slice[:, :, None], other=0)  # (V, 1, 4)
+        x_hi = tl.load(x_words + 16, mask=in_slice[:, :, None], other=0)
+        w0, w1, w2, w3 = _split4(w)
+        l0, l1, l2, l3 = _split4(tl.broadcast_to(x_lo, w.shape))
+        h0, h1, h2, h3 = _split4(tl.broadcast_to(x_hi, w.shape))
+        dot = _dot_chn(w0, l0, h0, tl.zeros_like(acc) if G128 else acc, FAST)
+        dot = _dot_chn(w3, l3, h3, _dot_chn(w2, l2, h2, _dot_chn(w1, l1, h1, dot, FAST), FAST), FAST)
+        if G128:
+            g_ptrs = rn[None, :] * stride_sn + (v // 4)[:, None]
+            s2 = tl.load(s2_ptr + g_ptrs, mask=in_slice, other=0).to(tl.int32)
+            z = tl.load(zero_ptr + g_ptrs, mask=in_slice, other=0).to(tl.int32)
+            if HAS_ROWSUM:
+                # X_g once per group: on the group's first vector only.
+                x_zero = tl.load(rowsum_ptr + (v // 4)[:, None], mask=in_slice & first_of_group, other=0)
+            else:
+                x_zero = tl.sum(_byte_sum(x_hi, _byte_sum(x_lo, tl.zeros_like(x_lo), FAST), FAST), axis=2)
+            acc += s2 * (dot - z * x_zero)
+        else:
+            acc = dot
+            if not HAS_ROWSUM:
+                x_sum += tl.sum(_byte_sum(x_hi, _byte_sum(x_lo, tl.zeros_like(x_lo), FAST), FAST), axis=2)
+        w = _weights_x_shared(qw_ptr, g0 + GROUPS_PER_STEP, g_end, rn, offs_v, offs_e, stride_qn)
+    total = tl.sum(acc, axis=0)
+    if not G128 and not HAS_ROWSUM:
+        zero = tl.load(zero_ptr + rn).to(tl.int32)
+        total -= zero * tl.sum(x_sum)
+    return total[:, None], x_scale, x_rowsum
+
+
+@triton.jit
+def _weights_x_shared(qw_ptr, g0, g_end, rn, offs_v, offs_e, stride_qn):
+    """The (V, BLOCK_N, 4) weight words of groups g0 .. (those < g_end; the rest read as 0)."""
+    v = g0 * 4 + offs_v
+    words = (v * 4)[:, None, None] + offs_e[None, None, :]
+    return tl.load(qw_ptr + rn[None, :, None] * stride_qn + words, mask=(v < g_end * 4)[:, None, None], other=0)
+
+
+@triton.jit
 def _many_row_sums(
     x_ptr, qw_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_m, mask_m, offs_c, stride_qn, stride_xm, stride_sn,
     G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -259,7 +337,7 @@ def _w4a8_gemv_kernel(
     # meta
     G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     GROUPS_PER_STEP: tl.constexpr, USE_SPLIT: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0, X_SHARED: tl.constexpr = False,
 ):
     """(BLOCK_N, BLOCK_M) int32 sums over this program's K slice; BLOCK_M >= M (one program covers M).
 
@@ -277,14 +355,27 @@ def _w4a8_gemv_kernel(
     mask_m = offs_m < M
     g_start = pid_k * GROUPS_PER_SPLIT
     g_end = min(g_start + GROUPS_PER_SPLIT, K // 128)
-    if BLOCK_M == 1:
-        total = _row_sums(qw_ptr, x_ptr, rowsum_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
-                          G128, HAS_ROWSUM, BLOCK_N, GROUPS_PER_STEP, FAST, PDL)
+    if not USE_SPLIT:
+        # The epilogue's weight-side operands first, before the PDL wait: their latency hides under
+        # the loop instead of adding a dependent round trip after it (a program is one or two steps).
+        col_scale = tl.load(col_scale_ptr + rn).to(tl.float32)
+        if not G128:
+            zero = tl.load(zero_ptr + rn).to(tl.float32)  # (BN,) integers in [0, 15]
+    if BLOCK_M == 1 and X_SHARED:
+        total, x_scale, x_rowsum = _row_sums_x_shared(
+            qw_ptr, x_ptr, rowsum_ptr, sx_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
+            G128, HAS_ROWSUM, BLOCK_N, GROUPS_PER_STEP, FAST, PDL)
     else:
-        _overlap_entry(PDL)
-        total = _many_row_sums(
-            x_ptr, qw_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_m, mask_m, tl.arange(0, 16 * GROUPS_PER_STEP),
-            stride_qn, stride_xm, stride_sn, G128, HAS_ROWSUM, BLOCK_N, BLOCK_M, GROUPS_PER_STEP, FAST)
+        if BLOCK_M == 1:
+            total = _row_sums(qw_ptr, x_ptr, rowsum_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
+                              G128, HAS_ROWSUM, BLOCK_N, GROUPS_PER_STEP, FAST, PDL)
+        else:
+            _overlap_entry(PDL)
+            total = _many_row_sums(
+                x_ptr, qw_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, offs_m, mask_m, tl.arange(0, 16 * GROUPS_PER_STEP),
+                stride_qn, stride_xm, stride_sn, G128, HAS_ROWSUM, BLOCK_N, BLOCK_M, GROUPS_PER_STEP, FAST)
+        x_scale = tl.load(sx_ptr + offs_m, mask=mask_m, other=0.0)
+        x_rowsum = tl.load(rowsum_ptr + offs_m, mask=mask_m, other=0) if not G128 and HAS_ROWSUM else x_scale
     _overlap_release(PDL)
     out_mask = (offs_n < N)[:, None] & mask_m[None, :]
     if USE_SPLIT:
@@ -293,8 +384,6 @@ def _w4a8_gemv_kernel(
     else:
         y = total.to(tl.float32)
         if not G128 and HAS_ROWSUM:
-            zero = tl.load(zero_ptr + rn).to(tl.float32)  # (BN,) integers in [0, 15]
-            y = y - tl.load(rowsum_ptr + offs_m, mask=mask_m, other=0).to(tl.float32)[None, :] * zero[:, None]
-        sx = tl.load(sx_ptr + offs_m, mask=mask_m, other=0.0)
-        y = y * sx[None, :] * tl.load(col_scale_ptr + rn).to(tl.float32)[:, None]
+            y = y - x_rowsum.to(tl.float32)[None, :] * zero[:, None]
+        y = y * x_scale[None, :] * col_scale[:, None]
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on, y.to(tl.float16), mask=out_mask)
