@@ -6,7 +6,8 @@ shape, in one run on the Llama-2-7B shapes.
 "read_floor": a Triton kernel that only reads the packed weight words (the GEMV's bytes, less x
 and the scales) and stores one xor per program, launched like the GEMV (PDL, first loads before
 the wait); its best block size is what a perfect GEMV could approach in this harness. The sweep
-times every (rows, groups per step) tile of the M = 1 GEMV at 2, 4 and 8 warps. (Session 25 also
+times every (rows, groups per step) tile of the M = 1 GEMV's first loop (_row_sums, ".w<warps>")
+at 2, 4 and 8 warps, and of the x-shared loop (".xs", session 25), warps fixed by the tile. (Session 25 also
 tried the weight loads through L2 only, `.cg`, to keep L1 for x, which every weight row re-reads:
 within 1% of the default everywhere, dropped.)
 Timing as bench/kernels.py (CUDA graph of 4 calls on distinct weight / activation sets, L2
@@ -34,9 +35,8 @@ SHAPES = ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))
 SETS = 4
 TILES = ((4, 16), (8, 16), (16, 8), (32, 4), (4, 32), (2, 32))  # (rows, 128-groups per step)
 WARPS = (2, 4, 8)
-# (rows, groups per step, warps) of the x-shared loop (_row_sums_x_shared): groups per step = 8 x warps
-X_SHARED = ((2, 32, 4), (4, 32, 4), (8, 32, 4), (16, 32, 4), (2, 16, 2), (4, 16, 2), (8, 16, 2), (16, 16, 2), (8, 8, 1),
-            (16, 8, 1))
+# (rows, groups per step) of the x-shared loop (_row_sums_x_shared; warps = groups per step / 8)
+X_SHARED = ((2, 32), (4, 32), (8, 32), (16, 32), (2, 16), (4, 16), (8, 16), (16, 16), (8, 8), (16, 8))
 FLOOR_BLOCKS = (1024, 2048, 4096, 8192)  # int32 words per program
 
 
@@ -80,9 +80,8 @@ def sweep_variants(tiles):
             for warps in WARPS:
                 name = f"{base.name.split('.')[0]}.gemv.n{bn}m1g{gps}.w{warps}"
                 yield dataclasses.replace(base, name=name, block_n=bn, groups_per_step=gps, num_warps=warps)
-        for bn, gps, warps in X_SHARED:
-            name = f"{base.name.split('.')[0]}.gemv.n{bn}m1g{gps}.w{warps}.xs"
-            yield dataclasses.replace(base, name=name, block_n=bn, groups_per_step=gps, num_warps=warps, x_shared=True)
+        for bn, gps in X_SHARED:
+            yield gemm._gemv(kind, bn, 1, gps, x_shared=True)
 
 
 def measure(dev, warmup: int, rep: int, flush: str, tiles) -> list[dict]:

@@ -364,12 +364,16 @@ def _v(name: str, kind: str, bn: int, bm: int, warps: int, stages: int, **kw) ->
     return GemmVariant(name, kind, bn, bm, warps, stages, **kw)
 
 
-def _gemv(kind: str, bn: int, bm: int, groups_per_step: int) -> GemmVariant:
+def _gemv(kind: str, bn: int, bm: int, groups_per_step: int, x_shared: bool = False) -> GemmVariant:
     prefix = "g128" if kind == G128 else "chn"
-    name = f"{prefix}.gemv.n{bn}m{bm}g{groups_per_step}"
+    name = f"{prefix}.gemv.n{bn}m{bm}g{groups_per_step}" + (".xs" if x_shared else "")
+    # The x-shared loop puts every lane along K: 4 vectors of 4 words per group, 32 lanes per warp.
+    warps = groups_per_step // 8 if x_shared else 4
+    assert not x_shared or (bm == 1 and groups_per_step * 4 == 32 * warps), name
     # No automatic split-K: on the H200 its second (epilogue) launch cost more than the extra
     # programs gained at every Llama-2-7B shape; an explicit split_k still works.
-    return GemmVariant(name, kind, bn, bm, 4, 3, gemv=True, groups_per_step=groups_per_step, max_m=bm)
+    return GemmVariant(name, kind, bn, bm, warps, 3, gemv=True, groups_per_step=groups_per_step, max_m=bm,
+                       x_shared=x_shared)
 
 
 G128, CHN = KINDS
@@ -419,6 +423,9 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # Decode at batch 1..4: a weight stream with dp4a, no MMA tile padding M to 16.
     *(_gemv(kind, bn, bm, gps) for kind in KINDS
       for bn, bm, gps in ((4, 1, 16), (8, 1, 16), (16, 1, 8), (32, 1, 4), (8, 4, 4))),
+    # Batch 1 with x held once per thread for all its rows (session 25): 1, 2 or 4 warps.
+    *(_gemv(kind, bn, 1, gps, x_shared=True) for kind in KINDS
+      for bn, gps in ((4, 32), (16, 32), (4, 16), (8, 16), (16, 16), (16, 8))),
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 
