@@ -125,7 +125,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--warmup", type=int, default=5, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=20, help="do_bench repetition, ms")
-    p.add_argument("--flush", choices=FLUSHES, default="write", help="how the L2 is cleared (bench.kernels.time_calls)")
+    p.add_argument("--flush", choices=FLUSHES, default="read", help="how the L2 is cleared (bench.kernels.time_calls)")
     p.add_argument("--tiles", default="", help="only these rows x groups-per-step tiles, e.g. 4x16,16x8")
     a = p.parse_args()
     import torch

@@ -5,8 +5,9 @@
 First every variant is checked bit-exact on an awkward shape for several M and split-K factors.
 Then for every (N, K) and M: each variant is checked against the reference linear on fresh random
 inputs with a NaN-poisoned output (bit-exact; `.f16` variants within rtol 1e-3), then timed: ROTATE calls on distinct weight and activation sets
-are captured in one CUDA graph, triton.testing.do_bench times its replays (median; it clears the
-L2 before each replay) and the time per call is replay / ROTATE. So every call reads cold data from
+are captured in one CUDA graph, timed over its replays as triton.testing.do_bench does (median; the
+L2 cleared before each replay, by default by reading 256 MB: see time_calls) and the time per call
+is replay / ROTATE. So every call reads cold data from
 HBM and no host launch overhead is counted, as in a graph-captured forward. Baselines, same way: cuBLAS fp16 (torch.matmul), torch._int_mm (int8,
 M > 16), torch._scaled_mm (fp8 e4m3, per-token x per-channel scales) and
 torch._weight_int4pack_mm (W4A16 g128, bf16). The JSON holds the raw times, TOP/s, GB/s, ratios,
@@ -59,7 +60,7 @@ def gemm_bytes(kind: str, m: int, n: int, k: int) -> int:
 FLUSHES = ("write", "read")
 
 
-def time_calls(fns, warmup: int, rep: int, flush: str = "write") -> float:
+def time_calls(fns, warmup: int, rep: int, flush: str = "read") -> float:
     """Median ms per call of fns (one per input set) run back to back in a CUDA graph, over the
     graph's replays (warmup / rep in ms), the L2 cleared before each, divided by len(fns).
 
@@ -68,7 +69,8 @@ def time_calls(fns, warmup: int, rep: int, flush: str = "write") -> float:
     line read. "read" reads 256 MB instead: the replay finds the L2 full of clean lines of other
     data, as a kernel in a forward pass finds it (the previous layers' weights), and its reads are
     reads only. The write clear costs a kernel that reads a few MB (decode GEMMs) proportionally
-    more than cuBLAS fp16, which reads four times the bytes."""
+    more than cuBLAS fp16, which reads four times the bytes. "read" is the default since session 25
+    (bench/results/h200/gemv_sweep_*.json: both clears in one session)."""
     import torch
     from triton.testing import do_bench
 
@@ -513,7 +515,7 @@ def main() -> None:
     p.add_argument("--variants", default="", help="regular expression on variant names")
     p.add_argument("--warmup", type=int, default=5, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=20, help="do_bench repetition, ms")
-    p.add_argument("--flush", choices=FLUSHES, default="write", help="how the L2 is cleared before a replay (time_calls)")
+    p.add_argument("--flush", choices=FLUSHES, default="read", help="how the L2 is cleared before a replay (time_calls)")
     p.add_argument("--skip-act-quant", action="store_true")
     p.add_argument("--only-act-quant", action="store_true", help="the activation-quant kernels alone (no GEMMs)")
     p.add_argument("--sweep-max-m", type=int, default=64, help="time every split-K factor up to this M")

@@ -41,7 +41,7 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.kernels import check_output, gemm_calls, time_calls, w4a8_act_set, w4a8_weight_set, warm_gpu, x_sums  # noqa: E402
+from bench.kernels import FLUSHES, check_output, gemm_calls, time_calls, w4a8_act_set, w4a8_weight_set, warm_gpu, x_sums  # noqa: E402
 from bench.policy_table import POLICY_DIR, write_policy  # noqa: E402
 
 FORMATS = ("w4a8kv4-g128", "w4a8kv4-chn")
@@ -101,8 +101,8 @@ def merge_rows(winners: dict[int, str], unbounded_ok: Callable[[str], bool] = la
     return rows
 
 
-def gpu_timer(warmup: int, rep: int) -> Timer:
-    return lambda fns, case: time_calls(fns, warmup, rep)
+def gpu_timer(warmup: int, rep: int, flush: str = "read") -> Timer:
+    return lambda fns, case: time_calls(fns, warmup, rep, flush)
 
 
 def wall_timer(reps: int = 3) -> Timer:
@@ -263,6 +263,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--raw", type=Path, help="write every check and time to this JSON")
     p.add_argument("--warmup", type=int, default=5, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=20, help="do_bench repetition, ms")
+    p.add_argument("--flush", choices=FLUSHES, default="read", help="how the L2 is cleared before a replay (bench.kernels.time_calls)")
     p.add_argument("--rotate", type=int, default=None, help=f"weight/activation sets per graph ({ROTATE}; 1 on CPU)")
     p.add_argument("--prune", type=float, default=4.0,
                    help="stop timing a variant once it is this many times slower than the winner with an M tile no"
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None, gemm_fn=N
     shapes = model_shapes(args.model) if args.model else parse_shapes(args.shapes)
     ms = [int(m) for m in args.m.split(",")]
     if timer is None:
-        timer = gpu_timer(args.warmup, args.rep) if device.type == "cuda" else wall_timer()
+        timer = gpu_timer(args.warmup, args.rep, args.flush) if device.type == "cuda" else wall_timer()
     torch.manual_seed(0)
     tuner = Tuner(device=device, ms=ms, check_ms=[int(m) for m in args.check_m.split(",")], timer=timer,
                   gemm_fn=gemm_fn, variants=[v.strip() for v in args.variants.split(",") if v.strip()],
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None, gemm_fn=N
     seconds = time.time() - progress.start
     source = {"tool": "bench/tune.py", "command": command, **{key: info.get(key) for key in ("gpu", "torch", "triton", "cuda")},
               "m_grid": tuner.ms, "check_m": tuner.check_ms, "shapes": [[name, n, k] for name, n, k in shapes],
-              "timing": f"do_bench median (warmup {args.warmup} ms, rep {args.rep} ms, L2 cleared) of a CUDA graph of"
+              "timing": f"median (warmup {args.warmup} ms, rep {args.rep} ms, L2 cleared by a 256 MB {args.flush}) of a CUDA graph of"
               f" {tuner.rotate} calls on distinct inputs, per call" if device.type == "cuda" else "CPU wall clock",
               "seconds": round(seconds, 1), "date": time.strftime("%Y-%m-%d")}
     table = {"gemm": gemm, "source": source}
