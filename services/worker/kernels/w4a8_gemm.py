@@ -326,7 +326,7 @@ class GemmVariant:
     swar: bool = False  # g128 on the GPU: (q - z) * s2 on 4 bytes per register (see the module doc)
     gemv: bool = False  # no tensor cores: dp4a on CUDA cores, one program covers M <= block_m (w4a8_gemv.py)
     groups_per_step: int = 1  # gemv: 128-groups of K read per loop step
-    x_shared: bool = False  # gemv M = 1: x words held once per thread for all its rows (_row_sums_x_shared)
+    x_shared: bool = False  # gemv: x words held once per thread for all its rows, one program per token (_row_sums_x_shared)
     max_m: int | None = None
     group_m: int = 8
     # Register cap per thread (ptxas .maxnreg). An 8-warp n128m128 tile compiles to 128-149 registers
@@ -338,7 +338,8 @@ class GemmVariant:
     @property
     def takes_group_sums(self) -> bool:
         """Whether this variant reads x8's 128-group sums when given them (w4a8_gemm's group_sums):
-        the g128 dp4a loop at M = 1 and the MMA-on-raw-codes (.zp) kernel."""
+        the g128 dp4a loops of one token per program (M = 1, and the x-shared ones at any M) and the
+        MMA-on-raw-codes (.zp) kernel."""
         return self.kind == G128 and ((self.gemv and self.block_m == 1) or self.zero_after_dot)
 
     @property
@@ -371,9 +372,14 @@ def _gemv(kind: str, bn: int, bm: int, groups_per_step: int, x_shared: bool = Fa
     warps = groups_per_step // 8 if x_shared else 4
     assert not x_shared or (bm == 1 and groups_per_step * 4 == 32 * warps), name
     # No automatic split-K: on the H200 its second (epilogue) launch cost more than the extra
-    # programs gained at every Llama-2-7B shape; an explicit split_k still works.
-    return GemmVariant(name, kind, bn, bm, warps, 3, gemv=True, groups_per_step=groups_per_step, max_m=bm,
-                       x_shared=x_shared)
+    # programs gained at every Llama-2-7B shape; an explicit split_k still works. The x-shared loop
+    # runs one program per token, up to X_SHARED_MAX_M tokens (each row block's weights then come
+    # from DRAM once and from L2 for the other tokens).
+    return GemmVariant(name, kind, bn, bm, warps, 3, gemv=True, groups_per_step=groups_per_step,
+                       max_m=X_SHARED_MAX_M if x_shared else bm, x_shared=x_shared)
+
+
+X_SHARED_MAX_M = 8
 
 
 G128, CHN = KINDS
@@ -678,8 +684,11 @@ def w4a8_gemv(
     if g128:
         s2, zero, col_scale = weight.s2, weight.zero, weight.s1
         assert s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride() and s2.stride(1) == 1
-        # The kernel's x-sums input is the group sums for g128, read by the M = 1 loop only.
+        # The kernel's x-sums input is the group sums for g128, read by the M = 1 loops only
+        # (the x-shared one steps through them by whole rows of K / 128).
         rowsum = _group_sums_read_by(variant, group_sums, M, K)
+        if rowsum is not None and M > 1:
+            rowsum = rowsum.contiguous()
     else:
         s2 = zero = weight.zero
         col_scale = weight.scale
