@@ -379,7 +379,7 @@ def _gemv(kind: str, bn: int, bm: int, groups_per_step: int, x_shared: bool = Fa
                        max_m=X_SHARED_MAX_M if x_shared else bm, x_shared=x_shared)
 
 
-X_SHARED_MAX_M = 8
+X_SHARED_MAX_M = 4  # the H200 tune run (session 25): never fastest at M = 8, at 4 only on 4096x4096
 
 
 G128, CHN = KINDS
