@@ -229,8 +229,8 @@ def test_a_decode_batch_above_the_largest_graph_runs_in_pieces(tiny_artifacts, g
 
 
 def test_g128_activations_carry_group_sums_exactly_when_the_gemm_reads_them(tiny_artifacts, g128_steps, monkeypatch):
-    """With a policy naming the dp4a GEMV at M = 1, the .zp kernel at odd M and the SWAR kernel at
-    even M, each quantization writes x8's group sums exactly when the GEMM it feeds takes them, and
+    """With a policy naming the dp4a GEMV at M = 1, the x-shared one (a program per token) at M = 2,
+    the .zp kernel at odd M and the SWAR kernel at other even M, each quantization writes x8's group sums exactly when the GEMM it feeds takes them, and
     the logits equal the default policy's (every variant's sums are exact)."""
     from services.worker.kernels import w4a8_gemm
 
@@ -245,14 +245,17 @@ def test_g128_activations_carry_group_sums_exactly_when_the_gemm_reads_them(tiny
 
     class MixedPolicy:
         def variant(self, kind, n, k, m):
-            return "g128.gemv.n4m1g16" if m == 1 else "g128.n128m16.sk.zp" if m % 2 else "g128.n64m16.sk.swar"
+            if m <= 2:
+                return "g128.gemv.n4m1g16" if m == 1 else "g128.gemv.n16m1g16.xs"
+            return "g128.n128m16.sk.zp" if m % 2 else "g128.n64m16.sk.swar"
 
     def mixed(runner: TritonRunner) -> None:
         runner.ops.policy = MixedPolicy()
 
     monkeypatch.setattr(w4a8_gemm, "w4a8_gemm", spy)
     _, mixed_run = _run_steps(reader, install=mixed)
-    assert {variant for variant, _ in calls} == {"g128.gemv.n4m1g16", "g128.n128m16.sk.zp", "g128.n64m16.sk.swar"}
+    assert {variant for variant, _ in calls} == {"g128.gemv.n4m1g16", "g128.gemv.n16m1g16.xs", "g128.n128m16.sk.zp",
+                                                 "g128.n64m16.sk.swar"}
     assert all(sums == w4a8_gemm.get_variant(variant).takes_group_sums for variant, sums in calls)
     for s in SEQS:
         for pos, row in default[s].items():
