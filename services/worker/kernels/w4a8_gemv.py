@@ -15,7 +15,9 @@ instructions (sum of 4 byte products into int32), so the loop is loads plus a fe
 
 M = 1 (_row_sums) and M = 2..4 (_many_row_sums) take different tilings: broadcasting each weight
 word over M rows of x costs a layout change through shared memory per step, which at M = 1 is
-pure overhead.
+pure overhead. The x-shared loop (_row_sums_x_shared, session 25; the `.xs` variants, which the
+H200 policy picks at M = 1 everywhere and at M = 2..4 on some shapes) runs one program per token
+and lays its tile out so that each thread's x words serve all its weight rows.
 
 The sums are the same exact int32 values as the reference; the epilogue (or the split-K
 workspace and its epilogue kernel) is shared with w4a8_gemm.py. In the interpreter the byte
@@ -221,7 +223,8 @@ def _row_sums_x_shared(
     G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
     FAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """M = 1 with the x words shared by all BLOCK_N rows in registers: a (V, BLOCK_N, 4) tile, V = 4
+    """One token (the kernel points x, sx and the sums at its row) with the x words shared by all
+    BLOCK_N weight rows in registers: a (V, BLOCK_N, 4) tile, V = 4
     vectors of 4 words per group, every lane along V (GROUPS_PER_STEP * 4 = 32 * num_warps), so a
     thread holds one 4-word vector of each of the BLOCK_N rows and the 8 x words that vector meets
     once (_row_sums loads x per weight row: twice the weight registers). The 4 words' dp4a chain into
@@ -373,7 +376,7 @@ def _w4a8_gemv_kernel(
         col_scale = tl.load(col_scale_ptr + rn).to(tl.float32)
         if not G128:
             zero = tl.load(zero_ptr + rn).to(tl.float32)  # (BN,) integers in [0, 15]
-    if BLOCK_M == 1 and X_SHARED:
+    if X_SHARED:
         total, x_scale, x_rowsum = _row_sums_x_shared(
             qw_ptr, x_ptr, rowsum_ptr, sx_ptr, s2_ptr, zero_ptr, g_start, g_end, rn, stride_qn, stride_sn,
             G128, HAS_ROWSUM, BLOCK_N, GROUPS_PER_STEP, FAST, PDL)
