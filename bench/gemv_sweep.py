@@ -28,7 +28,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernels import FLUSHES, time_calls, w4a8_act_set, w4a8_weight_set, warm_gpu  # noqa: E402
+from bench.kernels import FLUSHES, gemm_calls, time_calls, w4a8_act_set, w4a8_weight_set, warm_gpu  # noqa: E402
 from bench.machine import gpu_machine  # noqa: E402
 
 SHAPES = ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))
@@ -59,16 +59,15 @@ def read_floor_calls(ws: list, block: int) -> list:
             for v, o in zip(words, outs)]
 
 
-def gemv_calls(variant, kind: str, ws: list, acts: list) -> list:
-    import torch
-
+def gemv_calls(v, kind: str, ws: list, acts: list) -> list:
+    """bench.kernels.gemm_calls with the GEMV launched on a GemmVariant object (the sweep's
+    warp-count variants are not in VARIANTS, so they have no name to look up)."""
     from services.worker.kernels.w4a8_gemm import w4a8_gemv
 
-    n = ws[0][kind].qweight.shape[0]
-    outs = [torch.empty((1, n), dtype=torch.float16, device=acts[0]["x8"].device) for _ in ws]
-    return [lambda w=w, a=a, o=o: w4a8_gemv(a["x8"], a["sx"], w[kind], variant, a["rowsum"],
-                                            group_sums=a["group_sums"], out=o)
-            for w, a, o in zip(ws, acts, outs)]
+    def launch(x8, sx, weight, rowsum=None, group_sums=None, variant=None, split_k=None, out=None):
+        return w4a8_gemv(x8, sx, weight, v, rowsum, group_sums=group_sums, split_k=split_k, out=out)
+
+    return gemm_calls(launch, v.name, kind, ws, acts)
 
 
 def sweep_variants(tiles):

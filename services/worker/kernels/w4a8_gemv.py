@@ -267,18 +267,24 @@ def _row_sums_x_shared(
                 # X_g once per group: on the group's first vector only.
                 x_zero = tl.load(rowsum_ptr + (v // 4)[:, None], mask=in_slice & first_of_group, other=0)
             else:
-                x_zero = tl.sum(_byte_sum(x_hi, _byte_sum(x_lo, tl.zeros_like(x_lo), FAST), FAST), axis=2)
+                x_zero = _vector_byte_sums(x_lo, x_hi, FAST)
             acc += s2 * (dot - z * x_zero)
         else:
             acc = dot
             if not HAS_ROWSUM:
-                x_sum += tl.sum(_byte_sum(x_hi, _byte_sum(x_lo, tl.zeros_like(x_lo), FAST), FAST), axis=2)
+                x_sum += _vector_byte_sums(x_lo, x_hi, FAST)
         w = _weights_x_shared(qw_ptr, g0 + GROUPS_PER_STEP, g_end, rn, offs_v, offs_e, stride_qn)
     total = tl.sum(acc, axis=0)
     if not G128 and not HAS_ROWSUM:
         zero = tl.load(zero_ptr + rn).to(tl.int32)
         total -= zero * tl.sum(x_sum)
     return total[:, None], x_scale, x_rowsum
+
+
+@triton.jit
+def _vector_byte_sums(x_lo, x_hi, FAST: tl.constexpr):
+    """(V, 1, 4) x words -> (V, 1): the sum of the 32 x bytes each 4-word weight vector meets."""
+    return tl.sum(_byte_sum(x_hi, _byte_sum(x_lo, tl.zeros_like(x_lo), FAST), FAST), axis=2)
 
 
 @triton.jit
