@@ -540,8 +540,10 @@ def _launch_grid(variant: GemmVariant, M: int, N: int, K: int, split_k: int | No
     assert 1 <= split <= groups, f"split_k={split} must be in [1, {groups}]"
     per_split = triton.cdiv(groups, split)
     split = triton.cdiv(groups, per_split)  # no empty slices
-    tiles = triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n)
     ws = WORKSPACE.get(device, split * M * N if split > 1 else 1)
+    if variant.x_shared:
+        return (M, triton.cdiv(N, variant.block_n), split), per_split, split, ws
+    tiles = triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n)
     return (tiles, split), per_split, split, ws
 
 
