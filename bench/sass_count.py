@@ -156,7 +156,7 @@ def gemm(a):
         kernel = wg._w4a8_g128_kernel
     else:
         pointers |= {"rowsum_ptr": "*i32", "scale_ptr": "*fp16", "zero_ptr": "*fp16"}
-        consts = common | dict(HAS_ROWSUM=True)
+        consts = common | dict(HAS_ROWSUM=True, GROUPS_PER_STEP=v.groups_per_step)
         kernel = wg._w4a8_channel_kernel
     return compile_sass(kernel, pointers, consts, num_warps=v.num_warps, num_stages=v.num_stages, maxnreg=v.maxnreg), None
 

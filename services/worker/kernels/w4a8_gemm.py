@@ -240,6 +240,32 @@ def _w4a8_g128_kernel(
         tl.store(out_ptrs, y.to(tl.float16), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
 
 
+@triton.jit
+def _channel_group(w_ptrs, x_ptrs, stride_xk, live, acc, acc_f, x_sum,
+                   HAS_ROWSUM: tl.constexpr, DOT_FP16: tl.constexpr, FAST_UNPACK: tl.constexpr, MASKED: tl.constexpr):
+    """One 128-group of the per-channel kernel: w_ptrs (BN, 64) packed bytes, x_ptrs (64, BM) the
+    group's low half (the high half 64 further along K). MASKED: the group is past the slice unless
+    live, and then reads as zeros (adds nothing)."""
+    if MASKED:
+        packed = tl.load(w_ptrs, mask=live, other=0)
+        x_lo = tl.load(x_ptrs, mask=live, other=0)
+        x_hi = tl.load(x_ptrs + 64 * stride_xk, mask=live, other=0)
+    else:
+        packed = tl.load(w_ptrs)
+        x_lo = tl.load(x_ptrs)
+        x_hi = tl.load(x_ptrs + 64 * stride_xk)
+    q_lo, q_hi = _split_nibbles(packed, tl.float16 if DOT_FP16 else tl.int8, FAST_UNPACK)
+    if DOT_FP16:
+        acc_f = tl.dot(tl.trans(x_lo.to(tl.float16)), tl.trans(q_lo), acc_f)
+        acc_f = tl.dot(tl.trans(x_hi.to(tl.float16)), tl.trans(q_hi), acc_f)
+    else:
+        acc = tl.dot(q_lo, x_lo, acc, out_dtype=tl.int32)
+        acc = tl.dot(q_hi, x_hi, acc, out_dtype=tl.int32)
+    if not HAS_ROWSUM:
+        x_sum += tl.sum(x_lo.to(tl.int32), axis=0) + tl.sum(x_hi.to(tl.int32), axis=0)
+    return acc, acc_f, x_sum
+
+
 @triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT"])
 def _w4a8_channel_kernel(
     # pointers
@@ -251,17 +277,19 @@ def _w4a8_channel_kernel(
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ROWSUM: tl.constexpr, DOT_FP16: tl.constexpr, USE_SPLIT: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0, GROUPS_PER_STEP: tl.constexpr = 1,
 ):
     """acc (BLOCK_N, BLOCK_M) int32 = q @ x8^T on the raw codes; the zero term in the epilogue.
 
     Without a rowsum input, each K slice sums its own x8 columns and subtracts zero * that
     partial sum in int32 (the correction is linear in K, so slices stay independent).
+    GROUPS_PER_STEP groups per loop step: a step's weight bytes are one run of 64 * GROUPS_PER_STEP
+    bytes per row, and the pipeline waits once per step; where a slice ends inside a step, the
+    groups past it read as zeros.
     """
     pid_n, pid_m = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     HALF_K: tl.constexpr = 64
-    OP_DTYPE: tl.constexpr = tl.float16 if DOT_FP16 else tl.int8
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, HALF_K)
@@ -272,25 +300,17 @@ def _w4a8_channel_kernel(
     w_ptrs = qw_ptr + rn[:, None] * stride_qn + (g_start * HALF_K + offs_h)[None, :] * stride_qk
     x_ptrs = x_ptr + rm[None, :] * stride_xm + (g_start * 2 * HALF_K + offs_h)[:, None] * stride_xk
     _overlap_entry(PDL)
-    if DOT_FP16:
-        acc_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x-major: mma.sync, both operands in registers
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
+    # x-major fp32 for the fp16 MMA (mma.sync, both operands in registers); unused otherwise.
+    acc_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) if DOT_FP16 else acc
     x_sum = tl.zeros((BLOCK_M,), dtype=tl.int32)
-    for _ in range(g_start, g_end):
-        packed = tl.load(w_ptrs)
-        x_lo = tl.load(x_ptrs)
-        x_hi = tl.load(x_ptrs + HALF_K * stride_xk)
-        q_lo, q_hi = _split_nibbles(packed, OP_DTYPE, FAST_UNPACK)
-        if DOT_FP16:
-            acc_f = tl.dot(tl.trans(x_lo.to(tl.float16)), tl.trans(q_lo), acc_f)
-            acc_f = tl.dot(tl.trans(x_hi.to(tl.float16)), tl.trans(q_hi), acc_f)
-        else:
-            acc = tl.dot(q_lo, x_lo, acc, out_dtype=tl.int32)
-            acc = tl.dot(q_hi, x_hi, acc, out_dtype=tl.int32)
-        if not HAS_ROWSUM:
-            x_sum += tl.sum(x_lo.to(tl.int32), axis=0) + tl.sum(x_hi.to(tl.int32), axis=0)
-        w_ptrs += HALF_K * stride_qk
-        x_ptrs += 2 * HALF_K * stride_xk
+    for g in range(g_start, g_end, GROUPS_PER_STEP):
+        for gi in tl.static_range(GROUPS_PER_STEP):
+            acc, acc_f, x_sum = _channel_group(
+                w_ptrs + gi * HALF_K * stride_qk, x_ptrs + gi * 2 * HALF_K * stride_xk, stride_xk,
+                g + gi + tl.zeros((1, 1), tl.int32) < g_end, acc, acc_f, x_sum, HAS_ROWSUM, DOT_FP16, FAST_UNPACK, GROUPS_PER_STEP > 1)
+        w_ptrs += GROUPS_PER_STEP * HALF_K * stride_qk
+        x_ptrs += GROUPS_PER_STEP * 2 * HALF_K * stride_xk
     _overlap_release(PDL)
     if DOT_FP16:
         acc = tl.trans(acc_f).to(tl.int32)
@@ -325,7 +345,7 @@ class GemmVariant:
     dot_fp16: bool = False  # dequantize to fp16 and use fp16 MMAs (meant for tiny M)
     swar: bool = False  # g128 on the GPU: (q - z) * s2 on 4 bytes per register (see the module doc)
     gemv: bool = False  # no tensor cores: dp4a on CUDA cores, one program covers M <= block_m (w4a8_gemv.py)
-    groups_per_step: int = 1  # gemv: 128-groups of K read per loop step
+    groups_per_step: int = 1  # 128-groups of K read per loop step
     x_shared: bool = False  # gemv: x words held once per thread for all its rows, one program per token (_row_sums_x_shared)
     max_m: int | None = None
     group_m: int = 8
@@ -426,6 +446,17 @@ VARIANTS: tuple[GemmVariant, ...] = (
     _v("chn.n64m64.sk", CHN, 64, 64, 4, 4, split_k=True),
     _v("chn.n64m16.sk.s8", CHN, 64, 16, 4, 8, split_k=True),
     _v("g128.n64m64.sk.swar", G128, 64, 64, 4, 4, split_k=True, swar=True),
+    # Several groups per loop step (session 26): longer runs of each weight row per request and one
+    # pipeline wait per step, for the weight-streaming M = 8..64 where the tiles above ran at ~60%
+    # of the M = 1 GEMV's bandwidth.
+    _v("chn.n16m16.sk.g8", CHN, 16, 16, 1, 4, split_k=True, groups_per_step=8),
+    _v("chn.n32m16.sk.g4", CHN, 32, 16, 2, 4, split_k=True, groups_per_step=4),
+    _v("chn.n32m16.sk.g8", CHN, 32, 16, 2, 3, split_k=True, groups_per_step=8),
+    _v("chn.n64m16.sk.g2", CHN, 64, 16, 4, 4, split_k=True, groups_per_step=2),
+    _v("chn.n64m16.sk.g4", CHN, 64, 16, 4, 3, split_k=True, groups_per_step=4),
+    _v("chn.n128m16.sk.g2", CHN, 128, 16, 4, 4, split_k=True, groups_per_step=2),
+    _v("chn.n64m64.sk.g2", CHN, 64, 64, 4, 4, split_k=True, groups_per_step=2),
+    _v("chn.n128m64.sk.g2", CHN, 128, 64, 8, 3, split_k=True, groups_per_step=2),
     # Decode at batch 1..4: a weight stream with dp4a, no MMA tile padding M to 16.
     *(_gemv(kind, bn, bm, gps) for kind in KINDS
       for bn, bm, gps in ((4, 1, 16), (8, 1, 16), (16, 1, 8), (32, 1, 4), (8, 4, 4))),
@@ -539,6 +570,8 @@ def _launch_grid(variant: GemmVariant, M: int, N: int, K: int, split_k: int | No
     groups = K // GROUP_SIZE
     assert 1 <= split <= groups, f"split_k={split} must be in [1, {groups}]"
     per_split = triton.cdiv(groups, split)
+    if not variant.gemv:  # slices of whole steps: only the last one ends in a partial step
+        per_split = triton.cdiv(per_split, variant.groups_per_step) * variant.groups_per_step
     split = triton.cdiv(groups, per_split)  # no empty slices
     ws = WORKSPACE.get(device, split * M * N if split > 1 else 1)
     if variant.x_shared:
@@ -636,7 +669,7 @@ def w4a8_channel_gemm(
         x8.stride(0), x8.stride(1), qw.stride(0), qw.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
         HAS_ROWSUM=rowsum is not None, DOT_FP16=variant.dot_fp16, USE_SPLIT=split > 1,
-        FAST_UNPACK=x8.is_cuda, **variant.launch_options,
+        FAST_UNPACK=x8.is_cuda, GROUPS_PER_STEP=variant.groups_per_step, **variant.launch_options,
         **launch_kwargs(x8.device, M),
     )
     if split > 1:
