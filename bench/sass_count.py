@@ -39,7 +39,7 @@ def _tools() -> Path:
 
 
 def compile_sass(fn, pointer_types: dict[str, str], constexprs: dict, floats=(), num_warps=4, num_stages=1,
-                 maxnreg=None) -> dict:
+                 maxnreg=None, fp_fusion=True) -> dict:
     """-> {"regs", "stack", "sass", "layouts"} of fn compiled for sm_90 (pointer_types: arg -> "*fp16"
     etc.; layouts: the distinct register layouts of its Triton GPU IR)."""
     import triton
@@ -50,7 +50,8 @@ def compile_sass(fn, pointer_types: dict[str, str], constexprs: dict, floats=(),
     signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "fp32" if n in floats else "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constexprs and n not in floats}
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in constexprs.items()}, attrs=attrs)
-    options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fp_fusion,
+               **({"maxnreg": maxnreg} if maxnreg else {})}
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -130,10 +131,13 @@ def kv_write(a):
     from services.worker.kernels import kv4_cache as kc
 
     pointers = {n: "*fp16" for n in ("key_ptr", "value_ptr", "query_ptr", "query_out_ptr")}
-    pointers |= {"positions_ptr": "*i32", "slots_ptr": "*i64", "rope_ptr": "*fp32", "k_cache_ptr": "*u8", "v_cache_ptr": "*u8"}
+    pointers |= {"positions_ptr": "*i32", "slots_ptr": "*i64", "rope_ptr": "*fp32", "k_cache_ptr": "*u8", "v_cache_ptr": "*u8",
+                 "key_feedback_ptr": "*fp32"}
     consts = dict(HEAD_DIM=a.head_dim, BLOCK_SIZE=16, GROUP=a.group, BLOCK_G=triton.next_power_of_2(a.group), BLOCK_H=a.block_h,
-                  QUANTIZE=True, ROTATE_QUERY=True, K_SHRINK=False, V_SHRINK=True)
-    return compile_sass(kc._rope_cache_write_kernel, pointers, consts, floats=("k_margin", "v_margin"), num_warps=a.warps), None
+                  QUANTIZE=True, ROTATE_QUERY=True, K_SHRINK=False, V_SHRINK=True, KEY_FEEDBACK=a.key_feedback)
+    # As write_kv4_cache launches it: no FMA contraction (the reference rounds every product).
+    return compile_sass(kc._rope_cache_write_kernel, pointers, consts, floats=("k_margin", "v_margin"), num_warps=a.warps,
+                        fp_fusion=False), None
 
 
 def gemm(a):
@@ -203,6 +207,7 @@ def main() -> None:
     kv.add_argument("--head-dim", type=int, default=128)
     kv.add_argument("--block-h", type=int, default=8)
     kv.add_argument("--warps", type=int, default=4)
+    kv.add_argument("--key-feedback", action="store_true", help="keys by error-feedback rounding (shared.formats.kv4)")
     gm = sub.add_parser("gemm", help="a W4A8 tensor-core variant of w4a8_gemm.py, by name")
     gm.add_argument("variant", help="e.g. chn.n128m16.sk or g128.n64m64.sk.swar")
     gm.add_argument("--group-sums", action="store_true", help="g128 .zp: x8's group sums from the act-quant kernel")

@@ -64,13 +64,15 @@ def publish(
                                          help="per-layer KV4 range ratio of V, searched"),
     compensate_inputs: bool = typer.Option(None, "--compensate-inputs/--no-compensate-inputs",
                                            help="fit each linear to its fp output from quantized inputs"),
+    key_feedback: bool = typer.Option(None, "--key-feedback/--no-key-feedback",
+                                      help="KV4 keys rounded against each layer's query statistics"),
     rtn: bool = typer.Option(False, "--rtn", help="every QoQ step off: plain round-to-nearest (fast; for tests "
                              "and smoke runs). A step switched on explicitly stays on."),
 ):
     """Publish a checkpoint as an evaluated artifact; prints its id. Exit 1 when the job fails."""
     steps = {"smooth_attention": smooth_attention, "rotation": rotation, "smoothing": smoothing,
              "reorder": reorder, "clipping": clipping, "gptq": gptq, "rotate_values": rotate_values,
-             "kv_range_search": kv_range_search, "compensate_inputs": compensate_inputs}
+             "kv_range_search": kv_range_search, "compensate_inputs": compensate_inputs, "key_feedback": key_feedback}
     if rtn and format.value != "fp16":
         steps = {name: False if value is None else value for name, value in steps.items()}
     qoq = {name: value for name, value in steps.items() if value is not None}

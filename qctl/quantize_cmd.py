@@ -43,6 +43,8 @@ def quantize(
     compensate_inputs: bool = typer.Option(
         QoQOptions().compensate_inputs, "--compensate-inputs/--no-compensate-inputs",
         help="fit each linear to its fp output from the quantized block's inputs (int8, KV4) before rounding"),
+    key_feedback: bool = typer.Option(False, "--key-feedback/--no-key-feedback",
+                                      help="KV4 keys rounded with error feedback against each layer's query statistics"),
     seed: int = typer.Option(0, help="seed of the rotations and the token subsample"),
 ):
     """Quantize a checkpoint into an artifact folder (manifest.json + safetensors)."""
@@ -52,7 +54,7 @@ def quantize(
         options = QoQOptions(
             rotation=rotation, rotate_values=rotate_values, smooth_attention=smooth_attention, kv_range_search=kv_range_search,
             smoothing=smoothing, reorder=reorder, clipping=clipping, gptq=gptq,
-            compensate_inputs=compensate_inputs, seed=seed,
+            compensate_inputs=compensate_inputs, key_feedback=key_feedback, seed=seed,
         )
     settings = QuantizeSettings(
         model_dir=model, out_dir=out, format=format.value, gpu_target=resolve_gpu_target(gpu_target),

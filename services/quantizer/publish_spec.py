@@ -21,7 +21,7 @@ from shared.storage import InvalidConfig, StorageConfig
 MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 VERSION_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 QOQ_STEPS = ("smooth_attention", "rotation", "smoothing", "reorder", "clipping", "gptq", "rotate_values",
-             "kv_range_search", "compensate_inputs")  # the proto's switches
+             "kv_range_search", "compensate_inputs", "key_feedback")  # the proto's switches
 DEFAULT_EVAL_SEQ_LEN = 512
 MAX_SEQ_LEN = 32768
 MAX_CALIB_SAMPLES = 4096

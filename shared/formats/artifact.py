@@ -5,7 +5,9 @@
     weights/block_{i:03d}.safetensors  attn_norm, mlp_norm (H,) fp16; qkv.*, o.*, gate_up.*, down.*
                                        (one PackedWeight each, in the format's weight kind);
                                        KV4 formats: kv_range (2,) fp32, the K and V range ratios
-                                       of shared.formats.kv4 (absent: 1, 1)
+                                       of shared.formats.kv4 (absent: 1, 1); key_feedback
+                                       (kv_heads, D, D) fp32, the keys' error-feedback factor
+                                       of shared.formats.kv4 (absent: keys rounded to nearest)
     weights/head.safetensors           final_norm (H,) fp16; lm_head.weight (V, H) fp16
     tokenizer/                         the source checkpoint's tokenizer files
 """
@@ -22,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from shared.formats.kv4 import FULL_KV_RANGE, range_margin
+from shared.formats.kv4 import FULL_KV_RANGE, check_key_feedback, range_margin
 from shared.formats.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError
 from shared.formats.spec import FormatSpec, format_spec
 from shared.formats.weights import WEIGHT_KINDS, Fp16Weight, PackedWeight
@@ -32,6 +34,7 @@ HEAD_FILE = "weights/head.safetensors"
 TOKENIZER_DIR = "tokenizer"
 BLOCK_LINEARS = ("qkv", "o", "gate_up", "down")
 KV_RANGE = "kv_range"
+KEY_FEEDBACK = "key_feedback"
 
 
 def block_file(i: int) -> str:
@@ -180,19 +183,39 @@ class ArtifactReader:
             raise ArtifactError(f"artifact {self.folder}: {block_file(i)}: {e}") from None
         return k, v
 
+    def block_key_feedback(self, i: int, kv_heads: int | None = None, head_dim: int | None = None) -> torch.Tensor | None:
+        """Block i's key error-feedback factor U (kv_heads, D, D) fp32, or None (keys rounded to
+        nearest); kv_heads / head_dim: the model's, checked where given."""
+        path = self.folder / block_file(i)
+        if not path.is_file():
+            raise ArtifactError(f"artifact {self.folder} lacks {block_file(i)}")
+        with safe_open(str(path), framework="pt") as f:
+            if KEY_FEEDBACK not in f.keys():
+                return None
+            u = f.get_tensor(KEY_FEEDBACK)
+        try:
+            check_key_feedback(u, kv_heads, head_dim)
+        except ValueError as e:
+            raise ArtifactError(f"artifact {self.folder}: {block_file(i)}: {e}") from None
+        return u
+
     @property
     def tokenizer_dir(self) -> Path:
         return self.folder / TOKENIZER_DIR
 
 
 def block_tensors(
-    norms: dict[str, torch.Tensor], linears: dict[str, PackedWeight], kv_range: tuple[float, float] = FULL_KV_RANGE
+    norms: dict[str, torch.Tensor], linears: dict[str, PackedWeight], kv_range: tuple[float, float] = FULL_KV_RANGE,
+    key_feedback: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     out = {k: v.to(torch.float16) for k, v in norms.items()}
     for name, packed in linears.items():
         out.update(packed.tensors(name))
-    if kv_range != FULL_KV_RANGE:  # kept out of files that do not need it: older readers load them as before
+    # Both kept out of files that do not need them: older readers load those as before.
+    if kv_range != FULL_KV_RANGE:
         out[KV_RANGE] = torch.tensor(kv_range, dtype=torch.float32)
+    if key_feedback is not None:
+        out[KEY_FEEDBACK] = key_feedback.to(torch.float32).contiguous()
     return out
 
 

@@ -29,6 +29,7 @@ class Block:
     gate_up: Linear  # H -> 2F
     down: Linear  # F -> H
     kv_range: tuple[float, float] = FULL_KV_RANGE  # KV4 range ratios of K and V (shared.formats.kv4)
+    key_feedback: torch.Tensor | None = None  # KV4 keys' error-feedback factor (kv_heads, D, D), or nearest rounding
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,8 +46,11 @@ def attention(
     capture: dict | None = None,
     attention_dtype: torch.dtype = torch.float32,
     kv_range: tuple[float, float] = FULL_KV_RANGE,
+    key_feedback: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv (B, T, q+2kv) fp32 -> causal attention output (B, T, heads*D) fp32.
+
+    kv_range, key_feedback: the layer's KV4 write (shared.formats.kv4), with kv_bits 4.
 
     attention_dtype float64 makes the result independent of summation order (to fp32 precision), so
     a forward over the whole sequence and a KV-cached decode of it agree bit for bit; see
@@ -61,7 +65,8 @@ def attention(
         capture["q_pre_rope"], capture["k_pre_rope"], capture["v"] = q, k, v
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if kv_bits == 4:
-        k, v = fake_quantize_kv4(k, kv_range[0]), fake_quantize_kv4(v, kv_range[1])
+        feedback = None if key_feedback is None else key_feedback[:, None]  # (kv_heads, 1, D, D) against (B, kv_heads, T, D)
+        k, v = fake_quantize_kv4(k, kv_range[0], feedback), fake_quantize_kv4(v, kv_range[1])
     if c.group_size > 1:
         k = k.repeat_interleave(c.group_size, dim=1)
         v = v.repeat_interleave(c.group_size, dim=1)
@@ -82,7 +87,7 @@ def block_forward(
 ) -> torch.Tensor:
     """x (B, T, H) fp32 residual stream -> (B, T, H). `capture` receives each GEMM's input."""
     h = rms_norm(x, block.attn_norm, config.rms_norm_eps)
-    attn = attention(config, block.qkv(h), cos, sin, kv_bits, capture, attention_dtype, block.kv_range)
+    attn = attention(config, block.qkv(h), cos, sin, kv_bits, capture, attention_dtype, block.kv_range, block.key_feedback)
     x = x + block.o(attn)
     h2 = rms_norm(x, block.mlp_norm, config.rms_norm_eps)
     gate, up = block.gate_up(h2).chunk(2, dim=-1)

@@ -57,6 +57,7 @@ def artifact_model(
                 gate_up=lin["gate_up"],
                 down=lin["down"],
                 kv_range=reader.block_kv_range(i),
+                key_feedback=_on(reader.block_key_feedback(i, config.num_kv_heads, config.head_dim), device),
             )
         )
     final_norm, lm_head = reader.head()
@@ -69,6 +70,10 @@ def artifact_model(
         kv_bits=reader.spec.kv_bits,
         attention_dtype=attention_dtype,
     )
+
+
+def _on(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
 
 
 def _to(packed: PackedWeight, device) -> PackedWeight:

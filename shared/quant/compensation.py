@@ -51,12 +51,13 @@ def block_forward_until(
     kv_bits: int,
     until: str | None = None,
     kv_range: tuple[float, float] = FULL_KV_RANGE,
+    key_feedback: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x (B, T, H) -> the input of linear `until` (B*T, K) as its GEMM sees it (int8-rounded when
     activation_bits is 8), or the block output (B, T, H) when until is None.
 
     weights: name -> (N, K) fp32, the dequantized weights of the linears before `until`.
-    kv_range: the layer's KV4 range ratios (shared.formats.kv4), as the cache write applies them.
+    kv_range, key_feedback: the layer's KV4 write (shared.formats.kv4), as the cache write applies it.
     """
     c = config
 
@@ -70,7 +71,7 @@ def block_forward_until(
     h = rms_norm(x, work.attn_norm, c.rms_norm_eps)
     if until == "qkv":
         return quantize(h).reshape(b * t, -1)
-    attn = attention(c, linear("qkv", h), cos, sin, kv_bits, kv_range=kv_range)  # (B, T, heads * D), as the reference block
+    attn = attention(c, linear("qkv", h), cos, sin, kv_bits, kv_range=kv_range, key_feedback=key_feedback)  # as the reference block
     if until == "o":
         return quantize(attn).reshape(b * t, -1)
     x = x + linear("o", attn)
@@ -112,9 +113,11 @@ class BlockInputs:
     """
 
     def __init__(self, config: LlamaConfig, work: WorkBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 activation_bits: int, kv_bits: int, batch: int, kv_range: tuple[float, float] = FULL_KV_RANGE):
+                 activation_bits: int, kv_bits: int, batch: int, kv_range: tuple[float, float] = FULL_KV_RANGE,
+                 key_feedback: torch.Tensor | None = None):
         self.config, self.work, self.x, self.cos, self.sin = config, work, x, cos, sin
         self.activation_bits, self.kv_bits, self.kv_range = activation_bits, kv_bits, kv_range
+        self.key_feedback = key_feedback  # the quantized path's KV4 keys, as the cache write rounds them
         self.batches = [slice(start, start + batch) for start in range(0, x.shape[0], batch)]
         self.fp_weights = {n: getattr(work, n) for n in BLOCK_LINEARS}
         normed = [rms_norm(x[sl], work.attn_norm, config.rms_norm_eps) for sl in self.batches]
@@ -135,8 +138,8 @@ class BlockInputs:
             xf, xq = self.fp_inputs[i], self.q_inputs[i]
             if index > self.reached:
                 prev = BLOCK_LINEARS[self.reached]
-                xf = self._advance(prev, xf, self.fp_weights, sl, 16, 16, FULL_KV_RANGE)
-                xq = self._advance(prev, xq, quantized, sl, self.activation_bits, self.kv_bits, self.kv_range)
+                xf = self._advance(prev, xf, self.fp_weights, sl, 16, 16)
+                xq = self._advance(prev, xq, quantized, sl, self.activation_bits, self.kv_bits)
                 if not last:
                     self.fp_inputs[i], self.q_inputs[i] = xf, xq
             xq8 = gemm_input(xq, self.activation_bits)
@@ -147,12 +150,15 @@ class BlockInputs:
         return stats
 
     def _advance(self, done: str, a: torch.Tensor, weights: dict[str, torch.Tensor], sl: slice,
-                 activation_bits: int, kv_bits: int, kv_range: tuple[float, float]) -> torch.Tensor:
-        """a (B, T, K), linear `done`'s input -> the next linear's input, as block_forward_until."""
+                 activation_bits: int, kv_bits: int) -> torch.Tensor:
+        """a (B, T, K), linear `done`'s input -> the next linear's input, as block_forward_until
+        (kv_bits 4: the quantized path, with the layer's KV4 write)."""
         c = self.config
         y = gemm_input(a, activation_bits) @ weights[done].t()
         if done == "qkv":
-            return attention(c, y, self.cos, self.sin, kv_bits, kv_range=kv_range)
+            if kv_bits != 4:
+                return attention(c, y, self.cos, self.sin, kv_bits)
+            return attention(c, y, self.cos, self.sin, kv_bits, kv_range=self.kv_range, key_feedback=self.key_feedback)
         if done == "o":
             return rms_norm(self.x[sl] + y, self.work.mlp_norm, c.rms_norm_eps)
         gate, up = y.chunk(2, dim=-1)

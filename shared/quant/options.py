@@ -17,6 +17,10 @@ class QoQOptions:
     # Per-layer KV4 range ratio of V, searched on calibration tokens (beyond QServe; see
     # shared/quant/kv_range.py). Costs nothing at run time: a multiply and an add in the cache write.
     kv_range_search: bool = True
+    # KV4 keys rounded with error feedback against the layer's query statistics (beyond QServe; see
+    # shared/quant/key_feedback.py). Off by default: the cache write then runs a D-step dependent
+    # loop per key, whose cost on the decode step is not measured yet (fixture: g128 5.1139 -> 5.1042).
+    key_feedback: bool = False
     smoothing: bool = True  # per-channel smoothing of o_proj and down_proj inputs, alpha searched
     reorder: bool = True  # activation-aware channel reordering of down_proj inputs (group formats)
     clipping: bool = True  # weight clip ratios searched to minimize output error
@@ -49,7 +53,7 @@ class QoQOptions:
     def rtn(cls) -> "QoQOptions":
         """Plain round-to-nearest: every QoQ step off."""
         return cls(rotation=False, rotate_values=False, smooth_attention=False, kv_range_search=False, smoothing=False,
-                   reorder=False, clipping=False, gptq=False, compensate_inputs=False)
+                   reorder=False, clipping=False, gptq=False, compensate_inputs=False, key_feedback=False)
 
     def to_dict(self) -> dict:
         return asdict(self)

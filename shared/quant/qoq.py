@@ -1,7 +1,7 @@
 """QoQ on one decoder block: transform the fp weights with calibration activations, then quantize.
 
 Order: fold norms + rotate (block inputs) -> one fp forward capturing every GEMM input ->
-SmoothAttention (K) -> smoothing (o_proj, down_proj inputs) -> KV4 range ratios ->
+SmoothAttention (K) -> smoothing (o_proj, down_proj inputs) -> KV4 range ratios and key feedback ->
 reorder (down_proj input) -> clip search -> rounding of each linear (GPTQ error compensation, or round-to-nearest). Every transform keeps the block's fp function unchanged,
 so the block output of the capture forward is the next block's calibration input.
 """
@@ -24,6 +24,7 @@ from shared.quant.gptq import gptq_quantize
 from shared.quant.clipping import candidate_ratios, search_clip_ratios
 from shared.quant.options import QoQOptions
 from shared.quant.reorder import apply_down_reorder, salience_order
+from shared.quant.key_feedback import key_feedback_for_block
 from shared.quant.kv_range import search_value_ratio, value_channel_weights
 from shared.quant.smooth_attention import apply_smooth_attention, search_smooth_attention, smooth_attention_scales
 from shared.quant.smoothing import apply_down_smoothing, apply_o_smoothing, search_scales, tie_over_query_groups
@@ -54,6 +55,7 @@ class QuantizedBlock:
     norms: dict[str, torch.Tensor]  # attn_norm, mlp_norm (H,)
     linears: dict[str, PackedWeight]  # qkv, o, gate_up, down
     kv_range: tuple[float, float] = FULL_KV_RANGE  # KV4 range ratios of K and V (shared.quant.kv_range)
+    key_feedback: torch.Tensor | None = None  # KV4 keys' error-feedback factor (shared.quant.key_feedback)
 
 
 def capture(
@@ -125,6 +127,7 @@ def quantize_block(
         return QuantizedBlock(norms, {n: quantize(getattr(work, n)) for n in BLOCK_LINEARS}), None
     cap, out = capture(config, work, x, cos, sin, token_idx, with_hessians=not options.compensate_inputs)
 
+    lam = None
     if options.smooth_attention and spec.kv_bits == 4:
         if options.smooth_attention_search:
             lam = search_smooth_attention(config, cap.q_sub, cap.k_sub, cap.positions, cap.q_absmax, cap.k_absmax, cos, sin)
@@ -146,6 +149,9 @@ def quantize_block(
     kv_range = FULL_KV_RANGE  # K keeps its full range: see shared/quant/kv_range.py
     if options.kv_range_search and spec.kv_bits == 4:
         kv_range = (1.0, search_value_ratio(cap.v_sub, value_channel_weights(config, work.o)))
+    key_feedback = None
+    if options.key_feedback and spec.kv_bits == 4:
+        key_feedback = key_feedback_for_block(config, cap.q_sub, cap.positions, lam, cos, sin)
     if options.reorder and spec.needs_groups and kind != "w4chn":
         perm = salience_order(cap.down_in)
         apply_down_reorder(work, perm)
@@ -156,7 +162,7 @@ def quantize_block(
     ratios = candidate_ratios(options.clip_min_ratio, options.clip_steps)
     linears, dequantized = {}, {}
     if options.compensate_inputs:
-        inputs = BlockInputs(config, work, x, cos, sin, bits, spec.kv_bits, FORWARD_BATCH, kv_range)
+        inputs = BlockInputs(config, work, x, cos, sin, bits, spec.kv_bits, FORWARD_BATCH, kv_range, key_feedback)
     for name in BLOCK_LINEARS:
         w, hessian = getattr(work, name), cap.hessians.get(name)
         if options.compensate_inputs:
@@ -174,4 +180,4 @@ def quantize_block(
             linears[name] = quantize(w, clip)
         if options.compensate_inputs:
             dequantized[name] = linears[name].dequantize()
-    return QuantizedBlock(norms, linears, kv_range), out
+    return QuantizedBlock(norms, linears, kv_range, key_feedback), out

@@ -75,8 +75,8 @@ def check_group_divisibility(config: LlamaConfig, spec: FormatSpec) -> None:
 def needs_calibration(spec: FormatSpec, options: QoQOptions) -> bool:
     if spec.weight_kind == "fp16":
         return False
-    kv_range = spec.kv_bits == 4 and options.kv_range_search
-    return (options.smooth_attention or kv_range or options.smoothing or options.reorder or options.clipping or options.gptq
+    kv_data = spec.kv_bits == 4 and (options.kv_range_search or options.key_feedback)
+    return (options.smooth_attention or kv_data or options.smoothing or options.reorder or options.clipping or options.gptq
             or options.compensate_inputs)
 
 
@@ -123,7 +123,7 @@ def quantize_checkpoint(settings: QuantizeSettings, progress: Progress | None = 
         for i in range(config.num_layers):
             work = WorkBlock.from_fp(ckpt.block(i), device)
             qb, x = quantize_block(config, work, x, cos, sin, spec, options, rotation, token_idx, value_rotation)
-            writer.write_tensors(block_file(i), block_tensors(qb.norms, qb.linears, qb.kv_range))
+            writer.write_tensors(block_file(i), block_tensors(qb.norms, qb.linears, qb.kv_range, qb.key_feedback))
             del work, qb
             report("quantize", i + 1, config.num_layers)
 

@@ -14,6 +14,7 @@ from shared.formats.kv4 import fake_quantize_kv4
 
 from shared.model.config import LlamaConfig
 from shared.quant.block import WorkBlock
+from shared.quant.key_feedback import query_second_moment, rope_at
 
 
 def smooth_attention_scales(config: LlamaConfig, k_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -51,10 +52,7 @@ def kv4_logit_error(config: LlamaConfig, q_rope: torch.Tensor, k_rope: torch.Ten
     """
     k_s = k_rope / lam
     err = fake_quantize_kv4(k_s) - k_s  # (S, kv_heads, D)
-    q_s = (q_rope * lam.repeat_interleave(config.group_size, dim=0)).view(
-        q_rope.shape[0], config.num_kv_heads, config.group_size, -1
-    )
-    m = torch.einsum("sgjd,sgje->gde", q_s, q_s)  # (kv_heads, D, D): second moment of the queries
+    m = query_second_moment(config, q_rope * lam.repeat_interleave(config.group_size, dim=0))  # (kv_heads, D, D)
     return torch.einsum("sgd,gde,sge->", err, m, err).item()
 
 
@@ -72,12 +70,7 @@ def search_smooth_attention(
 
     Q's magnitude enters because the logit error of a K channel is weighted by the matching Q channel.
     """
-    def rope(x):  # (S, H, D) at their own positions
-        c, s = cos[positions][:, None], sin[positions][:, None]
-        half = x.shape[-1] // 2
-        return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
-
-    q_rope, k_rope = rope(q_sub), rope(k_sub)
+    q_rope, k_rope = rope_at(q_sub, positions, cos, sin), rope_at(k_sub, positions, cos, sin)
     k_max = _pair(k_absmax).clamp_min(1e-5)
     q_max = _pair(q_absmax.view(config.num_kv_heads, config.group_size, -1).amax(dim=1)).clamp_min(1e-5)
     best = torch.ones_like(k_max)

@@ -195,3 +195,48 @@ def test_bad_inputs_name_the_value():
         write_kv4_cache(k, k, positions, slots, rope, cache[..., :-1], cache.clone())
     with pytest.raises(ValueError, match="k_cache must be .* torch.float16"):
         write_fp16_cache(k, k, positions, slots, rope, cache, cache.clone())
+
+
+def _feedback_factor(kv_heads: int, d: int, seed: int) -> torch.Tensor:
+    """A U as the quantizer makes it: from correlated query statistics (shared.quant.key_feedback)."""
+    from shared.quant.key_feedback import feedback_factor
+
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(kv_heads, d, d, generator=g)
+    return feedback_factor(mix @ mix.transpose(1, 2) / d)
+
+
+@pytest.mark.parametrize("head_dim,kv_heads,kv_range", [(128, 2, (1.0, 0.8)), (64, 3, (0.9, 1.0))])
+def test_kv4_write_with_key_feedback_matches_reference_bit_for_bit(head_dim, kv_heads, kv_range):
+    """Error-feedback rounding of the keys: every step's error moves the later dims, so one code
+    off would move the rest; the kernel's rows equal the reference's byte for byte (keys and values)."""
+    num_blocks = 5
+    positions, slots, _ = _prefill_slots([5, 11, 2], num_blocks, seed=21)
+    k, v = _kv(len(slots), kv_heads, head_dim, seed=9)
+    rope = _rope_cache(head_dim)
+    u = _feedback_factor(kv_heads, head_dim, seed=4)
+    shape = (num_blocks, kv_heads, BLOCK_SIZE, page_row_bytes(head_dim))
+    k_cache, v_cache = torch.full(shape, POISON, dtype=torch.uint8), torch.full(shape, POISON, dtype=torch.uint8)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    write_kv4_cache(k, v, positions, slots, rope, k_cache, v_cache, kv_range=kv_range, key_feedback=u)
+    write_kv4_cache_reference(k, v, positions, slots, rope, k_ref, v_ref, kv_range=kv_range, key_feedback=u)
+
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    plain = k_cache.clone()
+    write_kv4_cache_reference(k, v, positions, slots, rope, plain, v_ref.clone(), kv_range=kv_range)
+    assert not torch.equal(plain, k_cache)  # the feedback changed codes (same scale and zero bytes)
+    d = head_dim
+    assert torch.equal(_slot_rows(plain, slots)[..., d // 2 :], _slot_rows(k_cache, slots)[..., d // 2 :])
+
+
+def test_key_feedback_of_the_wrong_shape_is_refused():
+    k, v = _kv(2, 2, 64, seed=1)
+    rope = _rope_cache(64)
+    cache = torch.zeros(1, 2, BLOCK_SIZE, page_row_bytes(64), dtype=torch.uint8)
+    slots = torch.tensor([0, 1], dtype=torch.int64)
+    with pytest.raises(ValueError, match="key_feedback"):
+        write_kv4_cache(k, v, torch.arange(2), slots, rope, cache, cache.clone(), key_feedback=torch.eye(64)[None])
+    with pytest.raises(ValueError, match="upper triangular"):
+        write_kv4_cache(k, v, torch.arange(2), slots, rope, cache, cache.clone(),
+                        key_feedback=torch.ones(2, 64, 64))

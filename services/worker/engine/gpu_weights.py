@@ -26,6 +26,7 @@ class LayerWeights:
     gate_up: object  # H -> 2F ([gate; up] rows)
     down: object  # F -> H
     kv_range: tuple[float, float] = FULL_KV_RANGE  # KV4 range ratios of K and V (shared.formats.kv4)
+    key_feedback: torch.Tensor | None = None  # (kv_heads, D, D) fp32: the KV4 keys' error-feedback factor
 
 
 @dataclass(slots=True)
@@ -58,6 +59,12 @@ def _to_device(packed: PackedWeight, device: torch.device):
     return type(packed)(**{f.name: getattr(packed, f.name).to(device).contiguous() for f in fields(packed)})
 
 
+def _feedback_on(reader, i: int, device: torch.device) -> torch.Tensor | None:
+    cfg = reader.manifest.model_config
+    u = reader.block_key_feedback(i, cfg["num_kv_heads"], cfg["head_dim"])
+    return None if u is None else u.to(device)
+
+
 def load_weights(reader, device: torch.device) -> ModelWeights:
     kind = reader.spec.weight_kind
     if kind not in SUPPORTED_KINDS:
@@ -74,6 +81,7 @@ def load_weights(reader, device: torch.device) -> ModelWeights:
                 mlp_norm=norms["mlp_norm"].to(device=device, dtype=torch.float32),
                 **{name: _to_device(linears[name], device) for name in BLOCK_LINEARS},
                 kv_range=reader.block_kv_range(i),
+                key_feedback=_feedback_on(reader, i, device),
             )
         )
     final_norm, lm_head = reader.head()

@@ -114,8 +114,10 @@ class ReferenceRunner:
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v (N, kv_heads, D) fp32 (k after RoPE) -> their rows at slots, in both caches."""
         if self.kv_bits == 4:
-            k_range, v_range = self.model.blocks[layer].kv_range
-            k_rows, v_rows = encode_rows(k, k_range), encode_rows(v, v_range)  # (N, kv_heads, D/2 + 4) uint8
+            block = self.model.blocks[layer]
+            k_range, v_range = block.kv_range
+            k_rows = encode_rows(k, k_range, block.key_feedback)  # (N, kv_heads, D/2 + 4) uint8
+            v_rows = encode_rows(v, v_range)
         else:
             k_rows, v_rows = k.half(), v.half()  # (N, kv_heads, D) fp16
         blocks, offsets = slots // self.block_size, slots % self.block_size

@@ -291,7 +291,8 @@ class TritonRunner:
         needs_key = st.cu_seqlens is not None
         query = qkv[:, : c.q_size + c.kv_size].view(t, heads + kvh, d) if needs_key else qkv[:, : c.q_size].view(t, heads, d)
         write = kv4_cache.write_kv4_cache if self.kv4 else kv4_cache.write_fp16_cache
-        ranges = {"kv_range": self.weights.layers[i].kv_range} if self.kv4 else {}  # the layer's KV4 ratios
+        layer = self.weights.layers[i]
+        ranges = {"kv_range": layer.kv_range, "key_feedback": layer.key_feedback} if self.kv4 else {}  # the layer's KV4 write
         rotated = write(k, v, st.positions, st.slots, self.rope_cache, self.k_cache[i], self.v_cache[i], query=query,
                         **ranges)
         q_rot = rotated[:, :heads]  # (T, heads, D) fp16

@@ -58,10 +58,13 @@ def write_kv4_cache_reference(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     kv_range: tuple[float, float] = FULL_KV_RANGE,
+    key_feedback: torch.Tensor | None = None,
 ) -> None:
     """RoPE on key, KV4-encode key and value per token per head (at the layer's K and V range
-    ratios), write the rows at their slots."""
-    _scatter_rows(k_cache, encode_rows(rope_reference(key, positions, rope_cache), kv_range[0]), slot_mapping)
+    ratios; keys with error feedback when key_feedback (kv_heads, D, D) is given), write the rows
+    at their slots."""
+    keys = encode_rows(rope_reference(key, positions, rope_cache), kv_range[0], key_feedback)
+    _scatter_rows(k_cache, keys, slot_mapping)
     _scatter_rows(v_cache, encode_rows(value, kv_range[1]), slot_mapping)
 
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from services.worker.kernels.attention_reference import build_rope_cache  # noqa: F401  (re-exported)
 from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
-from shared.formats.kv4 import FULL_KV_RANGE, page_row_bytes, range_margin
+from shared.formats.kv4 import FULL_KV_RANGE, check_key_feedback, page_row_bytes, range_margin
 
 __all__ = ["build_rope_cache", "write_fp16_cache", "write_kv4_cache"]
 
@@ -46,12 +46,42 @@ def _round_half_even(x):
 
 
 @triton.jit
-def _store_kv4_rows(row_ptrs, mask_h, lo, hi, margin, HALF: tl.constexpr, SHRINK: tl.constexpr):
+def _feedback_codes(lo, hi, scale, zero, u_ptrs, mask_h, HALF: tl.constexpr):
+    """The error-feedback codes of shared.formats.kv4 (its module doc): (H, HALF) halves lo, hi on
+    the grids scale, zero (H,); u_ptrs (H,) the first element of each head's U (D, D) fp32.
+
+    Dim i is lo[:, i] for i < HALF, else hi[:, i - HALF]. Each step updates every dim, where the
+    reference updates those after i: U is upper triangular, so the others change by a product with
+    0, which leaves a value as it was (and dim i itself is not read again)."""
+    D: tl.constexpr = 2 * HALF
+    offs = tl.arange(0, HALF)[None, :]
+    rows = mask_h[:, None]
+    q_lo = tl.zeros_like(lo)
+    q_hi = tl.zeros_like(hi)
+    for i in range(D):
+        sel_lo = offs == i
+        sel_hi = offs + HALF == i
+        w = tl.sum(tl.where(sel_lo, lo, tl.where(sel_hi, hi, 0.0)), axis=1)  # (H,): dim i, exactly
+        q = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(w - zero, scale)), 0.0), 15.0)
+        q_lo = tl.where(sel_lo, q[:, None], q_lo)
+        q_hi = tl.where(sel_hi, q[:, None], q_hi)
+        u_row = u_ptrs[:, None] + i * D + offs
+        u_ii = tl.load(u_ptrs + i * D + i, mask=mask_h, other=1.0)
+        err = tl.div_rn(w - (q * scale + zero), u_ii)[:, None]  # product then sum: the launch has no FMA
+        lo = lo - err * tl.load(u_row, mask=rows, other=0.0)
+        hi = hi - err * tl.load(u_row + HALF, mask=rows, other=0.0)
+    return q_lo, q_hi
+
+
+@triton.jit
+def _store_kv4_rows(row_ptrs, mask_h, lo, hi, margin, HALF: tl.constexpr, SHRINK: tl.constexpr,
+                    u_ptrs=None, FEEDBACK: tl.constexpr = False):
     """Quantize head vectors (halves lo, hi: (H, HALF) fp32 holding fp16 values) into the KV4 rows
     at row_ptrs (H,), those where mask_h (H,) holds.
 
     Bit-for-bit shared.formats.kv4.encode_rows: IEEE division, round half to even, fp16 scale/zero;
-    SHRINK: the range ratio rule, [min, max] narrowed by margin = fp32((1 - ratio) / 2) of its width.
+    SHRINK: the range ratio rule, [min, max] narrowed by margin = fp32((1 - ratio) / 2) of its width;
+    FEEDBACK: codes by error-feedback rounding with each head's U at u_ptrs (H,).
     """
     vmin = tl.minimum(tl.min(lo, axis=1), tl.min(hi, axis=1))  # (H,)
     vmax = tl.maximum(tl.max(lo, axis=1), tl.max(hi, axis=1))
@@ -60,9 +90,12 @@ def _store_kv4_rows(row_ptrs, mask_h, lo, hi, margin, HALF: tl.constexpr, SHRINK
         vmin, vmax = vmin + cut, vmax - cut
     scale = tl.maximum(tl.div_rn(vmax - vmin, 15.0), 1e-5).to(tl.float16)
     zero = vmin.to(tl.float16)
-    scale_f, zero_f = scale.to(tl.float32)[:, None], zero.to(tl.float32)[:, None]
-    q_lo = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(lo - zero_f, scale_f)), 0.0), 15.0)
-    q_hi = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(hi - zero_f, scale_f)), 0.0), 15.0)
+    if FEEDBACK:
+        q_lo, q_hi = _feedback_codes(lo, hi, scale.to(tl.float32), zero.to(tl.float32), u_ptrs, mask_h, HALF)
+    else:
+        scale_f, zero_f = scale.to(tl.float32)[:, None], zero.to(tl.float32)[:, None]
+        q_lo = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(lo - zero_f, scale_f)), 0.0), 15.0)
+        q_hi = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(hi - zero_f, scale_f)), 0.0), 15.0)
     codes = q_lo.to(tl.int32) | (q_hi.to(tl.int32) << 4)  # byte j: dim j low nibble, dim j + D/2 high
     stored = mask_h[:, None]
     tl.store(row_ptrs[:, None] + tl.arange(0, HALF)[None, :], codes.to(tl.uint8), mask=stored)
@@ -78,6 +111,7 @@ def _store_kv4_rows(row_ptrs, mask_h, lo, hi, margin, HALF: tl.constexpr, SHRINK
 def _rope_cache_write_kernel(
     # pointers
     key_ptr, value_ptr, query_ptr, query_out_ptr, positions_ptr, slots_ptr, rope_ptr, k_cache_ptr, v_cache_ptr,
+    key_feedback_ptr,  # (kv_heads, D, D) fp32, contiguous (KEY_FEEDBACK)
     # sizes
     kv_heads,
     # strides (elements of each tensor's dtype)
@@ -87,7 +121,7 @@ def _rope_cache_write_kernel(
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_H: tl.constexpr, QUANTIZE: tl.constexpr, ROTATE_QUERY: tl.constexpr, K_SHRINK: tl.constexpr,
-    V_SHRINK: tl.constexpr,
+    V_SHRINK: tl.constexpr, KEY_FEEDBACK: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
     """Token tl.program_id(0), KV heads [BLOCK_H * tl.program_id(1), + BLOCK_H) (the last tile masked)."""
@@ -131,7 +165,8 @@ def _rope_cache_write_kernel(
         v_hi = tl.load(v_ptrs + HALF, mask=rows_mask, other=0.0)
         row = (slot // BLOCK_SIZE) * stride_cb + offs_h * stride_ch + (slot % BLOCK_SIZE) * stride_cs  # (BLOCK_H,)
         if QUANTIZE:
-            _store_kv4_rows(k_cache_ptr + row, mask_h, r_lo.to(tl.float32), r_hi.to(tl.float32), k_margin, HALF, K_SHRINK)
+            _store_kv4_rows(k_cache_ptr + row, mask_h, r_lo.to(tl.float32), r_hi.to(tl.float32), k_margin, HALF, K_SHRINK,
+                            key_feedback_ptr + offs_h * (HEAD_DIM * HEAD_DIM), KEY_FEEDBACK)
             _store_kv4_rows(v_cache_ptr + row, mask_h, v_lo.to(tl.float32), v_hi.to(tl.float32), v_margin, HALF, V_SHRINK)
         else:
             dst = row[:, None] + offs[None, :]
@@ -182,9 +217,13 @@ def _check_cache(name: str, cache: torch.Tensor, kv_heads: int, row: int, dtype:
 
 
 def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, quantize: bool,
-            kv_range: tuple[float, float] = FULL_KV_RANGE):
+            kv_range: tuple[float, float] = FULL_KV_RANGE, key_feedback: torch.Tensor | None = None):
     t, kv_heads, group = _check_inputs(key, value, positions, slot_mapping, rope_cache, query)
     d = key.shape[2]
+    if key_feedback is not None:
+        check_key_feedback(key_feedback, kv_heads, d)
+        if key_feedback.device != key.device or not key_feedback.is_contiguous():
+            raise ValueError("key_feedback must be contiguous and on the key's device")
     row = page_row_bytes(d) if quantize else d
     dtype = torch.uint8 if quantize else torch.float16
     _check_cache("k_cache", k_cache, kv_heads, row, dtype)
@@ -199,13 +238,15 @@ def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, q
     block_g = triton.next_power_of_2(group)
     block_h = min(triton.next_power_of_2(kv_heads), max(1, HEADS_PER_PROGRAM // block_g))
     _rope_cache_write_kernel[(t, triton.cdiv(kv_heads, block_h))](
-        key, value, q_arg, o_arg, positions, slot_mapping, rope_cache, k_cache, v_cache, kv_heads,
+        key, value, q_arg, o_arg, positions, slot_mapping, rope_cache, k_cache, v_cache,
+        key if key_feedback is None else key_feedback, kv_heads,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         q_arg.stride(0), q_arg.stride(1), o_arg.stride(0), o_arg.stride(1), rope_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         range_margin(kv_range[0]), range_margin(kv_range[1]),
         HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], GROUP=group, BLOCK_G=block_g, BLOCK_H=block_h,
         QUANTIZE=quantize, ROTATE_QUERY=query is not None, K_SHRINK=kv_range[0] != 1.0, V_SHRINK=kv_range[1] != 1.0,
+        KEY_FEEDBACK=key_feedback is not None,
         # No FMA contraction: x * cos - y * sin rounds each product as torch does, so the rotated
         # fp16 key, and with it the KV4 row, is bit-identical to the reference.
         num_warps=max(1, min(4, block_h * block_g * d // 1024)), enable_fp_fusion=False, **launch_kwargs(key.device, t),
@@ -223,15 +264,18 @@ def write_kv4_cache(
     v_cache: torch.Tensor,
     query: torch.Tensor | None = None,
     kv_range: tuple[float, float] = FULL_KV_RANGE,
+    key_feedback: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """RoPE the key, quantize key and value to KV4 rows, write them at slot_mapping (in place).
 
     key, value (T, kv_heads, D) fp16 pre-RoPE key; k_cache/v_cache (num_blocks, kv_heads,
     block_size, D/2 + 4) uint8. If `query` (T, heads, D) fp16 is given, returns it rotated
     (a new tensor); otherwise returns None. Tokens whose slot is negative are not written.
-    kv_range: the layer's K and V range ratios (shared.formats.kv4).
+    kv_range: the layer's K and V range ratios; key_feedback (kv_heads, D, D) fp32: its keys' error-feedback
+    factor, or None for nearest rounding (shared.formats.kv4).
     """
-    return _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, True, kv_range)
+    return _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, True, kv_range,
+                   key_feedback)
 
 
 def write_fp16_cache(
