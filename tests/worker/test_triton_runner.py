@@ -132,14 +132,17 @@ def test_chunked_prefill_and_decode_match_reference(tiny_artifacts, fmt, monkeyp
         assert err < TOLERANCE[fmt], f"{fmt} seq {s} position {pos}: relative error {err:.2e}"
 
 
-def _with_kv_range(src: Path, dst: Path, kv_range: tuple[float, float]) -> Path:
-    """A copy of artifact src whose every block carries the given KV4 range ratios."""
+def _with_kv_range(src: Path, dst: Path, kv_range: tuple[float, float], key_feedback: torch.Tensor | None = None) -> Path:
+    """A copy of artifact src whose every block carries the given KV4 range ratios (and key
+    error-feedback factor)."""
     reader = ArtifactReader(src)
     with ArtifactWriter(dst, identity={}) as writer:
         for entry in reader.manifest.files:
             if entry.path.startswith("weights/block_"):
                 tensors = load_file(str(src / entry.path))
                 tensors["kv_range"] = torch.tensor(kv_range, dtype=torch.float32)
+                if key_feedback is not None:
+                    tensors["key_feedback"] = key_feedback
                 writer.write_tensors(entry.path, tensors)
             else:
                 writer.copy_file(src / entry.path, entry.path)
@@ -165,17 +168,34 @@ def test_gqa_at_head_dim_128_decodes_on_the_mma_kernel(tmp_path, monkeypatch):
         assert err < TOLERANCE["w4a8kv4-g128"], f"seq {s} position {pos}: relative error {err:.2e}"
 
 
-def test_layer_kv_ranges_reach_the_cache_write(tiny_artifacts, tmp_path):
-    """An artifact's per-layer KV4 range ratios (exaggerated here) are what the Triton cache write
-    uses: the runner matches the reference that applies them, not the one that ignores them."""
-    reader = ArtifactReader(_with_kv_range(tiny_artifacts["w4a8kv4-g128"], tmp_path / "kv-range", (0.75, 0.5)))
+def test_layer_kv_write_parameters_reach_the_cache_write(tiny_artifacts, tmp_path, monkeypatch):
+    """An artifact's per-layer KV4 range ratios (exaggerated here) and key error-feedback factors are
+    what the Triton cache write uses: the runner matches the reference that applies them, not the
+    one that ignores the ratios, and every write gets its layer's factor (the kernel's rows with a
+    factor equal the reference's bit for bit: tests/kernels/test_kv4_cache.py; a code the fp16 key
+    rounds differently moves the later ones, so the logits alone cannot tell the factor apart)."""
+    from services.worker.kernels import kv4_cache
+    from shared.quant.key_feedback import feedback_factor
+
+    src = tiny_artifacts["w4a8kv4-g128"]
+    config = ArtifactReader(src).manifest.model_config
+    kv_heads, d = config["num_kv_heads"], config["head_dim"]
+    mix = torch.randn(kv_heads, d, d, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.05, 4.0, d)
+    u = feedback_factor(mix @ mix.transpose(1, 2))
+    reader = ArtifactReader(_with_kv_range(src, tmp_path / "kv-range", (0.75, 0.5), u))
     assert [reader.block_kv_range(i) for i in range(2)] == [(0.75, 0.5)] * 2
+    factors = []
+    real_write = kv4_cache.write_kv4_cache
+    monkeypatch.setattr(kv4_cache, "write_kv4_cache",
+                        lambda *a, **k: factors.append(k.get("key_feedback")) or real_write(*a, **k))
     tokens, got = _run_steps(reader)
+    assert factors and all(f is not None and torch.equal(f.cpu(), u) for f in factors)
     applied = artifact_model(reader)
     worst = max(_errors(applied, tokens, got).values())
     assert worst < TOLERANCE["w4a8kv4-g128"]
     for block in applied.blocks:
         block.kv_range = (1.0, 1.0)
+        block.key_feedback = None
     assert max(_errors(applied, tokens, got).values()) > 2 * max(worst, TOLERANCE["w4a8kv4-g128"])
 
 
