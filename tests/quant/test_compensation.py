@@ -14,6 +14,7 @@ from shared.model.llama import block_forward
 from shared.model.rope import cos_sin, inverse_frequencies
 from shared.quant.block import WorkBlock
 from shared.quant.compensation import BlockInputs, block_forward_until, compensated_weight
+from shared.quant.key_feedback import feedback_factor
 from shared.quant.options import QoQOptions
 from shared.quant.rotation import rotation_matrix
 from tests.conftest import write_random_llama
@@ -133,13 +134,17 @@ def test_the_fit_sees_the_layers_kv_range(setup, monkeypatch):
     real = qoq.BlockInputs
 
     def spy(*args, **kwargs):
-        seen.append(inspect.signature(real).bind(*args, **kwargs).arguments.get("kv_range"))
+        arguments = inspect.signature(real).bind(*args, **kwargs).arguments
+        seen.append((arguments.get("kv_range"), arguments.get("key_feedback")))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(qoq, "BlockInputs", spy)
     monkeypatch.setattr(qoq, "search_value_ratio", lambda *a, **k: 0.85)
     _quantize(setup, "w4a8kv4-g128", QoQOptions(compensate_inputs=True))
-    assert seen and all(r == (1.0, 0.85) for r in seen)
+    assert seen and all(r == (1.0, 0.85) and u is None for r, u in seen)
+    seen.clear()  # with key feedback on, the fit's KV4 keys are rounded with the block's factor
+    _quantize(setup, "w4a8kv4-g128", QoQOptions(compensate_inputs=True, key_feedback=True))
+    assert seen and all(u is not None and u.shape == (cfg.num_kv_heads, cfg.head_dim, cfg.head_dim) for _, u in seen)
 
 
 def test_block_inputs_advance_to_what_the_forward_from_scratch_gives(setup):
@@ -151,11 +156,14 @@ def test_block_inputs_advance_to_what_the_forward_from_scratch_gives(setup):
     g = _gen(5)
     deq = {n: w + 0.01 * w.abs().mean() * torch.randn(w.shape, generator=g) for n, w in fp.items()}
     kv_range = (1.0, 0.85)
-    inputs = BlockInputs(cfg, work, x, cos, sin, 8, 4, batch=3, kv_range=kv_range)  # 8 samples: batches of 3, 3, 2
+    mix = torch.randn(cfg.num_kv_heads, cfg.head_dim, cfg.head_dim, generator=g)
+    u = feedback_factor(mix @ mix.transpose(1, 2))
+    # 8 samples: batches of 3, 3, 2
+    inputs = BlockInputs(cfg, work, x, cos, sin, 8, 4, batch=3, kv_range=kv_range, key_feedback=u)
     for name in ("qkv", "o", "gate_up", "down"):
         h, c = inputs.stats(name, deq)
         xf = block_forward_until(cfg, work, fp, x, cos, sin, 16, 16, name)
-        xq = block_forward_until(cfg, work, deq, x, cos, sin, 8, 4, name, kv_range)
+        xq = block_forward_until(cfg, work, deq, x, cos, sin, 8, 4, name, kv_range, key_feedback=u)
         assert torch.allclose(h, xq.t() @ xq, rtol=1e-4, atol=1e-2)
         assert torch.allclose(c, xq.t() @ xf, rtol=1e-4, atol=1e-2)
     with pytest.raises(ValueError, match="released"):

@@ -77,5 +77,5 @@ def test_publish_rtn_switches_every_qoq_step_off(quantizer, bucket_store, small_
     # --rtn turns off everything not named; --clipping, named explicitly, stays on.
     assert options["clipping"] is True
     for step in ("smooth_attention", "rotation", "rotate_values", "kv_range_search", "smoothing", "reorder", "gptq",
-                 "compensate_inputs"):
+                 "compensate_inputs", "key_feedback"):
         assert options[step] is False, step
