@@ -184,7 +184,7 @@ class ArtifactReader:
         return k, v
 
     def block_key_feedback(self, i: int, kv_heads: int | None = None, head_dim: int | None = None) -> torch.Tensor | None:
-        """Block i's key error-feedback factor U (kv_heads, D, D) fp32, or None (keys rounded to
+        """Block i's key error-feedback factor R (kv_heads, D, D) fp32, or None (keys rounded to
         nearest); kv_heads / head_dim: the model's, checked where given."""
         path = self.folder / block_file(i)
         if not path.is_file():

@@ -18,10 +18,11 @@ ratio 1 skips it, so such a layer writes exactly the rows of the plain rule.
 Key rounding with error feedback (optional, per layer; shared/quant/key_feedback.py): what a key
 costs is its logit error q . (k - k'), not |k - k'|, so the codes of a key may be chosen GPTQ-style
 against the layer's query covariance H (per KV head, from calibration). With U the upper Cholesky
-factor of H^-1 (the artifact carries U, (kv_heads, D, D) fp32), dims are rounded in order and each
-one's error is pushed onto the dims after it:
+factor of H^-1 and R = U with each row divided by its diagonal entry (the artifact carries R,
+(kv_heads, D, D) fp32, upper triangular with a unit diagonal), dims are rounded in order and each
+one's error is pushed onto the dims after it (GPTQ's update, e / U[i, i] * U[i, j] = e * R[i, j]):
     for i in 0 .. D-1:   q_i = clamp(round((w_i - zero) / scale), 0, 15)
-                         e = (w_i - (q_i * scale + zero)) / U[i, i];   w_j -= e * U[i, j] (j > i)
+                         e = w_i - (q_i * scale + zero);   w_j -= e * R[i, j] (j > i)
 with w starting as the key and scale / zero those of the plain rule (the key's own [min, max]).
 The row layout, scale and zero are unchanged: only which code each dim gets differs, so attention
 reads such rows as any other. Each step is plain fp32 (a product, then a difference: no fused
@@ -53,16 +54,16 @@ def range_margin(ratio: float) -> float:
 
 
 def check_key_feedback(u: torch.Tensor, kv_heads: int | None = None, head_dim: int | None = None) -> None:
-    """ValueError unless u is a usable error-feedback factor: (kv_heads, D, D) fp32, finite, upper
-    triangular with a positive diagonal (the expected sizes checked where given)."""
+    """ValueError unless u is a usable error-feedback factor R: (kv_heads, D, D) fp32, finite, upper
+    triangular with a unit diagonal (the expected sizes checked where given)."""
     if u.dim() != 3 or u.shape[1] != u.shape[2] or u.dtype != torch.float32:
         raise ValueError(f"key_feedback must be (kv_heads, D, D) fp32, got {tuple(u.shape)} {u.dtype}")
     if (kv_heads is not None and u.shape[0] != kv_heads) or (head_dim is not None and u.shape[1] != head_dim):
         raise ValueError(f"key_feedback is {tuple(u.shape)}, the model's keys need ({kv_heads}, {head_dim}, {head_dim})")
     if not torch.isfinite(u).all():
         raise ValueError("key_feedback holds NaN or inf")
-    if not torch.equal(u, u.triu()) or not (u.diagonal(dim1=1, dim2=2) > 0).all():
-        raise ValueError("key_feedback must be upper triangular with a positive diagonal")
+    if not torch.equal(u, u.triu()) or not (u.diagonal(dim1=1, dim2=2) == 1).all():
+        raise ValueError("key_feedback must be upper triangular with a unit diagonal")
 
 
 def quantize_kv4(
@@ -70,8 +71,8 @@ def quantize_kv4(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (..., D) -> codes (..., D) uint8, scale (...) fp16, zero (...) fp16.
 
-    feedback: U (..., D, D) fp32 upper triangular, broadcastable against x's leading dims (one per
-    KV head): round with error feedback (above) instead of to nearest."""
+    feedback: R (..., D, D) fp32 (above), broadcastable against x's leading dims (one per KV head):
+    round with error feedback instead of to nearest."""
     xf = x.float()
     lo, hi = xf.amin(dim=-1), xf.amax(dim=-1)
     if ratio != 1.0:
@@ -88,21 +89,21 @@ def quantize_kv4(
     return q.to(torch.uint8), scale, zero
 
 
-def _round_with_feedback(xf: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _round_with_feedback(xf: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """The error-feedback codes (module doc) of xf (..., D) fp32 on its grid (scale, zero (...))."""
     d = xf.shape[-1]
-    if u.shape[-2:] != (d, d):
-        raise ValueError(f"KV4 feedback must be (..., {d}, {d}), got {tuple(u.shape)}")
-    u = u.float()
+    if r.shape[-2:] != (d, d):
+        raise ValueError(f"KV4 feedback must be (..., {d}, {d}), got {tuple(r.shape)}")
+    r = r.float()
     w = xf.clone()
     codes = torch.empty_like(xf)
     for i in range(d):
         # Plain tensor ops, each rounded once, in the Triton write's order (module doc).
         q = torch.round((w[..., i] - zero) / scale).clamp_(0, KV4_LEVELS)
         codes[..., i] = q
-        err = (w[..., i] - (q * scale + zero)) / u[..., i, i]
+        err = w[..., i] - (q * scale + zero)
         if i + 1 < d:
-            w[..., i + 1 :] -= err[..., None] * u[..., i, i + 1 :]
+            w[..., i + 1 :] -= err[..., None] * r[..., i, i + 1 :]
     return codes.to(torch.uint8)
 
 

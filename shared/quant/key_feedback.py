@@ -5,8 +5,9 @@ that will read it. With H = E[q q^T] per KV head (the post-RoPE, SmoothAttention
 the head's group, over calibration tokens), the expected squared logit error of a key error e is
 e^T H e, and rounding the key's dims in order with each dim's error pushed onto the dims after it
 (GPTQ's rule, here for one vector at a time; shared/formats/kv4.py has the exact arithmetic)
-lowers it where round-to-nearest treats every dim alike. The cache write needs U, the upper
-Cholesky factor of (H + damping)^-1, per KV head: the artifact carries it.
+lowers it where round-to-nearest treats every dim alike. The cache write needs R, the upper
+Cholesky factor of (H + damping)^-1 with its rows divided by their diagonal, per KV head: the
+artifact carries it.
 
 Measured on the fixture (session 26, g128 QoQ artifact, whole eval file, evaluation-only patch
 with H from 32 calibration windows): 5.1139 -> 5.1042 (damping 0.1 of the mean diagonal; 0.01
@@ -38,14 +39,19 @@ def query_second_moment(config: LlamaConfig, q_scaled: torch.Tensor) -> torch.Te
 
 
 def feedback_factor(second_moment: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
-    """(kv_heads, D, D) query second moments H -> U (kv_heads, D, D) fp32, upper triangular, with
-    U^T U = (H + damping * mean(diag H) * I)^-1 (what shared.formats.kv4's feedback rounding takes)."""
+    """(kv_heads, D, D) query second moments H -> R (kv_heads, D, D) fp32: U with each row divided by
+    its diagonal entry, U upper triangular with U^T U = (H + damping * mean(diag H) * I)^-1 (what
+    shared.formats.kv4's feedback rounding takes; dividing here keeps a division out of the cache
+    write's per-dim loop)."""
     h = second_moment.double()
     d = h.shape[-1]
     diag_mean = h.diagonal(dim1=-2, dim2=-1).mean(dim=-1).clamp_min(1e-12)  # (kv_heads,)
     h = h + damping * diag_mean[:, None, None] * torch.eye(d, dtype=h.dtype, device=h.device)
     inverse = torch.cholesky_inverse(torch.linalg.cholesky(h))
-    return torch.linalg.cholesky(inverse, upper=True).float().triu()
+    u = torch.linalg.cholesky(inverse, upper=True)
+    r = (u / u.diagonal(dim1=-2, dim2=-1)[..., :, None]).float().triu()
+    r.diagonal(dim1=-2, dim2=-1).fill_(1.0)  # exactly 1 (the format's rule), whatever the division rounded to
+    return r
 
 
 def key_feedback_for_block(

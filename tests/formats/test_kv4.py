@@ -90,7 +90,7 @@ def test_key_feedback_lowers_the_logit_error_on_the_same_grid():
 
 
 def test_key_feedback_identity_factor_is_rounding_to_nearest():
-    """U = I pushes no error anywhere: the codes are the plain rule's."""
+    """R = I pushes no error anywhere: the codes are the plain rule's."""
     k = torch.randn(40, 3, 32, generator=torch.Generator().manual_seed(5))
     assert torch.equal(quantize_kv4(k, feedback=torch.eye(32).expand(3, 32, 32))[0], quantize_kv4(k)[0])
 
@@ -99,7 +99,7 @@ def test_key_feedback_identity_factor_is_rounding_to_nearest():
     (torch.ones(2, 8, 8), "upper triangular"),
     (torch.eye(8).expand(2, 8, 8).double(), "fp32"),
     (torch.eye(8)[None].repeat(2, 1, 1) * float("nan"), "NaN"),
-    (torch.eye(8).expand(2, 8, 8) * 0, "positive diagonal"),
+    (torch.eye(8).expand(2, 8, 8) * 2, "unit diagonal"),
 ])
 def test_bad_key_feedback_is_refused(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -19,15 +19,17 @@ from tests.conftest import write_random_llama
 from tests.quant.test_kv_range import _config
 
 
-def test_factor_inverts_the_damped_second_moment():
+def test_factor_is_the_inverse_cholesky_factor_over_its_diagonal():
+    """R = diag(U)^-1 U with U^T U = (H + damping)^-1: R^T diag(U)^2 R inverts the damped H."""
     g = torch.Generator().manual_seed(0)
     mix = torch.randn(2, 16, 16, generator=g)
     h = mix @ mix.transpose(1, 2)
-    u = feedback_factor(h, damping=0.1)
-    check_key_feedback(u, 2, 16)
+    r = feedback_factor(h, damping=0.1)
+    check_key_feedback(r, 2, 16)
     damped = h.double() + 0.1 * h.diagonal(dim1=1, dim2=2).mean(-1)[:, None, None] * torch.eye(16, dtype=torch.float64)
-    torch.testing.assert_close((u.double().transpose(1, 2) @ u.double()) @ damped,
-                               torch.eye(16, dtype=torch.float64).expand(2, 16, 16), atol=1e-4, rtol=0)
+    u = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)
+    scaled = u.diagonal(dim1=1, dim2=2)[..., :, None] * r.double()  # back to U
+    torch.testing.assert_close(scaled, u, atol=1e-5, rtol=1e-4)
 
 
 def test_second_moment_sums_each_kv_heads_query_group():

@@ -46,12 +46,12 @@ def _round_half_even(x):
 
 
 @triton.jit
-def _feedback_codes(lo, hi, scale, zero, u_ptrs, mask_h, HALF: tl.constexpr):
+def _feedback_codes(lo, hi, scale, zero, r_ptrs, mask_h, HALF: tl.constexpr):
     """The error-feedback codes of shared.formats.kv4 (its module doc): (H, HALF) halves lo, hi on
-    the grids scale, zero (H,); u_ptrs (H,) the first element of each head's U (D, D) fp32.
+    the grids scale, zero (H,); r_ptrs (H,) the first element of each head's R (D, D) fp32.
 
     Dim i is lo[:, i] for i < HALF, else hi[:, i - HALF]. Each step updates every dim, where the
-    reference updates those after i: U is upper triangular, so the others change by a product with
+    reference updates those after i: R is upper triangular, so the others change by a product with
     0, which leaves a value as it was (and dim i itself is not read again)."""
     D: tl.constexpr = 2 * HALF
     offs = tl.arange(0, HALF)[None, :]
@@ -65,23 +65,22 @@ def _feedback_codes(lo, hi, scale, zero, u_ptrs, mask_h, HALF: tl.constexpr):
         q = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(w - zero, scale)), 0.0), 15.0)
         q_lo = tl.where(sel_lo, q[:, None], q_lo)
         q_hi = tl.where(sel_hi, q[:, None], q_hi)
-        u_row = u_ptrs[:, None] + i * D + offs
-        u_ii = tl.load(u_ptrs + i * D + i, mask=mask_h, other=1.0)
-        err = tl.div_rn(w - (q * scale + zero), u_ii)[:, None]  # product then sum: the launch has no FMA
-        lo = lo - err * tl.load(u_row, mask=rows, other=0.0)
-        hi = hi - err * tl.load(u_row + HALF, mask=rows, other=0.0)
+        r_row = r_ptrs[:, None] + i * D + offs
+        err = (w - (q * scale + zero))[:, None]  # product then sum: the launch has no FMA
+        lo = lo - err * tl.load(r_row, mask=rows, other=0.0)
+        hi = hi - err * tl.load(r_row + HALF, mask=rows, other=0.0)
     return q_lo, q_hi
 
 
 @triton.jit
 def _store_kv4_rows(row_ptrs, mask_h, lo, hi, margin, HALF: tl.constexpr, SHRINK: tl.constexpr,
-                    u_ptrs=None, FEEDBACK: tl.constexpr = False):
+                    r_ptrs=None, FEEDBACK: tl.constexpr = False):
     """Quantize head vectors (halves lo, hi: (H, HALF) fp32 holding fp16 values) into the KV4 rows
     at row_ptrs (H,), those where mask_h (H,) holds.
 
     Bit-for-bit shared.formats.kv4.encode_rows: IEEE division, round half to even, fp16 scale/zero;
     SHRINK: the range ratio rule, [min, max] narrowed by margin = fp32((1 - ratio) / 2) of its width;
-    FEEDBACK: codes by error-feedback rounding with each head's U at u_ptrs (H,).
+    FEEDBACK: codes by error-feedback rounding with each head's R at r_ptrs (H,).
     """
     vmin = tl.minimum(tl.min(lo, axis=1), tl.min(hi, axis=1))  # (H,)
     vmax = tl.maximum(tl.max(lo, axis=1), tl.max(hi, axis=1))
@@ -91,7 +90,7 @@ def _store_kv4_rows(row_ptrs, mask_h, lo, hi, margin, HALF: tl.constexpr, SHRINK
     scale = tl.maximum(tl.div_rn(vmax - vmin, 15.0), 1e-5).to(tl.float16)
     zero = vmin.to(tl.float16)
     if FEEDBACK:
-        q_lo, q_hi = _feedback_codes(lo, hi, scale.to(tl.float32), zero.to(tl.float32), u_ptrs, mask_h, HALF)
+        q_lo, q_hi = _feedback_codes(lo, hi, scale.to(tl.float32), zero.to(tl.float32), r_ptrs, mask_h, HALF)
     else:
         scale_f, zero_f = scale.to(tl.float32)[:, None], zero.to(tl.float32)[:, None]
         q_lo = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(lo - zero_f, scale_f)), 0.0), 15.0)
