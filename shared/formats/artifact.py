@@ -168,36 +168,37 @@ class ArtifactReader:
         norms = {"attn_norm": t["attn_norm"], "mlp_norm": t["mlp_norm"]}
         return norms, {name: kind.from_tensors(name, t) for name in BLOCK_LINEARS}
 
-    def block_kv_range(self, i: int) -> tuple[float, float]:
-        """Block i's KV4 range ratios (K, V); artifacts written before they existed read as (1, 1)."""
+    def _optional_block_tensor(self, i: int, name: str, check) -> torch.Tensor | None:
+        """Block i's tensor `name` after check(tensor) (a ValueError becomes an ArtifactError), or
+        None where the file lacks it (artifacts written before it existed, or without the option)."""
         path = self.folder / block_file(i)
         if not path.is_file():
             raise ArtifactError(f"artifact {self.folder} lacks {block_file(i)}")
         with safe_open(str(path), framework="pt") as f:
-            if KV_RANGE not in f.keys():
-                return FULL_KV_RANGE
-            k, v = f.get_tensor(KV_RANGE).tolist()
+            if name not in f.keys():
+                return None
+            t = f.get_tensor(name)
         try:
-            range_margin(k), range_margin(v)  # the format's own check of a ratio
+            check(t)
         except ValueError as e:
             raise ArtifactError(f"artifact {self.folder}: {block_file(i)}: {e}") from None
-        return k, v
+        return t
+
+    def block_kv_range(self, i: int) -> tuple[float, float]:
+        """Block i's KV4 range ratios (K, V); artifacts written before they existed read as (1, 1)."""
+        def check(t):
+            if t.shape != (2,):
+                raise ValueError(f"{KV_RANGE} must hold the K and V ratios, got shape {tuple(t.shape)}")
+            for ratio in t.tolist():
+                range_margin(ratio)  # the format's own check of a ratio
+
+        t = self._optional_block_tensor(i, KV_RANGE, check)
+        return FULL_KV_RANGE if t is None else tuple(t.tolist())
 
     def block_key_feedback(self, i: int, kv_heads: int | None = None, head_dim: int | None = None) -> torch.Tensor | None:
         """Block i's key error-feedback factor R (kv_heads, D, D) fp32, or None (keys rounded to
         nearest); kv_heads / head_dim: the model's, checked where given."""
-        path = self.folder / block_file(i)
-        if not path.is_file():
-            raise ArtifactError(f"artifact {self.folder} lacks {block_file(i)}")
-        with safe_open(str(path), framework="pt") as f:
-            if KEY_FEEDBACK not in f.keys():
-                return None
-            u = f.get_tensor(KEY_FEEDBACK)
-        try:
-            check_key_feedback(u, kv_heads, head_dim)
-        except ValueError as e:
-            raise ArtifactError(f"artifact {self.folder}: {block_file(i)}: {e}") from None
-        return u
+        return self._optional_block_tensor(i, KEY_FEEDBACK, lambda t: check_key_feedback(t, kv_heads, head_dim))
 
     @property
     def tokenizer_dir(self) -> Path:
