@@ -2,17 +2,19 @@
 
 A key's KV4 error matters through the logits it feeds, q . (k - k'), summed over the queries
 that will read it. With H = E[q q^T] per KV head (the post-RoPE, SmoothAttention-scaled queries of
-the head's group, over calibration tokens), the expected squared logit error of a key error e is
+the head's group, over every calibration token), the expected squared logit error of a key error e is
 e^T H e, and rounding the key's dims in order with each dim's error pushed onto the dims after it
 (GPTQ's rule, here for one vector at a time; shared/formats/kv4.py has the exact arithmetic)
 lowers it where round-to-nearest treats every dim alike. The cache write needs R, the upper
 Cholesky factor of (H + damping)^-1 with its rows divided by their diagonal, per KV head: the
 artifact carries it.
 
-Measured on the fixture (session 26, g128 QoQ artifact, whole eval file, evaluation-only patch
-with H from 32 calibration windows): 5.1139 -> 5.1042 (damping 0.1 of the mean diagonal; 0.01
-5.1046); the dims in order of H's diagonal instead 5.1049; the same for V against o_proj's
-per-head Gram 5.1028 with both (within noise of keys alone), so values keep nearest rounding.
+Measured on the fixture (session 26, whole eval file, AMD EPYC host): first as an evaluation-only
+patch on a g128 QoQ artifact, H from 32 calibration windows of the quantized model: 5.1139 ->
+5.1042 (damping 0.1 of the mean diagonal; 0.01: 5.1046); the dims in H's diagonal order instead
+5.1049; V rounded the same way against o_proj's per-head Gram as well 5.1028 (within noise of keys
+alone, so values keep nearest rounding). In the quantizer, H from the 2048 search tokens gave
+5.1051, from every calibration token 5.1044 (bench/results/accuracy_key_feedback.json has the rows).
 """
 
 from __future__ import annotations
@@ -54,13 +56,18 @@ def feedback_factor(second_moment: torch.Tensor, damping: float = DAMPING) -> to
     return r
 
 
-def key_feedback_for_block(
-    config: LlamaConfig, q_sub: torch.Tensor, positions: torch.Tensor, lam: torch.Tensor | None,
-    cos: torch.Tensor, sin: torch.Tensor, damping: float = DAMPING,
-) -> torch.Tensor:
-    """The block's U from its captured pre-RoPE queries q_sub (S, heads, D) at positions (S,), scaled
-    by SmoothAttention's lambda (kv_heads, D) when the block applies it."""
-    q = rope_at(q_sub.float(), positions, cos, sin)
+def query_moment_of(config: LlamaConfig, q_rope: torch.Tensor) -> torch.Tensor:
+    """q_rope (B, heads, T, D) post-RoPE queries, as the attention capture holds them -> their
+    (kv_heads, D, D) second moment (fp64), as query_second_moment."""
+    b, _, t, d = q_rope.shape
+    q = q_rope.double().view(b, config.num_kv_heads, config.group_size, t, d)
+    return torch.einsum("bgjtd,bgjte->gde", q, q)
+
+
+def key_feedback_for_block(query_moment: torch.Tensor, lam: torch.Tensor | None, damping: float = DAMPING) -> torch.Tensor:
+    """The block's R from its queries' second moment (kv_heads, D, D) over every calibration token
+    (post-RoPE, before SmoothAttention), scaled by SmoothAttention's lambda (kv_heads, D) when the
+    block applies it: the queries that meet the cached keys are q * lambda."""
     if lam is not None:
-        q = q * lam.repeat_interleave(config.group_size, dim=0)
-    return feedback_factor(query_second_moment(config, q), damping)
+        query_moment = query_moment * (lam[:, :, None] * lam[:, None, :]).to(query_moment.dtype)
+    return feedback_factor(query_moment, damping)

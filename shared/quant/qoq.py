@@ -24,7 +24,8 @@ from shared.quant.gptq import gptq_quantize
 from shared.quant.clipping import candidate_ratios, search_clip_ratios
 from shared.quant.options import QoQOptions
 from shared.quant.reorder import apply_down_reorder, salience_order
-from shared.quant.key_feedback import key_feedback_for_block
+from shared.model.rope import apply_rope
+from shared.quant.key_feedback import key_feedback_for_block, query_moment_of
 from shared.quant.kv_range import search_value_ratio, value_channel_weights
 from shared.quant.smooth_attention import apply_smooth_attention, search_smooth_attention, smooth_attention_scales
 from shared.quant.smoothing import apply_down_smoothing, apply_o_smoothing, search_scales, tie_over_query_groups
@@ -48,6 +49,9 @@ class Captured:
     # Per linear: sum of x^T x over every calibration token (K, K). Empty when input-error
     # compensation is on: it builds each linear's Hessian from the quantized block's inputs instead.
     hessians: dict[str, torch.Tensor]
+    # (kv_heads, D, D): sum of q q^T over every calibration token and each KV head's query heads,
+    # post-RoPE, before SmoothAttention (shared.quant.key_feedback); None unless asked for.
+    query_moment: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -59,15 +63,17 @@ class QuantizedBlock:
 
 
 def capture(
-    config: LlamaConfig, work: WorkBlock, x: torch.Tensor, cos, sin, token_idx: torch.Tensor, with_hessians: bool = True
+    config: LlamaConfig, work: WorkBlock, x: torch.Tensor, cos, sin, token_idx: torch.Tensor, with_hessians: bool = True,
+    with_query_moment: bool = False,
 ) -> tuple[Captured, torch.Tensor]:
     """Runs the fp block over x (N, T, H); returns captures and the block output (N, T, H).
-    with_hessians False skips the fp Hessians (a tenth of quantizing, unused under compensation)."""
+    with_hessians False skips the fp Hessians (a tenth of quantizing, unused under compensation);
+    with_query_moment adds the queries' second moment (key feedback)."""
     block = work.as_fp_block()
     outs, subs = [], {"o_in": [], "down_in": []}
     inputs = dict(zip(("qkv_in", "o_in", "gate_up_in", "down_in"), BLOCK_LINEARS))  # capture key -> linear
     hessians: dict[str, torch.Tensor] = {}
-    k_absmax = q_absmax = None
+    k_absmax = q_absmax = query_moment = None
     q_sub, k_sub, v_sub = [], [], []
     t = x.shape[1]
     for start in range(0, x.shape[0], FORWARD_BATCH):
@@ -78,6 +84,9 @@ def capture(
         qmax = cap["q_pre_rope"].abs().amax(dim=(0, 2))
         k_absmax = kmax if k_absmax is None else torch.maximum(k_absmax, kmax)
         q_absmax = qmax if q_absmax is None else torch.maximum(q_absmax, qmax)
+        if with_query_moment:
+            moment = query_moment_of(config, apply_rope(cap["q_pre_rope"], cos, sin))
+            query_moment = moment if query_moment is None else query_moment + moment
         # Keep only the subsampled tokens that fall in this batch.
         lo, hi = start * t, (start + xb.shape[0]) * t
         local = token_idx[(token_idx >= lo) & (token_idx < hi)] - lo
@@ -95,6 +104,7 @@ def capture(
     captured = Captured(
         **{k: torch.cat(v) for k, v in subs.items()}, k_absmax=k_absmax, q_absmax=q_absmax,
         q_sub=torch.cat(q_sub), k_sub=torch.cat(k_sub), v_sub=torch.cat(v_sub), positions=token_idx % t, hessians=hessians,
+        query_moment=query_moment,
     )
     return captured, torch.cat(outs)
 
@@ -125,7 +135,9 @@ def quantize_block(
     norms = {"attn_norm": work.attn_norm, "mlp_norm": work.mlp_norm}
     if x is None:
         return QuantizedBlock(norms, {n: quantize(getattr(work, n)) for n in BLOCK_LINEARS}), None
-    cap, out = capture(config, work, x, cos, sin, token_idx, with_hessians=not options.compensate_inputs)
+    with_feedback = options.key_feedback and spec.kv_bits == 4
+    cap, out = capture(config, work, x, cos, sin, token_idx, with_hessians=not options.compensate_inputs,
+                       with_query_moment=with_feedback)
 
     lam = None
     if options.smooth_attention and spec.kv_bits == 4:
@@ -149,9 +161,7 @@ def quantize_block(
     kv_range = FULL_KV_RANGE  # K keeps its full range: see shared/quant/kv_range.py
     if options.kv_range_search and spec.kv_bits == 4:
         kv_range = (1.0, search_value_ratio(cap.v_sub, value_channel_weights(config, work.o)))
-    key_feedback = None
-    if options.key_feedback and spec.kv_bits == 4:
-        key_feedback = key_feedback_for_block(config, cap.q_sub, cap.positions, lam, cos, sin)
+    key_feedback = key_feedback_for_block(cap.query_moment, lam) if with_feedback else None
     if options.reorder and spec.needs_groups and kind != "w4chn":
         perm = salience_order(cap.down_in)
         apply_down_reorder(work, perm)

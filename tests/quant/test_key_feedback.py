@@ -12,7 +12,7 @@ from shared.formats.artifact import ArtifactError, ArtifactReader, block_file
 from shared.formats.kv4 import check_key_feedback
 from shared.model.load import artifact_model
 from shared.model.perplexity import perplexity
-from shared.quant.key_feedback import feedback_factor, query_second_moment
+from shared.quant.key_feedback import feedback_factor, query_moment_of, query_second_moment
 from shared.quant.options import QoQOptions
 from shared.quant.quantize_model import QuantizeSettings, quantize_checkpoint
 from tests.conftest import write_random_llama
@@ -37,6 +37,9 @@ def test_second_moment_sums_each_kv_heads_query_group():
     q = torch.randn(5, 4, 8, generator=torch.Generator().manual_seed(1))
     m = query_second_moment(config, q)
     torch.testing.assert_close(m[1], q[:, 2].t() @ q[:, 2] + q[:, 3].t() @ q[:, 3])
+    # The capture's layout (B, heads, T, D): the same sums.
+    batched = query_moment_of(config, q.view(1, 5, 4, 8).transpose(1, 2))
+    torch.testing.assert_close(batched, m.double(), rtol=1e-5, atol=1e-5)
 
 
 def test_quantizer_writes_factors_only_when_asked_and_the_model_reads_them(tmp_path, calib_text):
