@@ -53,13 +53,17 @@ def range_margin(ratio: float) -> float:
     return torch.tensor((1.0 - ratio) / 2.0, dtype=torch.float32).item()
 
 
-def check_key_feedback(u: torch.Tensor, kv_heads: int | None = None, head_dim: int | None = None) -> None:
+def check_key_feedback(u: torch.Tensor, kv_heads: int | None = None, head_dim: int | None = None,
+                       values: bool = True) -> None:
     """ValueError unless u is a usable error-feedback factor R: (kv_heads, D, D) fp32, finite, upper
-    triangular with a unit diagonal (the expected sizes checked where given)."""
+    triangular with a unit diagonal (the expected sizes checked where given). values False checks
+    the shape and dtype only: no read of the data (no device sync in a cache write's launch)."""
     if u.dim() != 3 or u.shape[1] != u.shape[2] or u.dtype != torch.float32:
         raise ValueError(f"key_feedback must be (kv_heads, D, D) fp32, got {tuple(u.shape)} {u.dtype}")
     if (kv_heads is not None and u.shape[0] != kv_heads) or (head_dim is not None and u.shape[1] != head_dim):
         raise ValueError(f"key_feedback is {tuple(u.shape)}, the model's keys need ({kv_heads}, {head_dim}, {head_dim})")
+    if not values:
+        return
     if not torch.isfinite(u).all():
         raise ValueError("key_feedback holds NaN or inf")
     if not torch.equal(u, u.triu()) or not (u.diagonal(dim1=1, dim2=2) == 1).all():

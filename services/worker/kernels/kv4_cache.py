@@ -220,7 +220,9 @@ def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, q
     t, kv_heads, group = _check_inputs(key, value, positions, slot_mapping, rope_cache, query)
     d = key.shape[2]
     if key_feedback is not None:
-        check_key_feedback(key_feedback, kv_heads, d)
+        # Shape only: the values were checked where the artifact was read (a check here would sync
+        # the device on every write, and a CUDA graph being captured cannot).
+        check_key_feedback(key_feedback, kv_heads, d, values=False)
         if key_feedback.device != key.device or not key_feedback.is_contiguous():
             raise ValueError("key_feedback must be contiguous and on the key's device")
     row = page_row_bytes(d) if quantize else d
