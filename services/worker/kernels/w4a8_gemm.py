@@ -306,9 +306,10 @@ def _w4a8_channel_kernel(
     x_sum = tl.zeros((BLOCK_M,), dtype=tl.int32)
     for g in range(g_start, g_end, GROUPS_PER_STEP):
         for gi in tl.static_range(GROUPS_PER_STEP):
+            live = g + gi + tl.zeros((1, 1), tl.int32) < g_end  # a tensor: the interpreter takes no scalar mask
             acc, acc_f, x_sum = _channel_group(
-                w_ptrs + gi * HALF_K * stride_qk, x_ptrs + gi * 2 * HALF_K * stride_xk, stride_xk,
-                g + gi + tl.zeros((1, 1), tl.int32) < g_end, acc, acc_f, x_sum, HAS_ROWSUM, DOT_FP16, FAST_UNPACK, GROUPS_PER_STEP > 1)
+                w_ptrs + gi * HALF_K * stride_qk, x_ptrs + gi * 2 * HALF_K * stride_xk, stride_xk, live,
+                acc, acc_f, x_sum, HAS_ROWSUM, DOT_FP16, FAST_UNPACK, MASKED=GROUPS_PER_STEP > 1)
         w_ptrs += GROUPS_PER_STEP * HALF_K * stride_qk
         x_ptrs += GROUPS_PER_STEP * 2 * HALF_K * stride_xk
     _overlap_release(PDL)
@@ -575,7 +576,9 @@ def _launch_grid(variant: GemmVariant, M: int, N: int, K: int, split_k: int | No
     split = triton.cdiv(groups, per_split)  # no empty slices
     ws = WORKSPACE.get(device, split * M * N if split > 1 else 1)
     if variant.x_shared:
-        return (M, triton.cdiv(N, variant.block_n), split), per_split, split, ws
+        row_blocks = triton.cdiv(N, variant.block_n)
+        assert row_blocks <= 65535, f"N={N}: {row_blocks} row blocks exceed the grid's second axis (65535)"
+        return (M, row_blocks, split), per_split, split, ws
     tiles = triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n)
     return (tiles, split), per_split, split, ws
 
