@@ -195,10 +195,12 @@ class ArtifactReader:
         t = self._optional_block_tensor(i, KV_RANGE, check)
         return FULL_KV_RANGE if t is None else tuple(t.tolist())
 
-    def block_key_feedback(self, i: int, kv_heads: int | None = None, head_dim: int | None = None) -> torch.Tensor | None:
-        """Block i's key error-feedback factor R (kv_heads, D, D) fp32, or None (keys rounded to
-        nearest); kv_heads / head_dim: the model's, checked where given."""
-        return self._optional_block_tensor(i, KEY_FEEDBACK, lambda t: check_key_feedback(t, kv_heads, head_dim))
+    def block_key_feedback(self, i: int) -> torch.Tensor | None:
+        """Block i's key error-feedback factor R (kv_heads, D, D) fp32, checked against the model's
+        KV heads and head size, or None (keys rounded to nearest)."""
+        config = self.manifest.model_config
+        return self._optional_block_tensor(
+            i, KEY_FEEDBACK, lambda t: check_key_feedback(t, config["num_kv_heads"], config["head_dim"]))
 
     @property
     def tokenizer_dir(self) -> Path:

@@ -57,7 +57,7 @@ def artifact_model(
                 gate_up=lin["gate_up"],
                 down=lin["down"],
                 kv_range=reader.block_kv_range(i),
-                key_feedback=_on(reader.block_key_feedback(i, config.num_kv_heads, config.head_dim), device),
+                key_feedback=_on(reader.block_key_feedback(i), device),
             )
         )
     final_norm, lm_head = reader.head()

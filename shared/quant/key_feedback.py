@@ -59,9 +59,8 @@ def feedback_factor(second_moment: torch.Tensor, damping: float = DAMPING) -> to
 def query_moment_of(config: LlamaConfig, q_rope: torch.Tensor) -> torch.Tensor:
     """q_rope (B, heads, T, D) post-RoPE queries, as the attention capture holds them -> their
     (kv_heads, D, D) second moment (fp64), as query_second_moment."""
-    b, _, t, d = q_rope.shape
-    q = q_rope.double().view(b, config.num_kv_heads, config.group_size, t, d)
-    return torch.einsum("bgjtd,bgjte->gde", q, q)
+    heads, d = q_rope.shape[1], q_rope.shape[3]
+    return query_second_moment(config, q_rope.double().transpose(1, 2).reshape(-1, heads, d))
 
 
 def key_feedback_for_block(query_moment: torch.Tensor, lam: torch.Tensor | None, damping: float = DAMPING) -> torch.Tensor:

@@ -49,7 +49,7 @@ def test_quantizer_writes_factors_only_when_asked_and_the_model_reads_them(tmp_p
     quantize_checkpoint(QuantizeSettings(model, out, "w4a8kv4-g128", options=options, calib_path=calib_text,
                                          calib_samples=4, calib_seq_len=128))
     reader = ArtifactReader(out)
-    factors = [reader.block_key_feedback(i, 2, 64) for i in range(2)]
+    factors = [reader.block_key_feedback(i) for i in range(2)]
     assert all(u is not None and u.shape == (2, 64, 64) for u in factors)
     net = artifact_model(reader)
     assert all(torch.equal(b.key_feedback, u) for b, u in zip(net.blocks, factors))
@@ -81,5 +81,8 @@ def test_a_corrupt_factor_is_an_artifact_error(tmp_path, calib_text):
     reader = ArtifactReader(out, verify=False)
     with pytest.raises(ArtifactError, match="upper triangular"):
         reader.block_key_feedback(0)
-    with pytest.raises(ArtifactError, match="key_feedback"):
-        ArtifactReader(out, verify=False).block_key_feedback(0, kv_heads=2, head_dim=64)
+    # A well-formed factor for another model: checked against the manifest's KV heads.
+    tensors["key_feedback"] = torch.eye(64).expand(2, 64, 64).contiguous()
+    save_file(tensors, str(path))
+    with pytest.raises(ArtifactError, match=r"the model's keys need \(1, 64, 64\)"):
+        ArtifactReader(out, verify=False).block_key_feedback(0)

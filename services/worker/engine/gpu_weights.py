@@ -59,12 +59,6 @@ def _to_device(packed: PackedWeight, device: torch.device):
     return type(packed)(**{f.name: getattr(packed, f.name).to(device).contiguous() for f in fields(packed)})
 
 
-def _feedback_on(reader, i: int, device: torch.device) -> torch.Tensor | None:
-    cfg = reader.manifest.model_config
-    u = reader.block_key_feedback(i, cfg["num_kv_heads"], cfg["head_dim"])
-    return None if u is None else u.to(device)
-
-
 def load_weights(reader, device: torch.device) -> ModelWeights:
     kind = reader.spec.weight_kind
     if kind not in SUPPORTED_KINDS:
@@ -75,13 +69,14 @@ def load_weights(reader, device: torch.device) -> ModelWeights:
     num_layers = reader.manifest.model_config["num_layers"]
     for i in range(num_layers):
         norms, linears = reader.block(i)
+        key_feedback = reader.block_key_feedback(i)
         layers.append(
             LayerWeights(
                 attn_norm=norms["attn_norm"].to(device=device, dtype=torch.float32),
                 mlp_norm=norms["mlp_norm"].to(device=device, dtype=torch.float32),
                 **{name: _to_device(linears[name], device) for name in BLOCK_LINEARS},
                 kv_range=reader.block_kv_range(i),
-                key_feedback=_feedback_on(reader, i, device),
+                key_feedback=None if key_feedback is None else key_feedback.to(device),
             )
         )
     final_norm, lm_head = reader.head()
