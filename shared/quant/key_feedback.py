@@ -26,13 +26,6 @@ from shared.model.config import LlamaConfig
 DAMPING = 0.1  # of the mean diagonal of H, added to it before the inverse
 
 
-def rope_at(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (S, heads, D) pre-RoPE vectors rotated to their own positions (S,) (HF rotate_half)."""
-    c, s = cos[positions][:, None], sin[positions][:, None]
-    half = x.shape[-1] // 2
-    return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
-
-
 def query_second_moment(config: LlamaConfig, q_scaled: torch.Tensor) -> torch.Tensor:
     """q_scaled (S, heads, D) post-RoPE, SmoothAttention-scaled queries -> (kv_heads, D, D): the sum
     of q q^T over the tokens and the query heads of each KV head's group."""

@@ -14,7 +14,7 @@ from shared.formats.kv4 import fake_quantize_kv4
 
 from shared.model.config import LlamaConfig
 from shared.quant.block import WorkBlock
-from shared.quant.key_feedback import query_second_moment, rope_at
+from shared.quant.key_feedback import query_second_moment
 
 
 def smooth_attention_scales(config: LlamaConfig, k_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -32,6 +32,13 @@ def apply_smooth_attention(config: LlamaConfig, block: WorkBlock, lam: torch.Ten
     per_q_head = lam.repeat_interleave(config.group_size, dim=0)  # (heads, D)
     block.qkv[q_rows] *= per_q_head.reshape(-1, 1)
     block.qkv[k_rows] /= lam.reshape(-1, 1)
+
+
+def rope_at(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (S, heads, D) pre-RoPE vectors rotated to their own positions (S,) (HF rotate_half)."""
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    half = x.shape[-1] // 2
+    return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
 
 
 K_EXPONENTS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
