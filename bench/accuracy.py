@@ -15,6 +15,8 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -51,6 +53,9 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--rows", default="", help="only these rows (comma list of names as printed; default all); "
                    "a check is written where its rows are there")
+    p.add_argument("--seeds", default="0", help="QoQ seeds (rotations and search-token sample), comma list: every "
+                   "row with calibration runs once per seed, and the checks read the mean over seeds (RTN rows use "
+                   "no seed and run once); default the product's seed 0 alone")
     a = p.parse_args()
 
     windows = windows_of(Tokenizer(a.model).encode(a.eval.read_text()), a.seq_len)
@@ -62,21 +67,30 @@ def main() -> None:
         # above quantize_cpu_seconds / torch_threads, other load on the host stretched the wall clock.
         rows.append({"name": name, "format": fmt, "options": options.to_dict() if options else None,
                      "ppl": ppl, "quantize_seconds": quant_s, "quantize_cpu_seconds": cpu_s})
-        print(f"{name:<34} {fmt:<14} ppl {ppl:.4f}" + (f"  (quantized in {quant_s:.0f} s)" if quant_s else ""), flush=True)
+        seed = f"seed {options.seed}" if options else ""
+        print(f"{name:<34} {seed:<8} {fmt:<14} ppl {ppl:.4f}" + (f"  (quantized in {quant_s:.0f} s)" if quant_s else ""),
+              flush=True)
 
     wanted = {n.strip() for n in a.rows.split(",") if n.strip()}
+    seeds = [int(v) for v in a.seeds.split(",") if v.strip()]
+    if not seeds or len(set(seeds)) != len(seeds):
+        p.error(f"--seeds must be distinct integers, got {a.seeds!r}")
     record("fp16", "fp16", None, perplexity(fp_model(HfCheckpoint(a.model)).forward, windows).ppl, None)
     with tempfile.TemporaryDirectory() as tmp:
-        def run(name: str, fmt: str, options: QoQOptions) -> float | None:
+        def run(name: str, fmt: str, options: QoQOptions) -> None:
             if wanted and name not in wanted:
-                return None
-            out = Path(tmp) / name
-            start, cpu_start = time.time(), time.process_time()
-            quantize_checkpoint(QuantizeSettings(a.model, out, fmt, gpu_target="cpu", options=options, calib_path=a.calib))
-            seconds, cpu_seconds = time.time() - start, time.process_time() - cpu_start
-            ppl = perplexity(artifact_model(ArtifactReader(out)).forward, windows).ppl
-            record(name, fmt, options, ppl, seconds, cpu_seconds)
-            return ppl
+                return
+            # A seed changes nothing where no step uses calibration data or a rotation (RTN).
+            row_seeds = seeds if dataclasses.replace(options, seed=0) != RTN else [0]
+            for seed in row_seeds:
+                seeded = dataclasses.replace(options, seed=seed)
+                out = Path(tmp) / f"{name} seed {seed}"
+                start, cpu_start = time.time(), time.process_time()
+                quantize_checkpoint(QuantizeSettings(a.model, out, fmt, gpu_target="cpu", options=seeded, calib_path=a.calib))
+                seconds, cpu_seconds = time.time() - start, time.process_time() - cpu_start
+                ppl = perplexity(artifact_model(ArtifactReader(out)).forward, windows).ppl
+                record(name, fmt, seeded, ppl, seconds, cpu_seconds)
+                shutil.rmtree(out)  # a row's artifact is not read again; a 7B-sized one would fill the disk
 
         run("w8a8 rtn", "w8a8", RTN)
         run("w4a16-g128 rtn", "w4a16-g128", RTN)
@@ -93,7 +107,7 @@ def main() -> None:
         for step in EXTRA_STEPS:
             run(f"w4a8kv4-g128 qoq +{step}", "w4a8kv4-g128", dataclasses.replace(QoQOptions(), **{step: True}))
 
-    ppl = {r["name"]: r["ppl"] for r in rows}
+    ppl = {name: statistics.fmean(r["ppl"] for r in rows if r["name"] == name) for name in dict.fromkeys(r["name"] for r in rows)}
     fp = ppl["fp16"]
 
     def closed(fmt: str, qoq: str = "qoq") -> float:
@@ -127,6 +141,7 @@ def main() -> None:
                     "device": "cpu"},
         "model": str(a.model.name), "eval_data": a.eval.name, "calibration_data": a.calib.name,
         "seq_len": a.seq_len, "windows": windows.shape[0], "tokens": windows.numel(),
+        "seeds": seeds,  # checks and ratios read each row's mean over these (the rows list every run)
         "rows": rows,
         "ratios": {name: value / fp for name, value in ppl.items()},
         "checks": [{"name": n, "value": v, "target": t, "op": op, "met": v <= t if op == "<=" else v >= t}
