@@ -19,7 +19,8 @@ class QoQOptions:
     kv_range_search: bool = True
     # KV4 keys rounded with error feedback against the layer's query statistics (beyond QServe; see
     # shared/quant/key_feedback.py). Off by default: the cache write then runs a D-step dependent
-    # loop per key, whose cost on the decode step is not measured yet (fixture: g128 5.1139 -> 5.1042).
+    # loop per key, whose cost on the decode step is not measured yet (fixture, mean of seeds 0-2:
+    # g128 5.1105 -> 5.1022, chn 5.1313 -> 5.1229; bench/results/accuracy_seeds.json).
     key_feedback: bool = False
     smoothing: bool = True  # per-channel smoothing of o_proj and down_proj inputs, alpha searched
     reorder: bool = True  # activation-aware channel reordering of down_proj inputs (group formats)
