@@ -52,7 +52,12 @@ def _feedback_codes(lo, hi, scale, zero, r_ptrs, mask_h, HALF: tl.constexpr):
 
     Dim i is lo[:, i] for i < HALF, else hi[:, i - HALF]. Each step updates every dim, where the
     reference updates those after i: R is upper triangular, so the others change by a product with
-    0, which leaves a value as it was (and dim i itself is not read again)."""
+    0, which leaves a value as it was (and dim i itself is not read again).
+
+    Cost, not yet timed on a GPU: D dependent steps per key, and each program reads its heads' whole
+    R (D * D fp32, 64 KiB at D = 128) for its one token, so a 1024-token prefill of 32 KV heads reads
+    2 GiB of R per layer through L1/L2. If that shows, the cure is a program per (KV head, token
+    tile) that reads each row of R once per tile."""
     D: tl.constexpr = 2 * HALF
     offs = tl.arange(0, HALF)[None, :]
     rows = mask_h[:, None]
