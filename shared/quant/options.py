@@ -19,8 +19,9 @@ class QoQOptions:
     kv_range_search: bool = True
     # KV4 keys rounded with error feedback against the layer's query statistics (beyond QServe; see
     # shared/quant/key_feedback.py). Off by default: the cache write then runs a D-step dependent
-    # loop per key, whose cost on the decode step is not measured yet (fixture, mean of seeds 0-2:
-    # g128 5.1105 -> 5.1022, chn 5.1313 -> 5.1229; bench/results/accuracy_seeds.json).
+    # loop per key, measured on an H200 at 2.9x / 9.4x the plain write for 1024 / 4096-token prefill
+    # chunks (bench/results/h200/kv_write_feedback.json). Fixture, mean of seeds 0-2: g128 5.1105 ->
+    # 5.1022, chn 5.1313 -> 5.1229 (bench/results/accuracy_seeds.json).
     key_feedback: bool = False
     smoothing: bool = True  # per-channel smoothing of o_proj and down_proj inputs, alpha searched
     reorder: bool = True  # activation-aware channel reordering of down_proj inputs (group formats)
