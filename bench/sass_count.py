@@ -151,8 +151,9 @@ def gemm(a):
     if v.gemv:
         raise SystemExit(f"{v.name} is a dp4a variant: use the gemv subcommand")
     common = dict(BLOCK_M=v.block_m, BLOCK_N=v.block_n, GROUP_M=v.group_m, DOT_FP16=v.dot_fp16, USE_SPLIT=v.split_k,
-                  FAST_UNPACK=True, PDL=0, stride_xk=1, stride_qk=1, stride_on=1)
-    pointers = {"x_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*u8", "out_ptr": "*fp16", "ws_ptr": "*i32"}
+                  FAST_UNPACK=True, FUSED_SPLIT=v.fused_split, PDL=0, stride_xk=1, stride_qk=1, stride_on=1)
+    pointers = {"x_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*u8", "out_ptr": "*fp16", "ws_ptr": "*i32",
+                "count_ptr": "*i32"}
     if v.kind == wg.G128:
         pointers |= {"s2_ptr": "*u8", "zero_ptr": "*u8", "s1_ptr": "*fp16", "group_sums_ptr": "*i32"}
         consts = common | dict(ZERO_AFTER_DOT=v.zero_after_dot, SWAR=v.swar, stride_sg=1,
@@ -160,7 +161,7 @@ def gemm(a):
         kernel = wg._w4a8_g128_kernel
     else:
         pointers |= {"rowsum_ptr": "*i32", "scale_ptr": "*fp16", "zero_ptr": "*fp16"}
-        consts = common | dict(HAS_ROWSUM=True, GROUPS_PER_STEP=v.groups_per_step)
+        consts = common | dict(HAS_ROWSUM=True)
         kernel = wg._w4a8_channel_kernel
     return compile_sass(kernel, pointers, consts, num_warps=v.num_warps, num_stages=v.num_stages, maxnreg=v.maxnreg), None
 

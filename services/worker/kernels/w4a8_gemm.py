@@ -34,7 +34,7 @@ next byte) and a carry-free bytewise subtraction of z * s2.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -72,6 +72,36 @@ def _store_partial(acc, ws_ptr, offs_n, offs_m, M, N):
     """This K slice's int32 tile -> ws[pid_k] of a (SPLIT, M, N) workspace."""
     ws_ptrs = ws_ptr + tl.program_id(1) * M * N + offs_m[None, :] * N + offs_n[:, None]  # (BLOCK_N, BLOCK_M)
     tl.store(ws_ptrs, acc, mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
+
+
+@triton.jit
+def _last_to_arrive(count_ptr):
+    """Count this program's K slice as done for its output tile; True in the tile's last slice.
+
+    The pattern of a semaphore: a CTA barrier orders every thread's partial stores before the one
+    release (acq_rel, GPU scope) on the tile's counter, and the last program's acquire makes all the
+    other slices' stores visible to it. The last program resets the counter for the next launch.
+    """
+    tile = tl.program_id(0)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == tl.num_programs(1) - 1
+    if last:
+        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def _sum_other_partials(acc, ws_ptr, offs_n, offs_m, M, N):
+    """acc (this slice's tile, in registers) + every other slice's partial from the workspace,
+    read through L2 (.cg: another SM wrote them, and L1 is not coherent)."""
+    pid_k = tl.program_id(1)
+    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    ws_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
+    for s in range(tl.num_programs(1)):
+        if s != pid_k:
+            acc += tl.load(ws_ptrs + s * M * N, mask=mask, other=0, cache_modifier=".cg")
+    return acc
 
 
 @triton.jit
@@ -140,7 +170,7 @@ def _dequant_swar(packed, s2, zs):
 @triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT"])
 def _w4a8_g128_kernel(
     # pointers
-    x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_ptr, group_sums_ptr,
+    x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_ptr, count_ptr, group_sums_ptr,
     # sizes
     M, N, K, GROUPS_PER_SPLIT,
     # strides
@@ -148,7 +178,7 @@ def _w4a8_g128_kernel(
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     ZERO_AFTER_DOT: tl.constexpr, DOT_FP16: tl.constexpr, SWAR: tl.constexpr, USE_SPLIT: tl.constexpr,
-    FAST_UNPACK: tl.constexpr, HAS_GROUP_SUMS: tl.constexpr = False,
+    FAST_UNPACK: tl.constexpr, HAS_GROUP_SUMS: tl.constexpr = False, FUSED_SPLIT: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
     """acc (BLOCK_N, BLOCK_M) int32 = sum over groups of ((q - z) * s2) @ x8^T; fp16 out.
@@ -232,44 +262,29 @@ def _w4a8_g128_kernel(
         acc = tl.trans(acc_f).to(tl.int32)  # integer-valued: fp32 holds these sums exactly below 2^24
     if USE_SPLIT:
         _store_partial(acc, ws_ptr, offs_n, offs_m, M, N)
+        if FUSED_SPLIT:
+            last = _last_to_arrive(count_ptr)
+            if last:
+                acc = _sum_other_partials(acc, ws_ptr, offs_n, offs_m, M, N)
+                _g128_epilogue(acc, sx_ptr, s1_ptr, out_ptr, offs_n, offs_m, rn, rm, M, N, stride_om, stride_on)
     else:
-        sx = tl.load(sx_ptr + rm)  # (BM,) fp32
-        s1 = tl.load(s1_ptr + rn).to(tl.float32)  # (BN,)
-        y = acc.to(tl.float32) * sx[None, :] * s1[:, None]
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
-        tl.store(out_ptrs, y.to(tl.float16), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
+        _g128_epilogue(acc, sx_ptr, s1_ptr, out_ptr, offs_n, offs_m, rn, rm, M, N, stride_om, stride_on)
 
 
 @triton.jit
-def _channel_group(w_ptrs, x_ptrs, stride_xk, live, acc, acc_f, x_sum,
-                   HAS_ROWSUM: tl.constexpr, DOT_FP16: tl.constexpr, FAST_UNPACK: tl.constexpr, MASKED: tl.constexpr):
-    """One 128-group of the per-channel kernel: w_ptrs (BN, 64) packed bytes, x_ptrs (64, BM) the
-    group's low half (the high half 64 further along K). MASKED: the group is past the slice unless
-    live, and then reads as zeros (adds nothing)."""
-    if MASKED:
-        packed = tl.load(w_ptrs, mask=live, other=0)
-        x_lo = tl.load(x_ptrs, mask=live, other=0)
-        x_hi = tl.load(x_ptrs + 64 * stride_xk, mask=live, other=0)
-    else:
-        packed = tl.load(w_ptrs)
-        x_lo = tl.load(x_ptrs)
-        x_hi = tl.load(x_ptrs + 64 * stride_xk)
-    q_lo, q_hi = _split_nibbles(packed, tl.float16 if DOT_FP16 else tl.int8, FAST_UNPACK)
-    if DOT_FP16:
-        acc_f = tl.dot(tl.trans(x_lo.to(tl.float16)), tl.trans(q_lo), acc_f)
-        acc_f = tl.dot(tl.trans(x_hi.to(tl.float16)), tl.trans(q_hi), acc_f)
-    else:
-        acc = tl.dot(q_lo, x_lo, acc, out_dtype=tl.int32)
-        acc = tl.dot(q_hi, x_hi, acc, out_dtype=tl.int32)
-    if not HAS_ROWSUM:
-        x_sum += tl.sum(x_lo.to(tl.int32), axis=0) + tl.sum(x_hi.to(tl.int32), axis=0)
-    return acc, acc_f, x_sum
+def _g128_epilogue(acc, sx_ptr, s1_ptr, out_ptr, offs_n, offs_m, rn, rm, M, N, stride_om, stride_on):
+    """The whole K's int32 tile -> fp16 out = acc * sx * s1."""
+    sx = tl.load(sx_ptr + rm)  # (BM,) fp32
+    s1 = tl.load(s1_ptr + rn).to(tl.float32)  # (BN,)
+    y = acc.to(tl.float32) * sx[None, :] * s1[:, None]
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
+    tl.store(out_ptrs, y.to(tl.float16), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
 
 
 @triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT"])
 def _w4a8_channel_kernel(
     # pointers
-    x_ptr, sx_ptr, rowsum_ptr, qw_ptr, scale_ptr, zero_ptr, out_ptr, ws_ptr,
+    x_ptr, sx_ptr, rowsum_ptr, qw_ptr, scale_ptr, zero_ptr, out_ptr, ws_ptr, count_ptr,
     # sizes
     M, N, K, GROUPS_PER_SPLIT,
     # strides
@@ -277,19 +292,17 @@ def _w4a8_channel_kernel(
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ROWSUM: tl.constexpr, DOT_FP16: tl.constexpr, USE_SPLIT: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    PDL: tl.constexpr = 0, GROUPS_PER_STEP: tl.constexpr = 1,
+    FUSED_SPLIT: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     """acc (BLOCK_N, BLOCK_M) int32 = q @ x8^T on the raw codes; the zero term in the epilogue.
 
     Without a rowsum input, each K slice sums its own x8 columns and subtracts zero * that
     partial sum in int32 (the correction is linear in K, so slices stay independent).
-    GROUPS_PER_STEP groups per loop step: a step's weight bytes are one run of 64 * GROUPS_PER_STEP
-    bytes per row, and the pipeline waits once per step; where a slice ends inside a step, the
-    groups past it read as zeros.
     """
     pid_n, pid_m = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     HALF_K: tl.constexpr = 64
+    OP_DTYPE: tl.constexpr = tl.float16 if DOT_FP16 else tl.int8
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, HALF_K)
@@ -300,18 +313,25 @@ def _w4a8_channel_kernel(
     w_ptrs = qw_ptr + rn[:, None] * stride_qn + (g_start * HALF_K + offs_h)[None, :] * stride_qk
     x_ptrs = x_ptr + rm[None, :] * stride_xm + (g_start * 2 * HALF_K + offs_h)[:, None] * stride_xk
     _overlap_entry(PDL)
+    if DOT_FP16:
+        acc_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x-major: mma.sync, both operands in registers
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
-    # x-major fp32 for the fp16 MMA (mma.sync, both operands in registers); unused otherwise.
-    acc_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) if DOT_FP16 else acc
     x_sum = tl.zeros((BLOCK_M,), dtype=tl.int32)
-    for g in range(g_start, g_end, GROUPS_PER_STEP):
-        for gi in tl.static_range(GROUPS_PER_STEP):
-            live = g + gi + tl.zeros((1, 1), tl.int32) < g_end  # a tensor: the interpreter takes no scalar mask
-            acc, acc_f, x_sum = _channel_group(
-                w_ptrs + gi * HALF_K * stride_qk, x_ptrs + gi * 2 * HALF_K * stride_xk, stride_xk, live,
-                acc, acc_f, x_sum, HAS_ROWSUM, DOT_FP16, FAST_UNPACK, MASKED=GROUPS_PER_STEP > 1)
-        w_ptrs += GROUPS_PER_STEP * HALF_K * stride_qk
-        x_ptrs += GROUPS_PER_STEP * 2 * HALF_K * stride_xk
+    for _ in range(g_start, g_end):
+        packed = tl.load(w_ptrs)
+        x_lo = tl.load(x_ptrs)
+        x_hi = tl.load(x_ptrs + HALF_K * stride_xk)
+        q_lo, q_hi = _split_nibbles(packed, OP_DTYPE, FAST_UNPACK)
+        if DOT_FP16:
+            acc_f = tl.dot(tl.trans(x_lo.to(tl.float16)), tl.trans(q_lo), acc_f)
+            acc_f = tl.dot(tl.trans(x_hi.to(tl.float16)), tl.trans(q_hi), acc_f)
+        else:
+            acc = tl.dot(q_lo, x_lo, acc, out_dtype=tl.int32)
+            acc = tl.dot(q_hi, x_hi, acc, out_dtype=tl.int32)
+        if not HAS_ROWSUM:
+            x_sum += tl.sum(x_lo.to(tl.int32), axis=0) + tl.sum(x_hi.to(tl.int32), axis=0)
+        w_ptrs += HALF_K * stride_qk
+        x_ptrs += 2 * HALF_K * stride_xk
     _overlap_release(PDL)
     if DOT_FP16:
         acc = tl.trans(acc_f).to(tl.int32)
@@ -320,15 +340,29 @@ def _w4a8_channel_kernel(
         acc -= zero.to(tl.int32)[:, None] * x_sum[None, :]
     if USE_SPLIT:
         _store_partial(acc, ws_ptr, offs_n, offs_m, M, N)
+        if FUSED_SPLIT:
+            last = _last_to_arrive(count_ptr)
+            if last:
+                acc = _sum_other_partials(acc, ws_ptr, offs_n, offs_m, M, N)
+                _channel_epilogue(acc, zero, sx_ptr, rowsum_ptr, scale_ptr, out_ptr, offs_n, offs_m, rn, rm,
+                                  M, N, stride_om, stride_on, HAS_ROWSUM)
     else:
-        sx = tl.load(sx_ptr + rm)
-        scale = tl.load(scale_ptr + rn).to(tl.float32)
-        y = acc.to(tl.float32)
-        if HAS_ROWSUM:
-            y = y - tl.load(rowsum_ptr + rm).to(tl.float32)[None, :] * zero[:, None]
-        y = y * sx[None, :] * scale[:, None]
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
-        tl.store(out_ptrs, y.to(tl.float16), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
+        _channel_epilogue(acc, zero, sx_ptr, rowsum_ptr, scale_ptr, out_ptr, offs_n, offs_m, rn, rm,
+                          M, N, stride_om, stride_on, HAS_ROWSUM)
+
+
+@triton.jit
+def _channel_epilogue(acc, zero, sx_ptr, rowsum_ptr, scale_ptr, out_ptr, offs_n, offs_m, rn, rm,
+                      M, N, stride_om, stride_on, HAS_ROWSUM: tl.constexpr):
+    """The whole K's int32 tile -> fp16 out = (acc [- rowsum * zero]) * sx * scale."""
+    sx = tl.load(sx_ptr + rm)
+    scale = tl.load(scale_ptr + rn).to(tl.float32)
+    y = acc.to(tl.float32)
+    if HAS_ROWSUM:
+        y = y - tl.load(rowsum_ptr + rm).to(tl.float32)[None, :] * zero[:, None]
+    y = y * sx[None, :] * scale[:, None]
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
+    tl.store(out_ptrs, y.to(tl.float16), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,11 +376,14 @@ class GemmVariant:
     num_warps: int
     num_stages: int
     split_k: bool = False  # may split K over programs when the output tiles do not fill the GPU
+    # Split-K reduced in the same launch: each tile's last K slice to finish sums the others'
+    # partials and runs the epilogue (no second kernel; see _last_to_arrive).
+    fused_split: bool = False
     zero_after_dot: bool = False  # g128: MMA on raw codes, zero and s2 applied per group after it
     dot_fp16: bool = False  # dequantize to fp16 and use fp16 MMAs (meant for tiny M)
     swar: bool = False  # g128 on the GPU: (q - z) * s2 on 4 bytes per register (see the module doc)
     gemv: bool = False  # no tensor cores: dp4a on CUDA cores, one program covers M <= block_m (w4a8_gemv.py)
-    groups_per_step: int = 1  # 128-groups of K read per loop step
+    groups_per_step: int = 1  # gemv: 128-groups of K read per loop step
     x_shared: bool = False  # gemv: x words held once per thread for all its rows, one program per token (_row_sums_x_shared)
     max_m: int | None = None
     group_m: int = 8
@@ -400,11 +437,17 @@ def _gemv(kind: str, bn: int, bm: int, groups_per_step: int, x_shared: bool = Fa
                        max_m=X_SHARED_MAX_M if x_shared else bm, x_shared=x_shared)
 
 
+def _fused(two_launch_name: str) -> GemmVariant:
+    """The `.skf` twin of a split-K variant: its partials reduced by each tile's last slice."""
+    v = next(v for v in _MMA_VARIANTS if v.name == two_launch_name)
+    return replace(v, name=v.name.replace(".sk", ".skf"), fused_split=True)
+
+
 X_SHARED_MAX_M = 4  # the H200 tune run (session 25): never fastest at M = 8, at 4 only on 4096x4096
 
 
 G128, CHN = KINDS
-VARIANTS: tuple[GemmVariant, ...] = (
+_MMA_VARIANTS: tuple[GemmVariant, ...] = (
     _v("g128.n64m16.sk", G128, 64, 16, 4, 4, split_k=True),
     _v("g128.n64m16.sk.swar", G128, 64, 16, 4, 4, split_k=True, swar=True),
     _v("g128.n64m16.sk.zp", G128, 64, 16, 4, 4, split_k=True, zero_after_dot=True),
@@ -447,17 +490,13 @@ VARIANTS: tuple[GemmVariant, ...] = (
     _v("chn.n64m64.sk", CHN, 64, 64, 4, 4, split_k=True),
     _v("chn.n64m16.sk.s8", CHN, 64, 16, 4, 8, split_k=True),
     _v("g128.n64m64.sk.swar", G128, 64, 64, 4, 4, split_k=True, swar=True),
-    # Several groups per loop step (session 26): longer runs of each weight row per request and one
-    # pipeline wait per step, for the weight-streaming M = 8..64 where the tiles above ran at ~60%
-    # of the M = 1 GEMV's bandwidth.
-    _v("chn.n16m16.sk.g8", CHN, 16, 16, 1, 4, split_k=True, groups_per_step=8),
-    _v("chn.n32m16.sk.g4", CHN, 32, 16, 2, 4, split_k=True, groups_per_step=4),
-    _v("chn.n32m16.sk.g8", CHN, 32, 16, 2, 3, split_k=True, groups_per_step=8),
-    _v("chn.n64m16.sk.g2", CHN, 64, 16, 4, 4, split_k=True, groups_per_step=2),
-    _v("chn.n64m16.sk.g4", CHN, 64, 16, 4, 3, split_k=True, groups_per_step=4),
-    _v("chn.n128m16.sk.g2", CHN, 128, 16, 4, 4, split_k=True, groups_per_step=2),
-    _v("chn.n64m64.sk.g2", CHN, 64, 64, 4, 4, split_k=True, groups_per_step=2),
-    _v("chn.n128m64.sk.g2", CHN, 128, 64, 8, 3, split_k=True, groups_per_step=2),
+)
+VARIANTS: tuple[GemmVariant, ...] = (
+    *_MMA_VARIANTS,
+    # The split-K tiles with the partials reduced in the same launch (session 28): no second kernel.
+    *(_fused(name) for name in ("g128.n64m16.sk.zp", "g128.n128m16.sk.zp", "g128.n64m64.sk.swar",
+                                "g128.n128m64.sk.swar", "g128.n128m128.sk.swar.r128", "chn.n64m16.sk",
+                                "chn.n128m16.sk", "chn.n64m64.sk", "chn.n128m64.sk", "chn.n128m128.sk.r128")),
     # Decode at batch 1..4: a weight stream with dp4a, no MMA tile padding M to 16.
     *(_gemv(kind, bn, bm, gps) for kind in KINDS
       for bn, bm, gps in ((4, 1, 16), (8, 1, 16), (16, 1, 8), (32, 1, 4), (8, 4, 4))),
@@ -525,6 +564,29 @@ class _Workspace:
 WORKSPACE = _Workspace()
 
 
+class _TileCounters:
+    """Per-device int32 arrival counters of the fused split-K (one per output tile), zeroed once.
+
+    Every launch leaves them at zero again (each tile's last slice resets its own), so a fixed buffer
+    serves every call and every captured CUDA graph; it is never regrown (a graph keeps its address).
+    A launch with more tiles than CAPACITY reduces in a second kernel instead.
+    """
+
+    CAPACITY = 1 << 16
+
+    def __init__(self):
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device | str) -> torch.Tensor:
+        key = canonical_device(device)
+        if key not in self._by_device:
+            self._by_device[key] = torch.zeros(self.CAPACITY, dtype=torch.int32, device=key)
+        return self._by_device[key]
+
+
+TILE_COUNTERS = _TileCounters()
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -571,8 +633,6 @@ def _launch_grid(variant: GemmVariant, M: int, N: int, K: int, split_k: int | No
     groups = K // GROUP_SIZE
     assert 1 <= split <= groups, f"split_k={split} must be in [1, {groups}]"
     per_split = triton.cdiv(groups, split)
-    if not variant.gemv:  # slices of whole steps: only the last one ends in a partial step
-        per_split = triton.cdiv(per_split, variant.groups_per_step) * variant.groups_per_step
     split = triton.cdiv(groups, per_split)  # no empty slices
     ws = WORKSPACE.get(device, split * M * N if split > 1 else 1)
     if variant.x_shared:
@@ -581,6 +641,11 @@ def _launch_grid(variant: GemmVariant, M: int, N: int, K: int, split_k: int | No
         return (M, row_blocks, split), per_split, split, ws
     tiles = triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n)
     return (tiles, split), per_split, split, ws
+
+
+def _fuses_split(variant: GemmVariant, grid: tuple, split: int) -> bool:
+    """Whether this launch reduces its split-K partials itself (else _split_k_epilogue does)."""
+    return variant.fused_split and split > 1 and grid[0] <= _TileCounters.CAPACITY
 
 
 def _split_k_epilogue(ws, split, sx, col_scale, zero, rowsum, out) -> None:
@@ -620,17 +685,19 @@ def w4a8_g128_gemm(
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
     group_sums = _group_sums_read_by(variant, group_sums, M, K)
     grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
+    fused = _fuses_split(variant, grid, split)
+    counters = TILE_COUNTERS.get(x8.device) if fused else ws
     _w4a8_g128_kernel[grid](
-        x8, sx, qw, s2, zero, s1, out, ws, sx if group_sums is None else group_sums,
+        x8, sx, qw, s2, zero, s1, out, ws, counters, sx if group_sums is None else group_sums,
         M, N, K, per_split,
         x8.stride(0), x8.stride(1), qw.stride(0), qw.stride(1), s2.stride(0), s2.stride(1),
         out.stride(0), out.stride(1), 0 if group_sums is None else group_sums.stride(0),
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
         ZERO_AFTER_DOT=variant.zero_after_dot, DOT_FP16=variant.dot_fp16, SWAR=variant.swar,
-        USE_SPLIT=split > 1, FAST_UNPACK=x8.is_cuda, HAS_GROUP_SUMS=group_sums is not None,
+        USE_SPLIT=split > 1, FAST_UNPACK=x8.is_cuda, HAS_GROUP_SUMS=group_sums is not None, FUSED_SPLIT=fused,
         **variant.launch_options, **launch_kwargs(x8.device, M),
     )
-    if split > 1:
+    if split > 1 and not fused:
         _split_k_epilogue(ws, split, sx, s1, s1, None, out)
     return out
 
@@ -666,16 +733,18 @@ def w4a8_channel_gemm(
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
     grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
+    fused = _fuses_split(variant, grid, split)
+    counters = TILE_COUNTERS.get(x8.device) if fused else ws
     _w4a8_channel_kernel[grid](
-        x8, sx, sx if rowsum is None else rowsum, qw, scale, zero, out, ws,
+        x8, sx, sx if rowsum is None else rowsum, qw, scale, zero, out, ws, counters,
         M, N, K, per_split,
         x8.stride(0), x8.stride(1), qw.stride(0), qw.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
         HAS_ROWSUM=rowsum is not None, DOT_FP16=variant.dot_fp16, USE_SPLIT=split > 1,
-        FAST_UNPACK=x8.is_cuda, GROUPS_PER_STEP=variant.groups_per_step, **variant.launch_options,
+        FAST_UNPACK=x8.is_cuda, FUSED_SPLIT=fused, **variant.launch_options,
         **launch_kwargs(x8.device, M),
     )
-    if split > 1:
+    if split > 1 and not fused:
         _split_k_epilogue(ws, split, sx, scale, zero, rowsum, out)
     return out
 
