@@ -75,12 +75,20 @@ def _store_partial(acc, ws_ptr, offs_n, offs_m, M, N):
 
 
 @triton.jit
+def _add_partial(acc, sums_ptr, offs_n, offs_m, M, N):
+    """Fused split-K: this K slice's int32 tile added into the (M, N) sums (zeros before the launch).
+    Integer atomics: exact in any order."""
+    ptrs = sums_ptr + offs_m[None, :] * N + offs_n[:, None]
+    tl.atomic_add(ptrs, acc, mask=(offs_n < N)[:, None] & (offs_m < M)[None, :], sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _last_to_arrive(count_ptr):
     """Count this program's K slice as done for its output tile; True in the tile's last slice.
 
-    The pattern of a semaphore: a CTA barrier orders every thread's partial stores before the one
-    release (acq_rel, GPU scope) on the tile's counter, and the last program's acquire makes all the
-    other slices' stores visible to it. The last program resets the counter for the next launch.
+    The pattern of a semaphore: a CTA barrier orders every thread's adds before the one release
+    (acq_rel, GPU scope) on the tile's counter, and the last program's acquire makes all the other
+    slices' adds visible to it. The last program resets the counter for the next launch.
     """
     tile = tl.program_id(0)
     tl.debug_barrier()
@@ -92,15 +100,13 @@ def _last_to_arrive(count_ptr):
 
 
 @triton.jit
-def _sum_other_partials(acc, ws_ptr, offs_n, offs_m, M, N):
-    """acc (this slice's tile, in registers) + every other slice's partial from the workspace,
-    read through L2 (.cg: another SM wrote them, and L1 is not coherent)."""
-    pid_k = tl.program_id(1)
+def _take_sums(sums_ptr, offs_n, offs_m, M, N):
+    """The tile's whole-K sums, read through L2 (.cg: other SMs added them; L1 is not coherent),
+    and zeros left in their place for the next launch."""
     mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    ws_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
-    for s in range(tl.num_programs(1)):
-        if s != pid_k:
-            acc += tl.load(ws_ptrs + s * M * N, mask=mask, other=0, cache_modifier=".cg")
+    ptrs = sums_ptr + offs_m[None, :] * N + offs_n[:, None]
+    acc = tl.load(ptrs, mask=mask, other=0, cache_modifier=".cg")
+    tl.store(ptrs, tl.zeros_like(acc), mask=mask)
     return acc
 
 
@@ -261,12 +267,14 @@ def _w4a8_g128_kernel(
     if DOT_FP16:
         acc = tl.trans(acc_f).to(tl.int32)  # integer-valued: fp32 holds these sums exactly below 2^24
     if USE_SPLIT:
-        _store_partial(acc, ws_ptr, offs_n, offs_m, M, N)
         if FUSED_SPLIT:
+            _add_partial(acc, ws_ptr, offs_n, offs_m, M, N)
             last = _last_to_arrive(count_ptr)
             if last:
-                acc = _sum_other_partials(acc, ws_ptr, offs_n, offs_m, M, N)
+                acc = _take_sums(ws_ptr, offs_n, offs_m, M, N)
                 _g128_epilogue(acc, sx_ptr, s1_ptr, out_ptr, offs_n, offs_m, rn, rm, M, N, stride_om, stride_on)
+        else:
+            _store_partial(acc, ws_ptr, offs_n, offs_m, M, N)
     else:
         _g128_epilogue(acc, sx_ptr, s1_ptr, out_ptr, offs_n, offs_m, rn, rm, M, N, stride_om, stride_on)
 
@@ -339,13 +347,15 @@ def _w4a8_channel_kernel(
     if not HAS_ROWSUM:
         acc -= zero.to(tl.int32)[:, None] * x_sum[None, :]
     if USE_SPLIT:
-        _store_partial(acc, ws_ptr, offs_n, offs_m, M, N)
         if FUSED_SPLIT:
+            _add_partial(acc, ws_ptr, offs_n, offs_m, M, N)
             last = _last_to_arrive(count_ptr)
             if last:
-                acc = _sum_other_partials(acc, ws_ptr, offs_n, offs_m, M, N)
+                acc = _take_sums(ws_ptr, offs_n, offs_m, M, N)
                 _channel_epilogue(acc, zero, sx_ptr, rowsum_ptr, scale_ptr, out_ptr, offs_n, offs_m, rn, rm,
                                   M, N, stride_om, stride_on, HAS_ROWSUM)
+        else:
+            _store_partial(acc, ws_ptr, offs_n, offs_m, M, N)
     else:
         _channel_epilogue(acc, zero, sx_ptr, rowsum_ptr, scale_ptr, out_ptr, offs_n, offs_m, rn, rm,
                           M, N, stride_om, stride_on, HAS_ROWSUM)
@@ -376,8 +386,8 @@ class GemmVariant:
     num_warps: int
     num_stages: int
     split_k: bool = False  # may split K over programs when the output tiles do not fill the GPU
-    # Split-K reduced in the same launch: each tile's last K slice to finish sums the others'
-    # partials and runs the epilogue (no second kernel; see _last_to_arrive).
+    # Split-K reduced in the same launch: the K slices add their tiles into zeroed int32 sums and
+    # each tile's last slice to finish runs the epilogue (no second kernel; see _last_to_arrive).
     fused_split: bool = False
     zero_after_dot: bool = False  # g128: MMA on raw codes, zero and s2 applied per group after it
     dot_fp16: bool = False  # dequantize to fp16 and use fp16 MMAs (meant for tiny M)
@@ -438,7 +448,7 @@ def _gemv(kind: str, bn: int, bm: int, groups_per_step: int, x_shared: bool = Fa
 
 
 def _fused(two_launch_name: str) -> GemmVariant:
-    """The `.skf` twin of a split-K variant: its partials reduced by each tile's last slice."""
+    """The `.skf` twin of a split-K variant: its partials added up in the same launch."""
     v = next(v for v in _MMA_VARIANTS if v.name == two_launch_name)
     return replace(v, name=v.name.replace(".sk", ".skf"), fused_split=True)
 
@@ -564,27 +574,34 @@ class _Workspace:
 WORKSPACE = _Workspace()
 
 
-class _TileCounters:
-    """Per-device int32 arrival counters of the fused split-K (one per output tile), zeroed once.
+class _FusedSplitBuffers:
+    """Per-device buffers of the fused split-K, zeroed once: int32 arrival counters (one per output
+    tile) and the (M, N) int32 sums the K slices add into.
 
-    Every launch leaves them at zero again (each tile's last slice resets its own), so a fixed buffer
-    serves every call and every captured CUDA graph; it is never regrown (a graph keeps its address).
-    A launch with more tiles than CAPACITY reduces in a second kernel instead.
+    Every launch leaves both at zero again (each tile's last slice resets its counter and its
+    sums), so fixed buffers serve every call and every captured CUDA graph; they are never regrown
+    (a graph keeps their addresses). A launch past either capacity reduces in a second kernel.
     """
 
-    CAPACITY = 1 << 16
+    TILES = 1 << 16
+    ELEMENTS = 1 << 22  # 16 MiB: M * N up to e.g. 256 x 16384
 
     def __init__(self):
-        self._by_device: dict[torch.device, torch.Tensor] = {}
+        self._by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def get(self, device: torch.device | str) -> torch.Tensor:
+    def get(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (counters, sums)"""
         key = canonical_device(device)
         if key not in self._by_device:
-            self._by_device[key] = torch.zeros(self.CAPACITY, dtype=torch.int32, device=key)
+            self._by_device[key] = (torch.zeros(self.TILES, dtype=torch.int32, device=key),
+                                    torch.zeros(self.ELEMENTS, dtype=torch.int32, device=key))
         return self._by_device[key]
 
+    def fits(self, tiles: int, M: int, N: int) -> bool:
+        return tiles <= self.TILES and M * N <= self.ELEMENTS
 
-TILE_COUNTERS = _TileCounters()
+
+FUSED_SPLIT = _FusedSplitBuffers()
 
 
 def _num_sms(device: torch.device) -> int:
@@ -643,9 +660,14 @@ def _launch_grid(variant: GemmVariant, M: int, N: int, K: int, split_k: int | No
     return (tiles, split), per_split, split, ws
 
 
-def _fuses_split(variant: GemmVariant, grid: tuple, split: int) -> bool:
-    """Whether this launch reduces its split-K partials itself (else _split_k_epilogue does)."""
-    return variant.fused_split and split > 1 and grid[0] <= _TileCounters.CAPACITY
+def _split_buffers(variant: GemmVariant, grid: tuple, split: int, M: int, N: int, ws: torch.Tensor, device):
+    """-> (fused, the kernel's workspace argument, its counters argument): the fused split-K's zeroed
+    sums and counters where this launch reduces its own slices, else the partials workspace (the
+    counters then unused) and _split_k_epilogue's second launch."""
+    if variant.fused_split and split > 1 and FUSED_SPLIT.fits(grid[0], M, N):
+        counters, sums = FUSED_SPLIT.get(device)
+        return True, sums, counters
+    return False, ws, ws
 
 
 def _split_k_epilogue(ws, split, sx, col_scale, zero, rowsum, out) -> None:
@@ -685,10 +707,9 @@ def w4a8_g128_gemm(
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
     group_sums = _group_sums_read_by(variant, group_sums, M, K)
     grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
-    fused = _fuses_split(variant, grid, split)
-    counters = TILE_COUNTERS.get(x8.device) if fused else ws
+    fused, ws_arg, counters = _split_buffers(variant, grid, split, M, N, ws, x8.device)
     _w4a8_g128_kernel[grid](
-        x8, sx, qw, s2, zero, s1, out, ws, counters, sx if group_sums is None else group_sums,
+        x8, sx, qw, s2, zero, s1, out, ws_arg, counters, sx if group_sums is None else group_sums,
         M, N, K, per_split,
         x8.stride(0), x8.stride(1), qw.stride(0), qw.stride(1), s2.stride(0), s2.stride(1),
         out.stride(0), out.stride(1), 0 if group_sums is None else group_sums.stride(0),
@@ -733,10 +754,9 @@ def w4a8_channel_gemm(
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
     grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
-    fused = _fuses_split(variant, grid, split)
-    counters = TILE_COUNTERS.get(x8.device) if fused else ws
+    fused, ws_arg, counters = _split_buffers(variant, grid, split, M, N, ws, x8.device)
     _w4a8_channel_kernel[grid](
-        x8, sx, sx if rowsum is None else rowsum, qw, scale, zero, out, ws, counters,
+        x8, sx, sx if rowsum is None else rowsum, qw, scale, zero, out, ws_arg, counters,
         M, N, K, per_split,
         x8.stride(0), x8.stride(1), qw.stride(0), qw.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
