@@ -9,7 +9,7 @@ For every split-K variant with a fused twin (`.skf`, w4a8_gemm._fused) and M:
   fused       one launch: the slices add into zeroed int32 sums, each tile's last slice runs the
               epilogue
 each at the variant's automatic split factor, beside cuBLAS fp16. The fused outputs are checked bit
-for bit against the reference linear before they are timed. Timing as bench/kernels.py (CUDA graph
+for bit against the reference linear first; a wrong one is listed under "wrong" and not timed. Timing as bench/kernels.py (CUDA graph
 of 4 calls on distinct weight / activation sets, L2 cleared by a read before each replay, median).
 """
 
@@ -57,13 +57,11 @@ def measure(dev, ms: list[int], warmup: int, rep: int) -> tuple[list[dict], list
                 gemm.w4a8_gemm(acts[0]["x8"], acts[0]["sx"], ws[0][v.kind], variant=fused_name,
                                rowsum=acts[0]["rowsum"], group_sums=acts[0]["group_sums"], out=out)
                 check = check_output(out, ref, v.dot_fp16)
-                if not check["correct"]:
+                times = {"two_launch": time_calls(gemm_calls(gemm.w4a8_gemm, split_name, v.kind, ws, acts), warmup, rep)}
+                if check["correct"]:
+                    times["fused"] = time_calls(gemm_calls(gemm.w4a8_gemm, fused_name, v.kind, ws, acts), warmup, rep)
+                else:  # a wrong output is never timed
                     wrong.append({"N": n, "K": k, "M": m, "variant": fused_name, **check})
-                    continue
-                times = {
-                    "two_launch": time_calls(gemm_calls(gemm.w4a8_gemm, split_name, v.kind, ws, acts), warmup, rep),
-                    "fused": time_calls(gemm_calls(gemm.w4a8_gemm, fused_name, v.kind, ws, acts), warmup, rep),
-                }
                 gemm._split_k_epilogue = lambda *args: None
                 try:
                     times["main_only"] = time_calls(gemm_calls(gemm.w4a8_gemm, split_name, v.kind, ws, acts), warmup, rep)

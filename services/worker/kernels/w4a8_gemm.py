@@ -75,11 +75,15 @@ def _store_partial(acc, ws_ptr, offs_n, offs_m, M, N):
 
 
 @triton.jit
-def _add_partial(acc, sums_ptr, offs_n, offs_m, M, N):
-    """Fused split-K: this K slice's int32 tile added into the (M, N) sums (zeros before the launch).
-    Integer atomics: exact in any order."""
+def _add_partial(acc, sums_ptr, offs_n, offs_m, N):
+    """Fused split-K: this K slice's int32 tile added into the sums (zeros before the launch), rows
+    padded to whole tiles. Integer atomics: exact in any order.
+
+    Masked by N only, on purpose: with a mask along M too, Triton 3.6 predicates a thread's second
+    row of atomics with its first row's mask (sm_90 PTX), and the H200 then skipped valid adds and
+    made adds past M. The padding rows collect junk that the last slice zeroes with the rest."""
     ptrs = sums_ptr + offs_m[None, :] * N + offs_n[:, None]
-    tl.atomic_add(ptrs, acc, mask=(offs_n < N)[:, None] & (offs_m < M)[None, :], sem="relaxed", scope="gpu")
+    tl.atomic_add(ptrs, acc, mask=(offs_n < N)[:, None], sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -100,10 +104,10 @@ def _last_to_arrive(count_ptr):
 
 
 @triton.jit
-def _take_sums(sums_ptr, offs_n, offs_m, M, N):
-    """The tile's whole-K sums, read through L2 (.cg: other SMs added them; L1 is not coherent),
-    and zeros left in their place for the next launch."""
-    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+def _take_sums(sums_ptr, offs_n, offs_m, N):
+    """The tile's whole-K sums (padding rows included), read through L2 (.cg: other SMs added them;
+    L1 is not coherent), and zeros left in their place for the next launch."""
+    mask = (offs_n < N)[:, None]
     ptrs = sums_ptr + offs_m[None, :] * N + offs_n[:, None]
     acc = tl.load(ptrs, mask=mask, other=0, cache_modifier=".cg")
     tl.store(ptrs, tl.zeros_like(acc), mask=mask)
@@ -268,10 +272,10 @@ def _w4a8_g128_kernel(
         acc = tl.trans(acc_f).to(tl.int32)  # integer-valued: fp32 holds these sums exactly below 2^24
     if USE_SPLIT:
         if FUSED_SPLIT:
-            _add_partial(acc, ws_ptr, offs_n, offs_m, M, N)
+            _add_partial(acc, ws_ptr, offs_n, offs_m, N)
             last = _last_to_arrive(count_ptr)
             if last:
-                acc = _take_sums(ws_ptr, offs_n, offs_m, M, N)
+                acc = _take_sums(ws_ptr, offs_n, offs_m, N)
                 _g128_epilogue(acc, sx_ptr, s1_ptr, out_ptr, offs_n, offs_m, rn, rm, M, N, stride_om, stride_on)
         else:
             _store_partial(acc, ws_ptr, offs_n, offs_m, M, N)
@@ -348,10 +352,10 @@ def _w4a8_channel_kernel(
         acc -= zero.to(tl.int32)[:, None] * x_sum[None, :]
     if USE_SPLIT:
         if FUSED_SPLIT:
-            _add_partial(acc, ws_ptr, offs_n, offs_m, M, N)
+            _add_partial(acc, ws_ptr, offs_n, offs_m, N)
             last = _last_to_arrive(count_ptr)
             if last:
-                acc = _take_sums(ws_ptr, offs_n, offs_m, M, N)
+                acc = _take_sums(ws_ptr, offs_n, offs_m, N)
                 _channel_epilogue(acc, zero, sx_ptr, rowsum_ptr, scale_ptr, out_ptr, offs_n, offs_m, rn, rm,
                                   M, N, stride_om, stride_on, HAS_ROWSUM)
         else:
@@ -576,7 +580,7 @@ WORKSPACE = _Workspace()
 
 class _FusedSplitBuffers:
     """Per-device buffers of the fused split-K, zeroed once: int32 arrival counters (one per output
-    tile) and the (M, N) int32 sums the K slices add into.
+    tile) and the (M rounded up to whole tiles, N) int32 sums the K slices add into.
 
     Every launch leaves both at zero again (each tile's last slice resets its counter and its
     sums), so fixed buffers serve every call and every captured CUDA graph; they are never regrown
@@ -597,8 +601,8 @@ class _FusedSplitBuffers:
                                     torch.zeros(self.ELEMENTS, dtype=torch.int32, device=key))
         return self._by_device[key]
 
-    def fits(self, tiles: int, M: int, N: int) -> bool:
-        return tiles <= self.TILES and M * N <= self.ELEMENTS
+    def fits(self, tiles: int, padded_m: int, N: int) -> bool:
+        return tiles <= self.TILES and padded_m * N <= self.ELEMENTS
 
 
 FUSED_SPLIT = _FusedSplitBuffers()
@@ -664,7 +668,7 @@ def _split_buffers(variant: GemmVariant, grid: tuple, split: int, M: int, N: int
     """-> (fused, the kernel's workspace argument, its counters argument): the fused split-K's zeroed
     sums and counters where this launch reduces its own slices, else the partials workspace (the
     counters then unused) and _split_k_epilogue's second launch."""
-    if variant.fused_split and split > 1 and FUSED_SPLIT.fits(grid[0], M, N):
+    if variant.fused_split and split > 1 and FUSED_SPLIT.fits(grid[0], triton.cdiv(M, variant.block_m) * variant.block_m, N):
         counters, sums = FUSED_SPLIT.get(device)
         return True, sums, counters
     return False, ws, ws
