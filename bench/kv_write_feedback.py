@@ -58,12 +58,12 @@ def main() -> None:
                 lambda: write_kv4_cache(k, v, positions, slots, rope, kc, vc, query=q, key_feedback=fb),
                 warmup=5, rep=50, return_mode="median")
             if t <= 256:  # the reference write is a per-dim Python loop: checked on the small ones
-                kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
-                write_kv4_cache(k, v, positions, slots, rope, kc, vc, query=q, key_feedback=fb)
-                write_kv4_cache_reference(k.cpu(), v.cpu(), positions.cpu(), slots.cpu(), rope.cpu(), kr_cpu := kr.cpu(),
-                                          vr_cpu := vr.cpu(), key_feedback=None if fb is None else fb.cpu())
-                row[f"{name}_k_bytes_differing"] = int((kc.cpu() != kr_cpu).sum())
-                row[f"{name}_v_bytes_differing"] = int((vc.cpu() != vr_cpu).sum())
+                # kc / vc hold this write's rows: do_bench's calls wrote them (the same rows each time).
+                kr, vr = torch.zeros(shape, dtype=torch.uint8), torch.zeros(shape, dtype=torch.uint8)
+                write_kv4_cache_reference(k.cpu(), v.cpu(), positions.cpu(), slots.cpu(), rope.cpu(), kr, vr,
+                                          key_feedback=None if fb is None else fb.cpu())
+                row[f"{name}_k_bytes_differing"] = int((kc.cpu() != kr).sum())
+                row[f"{name}_v_bytes_differing"] = int((vc.cpu() != vr).sum())
         row["ratio"] = row["key_feedback_us"] / row["plain_us"]
         row["added_us_per_32_layers"] = LAYERS * (row["key_feedback_us"] - row["plain_us"])
         rows.append(row)
