@@ -151,9 +151,8 @@ def gemm(a):
     if v.gemv:
         raise SystemExit(f"{v.name} is a dp4a variant: use the gemv subcommand")
     common = dict(BLOCK_M=v.block_m, BLOCK_N=v.block_n, GROUP_M=v.group_m, DOT_FP16=v.dot_fp16, USE_SPLIT=v.split_k,
-                  FAST_UNPACK=True, FUSED_SPLIT=v.fused_split, PDL=0, stride_xk=1, stride_qk=1, stride_on=1)
-    pointers = {"x_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*u8", "out_ptr": "*fp16", "ws_ptr": "*i32",
-                "count_ptr": "*i32"}
+                  FAST_UNPACK=True, PDL=0, stride_xk=1, stride_qk=1, stride_on=1)
+    pointers = {"x_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*u8", "out_ptr": "*fp16", "ws_ptr": "*i32"}
     if v.kind == wg.G128:
         pointers |= {"s2_ptr": "*u8", "zero_ptr": "*u8", "s1_ptr": "*fp16", "group_sums_ptr": "*i32"}
         consts = common | dict(ZERO_AFTER_DOT=v.zero_after_dot, SWAR=v.swar, stride_sg=1,

@@ -232,29 +232,3 @@ def test_workspace_is_one_buffer_per_device_whatever_the_spelling(monkeypatch):
     assert grown.numel() == 64 and ws.pointer(torch.device("cpu")) == grown.data_ptr() != small.data_ptr()
     assert ws.pointer("meta") is None
 
-
-@pytest.mark.parametrize("name", ["chn.n64m16.skf", "g128.n64m16.skf.zp"])
-def test_fused_split_leaves_its_buffers_at_zero_and_falls_back_past_capacity(name: str, monkeypatch):
-    """The one-launch split-K: every tile's counter and sum is zero again after a call (the next
-    call and captured graphs rely on it), and a launch with more tiles than counters or more
-    outputs than sums reduces in a second kernel instead, with the same result."""
-    variant = gemm.get_variant(name)
-    m, n, k = 17, 200, 640  # 2 x 4 tiles of 64 x 16 (one of each axis partial), 5 groups
-    weight = _weight(variant.kind, n, k, seed=9)
-    x8, sx = quantize_per_token(_activations(m, k, seed=10))
-    ref = reference_linear(weight)(_activations(m, k, seed=10))
-    counters, sums = gemm.FUSED_SPLIT.get("cpu")
-    calls = []
-    monkeypatch.setattr(gemm, "_split_k_epilogue", lambda *a: calls.append(a) or _epilogue(*a))
-    for split in (2, 5):
-        _assert_matches(gemm.w4a8_gemm(x8, sx, weight, variant=name, split_k=split), ref, variant)
-        assert not counters.any() and not sums.any(), "a tile counter or sum was left non-zero"
-    assert not calls, "the fused split-K launched the second kernel"
-    for capacity, size in (("TILES", 4), ("ELEMENTS", 32 * n - 1)):  # M = 17 takes 2 tiles of 16 rows
-        with monkeypatch.context() as patch:
-            patch.setattr(gemm._FusedSplitBuffers, capacity, size)
-            _assert_matches(gemm.w4a8_gemm(x8, sx, weight, variant=name, split_k=3), ref, variant)
-    assert len(calls) == 2
-
-
-_epilogue = gemm._split_k_epilogue

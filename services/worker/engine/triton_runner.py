@@ -165,7 +165,6 @@ class TritonRunner:
         self.workspace_bytes = 4 * elements if elements > 1 else 0
         if elements > 1:
             w4a8_gemm.WORKSPACE.get(self.device, elements)
-            w4a8_gemm.FUSED_SPLIT.get(self.device)  # the fused split-K's buffers: before any graph capture
 
     def activation_bytes(self, max_batch_tokens: int) -> int:
         """An upper bound of the memory besides weights and KV cache: one eager step's transient

@@ -21,8 +21,8 @@ nibbles (k .. k+63) and high nibbles (k+64 .. k+127), and each half meets its ow
 
 Split-K (small M: the output tiles alone do not fill the GPU): each K slice writes its int32
 partial tile to a workspace (SPLIT, M, N) with plain stores, and a second small kernel sums the
-slices and runs the epilogue: exact and deterministic. (A one-launch version, atomics into the
-workspace and a per-tile arrival counter, gave wrong sums on an H200 under Triton 3.6.)
+slices and runs the epilogue: exact and deterministic. (One-launch versions, the last slice of a
+tile reducing, were slower or wrong on the H200: kernels README, "Split-K in one launch".)
 The workspace is per device and shared by every call: launches must be ordered (one stream).
 
 Dequantization in registers uses Triton's integer ops in the interpreter; on the GPU the nibble
@@ -34,7 +34,7 @@ next byte) and a carry-free bytewise subtraction of z * s2.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -72,46 +72,6 @@ def _store_partial(acc, ws_ptr, offs_n, offs_m, M, N):
     """This K slice's int32 tile -> ws[pid_k] of a (SPLIT, M, N) workspace."""
     ws_ptrs = ws_ptr + tl.program_id(1) * M * N + offs_m[None, :] * N + offs_n[:, None]  # (BLOCK_N, BLOCK_M)
     tl.store(ws_ptrs, acc, mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
-
-
-@triton.jit
-def _add_partial(acc, sums_ptr, offs_n, offs_m, N):
-    """Fused split-K: this K slice's int32 tile added into the sums (zeros before the launch), rows
-    padded to whole tiles. Integer atomics: exact in any order.
-
-    Masked by N only, on purpose: with a mask along M too, Triton 3.6 predicates a thread's second
-    row of atomics with its first row's mask (sm_90 PTX), and the H200 then skipped valid adds and
-    made adds past M. The padding rows collect junk that the last slice zeroes with the rest."""
-    ptrs = sums_ptr + offs_m[None, :] * N + offs_n[:, None]
-    tl.atomic_add(ptrs, acc, mask=(offs_n < N)[:, None], sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _last_to_arrive(count_ptr):
-    """Count this program's K slice as done for its output tile; True in the tile's last slice.
-
-    The pattern of a semaphore: a CTA barrier orders every thread's adds before the one release
-    (acq_rel, GPU scope) on the tile's counter, and the last program's acquire makes all the other
-    slices' adds visible to it. The last program resets the counter for the next launch.
-    """
-    tile = tl.program_id(0)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    last = arrived == tl.num_programs(1) - 1
-    if last:
-        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
-    return last
-
-
-@triton.jit
-def _take_sums(sums_ptr, offs_n, offs_m, N):
-    """The tile's whole-K sums (padding rows included), read through L2 (.cg: other SMs added them;
-    L1 is not coherent), and zeros left in their place for the next launch."""
-    mask = (offs_n < N)[:, None]
-    ptrs = sums_ptr + offs_m[None, :] * N + offs_n[:, None]
-    acc = tl.load(ptrs, mask=mask, other=0, cache_modifier=".cg")
-    tl.store(ptrs, tl.zeros_like(acc), mask=mask)
-    return acc
 
 
 @triton.jit
@@ -180,7 +140,7 @@ def _dequant_swar(packed, s2, zs):
 @triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT"])
 def _w4a8_g128_kernel(
     # pointers
-    x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_ptr, count_ptr, group_sums_ptr,
+    x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_ptr, group_sums_ptr,
     # sizes
     M, N, K, GROUPS_PER_SPLIT,
     # strides
@@ -188,7 +148,7 @@ def _w4a8_g128_kernel(
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     ZERO_AFTER_DOT: tl.constexpr, DOT_FP16: tl.constexpr, SWAR: tl.constexpr, USE_SPLIT: tl.constexpr,
-    FAST_UNPACK: tl.constexpr, HAS_GROUP_SUMS: tl.constexpr = False, FUSED_SPLIT: tl.constexpr = False,
+    FAST_UNPACK: tl.constexpr, HAS_GROUP_SUMS: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
     """acc (BLOCK_N, BLOCK_M) int32 = sum over groups of ((q - z) * s2) @ x8^T; fp16 out.
@@ -271,32 +231,19 @@ def _w4a8_g128_kernel(
     if DOT_FP16:
         acc = tl.trans(acc_f).to(tl.int32)  # integer-valued: fp32 holds these sums exactly below 2^24
     if USE_SPLIT:
-        if FUSED_SPLIT:
-            _add_partial(acc, ws_ptr, offs_n, offs_m, N)
-            last = _last_to_arrive(count_ptr)
-            if last:
-                acc = _take_sums(ws_ptr, offs_n, offs_m, N)
-                _g128_epilogue(acc, sx_ptr, s1_ptr, out_ptr, offs_n, offs_m, rn, rm, M, N, stride_om, stride_on)
-        else:
-            _store_partial(acc, ws_ptr, offs_n, offs_m, M, N)
+        _store_partial(acc, ws_ptr, offs_n, offs_m, M, N)
     else:
-        _g128_epilogue(acc, sx_ptr, s1_ptr, out_ptr, offs_n, offs_m, rn, rm, M, N, stride_om, stride_on)
-
-
-@triton.jit
-def _g128_epilogue(acc, sx_ptr, s1_ptr, out_ptr, offs_n, offs_m, rn, rm, M, N, stride_om, stride_on):
-    """The whole K's int32 tile -> fp16 out = acc * sx * s1."""
-    sx = tl.load(sx_ptr + rm)  # (BM,) fp32
-    s1 = tl.load(s1_ptr + rn).to(tl.float32)  # (BN,)
-    y = acc.to(tl.float32) * sx[None, :] * s1[:, None]
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
-    tl.store(out_ptrs, y.to(tl.float16), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
+        sx = tl.load(sx_ptr + rm)  # (BM,) fp32
+        s1 = tl.load(s1_ptr + rn).to(tl.float32)  # (BN,)
+        y = acc.to(tl.float32) * sx[None, :] * s1[:, None]
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
+        tl.store(out_ptrs, y.to(tl.float16), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
 
 
 @triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT"])
 def _w4a8_channel_kernel(
     # pointers
-    x_ptr, sx_ptr, rowsum_ptr, qw_ptr, scale_ptr, zero_ptr, out_ptr, ws_ptr, count_ptr,
+    x_ptr, sx_ptr, rowsum_ptr, qw_ptr, scale_ptr, zero_ptr, out_ptr, ws_ptr,
     # sizes
     M, N, K, GROUPS_PER_SPLIT,
     # strides
@@ -304,7 +251,7 @@ def _w4a8_channel_kernel(
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ROWSUM: tl.constexpr, DOT_FP16: tl.constexpr, USE_SPLIT: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    FUSED_SPLIT: tl.constexpr = False, PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0,
 ):
     """acc (BLOCK_N, BLOCK_M) int32 = q @ x8^T on the raw codes; the zero term in the epilogue.
 
@@ -351,32 +298,16 @@ def _w4a8_channel_kernel(
     if not HAS_ROWSUM:
         acc -= zero.to(tl.int32)[:, None] * x_sum[None, :]
     if USE_SPLIT:
-        if FUSED_SPLIT:
-            _add_partial(acc, ws_ptr, offs_n, offs_m, N)
-            last = _last_to_arrive(count_ptr)
-            if last:
-                acc = _take_sums(ws_ptr, offs_n, offs_m, N)
-                _channel_epilogue(acc, zero, sx_ptr, rowsum_ptr, scale_ptr, out_ptr, offs_n, offs_m, rn, rm,
-                                  M, N, stride_om, stride_on, HAS_ROWSUM)
-        else:
-            _store_partial(acc, ws_ptr, offs_n, offs_m, M, N)
+        _store_partial(acc, ws_ptr, offs_n, offs_m, M, N)
     else:
-        _channel_epilogue(acc, zero, sx_ptr, rowsum_ptr, scale_ptr, out_ptr, offs_n, offs_m, rn, rm,
-                          M, N, stride_om, stride_on, HAS_ROWSUM)
-
-
-@triton.jit
-def _channel_epilogue(acc, zero, sx_ptr, rowsum_ptr, scale_ptr, out_ptr, offs_n, offs_m, rn, rm,
-                      M, N, stride_om, stride_on, HAS_ROWSUM: tl.constexpr):
-    """The whole K's int32 tile -> fp16 out = (acc [- rowsum * zero]) * sx * scale."""
-    sx = tl.load(sx_ptr + rm)
-    scale = tl.load(scale_ptr + rn).to(tl.float32)
-    y = acc.to(tl.float32)
-    if HAS_ROWSUM:
-        y = y - tl.load(rowsum_ptr + rm).to(tl.float32)[None, :] * zero[:, None]
-    y = y * sx[None, :] * scale[:, None]
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
-    tl.store(out_ptrs, y.to(tl.float16), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
+        sx = tl.load(sx_ptr + rm)
+        scale = tl.load(scale_ptr + rn).to(tl.float32)
+        y = acc.to(tl.float32)
+        if HAS_ROWSUM:
+            y = y - tl.load(rowsum_ptr + rm).to(tl.float32)[None, :] * zero[:, None]
+        y = y * sx[None, :] * scale[:, None]
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
+        tl.store(out_ptrs, y.to(tl.float16), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,9 +321,6 @@ class GemmVariant:
     num_warps: int
     num_stages: int
     split_k: bool = False  # may split K over programs when the output tiles do not fill the GPU
-    # Split-K reduced in the same launch: the K slices add their tiles into zeroed int32 sums and
-    # each tile's last slice to finish runs the epilogue (no second kernel; see _last_to_arrive).
-    fused_split: bool = False
     zero_after_dot: bool = False  # g128: MMA on raw codes, zero and s2 applied per group after it
     dot_fp16: bool = False  # dequantize to fp16 and use fp16 MMAs (meant for tiny M)
     swar: bool = False  # g128 on the GPU: (q - z) * s2 on 4 bytes per register (see the module doc)
@@ -451,17 +379,11 @@ def _gemv(kind: str, bn: int, bm: int, groups_per_step: int, x_shared: bool = Fa
                        max_m=X_SHARED_MAX_M if x_shared else bm, x_shared=x_shared)
 
 
-def _fused(two_launch_name: str) -> GemmVariant:
-    """The `.skf` twin of a split-K variant: its partials added up in the same launch."""
-    v = next(v for v in _MMA_VARIANTS if v.name == two_launch_name)
-    return replace(v, name=v.name.replace(".sk", ".skf"), fused_split=True)
-
-
 X_SHARED_MAX_M = 4  # the H200 tune run (session 25): never fastest at M = 8, at 4 only on 4096x4096
 
 
 G128, CHN = KINDS
-_MMA_VARIANTS: tuple[GemmVariant, ...] = (
+VARIANTS: tuple[GemmVariant, ...] = (
     _v("g128.n64m16.sk", G128, 64, 16, 4, 4, split_k=True),
     _v("g128.n64m16.sk.swar", G128, 64, 16, 4, 4, split_k=True, swar=True),
     _v("g128.n64m16.sk.zp", G128, 64, 16, 4, 4, split_k=True, zero_after_dot=True),
@@ -504,13 +426,6 @@ _MMA_VARIANTS: tuple[GemmVariant, ...] = (
     _v("chn.n64m64.sk", CHN, 64, 64, 4, 4, split_k=True),
     _v("chn.n64m16.sk.s8", CHN, 64, 16, 4, 8, split_k=True),
     _v("g128.n64m64.sk.swar", G128, 64, 64, 4, 4, split_k=True, swar=True),
-)
-VARIANTS: tuple[GemmVariant, ...] = (
-    *_MMA_VARIANTS,
-    # The split-K tiles with the partials reduced in the same launch (session 28): no second kernel.
-    *(_fused(name) for name in ("g128.n64m16.sk.zp", "g128.n128m16.sk.zp", "g128.n64m64.sk.swar",
-                                "g128.n128m64.sk.swar", "g128.n128m128.sk.swar.r128", "chn.n64m16.sk",
-                                "chn.n128m16.sk", "chn.n64m64.sk", "chn.n128m64.sk", "chn.n128m128.sk.r128")),
     # Decode at batch 1..4: a weight stream with dp4a, no MMA tile padding M to 16.
     *(_gemv(kind, bn, bm, gps) for kind in KINDS
       for bn, bm, gps in ((4, 1, 16), (8, 1, 16), (16, 1, 8), (32, 1, 4), (8, 4, 4))),
@@ -578,36 +493,6 @@ class _Workspace:
 WORKSPACE = _Workspace()
 
 
-class _FusedSplitBuffers:
-    """Per-device buffers of the fused split-K, zeroed once: int32 arrival counters (one per output
-    tile) and the (M rounded up to whole tiles, N) int32 sums the K slices add into.
-
-    Every launch leaves both at zero again (each tile's last slice resets its counter and its
-    sums), so fixed buffers serve every call and every captured CUDA graph; they are never regrown
-    (a graph keeps their addresses). A launch past either capacity reduces in a second kernel.
-    """
-
-    TILES = 1 << 16
-    ELEMENTS = 1 << 22  # 16 MiB: M * N up to e.g. 256 x 16384
-
-    def __init__(self):
-        self._by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def get(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (counters, sums)"""
-        key = canonical_device(device)
-        if key not in self._by_device:
-            self._by_device[key] = (torch.zeros(self.TILES, dtype=torch.int32, device=key),
-                                    torch.zeros(self.ELEMENTS, dtype=torch.int32, device=key))
-        return self._by_device[key]
-
-    def fits(self, tiles: int, padded_m: int, N: int) -> bool:
-        return tiles <= self.TILES and padded_m * N <= self.ELEMENTS
-
-
-FUSED_SPLIT = _FusedSplitBuffers()
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -664,16 +549,6 @@ def _launch_grid(variant: GemmVariant, M: int, N: int, K: int, split_k: int | No
     return (tiles, split), per_split, split, ws
 
 
-def _split_buffers(variant: GemmVariant, grid: tuple, split: int, M: int, N: int, ws: torch.Tensor, device):
-    """-> (fused, the kernel's workspace argument, its counters argument): the fused split-K's zeroed
-    sums and counters where this launch reduces its own slices, else the partials workspace (the
-    counters then unused) and _split_k_epilogue's second launch."""
-    if variant.fused_split and split > 1 and FUSED_SPLIT.fits(grid[0], triton.cdiv(M, variant.block_m) * variant.block_m, N):
-        counters, sums = FUSED_SPLIT.get(device)
-        return True, sums, counters
-    return False, ws, ws
-
-
 def _split_k_epilogue(ws, split, sx, col_scale, zero, rowsum, out) -> None:
     M, N = out.shape
     block = 1024
@@ -711,18 +586,17 @@ def w4a8_g128_gemm(
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
     group_sums = _group_sums_read_by(variant, group_sums, M, K)
     grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
-    fused, ws_arg, counters = _split_buffers(variant, grid, split, M, N, ws, x8.device)
     _w4a8_g128_kernel[grid](
-        x8, sx, qw, s2, zero, s1, out, ws_arg, counters, sx if group_sums is None else group_sums,
+        x8, sx, qw, s2, zero, s1, out, ws, sx if group_sums is None else group_sums,
         M, N, K, per_split,
         x8.stride(0), x8.stride(1), qw.stride(0), qw.stride(1), s2.stride(0), s2.stride(1),
         out.stride(0), out.stride(1), 0 if group_sums is None else group_sums.stride(0),
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
         ZERO_AFTER_DOT=variant.zero_after_dot, DOT_FP16=variant.dot_fp16, SWAR=variant.swar,
-        USE_SPLIT=split > 1, FAST_UNPACK=x8.is_cuda, HAS_GROUP_SUMS=group_sums is not None, FUSED_SPLIT=fused,
+        USE_SPLIT=split > 1, FAST_UNPACK=x8.is_cuda, HAS_GROUP_SUMS=group_sums is not None,
         **variant.launch_options, **launch_kwargs(x8.device, M),
     )
-    if split > 1 and not fused:
+    if split > 1:
         _split_k_epilogue(ws, split, sx, s1, s1, None, out)
     return out
 
@@ -758,17 +632,16 @@ def w4a8_channel_gemm(
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
     grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
-    fused, ws_arg, counters = _split_buffers(variant, grid, split, M, N, ws, x8.device)
     _w4a8_channel_kernel[grid](
-        x8, sx, sx if rowsum is None else rowsum, qw, scale, zero, out, ws_arg, counters,
+        x8, sx, sx if rowsum is None else rowsum, qw, scale, zero, out, ws,
         M, N, K, per_split,
         x8.stride(0), x8.stride(1), qw.stride(0), qw.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, GROUP_M=variant.group_m,
         HAS_ROWSUM=rowsum is not None, DOT_FP16=variant.dot_fp16, USE_SPLIT=split > 1,
-        FAST_UNPACK=x8.is_cuda, FUSED_SPLIT=fused, **variant.launch_options,
+        FAST_UNPACK=x8.is_cuda, **variant.launch_options,
         **launch_kwargs(x8.device, M),
     )
-    if split > 1 and not fused:
+    if split > 1:
         _split_k_epilogue(ws, split, sx, scale, zero, rowsum, out)
     return out
 
