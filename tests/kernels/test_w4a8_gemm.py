@@ -231,4 +231,3 @@ def test_workspace_is_one_buffer_per_device_whatever_the_spelling(monkeypatch):
     grown = ws.get("cpu", 64)
     assert grown.numel() == 64 and ws.pointer(torch.device("cpu")) == grown.data_ptr() != small.data_ptr()
     assert ws.pointer("meta") is None
-
