@@ -95,6 +95,21 @@ def test_split_k_slices_sum_exactly(variant: gemm.GemmVariant):
         _assert_matches(y, ref, variant)
 
 
+@pytest.mark.parametrize("name", ["chn.n64m16.sk", "g128.n64m16.sk.zp", "chn.gemv.n8m4g4"])
+def test_split_epilogue_reading_every_slice_at_once_sums_exactly(name: str, monkeypatch):
+    """The epilogue's other way to read the slices (one tile of all of them; SPLIT_EPILOGUE_READS
+    "all"), at splits that fill its power-of-two tile (2) and that leave masked rows (3, 5)."""
+    variant = gemm.get_variant(name)
+    m, n, k = _rows(variant, 5), 67, 640
+    weight = _weight(variant.kind, n, k, seed=11)
+    x = _activations(m, k, seed=12)
+    x8, sx = quantize_per_token(x)
+    ref = reference_linear(weight)(x)
+    monkeypatch.setattr(gemm, "SPLIT_EPILOGUE_READS", "all")
+    for split in (2, 3, 5):
+        _assert_matches(gemm.w4a8_gemm(x8, sx, weight, variant=name, split_k=split), ref, variant)
+
+
 def test_split_factor_rules(monkeypatch):
     monkeypatch.setattr(gemm, "_num_sms", lambda device: 132)
     cpu = torch.device("cpu")
