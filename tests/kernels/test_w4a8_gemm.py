@@ -84,13 +84,17 @@ def test_variant_matches_reference_linear(variant: gemm.GemmVariant):
 @pytest.mark.parametrize("variant", [v for v in gemm.VARIANTS if (v.split_k or v.gemv) and _slice_tested(v)],
                          ids=lambda v: v.name)
 def test_split_k_slices_sum_exactly(variant: gemm.GemmVariant):
+    _assert_splits_sum_exactly(variant, (1, 2, 3, 5), seed=7)
+
+
+def _assert_splits_sum_exactly(variant: gemm.GemmVariant, splits: tuple[int, ...], seed: int) -> None:
     # K = 640 is 5 groups: 2 slices of (3, 2) groups, 3 of (2, 2, 1), 5 of one each.
     m, n, k = _rows(variant, 5), 67, 640
-    weight = _weight(variant.kind, n, k, seed=7)
-    x = _activations(m, k, seed=8)
+    weight = _weight(variant.kind, n, k, seed=seed)
+    x = _activations(m, k, seed=seed + 1)
     x8, sx = quantize_per_token(x)
     ref = reference_linear(weight)(x)
-    for split in (1, 2, 3, 5):
+    for split in splits:
         y = gemm.w4a8_gemm(x8, sx, weight, variant=variant.name, split_k=split)
         _assert_matches(y, ref, variant)
 
@@ -99,15 +103,8 @@ def test_split_k_slices_sum_exactly(variant: gemm.GemmVariant):
 def test_split_epilogue_reading_every_slice_at_once_sums_exactly(name: str, monkeypatch):
     """The epilogue's other way to read the slices (one tile of all of them; SPLIT_EPILOGUE_READS
     "all"), at splits that fill its power-of-two tile (2) and that leave masked rows (3, 5)."""
-    variant = gemm.get_variant(name)
-    m, n, k = _rows(variant, 5), 67, 640
-    weight = _weight(variant.kind, n, k, seed=11)
-    x = _activations(m, k, seed=12)
-    x8, sx = quantize_per_token(x)
-    ref = reference_linear(weight)(x)
     monkeypatch.setattr(gemm, "SPLIT_EPILOGUE_READS", "all")
-    for split in (2, 3, 5):
-        _assert_matches(gemm.w4a8_gemm(x8, sx, weight, variant=name, split_k=split), ref, variant)
+    _assert_splits_sum_exactly(gemm.get_variant(name), (2, 3, 5), seed=11)
 
 
 def test_split_factor_rules(monkeypatch):
