@@ -206,12 +206,20 @@ def _feedback_factor(kv_heads: int, d: int, seed: int) -> torch.Tensor:
     return feedback_factor(mix @ mix.transpose(1, 2) / d)
 
 
+@pytest.mark.parametrize("keys_written", ["per_token", "head_tiles"])
 @pytest.mark.parametrize("head_dim,kv_heads,kv_range", [(128, 2, (1.0, 0.8)), (64, 3, (0.9, 1.0))])
-def test_kv4_write_with_key_feedback_matches_reference_bit_for_bit(head_dim, kv_heads, kv_range):
+def test_kv4_write_with_key_feedback_matches_reference_bit_for_bit(head_dim, kv_heads, kv_range, keys_written,
+                                                                   monkeypatch):
     """Error-feedback rounding of the keys: every step's error moves the later dims, so one code
-    off would move the rest; the kernel's rows equal the reference's byte for byte (keys and values)."""
+    off would move the rest; the kernel's rows equal the reference's byte for byte (keys and values),
+    whichever kernel writes the keys. 18 tokens: a whole tile of 16 and a partial one for "head_tiles",
+    and a padding token (slot -1) that neither writes."""
+    import services.worker.kernels.kv4_cache as kv4_cache
+
+    monkeypatch.setattr(kv4_cache, "KEY_FEEDBACK_WRITE", keys_written)
     num_blocks = 5
     positions, slots, _ = _prefill_slots([5, 11, 2], num_blocks, seed=21)
+    slots[6] = -1
     k, v = _kv(len(slots), kv_heads, head_dim, seed=9)
     rope = _rope_cache(head_dim)
     u = _feedback_factor(kv_heads, head_dim, seed=4)
@@ -223,11 +231,23 @@ def test_kv4_write_with_key_feedback_matches_reference_bit_for_bit(head_dim, kv_
     write_kv4_cache_reference(k, v, positions, slots, rope, k_ref, v_ref, kv_range=kv_range, key_feedback=u)
 
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    written = slots[slots >= 0]
     plain = k_cache.clone()
     write_kv4_cache_reference(k, v, positions, slots, rope, plain, v_ref.clone(), kv_range=kv_range)
     assert not torch.equal(plain, k_cache)  # the feedback changed codes (same scale and zero bytes)
     d = head_dim
-    assert torch.equal(_slot_rows(plain, slots)[..., d // 2 :], _slot_rows(k_cache, slots)[..., d // 2 :])
+    assert torch.equal(_slot_rows(plain, written)[..., d // 2 :], _slot_rows(k_cache, written)[..., d // 2 :])
+
+
+def test_key_feedback_write_mode_must_be_known(monkeypatch):
+    import services.worker.kernels.kv4_cache as kv4_cache
+
+    monkeypatch.setattr(kv4_cache, "KEY_FEEDBACK_WRITE", "tiles")
+    k, v = _kv(2, 2, 64, seed=1)
+    cache = torch.zeros(1, 2, BLOCK_SIZE, page_row_bytes(64), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="KEY_FEEDBACK_WRITE"):
+        write_kv4_cache(k, v, torch.arange(2), torch.tensor([0, 1]), _rope_cache(64), cache, cache.clone(),
+                        key_feedback=_feedback_factor(2, 64, seed=1))
 
 
 def test_key_feedback_of_the_wrong_shape_is_refused():

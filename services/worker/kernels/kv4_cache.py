@@ -7,6 +7,8 @@ The same program can also rotate the query heads of its KV groups, so one launch
 all the RoPE work of the attention block. A program takes up to HEADS_PER_PROGRAM query heads'
 worth of KV heads: one program per (token, head) was latency-bound (a chain of dependent loads
 for 128 values; 216 us a layer for an 8192-token prefill chunk on the H200).
+With key error feedback (opt-in, shared.formats.kv4) the keys may instead be written by a second
+kernel, a program per (KV head, tile of tokens): see KEY_FEEDBACK_WRITE.
 
 Layouts:
     key, value    (T, kv_heads, D) fp16, last dim contiguous; key is pre-RoPE
@@ -34,6 +36,19 @@ __all__ = ["build_rope_cache", "write_fp16_cache", "write_kv4_cache"]
 # of head_dim 128 are 2048 values a tensor, 16 a thread at 4 warps.
 HEADS_PER_PROGRAM = 16
 
+# Where a write with key error feedback (shared.formats.kv4) runs the keys' D-step rounding loop:
+#   "per_token":  in the main kernel's (token, KV-head tile) programs, each reading its heads' whole R
+#                 (64 KiB a head at D = 128) for its one token. Measured on an H200 (session 27,
+#                 bench/results/h200/kv_write_feedback.json): 2.9x / 9.4x the plain write at 1024 / 4096
+#                 tokens (R traffic through L1/L2: 2 GiB a layer at 1024 tokens of 32 KV heads), +10-25 us
+#                 a layer for decode batches.
+#   "head_tiles": a second kernel, a program per (KV head, KEY_FEEDBACK_TILE tokens), reading each row of R
+#                 once for the tile's tokens (1/16 of the traffic); the main kernel then writes only values.
+#                 Rows identical to "per_token" (tests); not yet timed on a GPU: bench/kv_write_feedback.py
+#                 times both, and the slower one goes.
+KEY_FEEDBACK_WRITE = "per_token"
+KEY_FEEDBACK_TILE = 16  # tokens a program of "head_tiles": (16, D) fp32 halves, 8-16 values a thread
+
 
 @triton.jit
 def _round_half_even(x):
@@ -46,47 +61,51 @@ def _round_half_even(x):
 
 
 @triton.jit
-def _feedback_codes(lo, hi, scale, zero, r_ptrs, mask_h, HALF: tl.constexpr):
-    """The error-feedback codes of shared.formats.kv4 (its module doc): (H, HALF) halves lo, hi on
-    the grids scale, zero (H,); r_ptrs (H,) the first element of each head's R (D, D) fp32.
+def _kv4_code(x, scale, zero):
+    """The nearest KV4 code of x on the grid (scale, zero): IEEE division, round half to even, clamp."""
+    return tl.minimum(tl.maximum(_round_half_even(tl.div_rn(x - zero, scale)), 0.0), 15.0)
 
-    Dim i is lo[:, i] for i < HALF, else hi[:, i - HALF]. Each step updates every dim, where the
-    reference updates those after i: R is upper triangular, so the others change by a product with
-    0, which leaves a value as it was (and dim i itself is not read again).
 
-    Cost: D dependent steps per key, and each program reads its heads' whole R (D * D fp32, 64 KiB
-    at D = 128) for its one token, so a 1024-token prefill of 32 KV heads reads 2 GiB of R per layer
-    through L1/L2. Measured on an H200 (bench/results/h200/kv_write_feedback.json): 2.9x / 9.4x the
-    plain write at 1024 / 4096 tokens, +10-25 us a layer for decode batches. The cure to try is a
-    program per (KV head, token tile) that reads each row of R once per tile."""
+@triton.jit
+def _feedback_codes(lo, hi, scale, zero, r_rows, r_mask, HALF: tl.constexpr):
+    """The error-feedback codes of shared.formats.kv4 (its module doc): (H, HALF) halves lo, hi of H
+    vectors on the grids scale, zero (H,). r_rows: pointers to the first element of each vector's R
+    (D, D) fp32, as (H, 1) (a head each) or a scalar (one R for all: read once per step for every
+    vector); r_mask: where r_rows may be read (broadcast against (H, HALF)).
+
+    Dim i is lo[:, i] for i < HALF, else hi[:, i - HALF]. Step i updates a whole half where the
+    reference updates the dims after i: R is upper triangular, so the others change by a product with
+    0, which leaves a value as it was; hence the steps of the upper half leave lo alone. Dim i itself
+    takes R[i, i] = 1 times its own error: it ends as w_i - e_i, its dequantized value to within
+    an ulp of w_i, and the codes are read back from the final values at the end, which gives q_i
+    exactly wherever the vector's range is not empty (checked over 40M fp16-valued cases with up to
+    1e4 steps of overshoot; an empty range has every error 0 and every code 0). That saves the two
+    per-step selects that kept each q_i: D dependent steps per vector, each over one half (lower half)
+    or the upper half alone, reading one row of R (or its upper half) per distinct pointer in r_rows."""
     D: tl.constexpr = 2 * HALF
     offs = tl.arange(0, HALF)[None, :]
-    rows = mask_h[:, None]
-    q_lo = tl.zeros_like(lo)
-    q_hi = tl.zeros_like(hi)
-    for i in range(D):
-        sel_lo = offs == i
-        sel_hi = offs + HALF == i
-        w = tl.sum(tl.where(sel_lo, lo, tl.where(sel_hi, hi, 0.0)), axis=1)  # (H,): dim i, exactly
-        q = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(w - zero, scale)), 0.0), 15.0)
-        q_lo = tl.where(sel_lo, q[:, None], q_lo)
-        q_hi = tl.where(sel_hi, q[:, None], q_hi)
-        r_row = r_ptrs[:, None] + i * D + offs
-        err = (w - (q * scale + zero))[:, None]  # product then sum: the launch has no FMA
-        lo = lo - err * tl.load(r_row, mask=rows, other=0.0)
-        hi = hi - err * tl.load(r_row + HALF, mask=rows, other=0.0)
-    return q_lo, q_hi
+    for i in range(HALF):
+        w = tl.sum(tl.where(offs == i, lo, 0.0), axis=1)  # (H,): dim i, exactly
+        err = (w - (_kv4_code(w, scale, zero) * scale + zero))[:, None]  # product then sum: the launch has no FMA
+        r_row = r_rows + i * D + offs
+        lo = lo - err * tl.load(r_row, mask=r_mask, other=0.0)
+        hi = hi - err * tl.load(r_row + HALF, mask=r_mask, other=0.0)
+    for i in range(HALF):
+        w = tl.sum(tl.where(offs == i, hi, 0.0), axis=1)
+        err = (w - (_kv4_code(w, scale, zero) * scale + zero))[:, None]
+        hi = hi - err * tl.load(r_rows + (HALF + i) * D + HALF + offs, mask=r_mask, other=0.0)
+    return _kv4_code(lo, scale[:, None], zero[:, None]), _kv4_code(hi, scale[:, None], zero[:, None])
 
 
 @triton.jit
 def _store_kv4_rows(row_ptrs, mask_h, lo, hi, margin, HALF: tl.constexpr, SHRINK: tl.constexpr,
-                    r_ptrs=None, FEEDBACK: tl.constexpr = False):
+                    r_rows=None, r_mask=None, FEEDBACK: tl.constexpr = False):
     """Quantize head vectors (halves lo, hi: (H, HALF) fp32 holding fp16 values) into the KV4 rows
     at row_ptrs (H,), those where mask_h (H,) holds.
 
     Bit-for-bit shared.formats.kv4.encode_rows: IEEE division, round half to even, fp16 scale/zero;
     SHRINK: the range ratio rule, [min, max] narrowed by margin = fp32((1 - ratio) / 2) of its width;
-    FEEDBACK: codes by error-feedback rounding with each head's R at r_ptrs (H,).
+    FEEDBACK: codes by error-feedback rounding with R at r_rows, r_mask (see _feedback_codes).
     """
     vmin = tl.minimum(tl.min(lo, axis=1), tl.min(hi, axis=1))  # (H,)
     vmax = tl.maximum(tl.max(lo, axis=1), tl.max(hi, axis=1))
@@ -96,11 +115,10 @@ def _store_kv4_rows(row_ptrs, mask_h, lo, hi, margin, HALF: tl.constexpr, SHRINK
     scale = tl.maximum(tl.div_rn(vmax - vmin, 15.0), 1e-5).to(tl.float16)
     zero = vmin.to(tl.float16)
     if FEEDBACK:
-        q_lo, q_hi = _feedback_codes(lo, hi, scale.to(tl.float32), zero.to(tl.float32), r_ptrs, mask_h, HALF)
+        q_lo, q_hi = _feedback_codes(lo, hi, scale.to(tl.float32), zero.to(tl.float32), r_rows, r_mask, HALF)
     else:
         scale_f, zero_f = scale.to(tl.float32)[:, None], zero.to(tl.float32)[:, None]
-        q_lo = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(lo - zero_f, scale_f)), 0.0), 15.0)
-        q_hi = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(hi - zero_f, scale_f)), 0.0), 15.0)
+        q_lo, q_hi = _kv4_code(lo, scale_f, zero_f), _kv4_code(hi, scale_f, zero_f)
     codes = q_lo.to(tl.int32) | (q_hi.to(tl.int32) << 4)  # byte j: dim j low nibble, dim j + D/2 high
     stored = mask_h[:, None]
     tl.store(row_ptrs[:, None] + tl.arange(0, HALF)[None, :], codes.to(tl.uint8), mask=stored)
@@ -126,7 +144,7 @@ def _rope_cache_write_kernel(
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_H: tl.constexpr, QUANTIZE: tl.constexpr, ROTATE_QUERY: tl.constexpr, K_SHRINK: tl.constexpr,
-    V_SHRINK: tl.constexpr, KEY_FEEDBACK: tl.constexpr = False,
+    V_SHRINK: tl.constexpr, KEY_FEEDBACK: tl.constexpr = False, WRITE_KEYS: tl.constexpr = True,
     PDL: tl.constexpr = 0,
 ):
     """Token tl.program_id(0), KV heads [BLOCK_H * tl.program_id(1), + BLOCK_H) (the last tile masked)."""
@@ -159,26 +177,63 @@ def _rope_cache_write_kernel(
 
     slot = tl.load(slots_ptr + tok).to(tl.int64)
     if slot >= 0:
-        k_ptrs = key_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs[None, :]  # (BLOCK_H, HALF)
-        k_lo = tl.load(k_ptrs, mask=rows_mask, other=0.0).to(tl.float32)
-        k_hi = tl.load(k_ptrs + HALF, mask=rows_mask, other=0.0).to(tl.float32)
-        # Round the rotated key to fp16 first: the reference quantizes the fp16 rotated key.
-        r_lo = (k_lo * cos - k_hi * sin).to(tl.float16)
-        r_hi = (k_hi * cos + k_lo * sin).to(tl.float16)
+        row = (slot // BLOCK_SIZE) * stride_cb + offs_h * stride_ch + (slot % BLOCK_SIZE) * stride_cs  # (BLOCK_H,)
+        if WRITE_KEYS:
+            k_ptrs = key_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs[None, :]  # (BLOCK_H, HALF)
+            k_lo = tl.load(k_ptrs, mask=rows_mask, other=0.0).to(tl.float32)
+            k_hi = tl.load(k_ptrs + HALF, mask=rows_mask, other=0.0).to(tl.float32)
+            # Round the rotated key to fp16 first: the reference quantizes the fp16 rotated key.
+            r_lo = (k_lo * cos - k_hi * sin).to(tl.float16)
+            r_hi = (k_hi * cos + k_lo * sin).to(tl.float16)
+            if QUANTIZE:
+                _store_kv4_rows(k_cache_ptr + row, mask_h, r_lo.to(tl.float32), r_hi.to(tl.float32), k_margin, HALF,
+                                K_SHRINK, (key_feedback_ptr + offs_h * (HEAD_DIM * HEAD_DIM))[:, None], rows_mask,
+                                KEY_FEEDBACK)
+            else:
+                dst = row[:, None] + offs[None, :]
+                tl.store(k_cache_ptr + dst, r_lo, mask=rows_mask)
+                tl.store(k_cache_ptr + dst + HALF, r_hi, mask=rows_mask)
         v_ptrs = value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs[None, :]
         v_lo = tl.load(v_ptrs, mask=rows_mask, other=0.0)
         v_hi = tl.load(v_ptrs + HALF, mask=rows_mask, other=0.0)
-        row = (slot // BLOCK_SIZE) * stride_cb + offs_h * stride_ch + (slot % BLOCK_SIZE) * stride_cs  # (BLOCK_H,)
         if QUANTIZE:
-            _store_kv4_rows(k_cache_ptr + row, mask_h, r_lo.to(tl.float32), r_hi.to(tl.float32), k_margin, HALF, K_SHRINK,
-                            key_feedback_ptr + offs_h * (HEAD_DIM * HEAD_DIM), KEY_FEEDBACK)
             _store_kv4_rows(v_cache_ptr + row, mask_h, v_lo.to(tl.float32), v_hi.to(tl.float32), v_margin, HALF, V_SHRINK)
         else:
             dst = row[:, None] + offs[None, :]
-            tl.store(k_cache_ptr + dst, r_lo, mask=rows_mask)
-            tl.store(k_cache_ptr + dst + HALF, r_hi, mask=rows_mask)
             tl.store(v_cache_ptr + dst, v_lo, mask=rows_mask)
             tl.store(v_cache_ptr + dst + HALF, v_hi, mask=rows_mask)
+
+
+@triton.jit
+def _key_feedback_write_kernel(
+    key_ptr, positions_ptr, slots_ptr, rope_ptr, k_cache_ptr, key_feedback_ptr, num_tokens,
+    stride_kt, stride_kh, stride_rope, stride_cb, stride_ch, stride_cs, k_margin,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, K_SHRINK: tl.constexpr,
+    PDL: tl.constexpr = 0,
+):
+    """The keys of a write with error feedback: KV head tl.program_id(1), tokens
+    [TOKENS * tl.program_id(0), + TOKENS) (the last tile masked, and tokens whose slot is negative).
+    RoPE and rows as _rope_cache_write_kernel's keys; each step of the feedback loop reads one row of
+    the head's R for the whole tile (see KEY_FEEDBACK_WRITE)."""
+    _overlap_entry(PDL)
+    head = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, HALF)[None, :]
+    offs_t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    slot = tl.load(slots_ptr + offs_t, mask=offs_t < num_tokens, other=-1).to(tl.int64)
+    write = slot >= 0  # (TOKENS,)
+    rows_mask = write[:, None]
+    pos = tl.load(positions_ptr + offs_t, mask=write, other=0).to(tl.int64)[:, None]
+    cos = tl.load(rope_ptr + pos * stride_rope + offs, mask=rows_mask, other=0.0)  # (TOKENS, HALF) fp32
+    sin = tl.load(rope_ptr + pos * stride_rope + HALF + offs, mask=rows_mask, other=0.0)
+    k_ptrs = key_ptr + offs_t[:, None].to(tl.int64) * stride_kt + head * stride_kh + offs
+    k_lo = tl.load(k_ptrs, mask=rows_mask, other=0.0).to(tl.float32)
+    k_hi = tl.load(k_ptrs + HALF, mask=rows_mask, other=0.0).to(tl.float32)
+    r_lo = (k_lo * cos - k_hi * sin).to(tl.float16).to(tl.float32)
+    r_hi = (k_hi * cos + k_lo * sin).to(tl.float16).to(tl.float32)
+    row = (slot // BLOCK_SIZE) * stride_cb + head * stride_ch + (slot % BLOCK_SIZE) * stride_cs  # (TOKENS,)
+    r_rows = key_feedback_ptr + head * (HEAD_DIM * HEAD_DIM)  # one R for the whole tile
+    _store_kv4_rows(k_cache_ptr + row, write, r_lo, r_hi, k_margin, HALF, K_SHRINK, r_rows, offs < HALF, True)
 
 
 def _check_inputs(key, value, positions, slot_mapping, rope_cache, query) -> tuple[int, int, int]:
@@ -240,6 +295,9 @@ def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, q
     query_out = torch.empty_like(query) if query is not None else None
     if t == 0:
         return query_out
+    if KEY_FEEDBACK_WRITE not in ("per_token", "head_tiles"):
+        raise ValueError(f"KEY_FEEDBACK_WRITE must be per_token or head_tiles, got {KEY_FEEDBACK_WRITE!r}")
+    keys_apart = key_feedback is not None and KEY_FEEDBACK_WRITE == "head_tiles"
     q_arg = query if query is not None else key  # unused when ROTATE_QUERY is off
     o_arg = query_out if query_out is not None else key
     block_g = triton.next_power_of_2(group)
@@ -253,11 +311,20 @@ def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, q
         range_margin(kv_range[0]), range_margin(kv_range[1]),
         HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], GROUP=group, BLOCK_G=block_g, BLOCK_H=block_h,
         QUANTIZE=quantize, ROTATE_QUERY=query is not None, K_SHRINK=kv_range[0] != 1.0, V_SHRINK=kv_range[1] != 1.0,
-        KEY_FEEDBACK=key_feedback is not None,
+        KEY_FEEDBACK=key_feedback is not None and not keys_apart, WRITE_KEYS=not keys_apart,
         # No FMA contraction: x * cos - y * sin rounds each product as torch does, so the rotated
         # fp16 key, and with it the KV4 row, is bit-identical to the reference.
         num_warps=max(1, min(4, block_h * block_g * d // 1024)), enable_fp_fusion=False, **launch_kwargs(key.device, t),
     )
+    if keys_apart:
+        tokens = min(KEY_FEEDBACK_TILE, triton.next_power_of_2(t))
+        _key_feedback_write_kernel[(triton.cdiv(t, tokens), kv_heads)](
+            key, positions, slot_mapping, rope_cache, k_cache, key_feedback, t,
+            key.stride(0), key.stride(1), rope_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            range_margin(kv_range[0]),
+            HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], TOKENS=tokens, K_SHRINK=kv_range[0] != 1.0,
+            num_warps=max(1, min(4, tokens * d // 1024)), enable_fp_fusion=False, **launch_kwargs(key.device, t),
+        )
     return query_out
 
 
