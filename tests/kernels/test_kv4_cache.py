@@ -239,6 +239,40 @@ def test_kv4_write_with_key_feedback_matches_reference_bit_for_bit(head_dim, kv_
     assert torch.equal(_slot_rows(plain, written)[..., d // 2 :], _slot_rows(k_cache, written)[..., d // 2 :])
 
 
+@pytest.mark.parametrize("keys_written", ["per_token", "head_tiles"])
+def test_key_feedback_write_on_extreme_keys(keys_written, monkeypatch):
+    """The kernels read each code back from the dim's final value (w - e, _feedback_codes): exact
+    for empty ranges (all-zero and constant keys, at position 0 where RoPE is the identity), a lone
+    outlier, a narrow range far from zero, and clamping everywhere (K range ratio 0.6)."""
+    import services.worker.kernels.kv4_cache as kv4_cache
+
+    monkeypatch.setattr(kv4_cache, "KEY_FEEDBACK_WRITE", keys_written)
+    d, kv_heads = 64, 2
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(6, kv_heads, d, generator=g)
+    k[0] = 0.0
+    k[1] = 7.5
+    k[2] = -300.0
+    k[3] = torch.randn(kv_heads, d, generator=g) * 1e-3
+    k[3, :, 17] = 1000.0
+    k[4] = 2000.0 + torch.randn(kv_heads, d, generator=g) * 4
+    k = k.half()
+    positions = torch.tensor([0, 0, 0, 3, 0, 9])
+    slots = torch.arange(6, dtype=torch.int64)
+    rope = _rope_cache(d)
+    u = _feedback_factor(kv_heads, d, seed=8)
+    shape = (1, kv_heads, BLOCK_SIZE, page_row_bytes(d))
+    k_cache, v_cache = torch.full(shape, POISON, dtype=torch.uint8), torch.full(shape, POISON, dtype=torch.uint8)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    write_kv4_cache(k, k, positions, slots, rope, k_cache, v_cache, kv_range=(0.6, 1.0), key_feedback=u)
+    write_kv4_cache_reference(k, k, positions, slots, rope, k_ref, v_ref, kv_range=(0.6, 1.0), key_feedback=u)
+
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    codes = unpack_halves(_slot_rows(k_cache, slots)[..., : d // 2], d)
+    assert (codes[:3] == 0).all() and (codes == 15).any() and (codes == 0).any()
+
+
 def test_key_feedback_write_mode_must_be_known(monkeypatch):
     import services.worker.kernels.kv4_cache as kv4_cache
 
