@@ -43,6 +43,7 @@ import triton.language as tl
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 from services.worker.kernels.swar_ptx import SWAR_REGISTERS, high_plane, low_plane, swar_plane, swar_setup
 from services.worker.kernels.w4a8_gemv import _w4a8_gemv_kernel
+from services.worker.kernels.w4a8_warp_mma import _w4a8_warp_mma_kernel
 from shared.formats.weights import GROUP_SIZE, W4ChannelWeight, W4G128ProgressiveWeight
 
 log = logging.getLogger(__name__)
@@ -336,6 +337,7 @@ class GemmVariant:
     gemv: bool = False  # no tensor cores: dp4a on CUDA cores, one program covers M <= block_m (w4a8_gemv.py)
     groups_per_step: int = 1  # gemv: 128-groups of K read per loop step
     x_shared: bool = False  # gemv: x words held once per thread for all its rows, one program per token (_row_sums_x_shared)
+    warp_mma: bool = False  # M <= 16: one-warp programs, weight words straight into mma.sync (w4a8_warp_mma.py)
     max_m: int | None = None
     group_m: int = 8
     # Register cap per thread (ptxas .maxnreg). An 8-warp n128m128 tile compiles to 128-149 registers
@@ -391,6 +393,17 @@ def _gemv(kind: str, bn: int, bm: int, groups_per_step: int, x_shared: bool = Fa
 X_SHARED_MAX_M = 4  # the H200 tune run (session 25): never fastest at M = 8, at 4 only on 4096x4096
 
 
+def _warp_mma(kind: str, bn: int) -> GemmVariant:
+    """A w4a8_warp_mma.py variant: one warp per program covering bn = 8 J columns of all M <= 16 rows."""
+    prefix = "g128" if kind == G128 else "chn"
+    return GemmVariant(f"{prefix}.wmma.n{bn}", kind, bn, 16, 1, 1, split_k=True, warp_mma=True, max_m=16)
+
+
+# One-warp programs per SM that the warp-MMA split aims at: each keeps a group of weight words in
+# flight (512 bytes a tile of 8 columns), and the SM's share of the copy bandwidth needs ~30 KB.
+WARP_MMA_PROGRAMS_PER_SM = 16
+
+
 G128, CHN = KINDS
 VARIANTS: tuple[GemmVariant, ...] = (
     _v("g128.n64m16.sk", G128, 64, 16, 4, 4, split_k=True),
@@ -441,6 +454,8 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # Batch 1 with x held once per thread for all its rows (session 25): 1, 2 or 4 warps.
     *(_gemv(kind, bn, 1, gps, x_shared=True) for kind in KINDS
       for bn, gps in ((4, 32), (16, 32), (4, 16), (8, 16), (16, 16), (16, 8))),
+    # M <= 16 as a weight stream on mma.sync (session 29; not yet timed on a GPU).
+    *(_warp_mma(kind, bn) for kind in KINDS for bn in (16, 32, 64)),
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 
@@ -520,6 +535,8 @@ def split_factor(variant: GemmVariant, M: int, N: int, K: int, device: torch.dev
         return 1
     tiles = triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n)
     groups = K // GROUP_SIZE
+    if variant.warp_mma:  # one-warp programs: many more of them, slices of >= 2 groups
+        return max(1, min(WARP_MMA_PROGRAMS_PER_SM * _num_sms(device) // tiles, groups // 2))
     if variant.maxnreg is not None and variant.maxnreg <= 128:
         want = 2 * _num_sms(device) // tiles
     else:
@@ -739,6 +756,50 @@ def w4a8_gemv(
     return out
 
 
+def w4a8_warp_mma(
+    x8: torch.Tensor,
+    sx: torch.Tensor,
+    weight: W4G128ProgressiveWeight | W4ChannelWeight,
+    variant: GemmVariant,
+    rowsum: torch.Tensor | None = None,
+    *,
+    split_k: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The warp-MMA kernel of w4a8_warp_mma.py for M <= 16; same contract as w4a8_gemm."""
+    qw = weight.qweight
+    N, K = qw.shape[0], qw.shape[1] * 2
+    sx = _check_common(x8, sx, N, K, out)
+    M = x8.shape[0]
+    ok, reason = variant.can_implement(M, N, K, weight.kind)
+    assert ok and variant.warp_mma, reason
+    g128 = isinstance(weight, W4G128ProgressiveWeight)
+    if g128:
+        s2, zero, col_scale = weight.s2, weight.zero, weight.s1
+        assert s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride() and s2.stride(1) == 1
+        rowsum = None  # the kernel sums each group of x8 itself (an all-ones MMA)
+    else:
+        s2 = zero = weight.zero
+        col_scale = weight.scale
+        if rowsum is not None:
+            assert rowsum.dtype == torch.int32 and rowsum.numel() == M, f"rowsum: expected ({M},) int32"
+            rowsum = rowsum.reshape(M)
+    x32, qw32 = _as_words(x8, "x8"), _as_words(qw, "qweight")
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
+    grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
+    _w4a8_warp_mma_kernel[grid](
+        x32, sx, sx if rowsum is None else rowsum, qw32, s2, zero, col_scale, out, ws,
+        M, N, K, per_split,
+        x32.stride(0), qw32.stride(0), s2.stride(0), out.stride(0), out.stride(1),
+        G128=g128, HAS_ROWSUM=rowsum is not None, J=variant.block_n // 8, USE_SPLIT=split > 1, FAST=x8.is_cuda,
+        **variant.launch_options, **launch_kwargs(x8.device, M),
+    )
+    if split > 1:
+        _split_k_epilogue(ws, split, sx, col_scale, zero, None if g128 else rowsum, out)
+    return out
+
+
 def w4a8_gemm(
     x8: torch.Tensor,
     sx: torch.Tensor,
@@ -774,6 +835,8 @@ def w4a8_gemm(
         raise ValueError(f"variant {variant} cannot run M={M} N={N} K={K} {weight.kind}: {reason}. All: {others}")
     if chosen.gemv:
         return w4a8_gemv(x8, sx, weight, chosen, rowsum, group_sums=group_sums, split_k=split_k, out=out)
+    if chosen.warp_mma:
+        return w4a8_warp_mma(x8, sx, weight, chosen, rowsum, split_k=split_k, out=out)
     if isinstance(weight, W4G128ProgressiveWeight):
         return w4a8_g128_gemm(x8, sx, weight, chosen, group_sums=group_sums, split_k=split_k, out=out)
     return w4a8_channel_gemm(x8, sx, weight, chosen, rowsum, split_k=split_k, out=out)
