@@ -47,8 +47,11 @@ def _weight(kind: str, n: int, k: int, seed: int):
 def _slice_tested(v: gemm.GemmVariant) -> bool:
     """The variants the K-slice and group-sums tests run: the x-shared M = 1 loops differ from each
     other only in rows per program and warps (the same code), so one per kind stands for the rest
-    there; the interpreter runs their programs one by one (the n4 ones took 20 s a test)."""
-    return not v.x_shared or v.name.endswith(".n16m1g16.xs")
+    there; the interpreter runs their programs one by one (the n4 ones took 20 s a test). Likewise
+    the warp-MMA variants differ only in tiles per warp: .wmma.n32 runs them all (10-16 s a test)."""
+    if v.x_shared:
+        return v.name.endswith(".n16m1g16.xs")
+    return not v.warp_mma or v.name.endswith(".wmma.n32")
 
 
 def _rows(v: gemm.GemmVariant, cap: int) -> int:
@@ -117,6 +120,11 @@ def test_split_factor_rules(monkeypatch):
     assert gemm.split_factor(capped, 256, 12288, 4096, cpu) == 1  # 192 tiles already fill most of it
     assert gemm.split_factor(capped, 16, 4096, 1024, cpu) == 2  # 32 tiles would take 8; 8 groups allow 2
     assert gemm.split_factor(gemm.get_variant("chn.n128m128.r128"), 16, 4096, 4096, cpu) == 1  # not a split variant
+    # One-warp programs: WARP_MMA_PROGRAMS_PER_SM (16) per SM, slices of at least 2 groups.
+    wmma = gemm.get_variant("g128.wmma.n32")
+    assert gemm.split_factor(wmma, 16, 4096, 4096, cpu) == 16  # 128 tiles -> 2048 programs, 2 groups a slice
+    assert gemm.split_factor(wmma, 16, 22016, 4096, cpu) == 3  # 688 tiles
+    assert gemm.split_factor(wmma, 16, 4096, 512, cpu) == 2  # 4 groups
 
 
 @pytest.mark.parametrize("variant", [v for v in gemm.VARIANTS if v.kind == "w4g128p"], ids=lambda v: v.name)
@@ -132,7 +140,7 @@ def test_g128_full_int8_weight_range(variant: gemm.GemmVariant):
 
 
 @pytest.mark.parametrize("name", ["chn.n64m16.sk", "chn.n64m16.sk.f16", "chn.n128m128", "chn.gemv.n8m4g4", "chn.gemv.n8m1g16",
-                                  "chn.gemv.n16m1g16.xs"])
+                                  "chn.gemv.n16m1g16.xs", "chn.wmma.n32"])
 def test_channel_rowsum_given_or_computed(name: str):
     from services.worker.kernels.act_quant import quantize
 

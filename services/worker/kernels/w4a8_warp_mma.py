@@ -40,75 +40,111 @@ import triton.language as tl
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release
 from services.worker.kernels.paged_attention_mma import _IMMA_S8_U8, _mma_emulated
 
-ONES = 0x01010101  # B = 1 in every byte: the MMA then sums each row of A
+ONES = tl.constexpr(0x01010101)  # B = 1 in every byte: the MMA then sums each row of A
 
 
 @triton.jit
-def _mma_tiles(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FAST: tl.constexpr):
-    """C += A (16 x 32 s8, fragments (32,)) x B (32 x 8 u8) for each row j of the (J, 32) B and C
-    fragments: J MMAs sharing one A."""
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FAST: tl.constexpr):
+    """C += A (16 x 32 s8) x B (32 x 8 u8) on (1, 32) fragments (lane i in element i)."""
     if FAST:
-        shape = c0.shape
         return tl.inline_asm_elementwise(
             asm=_IMMA_S8_U8, constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
-            args=[tl.broadcast_to(a0[None, :], shape), tl.broadcast_to(a1[None, :], shape),
-                  tl.broadcast_to(a2[None, :], shape), tl.broadcast_to(a3[None, :], shape),
-                  tl.broadcast_to(b0, shape), tl.broadcast_to(b1, shape), c0, c1, c2, c3],
+            args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
         )
-    J: tl.constexpr = c0.shape[0]
-    rows = tl.arange(0, J)[:, None]
-    b0 = tl.broadcast_to(b0, c0.shape)
-    b1 = tl.broadcast_to(b1, c0.shape)
-    for j in tl.static_range(J):
-        here = rows == j
-        d0, d1, d2, d3 = _mma_emulated(
-            a0, a1, a2, a3, _row(b0, here), _row(b1, here), _row(c0, here), _row(c1, here), _row(c2, here),
-            _row(c3, here), A_SIGNED=True, B_SIGNED=False,
-        )
-        c0 = tl.where(here, d0[None, :], c0)
-        c1 = tl.where(here, d1[None, :], c1)
-        c2 = tl.where(here, d2[None, :], c2)
-        c3 = tl.where(here, d3[None, :], c3)
-    return c0, c1, c2, c3
+    d0, d1, d2, d3 = _mma_emulated(
+        tl.reshape(a0, (32,)), tl.reshape(a1, (32,)), tl.reshape(a2, (32,)), tl.reshape(a3, (32,)),
+        tl.reshape(b0, (32,)), tl.reshape(b1, (32,)), tl.reshape(c0, (32,)), tl.reshape(c1, (32,)),
+        tl.reshape(c2, (32,)), tl.reshape(c3, (32,)), A_SIGNED=True, B_SIGNED=False,
+    )
+    return tl.reshape(d0, (1, 32)), tl.reshape(d1, (1, 32)), tl.reshape(d2, (1, 32)), tl.reshape(d3, (1, 32))
 
 
 @triton.jit
-def _row(x, here):
-    """Row `here` of a (J, 32) int32 tensor as (32,) (the interpreter's emulation only)."""
-    return tl.sum(tl.where(here, x, 0), axis=0)
+def _x_words(x_lo, x_hi):
+    """A's fragments of one group's four steps (x_lo / x_hi: the group's first word in rows g / g + 8):
+    step s takes words s (a0 row g, a1 row g + 8) and 16 + s (a2, a3)."""
+    return (tl.load(x_lo), tl.load(x_hi), tl.load(x_lo + 16), tl.load(x_hi + 16),
+            tl.load(x_lo + 1), tl.load(x_hi + 1), tl.load(x_lo + 17), tl.load(x_hi + 17),
+            tl.load(x_lo + 2), tl.load(x_hi + 2), tl.load(x_lo + 18), tl.load(x_hi + 18),
+            tl.load(x_lo + 3), tl.load(x_hi + 3), tl.load(x_lo + 19), tl.load(x_hi + 19))
 
 
 @triton.jit
-def _group_words(w_ptrs, grp):
-    """The four weight words (J, 32) of group `grp` for each lane: words 4t .. 4t + 3 of its row."""
+def _tile_words(w_ptrs, grp):
+    """A tile's four weight words of group `grp` for each lane: words 4t .. 4t + 3 of its row."""
     base = w_ptrs + grp * 16
     return tl.load(base), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3)
 
 
 @triton.jit
-def _step(w, x_lo, x_hi, s: tl.constexpr, c0, c1, c2, c3, s0, s2, FAST: tl.constexpr):
-    """Step s of a group: weight words w (J, 32) meet x words s (a0, a1) and 16 + s (a2, a3) of
-    rows g and g + 8; s0 / s2 += the step's sums of those x rows (the all-ones MMA)."""
-    a0 = tl.load(x_lo + s)
-    a1 = tl.load(x_hi + s)
-    a2 = tl.load(x_lo + 16 + s)
-    a3 = tl.load(x_hi + 16 + s)
-    c0, c1, c2, c3 = _mma_tiles(a0, a1, a2, a3, w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F, c0, c1, c2, c3, FAST)
-    ones = tl.full((1, 32), ONES, tl.int32)
-    s0, _, s2, _ = _mma_tiles(a0, a1, a2, a3, ones, ones, s0, s0, s2, s2, FAST)
-    return c0, c1, c2, c3, s0, s2
+def _tile_group(w0, w1, w2, w3,
+                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                c0, c1, c2, c3, FAST: tl.constexpr):
+    """One tile of 8 columns over one group: C += x (rows g, g + 8) x codes, four steps; weight word
+    s gives b0 (its low nibbles) and b1 (its high nibbles) of step s."""
+    c0, c1, c2, c3 = _mma(x0, x1, x2, x3, w0 & 0x0F0F0F0F, (w0 >> 4) & 0x0F0F0F0F, c0, c1, c2, c3, FAST)
+    c0, c1, c2, c3 = _mma(x4, x5, x6, x7, w1 & 0x0F0F0F0F, (w1 >> 4) & 0x0F0F0F0F, c0, c1, c2, c3, FAST)
+    c0, c1, c2, c3 = _mma(x8, x9, x10, x11, w2 & 0x0F0F0F0F, (w2 >> 4) & 0x0F0F0F0F, c0, c1, c2, c3, FAST)
+    c0, c1, c2, c3 = _mma(x12, x13, x14, x15, w3 & 0x0F0F0F0F, (w3 >> 4) & 0x0F0F0F0F, c0, c1, c2, c3, FAST)
+    return c0, c1, c2, c3
 
 
 @triton.jit
-def _group_mmas(w0, w1, w2, w3, x_lo, x_hi, c0, c1, c2, c3, s0, s2, FAST: tl.constexpr):
-    """One 128-group (x_lo / x_hi: its first x word in rows g / g + 8): C += x x codes over the
-    four steps, s0 / s2 += the group's sums of x rows g / g + 8 (every column of those MMAs alike)."""
-    c0, c1, c2, c3, s0, s2 = _step(w0, x_lo, x_hi, 0, c0, c1, c2, c3, s0, s2, FAST)
-    c0, c1, c2, c3, s0, s2 = _step(w1, x_lo, x_hi, 1, c0, c1, c2, c3, s0, s2, FAST)
-    c0, c1, c2, c3, s0, s2 = _step(w2, x_lo, x_hi, 2, c0, c1, c2, c3, s0, s2, FAST)
-    c0, c1, c2, c3, s0, s2 = _step(w3, x_lo, x_hi, 3, c0, c1, c2, c3, s0, s2, FAST)
-    return c0, c1, c2, c3, s0, s2
+def _group_x_sums(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, s_lo, s_hi,
+                  FAST: tl.constexpr):
+    """s_lo / s_hi += the group's sums of x rows g / g + 8 (1, 32): an MMA against B = all ones per
+    step (its C columns all alike), or in the interpreter the same sums spelled out."""
+    if FAST:
+        ones = tl.full((1, 32), ONES, tl.int32)
+        s_lo, _, s_hi, _ = _mma(x0, x1, x2, x3, ones, ones, s_lo, s_lo, s_hi, s_hi, FAST)
+        s_lo, _, s_hi, _ = _mma(x4, x5, x6, x7, ones, ones, s_lo, s_lo, s_hi, s_hi, FAST)
+        s_lo, _, s_hi, _ = _mma(x8, x9, x10, x11, ones, ones, s_lo, s_lo, s_hi, s_hi, FAST)
+        s_lo, _, s_hi, _ = _mma(x12, x13, x14, x15, ones, ones, s_lo, s_lo, s_hi, s_hi, FAST)
+        return s_lo, s_hi
+    own_lo = _byte_sum(x0) + _byte_sum(x2) + _byte_sum(x4) + _byte_sum(x6) + _byte_sum(x8) + _byte_sum(x10) \
+        + _byte_sum(x12) + _byte_sum(x14)
+    own_hi = _byte_sum(x1) + _byte_sum(x3) + _byte_sum(x5) + _byte_sum(x7) + _byte_sum(x9) + _byte_sum(x11) \
+        + _byte_sum(x13) + _byte_sum(x15)
+    return s_lo + _over_quad(own_lo), s_hi + _over_quad(own_hi)
+
+
+@triton.jit
+def _byte_sum(u):
+    return ((u << 24) >> 24) + ((u << 16) >> 24) + ((u << 8) >> 24) + (u >> 24)
+
+
+@triton.jit
+def _over_quad(v):
+    """(1, 32): for lane (g, t), the sum of v over the four lanes of g (interpreter only)."""
+    quad = tl.sum(tl.reshape(v, (8, 4)), axis=1)
+    return tl.reshape(tl.broadcast_to(quad[:, None], (8, 4)), (1, 32))
+
+
+@triton.jit
+def _g128_group(p0, p1, p2, p3, s_lo, s_hi, s2_ptr, zero_ptr, col_e, col_o, grp, stride_sn, c0, c1, c2, c3):
+    """acc += (part - z * X) * s2 for one tile and group, with the scales of the C columns."""
+    s2_e = tl.load(s2_ptr + col_e * stride_sn + grp).to(tl.int32)
+    s2_o = tl.load(s2_ptr + col_o * stride_sn + grp).to(tl.int32)
+    z_e = tl.load(zero_ptr + col_e * stride_sn + grp).to(tl.int32)
+    z_o = tl.load(zero_ptr + col_o * stride_sn + grp).to(tl.int32)
+    return (c0 + (p0 - z_e * s_lo) * s2_e, c1 + (p1 - z_o * s_lo) * s2_o,
+            c2 + (p2 - z_e * s_hi) * s2_e, c3 + (p3 - z_o * s_hi) * s2_o)
+
+
+@triton.jit
+def _tile_step(w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+               s_lo, s_hi, s2_ptr, zero_ptr, col, N, grp, stride_sn, c0, c1, c2, c3,
+               G128: tl.constexpr, FAST: tl.constexpr):
+    """One tile's share of a group: chn accumulates the raw products; g128 scales the group's."""
+    if G128:
+        z = tl.zeros_like(c0)
+        p0, p1, p2, p3 = _tile_group(w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13,
+                                     x14, x15, z, z, z, z, FAST)
+        return _g128_group(p0, p1, p2, p3, s_lo, s_hi, s2_ptr, zero_ptr, col % N, (col + 1) % N, grp, stride_sn,
+                           c0, c1, c2, c3)
+    return _tile_group(w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                       c0, c1, c2, c3, FAST)
 
 
 @triton.jit(do_not_specialize=["M", "GROUPS_PER_SPLIT"])
@@ -123,82 +159,129 @@ def _w4a8_warp_mma_kernel(
     G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, J: tl.constexpr, USE_SPLIT: tl.constexpr, FAST: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
-    """Columns [8 J program_id(0), + 8 J) of all M <= 16 rows, over the K slice program_id(1)."""
-    lane = tl.arange(0, 32)
+    """Columns [8 J program_id(0), + 8 J) of all M <= 16 rows over the K slice program_id(1); J is
+    1, 2 or 4 tiles of 8 columns, each its own (1, 32) fragment variables (a (J, 32) tensor's loads
+    took a layout of their own, converted through shared memory before every MMA)."""
+    tl.static_assert(J == 1 or J == 2 or J == 4, "J: 1, 2 or 4 tiles of 8 columns")
+    lane = tl.arange(0, 32)[None, :]
     g = lane // 4
     t = lane % 4
-    tiles = tl.arange(0, J)[:, None]  # (J, 1)
     n0 = tl.program_id(0) * (8 * J)
     pid_k = tl.program_id(1)
     g_start = pid_k * GROUPS_PER_SPLIT
     g_end = min(g_start + GROUPS_PER_SPLIT, K // 128)
     # Rows past N or M are read from a valid row and dropped at the store: no masks in the loop
     # (a row of A or a column of B only reaches its own row or column of C).
-    w_ptrs = qw_ptr + ((n0 + 8 * tiles + g[None, :]) % N) * stride_qn + 4 * t[None, :]  # (J, 32): B's row g
-    x_lo = x_ptr + (g % M) * stride_xm + 4 * t  # (32,): A's row g
+    w_ptrs0 = qw_ptr + ((n0 + g) % N) * stride_qn + 4 * t  # B's row g of tile 0
+    w_ptrs1 = qw_ptr + ((n0 + 8 + g) % N) * stride_qn + 4 * t
+    w_ptrs2 = qw_ptr + ((n0 + 16 + g) % N) * stride_qn + 4 * t
+    w_ptrs3 = qw_ptr + ((n0 + 24 + g) % N) * stride_qn + 4 * t
+    x_lo = x_ptr + (g % M) * stride_xm + 4 * t  # A's row g
     x_hi = x_ptr + ((g + 8) % M) * stride_xm + 4 * t  # row g + 8
-    col = n0 + 8 * tiles + 2 * t[None, :]  # (J, 32): C's even column; the odd one is col + 1
-    col_e = col % N
-    col_o = (col + 1) % N
+    col0 = n0 + 2 * t  # C's even column of tile 0; the odd one is col + 1
     _overlap_entry(PDL)
-    acc0 = tl.zeros((J, 32), tl.int32)
-    acc1 = tl.zeros((J, 32), tl.int32)
-    acc2 = tl.zeros((J, 32), tl.int32)
-    acc3 = tl.zeros((J, 32), tl.int32)
-    x_sum_lo = tl.zeros((1, 32), tl.int32)  # chn without rowsum: the slice's x sums, rows g and g + 8
-    x_sum_hi = tl.zeros((1, 32), tl.int32)
-    w0, w1, w2, w3 = _group_words(w_ptrs, g_start)
+    zero = tl.zeros((1, 32), tl.int32)
+    a00, a01, a02, a03 = zero, zero, zero, zero  # tile 0's C fragments, then tiles 1..3
+    a10, a11, a12, a13 = zero, zero, zero, zero
+    a20, a21, a22, a23 = zero, zero, zero, zero
+    a30, a31, a32, a33 = zero, zero, zero, zero
+    x_sum_lo = zero  # chn without rowsum: the slice's x sums of rows g and g + 8
+    x_sum_hi = zero
+    # Each tile's weight words of the current group; the next group's are loaded before its MMAs.
+    u00, u01, u02, u03 = _tile_words(w_ptrs0, g_start)
+    u10, u11, u12, u13 = u00, u01, u02, u03
+    u20, u21, u22, u23 = u00, u01, u02, u03
+    u30, u31, u32, u33 = u00, u01, u02, u03
+    if J > 1:
+        u10, u11, u12, u13 = _tile_words(w_ptrs1, g_start)
+    if J > 2:
+        u20, u21, u22, u23 = _tile_words(w_ptrs2, g_start)
+        u30, u31, u32, u33 = _tile_words(w_ptrs3, g_start)
     for grp in range(g_start, g_end):
-        # The next group's words first (the last step re-reads its own group: in bounds, cached).
-        n0w, n1w, n2w, n3w = _group_words(w_ptrs, min(grp + 1, g_end - 1))
-        xg_lo = x_lo + grp * 32
-        xg_hi = x_hi + grp * 32
+        nxt = min(grp + 1, g_end - 1)  # the last step re-reads its own group: in bounds, cached
+        v00, v01, v02, v03 = _tile_words(w_ptrs0, nxt)
+        v10, v11, v12, v13 = v00, v01, v02, v03
+        v20, v21, v22, v23 = v00, v01, v02, v03
+        v30, v31, v32, v33 = v00, v01, v02, v03
+        if J > 1:
+            v10, v11, v12, v13 = _tile_words(w_ptrs1, nxt)
+        if J > 2:
+            v20, v21, v22, v23 = _tile_words(w_ptrs2, nxt)
+            v30, v31, v32, v33 = _tile_words(w_ptrs3, nxt)
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _x_words(x_lo + grp * 32,
+                                                                                        x_hi + grp * 32)
         if G128:
-            zero_tiles = tl.zeros((J, 32), tl.int32)
-            p0, p1, p2, p3, s_lo, s_hi = _group_mmas(w0, w1, w2, w3, xg_lo, xg_hi, zero_tiles, zero_tiles,
-                                                     zero_tiles, zero_tiles, tl.zeros((1, 32), tl.int32),
-                                                     tl.zeros((1, 32), tl.int32), FAST)
-            s2_e = tl.load(s2_ptr + col_e * stride_sn + grp).to(tl.int32)
-            s2_o = tl.load(s2_ptr + col_o * stride_sn + grp).to(tl.int32)
-            z_e = tl.load(zero_ptr + col_e * stride_sn + grp).to(tl.int32)
-            z_o = tl.load(zero_ptr + col_o * stride_sn + grp).to(tl.int32)
-            acc0 += (p0 - z_e * s_lo) * s2_e
-            acc1 += (p1 - z_o * s_lo) * s2_o
-            acc2 += (p2 - z_e * s_hi) * s2_e
-            acc3 += (p3 - z_o * s_hi) * s2_o
+            s_lo, s_hi = _group_x_sums(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                       zero, zero, FAST)
         else:
-            acc0, acc1, acc2, acc3, x_sum_lo, x_sum_hi = _group_mmas(w0, w1, w2, w3, xg_lo, xg_hi, acc0, acc1, acc2,
-                                                                     acc3, x_sum_lo, x_sum_hi, FAST)
-        w0, w1, w2, w3 = n0w, n1w, n2w, n3w
+            s_lo, s_hi = zero, zero
+            if not HAS_ROWSUM:
+                x_sum_lo, x_sum_hi = _group_x_sums(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
+                                                   x15, x_sum_lo, x_sum_hi, FAST)
+        a00, a01, a02, a03 = _tile_step(u00, u01, u02, u03, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12,
+                                        x13, x14, x15, s_lo, s_hi, s2_ptr, zero_ptr, col0, N, grp, stride_sn,
+                                        a00, a01, a02, a03, G128, FAST)
+        if J > 1:
+            a10, a11, a12, a13 = _tile_step(u10, u11, u12, u13, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11,
+                                            x12, x13, x14, x15, s_lo, s_hi, s2_ptr, zero_ptr, col0 + 8, N, grp,
+                                            stride_sn, a10, a11, a12, a13, G128, FAST)
+        if J > 2:
+            a20, a21, a22, a23 = _tile_step(u20, u21, u22, u23, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11,
+                                            x12, x13, x14, x15, s_lo, s_hi, s2_ptr, zero_ptr, col0 + 16, N, grp,
+                                            stride_sn, a20, a21, a22, a23, G128, FAST)
+            a30, a31, a32, a33 = _tile_step(u30, u31, u32, u33, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11,
+                                            x12, x13, x14, x15, s_lo, s_hi, s2_ptr, zero_ptr, col0 + 24, N, grp,
+                                            stride_sn, a30, a31, a32, a33, G128, FAST)
+        u00, u01, u02, u03 = v00, v01, v02, v03
+        u10, u11, u12, u13 = v10, v11, v12, v13
+        u20, u21, u22, u23 = v20, v21, v22, v23
+        u30, u31, u32, u33 = v30, v31, v32, v33
     _overlap_release(PDL)
-    row_lo = g[None, :]  # (1, 32): C rows g and g + 8
-    row_hi = row_lo + 8
-    if not G128:
-        zero_e = tl.load(zero_ptr + col_e).to(tl.float32)  # integers in [0, 15]
-        zero_o = tl.load(zero_ptr + col_o).to(tl.float32)
-        if not HAS_ROWSUM:
-            acc0 -= zero_e.to(tl.int32) * x_sum_lo
-            acc1 -= zero_o.to(tl.int32) * x_sum_lo
-            acc2 -= zero_e.to(tl.int32) * x_sum_hi
-            acc3 -= zero_o.to(tl.int32) * x_sum_hi
-    else:
+    _finish_tile(a00, a01, a02, a03, g, col0, M, N, x_sum_lo, x_sum_hi, sx_ptr, rowsum_ptr, zero_ptr, col_scale_ptr,
+                 out_ptr, ws_ptr, stride_om, stride_on, G128, HAS_ROWSUM, USE_SPLIT)
+    if J > 1:
+        _finish_tile(a10, a11, a12, a13, g, col0 + 8, M, N, x_sum_lo, x_sum_hi, sx_ptr, rowsum_ptr, zero_ptr,
+                     col_scale_ptr, out_ptr, ws_ptr, stride_om, stride_on, G128, HAS_ROWSUM, USE_SPLIT)
+    if J > 2:
+        _finish_tile(a20, a21, a22, a23, g, col0 + 16, M, N, x_sum_lo, x_sum_hi, sx_ptr, rowsum_ptr, zero_ptr,
+                     col_scale_ptr, out_ptr, ws_ptr, stride_om, stride_on, G128, HAS_ROWSUM, USE_SPLIT)
+        _finish_tile(a30, a31, a32, a33, g, col0 + 24, M, N, x_sum_lo, x_sum_hi, sx_ptr, rowsum_ptr, zero_ptr,
+                     col_scale_ptr, out_ptr, ws_ptr, stride_om, stride_on, G128, HAS_ROWSUM, USE_SPLIT)
+
+
+@triton.jit
+def _finish_tile(c0, c1, c2, c3, g, col, M, N, x_sum_lo, x_sum_hi, sx_ptr, rowsum_ptr, zero_ptr, col_scale_ptr,
+                 out_ptr, ws_ptr, stride_om, stride_on, G128: tl.constexpr, HAS_ROWSUM: tl.constexpr,
+                 USE_SPLIT: tl.constexpr):
+    """A tile's four C registers (rows g, g + 8; columns col, col + 1): chn's zero term where x8's row
+    sums were not given (int32, as w4a8_gemm's channel kernel), then partials or the epilogue."""
+    if G128:
         zero_e = 0.0
         zero_o = 0.0
-    _store(acc0, row_lo, col, M, N, sx_ptr, rowsum_ptr, col_scale_ptr, zero_e, out_ptr, ws_ptr, stride_om, stride_on,
-           HAS_ROWSUM and not G128, USE_SPLIT)
-    _store(acc1, row_lo, col + 1, M, N, sx_ptr, rowsum_ptr, col_scale_ptr, zero_o, out_ptr, ws_ptr, stride_om,
-           stride_on, HAS_ROWSUM and not G128, USE_SPLIT)
-    _store(acc2, row_hi, col, M, N, sx_ptr, rowsum_ptr, col_scale_ptr, zero_e, out_ptr, ws_ptr, stride_om, stride_on,
-           HAS_ROWSUM and not G128, USE_SPLIT)
-    _store(acc3, row_hi, col + 1, M, N, sx_ptr, rowsum_ptr, col_scale_ptr, zero_o, out_ptr, ws_ptr, stride_om,
-           stride_on, HAS_ROWSUM and not G128, USE_SPLIT)
+    else:
+        zero_e = tl.load(zero_ptr + col % N).to(tl.float32)  # integers in [0, 15]
+        zero_o = tl.load(zero_ptr + (col + 1) % N).to(tl.float32)
+        if not HAS_ROWSUM:
+            c0 -= zero_e.to(tl.int32) * x_sum_lo
+            c1 -= zero_o.to(tl.int32) * x_sum_lo
+            c2 -= zero_e.to(tl.int32) * x_sum_hi
+            c3 -= zero_o.to(tl.int32) * x_sum_hi
+    sub = HAS_ROWSUM and not G128
+    _store(c0, g, col, M, N, sx_ptr, rowsum_ptr, col_scale_ptr, zero_e, out_ptr, ws_ptr, stride_om, stride_on, sub,
+           USE_SPLIT)
+    _store(c1, g, col + 1, M, N, sx_ptr, rowsum_ptr, col_scale_ptr, zero_o, out_ptr, ws_ptr, stride_om, stride_on,
+           sub, USE_SPLIT)
+    _store(c2, g + 8, col, M, N, sx_ptr, rowsum_ptr, col_scale_ptr, zero_e, out_ptr, ws_ptr, stride_om, stride_on,
+           sub, USE_SPLIT)
+    _store(c3, g + 8, col + 1, M, N, sx_ptr, rowsum_ptr, col_scale_ptr, zero_o, out_ptr, ws_ptr, stride_om,
+           stride_on, sub, USE_SPLIT)
 
 
 @triton.jit
 def _store(acc, m, n, M, N, sx_ptr, rowsum_ptr, col_scale_ptr, zero, out_ptr, ws_ptr, stride_om, stride_on,
            SUB_ROWSUM: tl.constexpr, USE_SPLIT: tl.constexpr):
-    """One C fragment register (J, 32) at rows m (1, 32) and columns n (J, 32): the int32 partial of
-    this K slice, or the epilogue of w4a8_gemm's kernels (same fp32 operations, same order)."""
+    """One C register (1, 32) at rows m and columns n (1, 32): the int32 partial of this K slice, or
+    the epilogue of w4a8_gemm's kernels (same fp32 operations, same order)."""
     mask = (m < M) & (n < N)
     if USE_SPLIT:
         tl.store(ws_ptr + tl.program_id(1) * M * N + m * N + n, acc, mask=mask)
