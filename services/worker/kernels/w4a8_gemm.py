@@ -703,6 +703,58 @@ def _group_sums_read_by(variant: GemmVariant, group_sums: torch.Tensor | None, M
     return group_sums if variant.takes_group_sums else None
 
 
+@dataclass(frozen=True, slots=True)
+class _WordOperands:
+    """What the kernels that read x8 and the packed weights as 32-bit words take (the dp4a GEMV and
+    the warp-MMA kernel): checked, with g128's or chn's scales in the same argument slots."""
+
+    M: int
+    N: int
+    K: int
+    sx: torch.Tensor
+    g128: bool
+    s2: torch.Tensor  # g128 s2 (N, G) uint8; chn: its zero (unused)
+    zero: torch.Tensor  # g128 zero (N, G) uint8; chn zero (N,) fp16
+    col_scale: torch.Tensor  # g128 s1, chn scale (N,) fp16
+    x_sums: torch.Tensor | None  # g128: x8's group sums where the variant reads them; chn: rowsum; or None
+    x32: torch.Tensor
+    qw32: torch.Tensor
+    out: torch.Tensor
+
+    def split_epilogue(self, ws, split: int) -> None:
+        zero = self.col_scale if self.g128 else self.zero  # g128 has no zero term here
+        _split_k_epilogue(ws, split, self.sx, self.col_scale, zero, None if self.g128 else self.x_sums, self.out)
+
+
+def _word_operands(x8, sx, weight, variant: GemmVariant, rowsum, group_sums, out) -> _WordOperands:
+    qw = weight.qweight
+    N, K = qw.shape[0], qw.shape[1] * 2
+    sx = _check_common(x8, sx, N, K, out)
+    M = x8.shape[0]
+    ok, reason = variant.can_implement(M, N, K, weight.kind)
+    assert ok and (variant.gemv or variant.warp_mma), reason
+    g128 = isinstance(weight, W4G128ProgressiveWeight)
+    if g128:
+        s2, zero, col_scale = weight.s2, weight.zero, weight.s1
+        assert s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride() and s2.stride(1) == 1
+        # The g128 x-sums input is the group sums, read by the M = 1 GEMV loops only (the x-shared
+        # one steps through them by whole rows of K / 128); the warp-MMA kernel sums x itself.
+        x_sums = _group_sums_read_by(variant, group_sums, M, K)
+        if x_sums is not None and M > 1:
+            x_sums = x_sums.contiguous()
+    else:
+        s2 = zero = weight.zero
+        col_scale = weight.scale
+        x_sums = rowsum
+        if rowsum is not None:
+            assert rowsum.dtype == torch.int32 and rowsum.numel() == M, f"rowsum: expected ({M},) int32"
+            x_sums = rowsum.reshape(M)
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
+    return _WordOperands(M, N, K, sx, g128, s2, zero, col_scale, x_sums, _as_words(x8, "x8"), _as_words(qw, "qweight"),
+                         out)
+
+
 def w4a8_gemv(
     x8: torch.Tensor,
     sx: torch.Tensor,
@@ -715,45 +767,19 @@ def w4a8_gemv(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The dp4a kernel of w4a8_gemv.py for M <= variant.block_m; same contract as w4a8_gemm."""
-    qw = weight.qweight
-    N, K = qw.shape[0], qw.shape[1] * 2
-    sx = _check_common(x8, sx, N, K, out)
-    M = x8.shape[0]
-    ok, reason = variant.can_implement(M, N, K, weight.kind)
-    assert ok and variant.gemv, reason
-    g128 = isinstance(weight, W4G128ProgressiveWeight)
-    if g128:
-        s2, zero, col_scale = weight.s2, weight.zero, weight.s1
-        assert s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride() and s2.stride(1) == 1
-        # The kernel's x-sums input is the group sums for g128, read by the M = 1 loops only
-        # (the x-shared one steps through them by whole rows of K / 128).
-        rowsum = _group_sums_read_by(variant, group_sums, M, K)
-        if rowsum is not None and M > 1:
-            rowsum = rowsum.contiguous()
-    else:
-        s2 = zero = weight.zero
-        col_scale = weight.scale
-        if rowsum is not None:
-            assert rowsum.dtype == torch.int32 and rowsum.numel() == M, f"rowsum: expected ({M},) int32"
-            rowsum = rowsum.reshape(M)
-    x32, qw32 = _as_words(x8, "x8"), _as_words(qw, "qweight")
-    if out is None:
-        out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
-    grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
+    o = _word_operands(x8, sx, weight, variant, rowsum, group_sums, out)
+    grid, per_split, split, ws = _launch_grid(variant, o.M, o.N, o.K, split_k, x8.device)
     _w4a8_gemv_kernel[grid](
-        x32, sx, sx if rowsum is None else rowsum, qw32, s2, zero, col_scale, out, ws,
-        M, N, K, per_split,
-        x32.stride(0), qw32.stride(0), s2.stride(0), out.stride(0), out.stride(1),
-        G128=g128, HAS_ROWSUM=rowsum is not None, BLOCK_N=variant.block_n, BLOCK_M=variant.block_m,
+        o.x32, o.sx, o.sx if o.x_sums is None else o.x_sums, o.qw32, o.s2, o.zero, o.col_scale, o.out, ws,
+        o.M, o.N, o.K, per_split,
+        o.x32.stride(0), o.qw32.stride(0), o.s2.stride(0), o.out.stride(0), o.out.stride(1),
+        G128=o.g128, HAS_ROWSUM=o.x_sums is not None, BLOCK_N=variant.block_n, BLOCK_M=variant.block_m,
         GROUPS_PER_STEP=variant.groups_per_step, USE_SPLIT=split > 1, FAST=x8.is_cuda, X_SHARED=variant.x_shared,
-        **variant.launch_options, **launch_kwargs(x8.device, M),
+        **variant.launch_options, **launch_kwargs(x8.device, o.M),
     )
     if split > 1:
-        if g128:
-            _split_k_epilogue(ws, split, sx, col_scale, col_scale, None, out)
-        else:
-            _split_k_epilogue(ws, split, sx, col_scale, zero, rowsum, out)
-    return out
+        o.split_epilogue(ws, split)
+    return o.out
 
 
 def w4a8_warp_mma(
@@ -767,37 +793,18 @@ def w4a8_warp_mma(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The warp-MMA kernel of w4a8_warp_mma.py for M <= 16; same contract as w4a8_gemm."""
-    qw = weight.qweight
-    N, K = qw.shape[0], qw.shape[1] * 2
-    sx = _check_common(x8, sx, N, K, out)
-    M = x8.shape[0]
-    ok, reason = variant.can_implement(M, N, K, weight.kind)
-    assert ok and variant.warp_mma, reason
-    g128 = isinstance(weight, W4G128ProgressiveWeight)
-    if g128:
-        s2, zero, col_scale = weight.s2, weight.zero, weight.s1
-        assert s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride() and s2.stride(1) == 1
-        rowsum = None  # the kernel sums each group of x8 itself (an all-ones MMA)
-    else:
-        s2 = zero = weight.zero
-        col_scale = weight.scale
-        if rowsum is not None:
-            assert rowsum.dtype == torch.int32 and rowsum.numel() == M, f"rowsum: expected ({M},) int32"
-            rowsum = rowsum.reshape(M)
-    x32, qw32 = _as_words(x8, "x8"), _as_words(qw, "qweight")
-    if out is None:
-        out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
-    grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
+    o = _word_operands(x8, sx, weight, variant, rowsum, None, out)
+    grid, per_split, split, ws = _launch_grid(variant, o.M, o.N, o.K, split_k, x8.device)
     _w4a8_warp_mma_kernel[grid](
-        x32, sx, sx if rowsum is None else rowsum, qw32, s2, zero, col_scale, out, ws,
-        M, N, K, per_split,
-        x32.stride(0), qw32.stride(0), s2.stride(0), out.stride(0), out.stride(1),
-        G128=g128, HAS_ROWSUM=rowsum is not None, J=variant.block_n // 8, USE_SPLIT=split > 1, FAST=x8.is_cuda,
-        **variant.launch_options, **launch_kwargs(x8.device, M),
+        o.x32, o.sx, o.sx if o.x_sums is None else o.x_sums, o.qw32, o.s2, o.zero, o.col_scale, o.out, ws,
+        o.M, o.N, o.K, per_split,
+        o.x32.stride(0), o.qw32.stride(0), o.s2.stride(0), o.out.stride(0), o.out.stride(1),
+        G128=o.g128, HAS_ROWSUM=o.x_sums is not None, J=variant.block_n // 8, USE_SPLIT=split > 1, FAST=x8.is_cuda,
+        **variant.launch_options, **launch_kwargs(x8.device, o.M),
     )
     if split > 1:
-        _split_k_epilogue(ws, split, sx, col_scale, zero, None if g128 else rowsum, out)
-    return out
+        o.split_epilogue(ws, split)
+    return o.out
 
 
 def w4a8_gemm(
