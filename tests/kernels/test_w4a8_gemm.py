@@ -127,6 +127,20 @@ def test_split_factor_rules(monkeypatch):
     assert gemm.split_factor(wmma, 16, 4096, 512, cpu) == 2  # 4 groups
 
 
+@pytest.mark.parametrize("name", ["g128.wmma.n16", "chn.wmma.n16"])
+def test_warp_mma_row_blocks(name: str):
+    """M = 40: three programs of 16 rows per column block (the last one 8 rows short), with and
+    without split K."""
+    variant = gemm.get_variant(name)
+    m, n, k = 40, 24, 384
+    weight = _weight(variant.kind, n, k, seed=12)
+    x = _activations(m, k, seed=13)
+    x8, sx = quantize_per_token(x)
+    ref = reference_linear(weight)(x)
+    for split in (1, 2):
+        _assert_matches(gemm.w4a8_gemm(x8, sx, weight, variant=name, split_k=split), ref, variant)
+
+
 @pytest.mark.parametrize("variant", [v for v in gemm.VARIANTS if v.kind == "w4g128p"], ids=lambda v: v.name)
 def test_g128_full_int8_weight_range(variant: gemm.GemmVariant):
     m, n, k = _rows(variant, 9), 67, 384

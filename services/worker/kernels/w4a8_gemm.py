@@ -337,7 +337,7 @@ class GemmVariant:
     gemv: bool = False  # no tensor cores: dp4a on CUDA cores, one program covers M <= block_m (w4a8_gemv.py)
     groups_per_step: int = 1  # gemv: 128-groups of K read per loop step
     x_shared: bool = False  # gemv: x words held once per thread for all its rows, one program per token (_row_sums_x_shared)
-    warp_mma: bool = False  # M <= 16: one-warp programs, weight words straight into mma.sync (w4a8_warp_mma.py)
+    warp_mma: bool = False  # small M: one-warp programs, weight words straight into mma.sync (w4a8_warp_mma.py)
     max_m: int | None = None
     group_m: int = 8
     # Register cap per thread (ptxas .maxnreg). An 8-warp n128m128 tile compiles to 128-149 registers
@@ -394,9 +394,15 @@ X_SHARED_MAX_M = 4  # the H200 tune run (session 25): never fastest at M = 8, at
 
 
 def _warp_mma(kind: str, bn: int) -> GemmVariant:
-    """A w4a8_warp_mma.py variant: one warp per program covering bn = 8 J columns of all M <= 16 rows."""
+    """A w4a8_warp_mma.py variant: one warp per program covering bn = 8 J columns of 16 rows."""
     prefix = "g128" if kind == G128 else "chn"
-    return GemmVariant(f"{prefix}.wmma.n{bn}", kind, bn, 16, 1, 1, split_k=True, warp_mma=True, max_m=16)
+    return GemmVariant(f"{prefix}.wmma.n{bn}", kind, bn, 16, 1, 1, split_k=True, warp_mma=True,
+                       max_m=WARP_MMA_MAX_M)
+
+
+# Rows of x the warp-MMA variants take: row blocks of 16 beyond the first re-read the weights from L2,
+# so they are meant for decode batches; the tune run decides where they stop winning.
+WARP_MMA_MAX_M = 64
 
 
 # One-warp programs per SM that the warp-MMA split aims at: each keeps a group of weight words in
@@ -454,7 +460,7 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # Batch 1 with x held once per thread for all its rows (session 25): 1, 2 or 4 warps.
     *(_gemv(kind, bn, 1, gps, x_shared=True) for kind in KINDS
       for bn, gps in ((4, 32), (16, 32), (4, 16), (8, 16), (16, 16), (16, 8))),
-    # M <= 16 as a weight stream on mma.sync (session 29; not yet timed on a GPU).
+    # Small M as a weight stream on mma.sync (session 29; not yet timed on a GPU).
     *(_warp_mma(kind, bn) for kind in KINDS for bn in (8, 16, 32)),
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
@@ -792,7 +798,7 @@ def w4a8_warp_mma(
     split_k: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The warp-MMA kernel of w4a8_warp_mma.py for M <= 16; same contract as w4a8_gemm."""
+    """The warp-MMA kernel of w4a8_warp_mma.py for M <= WARP_MMA_MAX_M; same contract as w4a8_gemm."""
     o = _word_operands(x8, sx, weight, variant, rowsum, None, out)
     grid, per_split, split, ws = _launch_grid(variant, o.M, o.N, o.K, split_k, x8.device)
     _w4a8_warp_mma_kernel[grid](

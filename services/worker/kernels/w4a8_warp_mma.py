@@ -1,4 +1,4 @@
-"""W4A8 for M <= 16 on warp-level int8 MMAs, each lane streaming its weight words into registers.
+"""W4A8 for small M on warp-level int8 MMAs, each lane streaming its weight words into registers.
 
 At M = 16 the tensor-core kernels of w4a8_gemm.py run at about 60% of the M = 1 GEMV's weight
 bandwidth (H200, session 27): Triton's tl.dot stages the weight tile through shared memory and
@@ -7,7 +7,9 @@ written lane by lane as in paged_attention_mma.py: a (32,) tensor holds element 
 (J, 32) tensor row j in lane i's j-th register), and every 32-bit weight word a lane loads goes
 straight into one `mma.sync.m16n8k32` (s8 x u8 -> s32) as its B fragment. The loop is a stream of
 weight words, like the dp4a GEMV's, with the products on the tensor cores: 16 rows of x cost the
-same instructions as 1.
+same instructions as 1. A program takes 16 rows; more rows (up to w4a8_gemm.WARP_MMA_MAX_M) get
+more programs, the row blocks of one column block launched side by side so that all but the first
+read the weights from L2.
 
 Fragments (PTX ISA, m16n8k32, 8-bit operands; lane l, g = l // 4, t = l % 4):
     A (16 x 32, x rows): a0 = row g, k 4t..4t+3; a1 = row g + 8; a2, a3 the same rows, k 16 + 4t..
@@ -159,23 +161,27 @@ def _w4a8_warp_mma_kernel(
     G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, J: tl.constexpr, USE_SPLIT: tl.constexpr, FAST: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
-    """Columns [8 J program_id(0), + 8 J) of all M <= 16 rows over the K slice program_id(1); J is
+    """Rows [16 pid_m, + 16) and columns [8 J pid_n, + 8 J) over the K slice program_id(1); J is
     1, 2 or 4 tiles of 8 columns, each its own (1, 32) fragment variables (a (J, 32) tensor's loads
-    took a layout of their own, converted through shared memory before every MMA)."""
+    took a layout of their own, converted through shared memory before every MMA). The row blocks
+    of one column block are launch neighbours: the second reads its weights from L2."""
     tl.static_assert(J == 1 or J == 2 or J == 4, "J: 1, 2 or 4 tiles of 8 columns")
     lane = tl.arange(0, 32)[None, :]
-    g = lane // 4
+    row_blocks = tl.cdiv(M, 16)
+    pid_m = tl.program_id(0) % row_blocks
+    n0 = (tl.program_id(0) // row_blocks) * (8 * J)
+    g = lane // 4 + 16 * pid_m  # A's and C's rows g and g + 8 of this row block
     t = lane % 4
-    n0 = tl.program_id(0) * (8 * J)
     pid_k = tl.program_id(1)
     g_start = pid_k * GROUPS_PER_SPLIT
     g_end = min(g_start + GROUPS_PER_SPLIT, K // 128)
     # Rows past N or M are read from a valid row and dropped at the store: no masks in the loop
     # (a row of A or a column of B only reaches its own row or column of C).
-    w_ptrs0 = qw_ptr + ((n0 + g) % N) * stride_qn + 4 * t  # B's row g of tile 0
-    w_ptrs1 = qw_ptr + ((n0 + 8 + g) % N) * stride_qn + 4 * t
-    w_ptrs2 = qw_ptr + ((n0 + 16 + g) % N) * stride_qn + 4 * t
-    w_ptrs3 = qw_ptr + ((n0 + 24 + g) % N) * stride_qn + 4 * t
+    b_row = lane // 4  # B's column (weight row) of the lane within a tile
+    w_ptrs0 = qw_ptr + ((n0 + b_row) % N) * stride_qn + 4 * t
+    w_ptrs1 = qw_ptr + ((n0 + 8 + b_row) % N) * stride_qn + 4 * t
+    w_ptrs2 = qw_ptr + ((n0 + 16 + b_row) % N) * stride_qn + 4 * t
+    w_ptrs3 = qw_ptr + ((n0 + 24 + b_row) % N) * stride_qn + 4 * t
     x_lo = x_ptr + (g % M) * stride_xm + 4 * t  # A's row g
     x_hi = x_ptr + ((g + 8) % M) * stride_xm + 4 * t  # row g + 8
     col0 = n0 + 2 * t  # C's even column of tile 0; the odd one is col + 1
