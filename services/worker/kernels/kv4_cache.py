@@ -177,11 +177,19 @@ def _rope_cache_write_kernel(
 
     slot = tl.load(slots_ptr + tok).to(tl.int64)
     if slot >= 0:
-        row = (slot // BLOCK_SIZE) * stride_cb + offs_h * stride_ch + (slot % BLOCK_SIZE) * stride_cs  # (BLOCK_H,)
+        # Every load first (keys, then values), so their latencies overlap; then the math and stores.
+        k_ptrs = key_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs[None, :]  # (BLOCK_H, HALF)
         if WRITE_KEYS:
-            k_ptrs = key_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs[None, :]  # (BLOCK_H, HALF)
             k_lo = tl.load(k_ptrs, mask=rows_mask, other=0.0).to(tl.float32)
             k_hi = tl.load(k_ptrs + HALF, mask=rows_mask, other=0.0).to(tl.float32)
+        else:  # another kernel writes the keys (KEY_FEEDBACK_WRITE "head_tiles")
+            k_lo = tl.zeros((BLOCK_H, HALF), tl.float32)
+            k_hi = k_lo
+        v_ptrs = value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs[None, :]
+        v_lo = tl.load(v_ptrs, mask=rows_mask, other=0.0)
+        v_hi = tl.load(v_ptrs + HALF, mask=rows_mask, other=0.0)
+        row = (slot // BLOCK_SIZE) * stride_cb + offs_h * stride_ch + (slot % BLOCK_SIZE) * stride_cs  # (BLOCK_H,)
+        if WRITE_KEYS:
             # Round the rotated key to fp16 first: the reference quantizes the fp16 rotated key.
             r_lo = (k_lo * cos - k_hi * sin).to(tl.float16)
             r_hi = (k_hi * cos + k_lo * sin).to(tl.float16)
@@ -193,9 +201,6 @@ def _rope_cache_write_kernel(
                 dst = row[:, None] + offs[None, :]
                 tl.store(k_cache_ptr + dst, r_lo, mask=rows_mask)
                 tl.store(k_cache_ptr + dst + HALF, r_hi, mask=rows_mask)
-        v_ptrs = value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs[None, :]
-        v_lo = tl.load(v_ptrs, mask=rows_mask, other=0.0)
-        v_hi = tl.load(v_ptrs + HALF, mask=rows_mask, other=0.0)
         if QUANTIZE:
             _store_kv4_rows(v_cache_ptr + row, mask_h, v_lo.to(tl.float32), v_hi.to(tl.float32), v_margin, HALF, V_SHRINK)
         else:
