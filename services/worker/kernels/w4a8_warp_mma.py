@@ -3,8 +3,8 @@
 At M = 16 the tensor-core kernels of w4a8_gemm.py run at about 60% of the M = 1 GEMV's weight
 bandwidth (H200, session 27): Triton's tl.dot stages the weight tile through shared memory and
 waits on each wgmma. Here there is no shared memory and no tile: one warp per program (num_warps=1,
-written lane by lane as in paged_attention_mma.py: a (32,) tensor holds element i in lane i, a
-(J, 32) tensor row j in lane i's j-th register), and every 32-bit weight word a lane loads goes
+written lane by lane as in paged_attention_mma.py: a (1, 32) tensor holds element i in lane i, and
+each tile of 8 columns keeps its own fragment variables), and every 32-bit weight word a lane loads goes
 straight into one `mma.sync.m16n8k32` (s8 x u8 -> s32) as its B fragment. The loop is a stream of
 weight words, like the dp4a GEMV's, with the products on the tensor cores: 16 rows of x cost the
 same instructions as 1. A program takes 16 rows; more rows (up to w4a8_gemm.WARP_MMA_MAX_M) get
