@@ -168,12 +168,13 @@ def test_channel_rowsum_given_or_computed(name: str):
         _assert_matches(gemm.w4a8_gemm(x8, sx, weight, rowsum=rs, variant=name, split_k=2), ref, variant)
 
 
-@pytest.mark.parametrize("variant", [v for v in gemm.VARIANTS if v.kind == "w4g128p" and (v.gemv or v.zero_after_dot)
-                                     and _slice_tested(v)], ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", [v for v in gemm.VARIANTS if v.kind == "w4g128p"
+                                     and (v.gemv or v.zero_after_dot or v.warp_mma) and _slice_tested(v)],
+                         ids=lambda v: v.name)
 def test_g128_group_sums_given_or_computed(variant: gemm.GemmVariant):
     """The variants that take x8's group sums (the M = 1 dp4a loop, the .zp kernels) use them for the
     zero term when given (full int8 weight range, a K slice per program or several); the others
-    ignore them. Same exact result either way."""
+    (the other dp4a loops, the warp-MMA kernel) check and ignore them. Same exact result either way."""
     m, n, k = _rows(variant, 3), 67, 640
     for rows in sorted({1, m}):
         weight = _full_range_g128(n, k, seed=9)
@@ -181,7 +182,10 @@ def test_g128_group_sums_given_or_computed(variant: gemm.GemmVariant):
         x8, sx = quantize_per_token(x)
         group_sums = x8.view(rows, k // GROUP_SIZE, GROUP_SIZE).sum(-1, dtype=torch.int32)
         ref = reference_linear(weight)(x)
-        for split in (1, 2, 5) if variant.split_k or variant.gemv else (None,):
+        splits = (1, 2, 5) if variant.split_k or variant.gemv else (None,)
+        if variant.warp_mma:
+            splits = (2,)  # it never reads them (K slices: test_split_k_slices_sum_exactly)
+        for split in splits:
             for sums in (group_sums, None):
                 y = gemm.w4a8_gemm(x8, sx, weight, variant=variant.name, group_sums=sums, split_k=split)
                 _assert_matches(y, ref, variant)

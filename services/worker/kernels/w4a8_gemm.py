@@ -795,11 +795,13 @@ def w4a8_warp_mma(
     variant: GemmVariant,
     rowsum: torch.Tensor | None = None,
     *,
+    group_sums: torch.Tensor | None = None,
     split_k: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The warp-MMA kernel of w4a8_warp_mma.py for M <= WARP_MMA_MAX_M; same contract as w4a8_gemm."""
-    o = _word_operands(x8, sx, weight, variant, rowsum, None, out)
+    """The warp-MMA kernel of w4a8_warp_mma.py for M <= WARP_MMA_MAX_M; same contract as w4a8_gemm
+    (group_sums are checked, not read: the kernel sums x8's groups itself)."""
+    o = _word_operands(x8, sx, weight, variant, rowsum, group_sums, out)
     grid, per_split, split, ws = _launch_grid(variant, o.M, o.N, o.K, split_k, x8.device)
     _w4a8_warp_mma_kernel[grid](
         o.x32, o.sx, o.sx if o.x_sums is None else o.x_sums, o.qw32, o.s2, o.zero, o.col_scale, o.out, ws,
@@ -849,7 +851,7 @@ def w4a8_gemm(
     if chosen.gemv:
         return w4a8_gemv(x8, sx, weight, chosen, rowsum, group_sums=group_sums, split_k=split_k, out=out)
     if chosen.warp_mma:
-        return w4a8_warp_mma(x8, sx, weight, chosen, rowsum, split_k=split_k, out=out)
+        return w4a8_warp_mma(x8, sx, weight, chosen, rowsum, group_sums=group_sums, split_k=split_k, out=out)
     if isinstance(weight, W4G128ProgressiveWeight):
         return w4a8_g128_gemm(x8, sx, weight, chosen, group_sums=group_sums, split_k=split_k, out=out)
     return w4a8_channel_gemm(x8, sx, weight, chosen, rowsum, split_k=split_k, out=out)
