@@ -62,10 +62,10 @@ def read_floor_calls(ws: list, block: int) -> list:
 def gemv_calls(v, kind: str, ws: list, acts: list) -> list:
     """bench.kernels.gemm_calls with the GEMV launched on a GemmVariant object (the sweep's
     warp-count variants are not in VARIANTS, so they have no name to look up)."""
-    from services.worker.kernels.w4a8_gemm import w4a8_gemv
+    from services.worker.kernels.w4a8_gemm import w4a8_word_gemm
 
     def launch(x8, sx, weight, rowsum=None, group_sums=None, variant=None, split_k=None, out=None):
-        return w4a8_gemv(x8, sx, weight, v, rowsum, group_sums=group_sums, split_k=split_k, out=out)
+        return w4a8_word_gemm(x8, sx, weight, v, rowsum, group_sums=group_sums, split_k=split_k, out=out)
 
     return gemm_calls(launch, v.name, kind, ws, acts)
 

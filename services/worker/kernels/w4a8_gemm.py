@@ -761,7 +761,7 @@ def _word_operands(x8, sx, weight, variant: GemmVariant, rowsum, group_sums, out
                          out)
 
 
-def w4a8_gemv(
+def w4a8_word_gemm(
     x8: torch.Tensor,
     sx: torch.Tensor,
     weight: W4G128ProgressiveWeight | W4ChannelWeight,
@@ -772,42 +772,21 @@ def w4a8_gemv(
     split_k: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The dp4a kernel of w4a8_gemv.py for M <= variant.block_m; same contract as w4a8_gemm."""
+    """The kernels that read x8 and the weights as 32-bit words, for the M their variant takes: the dp4a
+    GEMV (w4a8_gemv.py) or the warp-MMA kernel (w4a8_warp_mma.py; group_sums checked, not read: it sums
+    x8's groups itself). Same contract as w4a8_gemm."""
     o = _word_operands(x8, sx, weight, variant, rowsum, group_sums, out)
     grid, per_split, split, ws = _launch_grid(variant, o.M, o.N, o.K, split_k, x8.device)
-    _w4a8_gemv_kernel[grid](
+    if variant.warp_mma:
+        kernel, meta = _w4a8_warp_mma_kernel, {"J": variant.block_n // 8}
+    else:
+        kernel, meta = _w4a8_gemv_kernel, {"BLOCK_N": variant.block_n, "BLOCK_M": variant.block_m,
+                                           "GROUPS_PER_STEP": variant.groups_per_step, "X_SHARED": variant.x_shared}
+    kernel[grid](
         o.x32, o.sx, o.sx if o.x_sums is None else o.x_sums, o.qw32, o.s2, o.zero, o.col_scale, o.out, ws,
         o.M, o.N, o.K, per_split,
         o.x32.stride(0), o.qw32.stride(0), o.s2.stride(0), o.out.stride(0), o.out.stride(1),
-        G128=o.g128, HAS_ROWSUM=o.x_sums is not None, BLOCK_N=variant.block_n, BLOCK_M=variant.block_m,
-        GROUPS_PER_STEP=variant.groups_per_step, USE_SPLIT=split > 1, FAST=x8.is_cuda, X_SHARED=variant.x_shared,
-        **variant.launch_options, **launch_kwargs(x8.device, o.M),
-    )
-    if split > 1:
-        o.split_epilogue(ws, split)
-    return o.out
-
-
-def w4a8_warp_mma(
-    x8: torch.Tensor,
-    sx: torch.Tensor,
-    weight: W4G128ProgressiveWeight | W4ChannelWeight,
-    variant: GemmVariant,
-    rowsum: torch.Tensor | None = None,
-    *,
-    group_sums: torch.Tensor | None = None,
-    split_k: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The warp-MMA kernel of w4a8_warp_mma.py for M <= WARP_MMA_MAX_M; same contract as w4a8_gemm
-    (group_sums are checked, not read: the kernel sums x8's groups itself)."""
-    o = _word_operands(x8, sx, weight, variant, rowsum, group_sums, out)
-    grid, per_split, split, ws = _launch_grid(variant, o.M, o.N, o.K, split_k, x8.device)
-    _w4a8_warp_mma_kernel[grid](
-        o.x32, o.sx, o.sx if o.x_sums is None else o.x_sums, o.qw32, o.s2, o.zero, o.col_scale, o.out, ws,
-        o.M, o.N, o.K, per_split,
-        o.x32.stride(0), o.qw32.stride(0), o.s2.stride(0), o.out.stride(0), o.out.stride(1),
-        G128=o.g128, HAS_ROWSUM=o.x_sums is not None, J=variant.block_n // 8, USE_SPLIT=split > 1, FAST=x8.is_cuda,
+        G128=o.g128, HAS_ROWSUM=o.x_sums is not None, USE_SPLIT=split > 1, FAST=x8.is_cuda, **meta,
         **variant.launch_options, **launch_kwargs(x8.device, o.M),
     )
     if split > 1:
@@ -848,10 +827,8 @@ def w4a8_gemm(
     if not ok:
         others = "; ".join(f"{v.name}: {v.can_implement(M, N, K, weight.kind)[1]}" for v in VARIANTS)
         raise ValueError(f"variant {variant} cannot run M={M} N={N} K={K} {weight.kind}: {reason}. All: {others}")
-    if chosen.gemv:
-        return w4a8_gemv(x8, sx, weight, chosen, rowsum, group_sums=group_sums, split_k=split_k, out=out)
-    if chosen.warp_mma:
-        return w4a8_warp_mma(x8, sx, weight, chosen, rowsum, group_sums=group_sums, split_k=split_k, out=out)
+    if chosen.gemv or chosen.warp_mma:
+        return w4a8_word_gemm(x8, sx, weight, chosen, rowsum, group_sums=group_sums, split_k=split_k, out=out)
     if isinstance(weight, W4G128ProgressiveWeight):
         return w4a8_g128_gemm(x8, sx, weight, chosen, group_sums=group_sums, split_k=split_k, out=out)
     return w4a8_channel_gemm(x8, sx, weight, chosen, rowsum, split_k=split_k, out=out)
