@@ -80,6 +80,22 @@ def _tile_words(w_ptrs, grp):
 
 
 @triton.jit
+def _tiles_words(w_ptrs0, w_ptrs1, w_ptrs2, w_ptrs3, grp, J: tl.constexpr):
+    """The four words of group `grp` of each of the J tiles, as 16 values (tile j's at 4 j; tiles
+    past J repeat tile 0's, unused)."""
+    u00, u01, u02, u03 = _tile_words(w_ptrs0, grp)
+    u10, u11, u12, u13 = u00, u01, u02, u03
+    u20, u21, u22, u23 = u00, u01, u02, u03
+    u30, u31, u32, u33 = u00, u01, u02, u03
+    if J > 1:
+        u10, u11, u12, u13 = _tile_words(w_ptrs1, grp)
+    if J > 2:
+        u20, u21, u22, u23 = _tile_words(w_ptrs2, grp)
+        u30, u31, u32, u33 = _tile_words(w_ptrs3, grp)
+    return u00, u01, u02, u03, u10, u11, u12, u13, u20, u21, u22, u23, u30, u31, u32, u33
+
+
+@triton.jit
 def _tile_group(w0, w1, w2, w3,
                 x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                 c0, c1, c2, c3, FAST: tl.constexpr):
@@ -193,29 +209,15 @@ def _w4a8_warp_mma_kernel(
     x_sum_lo = zero  # chn without rowsum: the slice's x sums of rows g and g + 8
     x_sum_hi = zero
     # Each tile's weight words of the current group; the next group's are loaded before its MMAs.
-    u00, u01, u02, u03 = _tile_words(w_ptrs0, g_start)
-    u10, u11, u12, u13 = u00, u01, u02, u03
-    u20, u21, u22, u23 = u00, u01, u02, u03
-    u30, u31, u32, u33 = u00, u01, u02, u03
-    if J > 1:
-        u10, u11, u12, u13 = _tile_words(w_ptrs1, g_start)
-    if J > 2:
-        u20, u21, u22, u23 = _tile_words(w_ptrs2, g_start)
-        u30, u31, u32, u33 = _tile_words(w_ptrs3, g_start)
+    u00, u01, u02, u03, u10, u11, u12, u13, u20, u21, u22, u23, u30, u31, u32, u33 = _tiles_words(
+        w_ptrs0, w_ptrs1, w_ptrs2, w_ptrs3, g_start, J)
     # The weights are no kernel's output: their first words are requested before the PDL wait (as the
     # GEMV does), x and the partial sums only after it (launch_overlap.py).
     _overlap_entry(PDL)
     for grp in range(g_start, g_end):
         nxt = min(grp + 1, g_end - 1)  # the last step re-reads its own group: in bounds, cached
-        v00, v01, v02, v03 = _tile_words(w_ptrs0, nxt)
-        v10, v11, v12, v13 = v00, v01, v02, v03
-        v20, v21, v22, v23 = v00, v01, v02, v03
-        v30, v31, v32, v33 = v00, v01, v02, v03
-        if J > 1:
-            v10, v11, v12, v13 = _tile_words(w_ptrs1, nxt)
-        if J > 2:
-            v20, v21, v22, v23 = _tile_words(w_ptrs2, nxt)
-            v30, v31, v32, v33 = _tile_words(w_ptrs3, nxt)
+        v00, v01, v02, v03, v10, v11, v12, v13, v20, v21, v22, v23, v30, v31, v32, v33 = _tiles_words(
+            w_ptrs0, w_ptrs1, w_ptrs2, w_ptrs3, nxt, J)
         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _x_words(x_lo + grp * 32,
                                                                                         x_hi + grp * 32)
         if G128:
