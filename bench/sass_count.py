@@ -185,7 +185,8 @@ def warp_mma(a):
     pointers = {"x_ptr": "*i32", "sx_ptr": "*fp32", "rowsum_ptr": "*i32", "qw_ptr": "*i32", "col_scale_ptr": "*fp16",
                 "out_ptr": "*fp16", "ws_ptr": "*i32", "s2_ptr": "*u8" if g128 else "*fp16",
                 "zero_ptr": "*u8" if g128 else "*fp16"}
-    consts = dict(G128=g128, HAS_ROWSUM=not g128 and a.rowsum, J=v.block_n // 8, USE_SPLIT=True, FAST=True, PDL=0)
+    consts = dict(G128=g128, HAS_ROWSUM=not g128 and a.rowsum, J=v.block_n // 8, USE_SPLIT=True, FAST=True,
+                  AHEAD=v.groups_ahead, PDL=0)
     return compile_sass(wm._w4a8_warp_mma_kernel, pointers, consts, num_warps=1), None
 
 

@@ -127,10 +127,10 @@ def test_split_factor_rules(monkeypatch):
     assert gemm.split_factor(wmma, 16, 4096, 512, cpu) == 2  # 4 groups
 
 
-@pytest.mark.parametrize("name", ["g128.wmma.n16", "chn.wmma.n16"])
+@pytest.mark.parametrize("name", ["g128.wmma.n16", "chn.wmma.n16", "chn.wmma.n32.p2"])
 def test_warp_mma_row_blocks(name: str):
     """M = 40: three programs of 16 rows per column block (the last one 8 rows short), with and
-    without split K."""
+    without split K (K = 384: slices of 2 and 1 groups, shorter than .p2's two groups ahead)."""
     variant = gemm.get_variant(name)
     m, n, k = 40, 24, 384
     weight = _weight(variant.kind, n, k, seed=12)

@@ -338,6 +338,7 @@ class GemmVariant:
     groups_per_step: int = 1  # gemv: 128-groups of K read per loop step
     x_shared: bool = False  # gemv: x words held once per thread for all its rows, one program per token (_row_sums_x_shared)
     warp_mma: bool = False  # small M: one-warp programs, weight words straight into mma.sync (w4a8_warp_mma.py)
+    groups_ahead: int = 1  # warp_mma: groups of weight words loaded ahead of the MMAs (register buffers)
     max_m: int | None = None
     group_m: int = 8
     # Register cap per thread (ptxas .maxnreg). An 8-warp n128m128 tile compiles to 128-149 registers
@@ -393,11 +394,12 @@ def _gemv(kind: str, bn: int, bm: int, groups_per_step: int, x_shared: bool = Fa
 X_SHARED_MAX_M = 4  # the H200 tune run (session 25): never fastest at M = 8, at 4 only on 4096x4096
 
 
-def _warp_mma(kind: str, bn: int) -> GemmVariant:
-    """A w4a8_warp_mma.py variant: one warp per program covering bn = 8 J columns of 16 rows."""
+def _warp_mma(kind: str, bn: int, ahead: int = 1) -> GemmVariant:
+    """A w4a8_warp_mma.py variant: one warp per program covering bn = 8 J columns of 16 rows, its weight
+    words loaded `ahead` groups before their MMAs (`.p2`: two, twice the bytes in flight a warp)."""
     prefix = "g128" if kind == G128 else "chn"
-    return GemmVariant(f"{prefix}.wmma.n{bn}", kind, bn, 16, 1, 1, split_k=True, warp_mma=True,
-                       max_m=WARP_MMA_MAX_M)
+    return GemmVariant(f"{prefix}.wmma.n{bn}" + (f".p{ahead}" if ahead > 1 else ""), kind, bn, 16, 1, 1,
+                       split_k=True, warp_mma=True, max_m=WARP_MMA_MAX_M, groups_ahead=ahead)
 
 
 # Rows of x the warp-MMA variants take: row blocks of 16 beyond the first re-read the weights from L2,
@@ -462,6 +464,7 @@ VARIANTS: tuple[GemmVariant, ...] = (
       for bn, gps in ((4, 32), (16, 32), (4, 16), (8, 16), (16, 16), (16, 8))),
     # Small M as a weight stream on mma.sync (session 29; not yet timed on a GPU).
     *(_warp_mma(kind, bn) for kind in KINDS for bn in (8, 16, 32)),
+    *(_warp_mma(kind, bn, ahead=2) for kind in KINDS for bn in (16, 32)),
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 
@@ -778,7 +781,7 @@ def w4a8_word_gemm(
     o = _word_operands(x8, sx, weight, variant, rowsum, group_sums, out)
     grid, per_split, split, ws = _launch_grid(variant, o.M, o.N, o.K, split_k, x8.device)
     if variant.warp_mma:
-        kernel, meta = _w4a8_warp_mma_kernel, {"J": variant.block_n // 8}
+        kernel, meta = _w4a8_warp_mma_kernel, {"J": variant.block_n // 8, "AHEAD": variant.groups_ahead}
     else:
         kernel, meta = _w4a8_gemv_kernel, {"BLOCK_N": variant.block_n, "BLOCK_M": variant.block_m,
                                            "GROUPS_PER_STEP": variant.groups_per_step, "X_SHARED": variant.x_shared}

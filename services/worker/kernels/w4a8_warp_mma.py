@@ -28,8 +28,9 @@ four weight words are contiguous.
           sum of row g, c2 of row g + 8), so no group-sums input is needed.
 The per-group scales of the C fragment's columns (2t, 2t + 1) are read per lane.
 
-The next group's weight words are loaded before this group's MMAs (a register double buffer): the
-memory system needs several loads in flight per warp to stream. Split-K slices write int32 partials
+The next group's weight words are loaded before this group's MMAs (a register double buffer; AHEAD 2:
+the group after the next, a triple buffer): the memory system needs several loads in flight per warp
+to stream. Split-K slices write int32 partials
 for w4a8_gemm's epilogue kernel, exactly as the other kernels do. The int32 sums equal the
 reference's; under TRITON_INTERPRET the MMA is emulated over the 32 lanes (paged_attention_mma).
 """
@@ -175,7 +176,7 @@ def _w4a8_warp_mma_kernel(
     stride_xm, stride_qn, stride_sn, stride_om, stride_on,
     # meta
     G128: tl.constexpr, HAS_ROWSUM: tl.constexpr, J: tl.constexpr, USE_SPLIT: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    AHEAD: tl.constexpr = 1, PDL: tl.constexpr = 0,
 ):
     """Rows [16 pid_m, + 16) and columns [8 J pid_n, + 8 J) over the K slice program_id(1); J is
     1, 2 or 4 tiles of 8 columns, each its own (1, 32) fragment variables (a (J, 32) tensor's loads
@@ -211,13 +212,19 @@ def _w4a8_warp_mma_kernel(
     # Each tile's weight words of the current group; the next group's are loaded before its MMAs.
     u00, u01, u02, u03, u10, u11, u12, u13, u20, u21, u22, u23, u30, u31, u32, u33 = _tiles_words(
         w_ptrs0, w_ptrs1, w_ptrs2, w_ptrs3, g_start, J)
+    # With AHEAD 2, v holds the next group's words and the loop loads the one after.
+    v00, v01, v02, v03, v10, v11, v12, v13, v20, v21, v22, v23, v30, v31, v32, v33 = (
+        u00, u01, u02, u03, u10, u11, u12, u13, u20, u21, u22, u23, u30, u31, u32, u33)
+    if AHEAD > 1:
+        v00, v01, v02, v03, v10, v11, v12, v13, v20, v21, v22, v23, v30, v31, v32, v33 = _tiles_words(
+            w_ptrs0, w_ptrs1, w_ptrs2, w_ptrs3, min(g_start + 1, g_end - 1), J)
     # The weights are no kernel's output: their first words are requested before the PDL wait (as the
     # GEMV does), x and the partial sums only after it (launch_overlap.py).
     _overlap_entry(PDL)
     for grp in range(g_start, g_end):
-        nxt = min(grp + 1, g_end - 1)  # the last step re-reads its own group: in bounds, cached
-        v00, v01, v02, v03, v10, v11, v12, v13, v20, v21, v22, v23, v30, v31, v32, v33 = _tiles_words(
-            w_ptrs0, w_ptrs1, w_ptrs2, w_ptrs3, nxt, J)
+        ahead = min(grp + AHEAD, g_end - 1)  # the last steps re-read the last group: in bounds, cached
+        w00, w01, w02, w03, w10, w11, w12, w13, w20, w21, w22, w23, w30, w31, w32, w33 = _tiles_words(
+            w_ptrs0, w_ptrs1, w_ptrs2, w_ptrs3, ahead, J)
         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _x_words(x_lo + grp * 32,
                                                                                         x_hi + grp * 32)
         if G128:
@@ -242,10 +249,14 @@ def _w4a8_warp_mma_kernel(
             a30, a31, a32, a33 = _tile_step(u30, u31, u32, u33, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11,
                                             x12, x13, x14, x15, s_lo, s_hi, s2_ptr, zero_ptr, col0 + 24, N, grp,
                                             stride_sn, a30, a31, a32, a33, G128, FAST)
-        u00, u01, u02, u03 = v00, v01, v02, v03
-        u10, u11, u12, u13 = v10, v11, v12, v13
-        u20, u21, u22, u23 = v20, v21, v22, v23
-        u30, u31, u32, u33 = v30, v31, v32, v33
+        if AHEAD > 1:
+            u00, u01, u02, u03, u10, u11, u12, u13, u20, u21, u22, u23, u30, u31, u32, u33 = (
+                v00, v01, v02, v03, v10, v11, v12, v13, v20, v21, v22, v23, v30, v31, v32, v33)
+            v00, v01, v02, v03, v10, v11, v12, v13, v20, v21, v22, v23, v30, v31, v32, v33 = (
+                w00, w01, w02, w03, w10, w11, w12, w13, w20, w21, w22, w23, w30, w31, w32, w33)
+        else:
+            u00, u01, u02, u03, u10, u11, u12, u13, u20, u21, u22, u23, u30, u31, u32, u33 = (
+                w00, w01, w02, w03, w10, w11, w12, w13, w20, w21, w22, w23, w30, w31, w32, w33)
     _overlap_release(PDL)
     _finish_tile(a00, a01, a02, a03, g, col0, M, N, x_sum_lo, x_sum_hi, sx_ptr, rowsum_ptr, zero_ptr, col_scale_ptr,
                  out_ptr, ws_ptr, stride_om, stride_on, G128, HAS_ROWSUM, USE_SPLIT)
