@@ -5,7 +5,8 @@
 Llama-2-7B attention shapes (32 KV heads, head_dim 128, 32 layers): the write of T tokens with and
 without a key feedback factor (shared.quant.key_feedback), decode batches and prefill chunks, the
 query rotated in the same launch as the worker does; with feedback, both ways of writing the keys
-(kv4_cache.KEY_FEEDBACK_WRITE: "per_token" in the main kernel, "head_tiles" in a second one). Times are triton.testing.do_bench medians.
+(kv4_cache.KEY_FEEDBACK_WRITE: "per_token" in the main kernel, "head_tiles" in a second one).
+Times are triton.testing.do_bench medians.
 Rows are also checked against the reference write (write_kv4_cache_reference) byte for byte.
 """
 

@@ -5,7 +5,7 @@
     python3 bench/sass_count.py act_quant --op silu --block 16384 --warps 16
     python3 bench/sass_count.py act_quant --op rmsnorm --block 4096 --warps 8 --add
     python3 bench/sass_count.py kv_write --group 2 --block-h 8 --warps 4
-    python3 bench/sass_count.py --loop-min 20 kv_write --feedback-tile 16 --warps 2
+    python3 bench/sass_count.py --loop-min 20 kv_write --feedback-tile 16 --warps 4
     python3 bench/sass_count.py --loop-min 50 gemm g128.n64m64.sk.swar
     python3 bench/sass_count.py --loop-min 50 warp_mma g128.wmma.n32
 
@@ -174,7 +174,7 @@ def gemm(a):
 
 
 def warp_mma(a):
-    """The M <= 16 warp-MMA kernel (w4a8_warp_mma.py) by variant name, e.g. g128.wmma.n32."""
+    """The small-M warp-MMA kernel (w4a8_warp_mma.py) by variant name, e.g. g128.wmma.n32."""
     from services.worker.kernels import w4a8_gemm as wg
     from services.worker.kernels import w4a8_warp_mma as wm
 
@@ -238,7 +238,7 @@ def main() -> None:
     gm = sub.add_parser("gemm", help="a W4A8 tensor-core variant of w4a8_gemm.py, by name")
     gm.add_argument("variant", help="e.g. chn.n128m16.sk or g128.n64m64.sk.swar")
     gm.add_argument("--group-sums", action="store_true", help="g128 .zp: x8's group sums from the act-quant kernel")
-    wmm = sub.add_parser("warp_mma", help="the M <= 16 warp-MMA kernel (w4a8_warp_mma.py), by variant name")
+    wmm = sub.add_parser("warp_mma", help="the small-M warp-MMA kernel (w4a8_warp_mma.py), by variant name")
     wmm.add_argument("variant", help="e.g. g128.wmma.n32 or chn.wmma.n16")
     wmm.add_argument("--rowsum", action="store_true", help="chn: x8's row sums given (no in-kernel sums)")
     gv = sub.add_parser("gemv", help="the W4A8 dp4a kernel for M <= 4 (w4a8_gemv.py)")

@@ -61,6 +61,13 @@ def _round_half_even(x):
 
 
 @triton.jit
+def _rotate_half_pairs(lo, hi, cos, sin):
+    """RoPE on halves (lo, hi) fp32 (HF rotate_half: pairs (i, i + D/2)), rounded to fp16 as the
+    reference rotates: each product rounded (the launches run without FMA contraction)."""
+    return (lo * cos - hi * sin).to(tl.float16), (hi * cos + lo * sin).to(tl.float16)
+
+
+@triton.jit
 def _kv4_code(x, scale, zero):
     """The nearest KV4 code of x on the grid (scale, zero): IEEE division, round half to even, clamp."""
     return tl.minimum(tl.maximum(_round_half_even(tl.div_rn(x - zero, scale)), 0.0), 15.0)
@@ -172,8 +179,9 @@ def _rope_cache_write_kernel(
         q_lo = tl.load(q_ptrs, mask=mask_q, other=0.0).to(tl.float32)
         q_hi = tl.load(q_ptrs + HALF, mask=mask_q, other=0.0).to(tl.float32)
         o_ptrs = query_out_ptr + tok * stride_ot + heads * stride_oh + offs[None, :]
-        tl.store(o_ptrs, (q_lo * cos - q_hi * sin).to(tl.float16), mask=mask_q)
-        tl.store(o_ptrs + HALF, (q_hi * cos + q_lo * sin).to(tl.float16), mask=mask_q)
+        q_lo, q_hi = _rotate_half_pairs(q_lo, q_hi, cos, sin)
+        tl.store(o_ptrs, q_lo, mask=mask_q)
+        tl.store(o_ptrs + HALF, q_hi, mask=mask_q)
 
     slot = tl.load(slots_ptr + tok).to(tl.int64)
     if slot >= 0:
@@ -191,8 +199,7 @@ def _rope_cache_write_kernel(
         row = (slot // BLOCK_SIZE) * stride_cb + offs_h * stride_ch + (slot % BLOCK_SIZE) * stride_cs  # (BLOCK_H,)
         if WRITE_KEYS:
             # Round the rotated key to fp16 first: the reference quantizes the fp16 rotated key.
-            r_lo = (k_lo * cos - k_hi * sin).to(tl.float16)
-            r_hi = (k_hi * cos + k_lo * sin).to(tl.float16)
+            r_lo, r_hi = _rotate_half_pairs(k_lo, k_hi, cos, sin)
             if QUANTIZE:
                 _store_kv4_rows(k_cache_ptr + row, mask_h, r_lo.to(tl.float32), r_hi.to(tl.float32), k_margin, HALF,
                                 K_SHRINK, (key_feedback_ptr + offs_h * (HEAD_DIM * HEAD_DIM))[:, None], rows_mask,
@@ -234,11 +241,11 @@ def _key_feedback_write_kernel(
     k_ptrs = key_ptr + offs_t[:, None].to(tl.int64) * stride_kt + head * stride_kh + offs
     k_lo = tl.load(k_ptrs, mask=rows_mask, other=0.0).to(tl.float32)
     k_hi = tl.load(k_ptrs + HALF, mask=rows_mask, other=0.0).to(tl.float32)
-    r_lo = (k_lo * cos - k_hi * sin).to(tl.float16).to(tl.float32)
-    r_hi = (k_hi * cos + k_lo * sin).to(tl.float16).to(tl.float32)
+    r_lo, r_hi = _rotate_half_pairs(k_lo, k_hi, cos, sin)
     row = (slot // BLOCK_SIZE) * stride_cb + head * stride_ch + (slot % BLOCK_SIZE) * stride_cs  # (TOKENS,)
     r_rows = key_feedback_ptr + head * (HEAD_DIM * HEAD_DIM)  # one R for the whole tile
-    _store_kv4_rows(k_cache_ptr + row, write, r_lo, r_hi, k_margin, HALF, K_SHRINK, r_rows, offs < HALF, True)
+    _store_kv4_rows(k_cache_ptr + row, write, r_lo.to(tl.float32), r_hi.to(tl.float32), k_margin, HALF, K_SHRINK,
+                    r_rows, offs < HALF, True)
 
 
 def _check_inputs(key, value, positions, slot_mapping, rope_cache, query) -> tuple[int, int, int]:
@@ -328,7 +335,10 @@ def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, q
             key.stride(0), key.stride(1), rope_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             range_margin(kv_range[0]),
             HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], TOKENS=tokens, K_SHRINK=kv_range[0] != 1.0,
-            num_warps=max(1, min(4, tokens * d // 1024)), enable_fp_fusion=False, **launch_kwargs(key.device, t),
+            # 4 warps from 2 tokens up: with fewer (the main kernel's rule, tokens * d // 1024) the sm_90
+            # loop changed layouts through shared memory every step (Triton 3.6: 758 instructions a
+            # step at 16 tokens x 128 dims on 2 warps against 108 / 91 on 4); one token, one warp.
+            num_warps=1 if tokens == 1 else 4, enable_fp_fusion=False, **launch_kwargs(key.device, t),
         )
     return query_out
 
