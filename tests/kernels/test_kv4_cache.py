@@ -16,6 +16,7 @@ from services.worker.kernels.attention_reference import (
     write_fp16_cache_reference,
     write_kv4_cache_reference,
 )
+from services.worker.kernels import kv4_cache
 from services.worker.kernels.kv4_cache import write_fp16_cache, write_kv4_cache
 from shared.formats.kv4 import decode_rows, page_row_bytes, quantize_kv4
 from shared.formats.nibbles import unpack_halves
@@ -214,8 +215,6 @@ def test_kv4_write_with_key_feedback_matches_reference_bit_for_bit(head_dim, kv_
     off would move the rest; the kernel's rows equal the reference's byte for byte (keys and values),
     whichever kernel writes the keys. 18 tokens: a whole tile of 16 and a partial one for "head_tiles",
     and a padding token (slot -1) that neither writes."""
-    import services.worker.kernels.kv4_cache as kv4_cache
-
     monkeypatch.setattr(kv4_cache, "KEY_FEEDBACK_WRITE", keys_written)
     num_blocks = 5
     positions, slots, _ = _prefill_slots([5, 11, 2], num_blocks, seed=21)
@@ -244,8 +243,6 @@ def test_key_feedback_write_on_extreme_keys(keys_written, monkeypatch):
     """The kernels read each code back from the dim's final value (w - e, _feedback_codes): exact
     for empty ranges (all-zero and constant keys, at position 0 where RoPE is the identity), a lone
     outlier, a narrow range far from zero, and clamping everywhere (K range ratio 0.6)."""
-    import services.worker.kernels.kv4_cache as kv4_cache
-
     monkeypatch.setattr(kv4_cache, "KEY_FEEDBACK_WRITE", keys_written)
     d, kv_heads = 64, 2
     g = torch.Generator().manual_seed(5)
@@ -274,8 +271,6 @@ def test_key_feedback_write_on_extreme_keys(keys_written, monkeypatch):
 
 
 def test_key_feedback_write_mode_must_be_known(monkeypatch):
-    import services.worker.kernels.kv4_cache as kv4_cache
-
     monkeypatch.setattr(kv4_cache, "KEY_FEEDBACK_WRITE", "tiles")
     k, v = _kv(2, 2, 64, seed=1)
     cache = torch.zeros(1, 2, BLOCK_SIZE, page_row_bytes(64), dtype=torch.uint8)
