@@ -42,6 +42,7 @@ import triton.language as tl
 
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release
 from services.worker.kernels.paged_attention_mma import _IMMA_S8_U8, _mma_emulated
+from services.worker.kernels.w4a8_gemv import _byte_sum
 
 ONES = tl.constexpr(0x01010101)  # B = 1 in every byte: the MMA then sums each row of A
 
@@ -121,16 +122,12 @@ def _group_x_sums(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x1
         s_lo, _, s_hi, _ = _mma(x8, x9, x10, x11, ones, ones, s_lo, s_lo, s_hi, s_hi, FAST)
         s_lo, _, s_hi, _ = _mma(x12, x13, x14, x15, ones, ones, s_lo, s_lo, s_hi, s_hi, FAST)
         return s_lo, s_hi
-    own_lo = _byte_sum(x0) + _byte_sum(x2) + _byte_sum(x4) + _byte_sum(x6) + _byte_sum(x8) + _byte_sum(x10) \
-        + _byte_sum(x12) + _byte_sum(x14)
-    own_hi = _byte_sum(x1) + _byte_sum(x3) + _byte_sum(x5) + _byte_sum(x7) + _byte_sum(x9) + _byte_sum(x11) \
-        + _byte_sum(x13) + _byte_sum(x15)
+    # This lane's share: the signed bytes of its words (w4a8_gemv's _byte_sum, interpreter form).
+    own_lo = _byte_sum(x0, 0, False) + _byte_sum(x2, 0, False) + _byte_sum(x4, 0, False) + _byte_sum(x6, 0, False) \
+        + _byte_sum(x8, 0, False) + _byte_sum(x10, 0, False) + _byte_sum(x12, 0, False) + _byte_sum(x14, 0, False)
+    own_hi = _byte_sum(x1, 0, False) + _byte_sum(x3, 0, False) + _byte_sum(x5, 0, False) + _byte_sum(x7, 0, False) \
+        + _byte_sum(x9, 0, False) + _byte_sum(x11, 0, False) + _byte_sum(x13, 0, False) + _byte_sum(x15, 0, False)
     return s_lo + _over_quad(own_lo), s_hi + _over_quad(own_hi)
-
-
-@triton.jit
-def _byte_sum(u):
-    return ((u << 24) >> 24) + ((u << 16) >> 24) + ((u << 8) >> 24) + (u >> 24)
 
 
 @triton.jit
