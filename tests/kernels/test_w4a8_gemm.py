@@ -269,3 +269,23 @@ def test_workspace_is_one_buffer_per_device_whatever_the_spelling(monkeypatch):
     grown = ws.get("cpu", 64)
     assert grown.numel() == 64 and ws.pointer(torch.device("cpu")) == grown.data_ptr() != small.data_ptr()
     assert ws.pointer("meta") is None
+
+
+def test_int8_path_dequantizes_every_weight_and_uses_the_workspace():
+    """The int8 path's first pass writes exactly the weight's int8 values (N = 67: a partial block of
+    rows; full int8 range) over whatever the scratch held; the GEMM reads them from WORKSPACE, whose
+    size workspace_elements reports; it takes no split."""
+    from services.worker.kernels.w4a8_int8_path import dequantize_g128_to_int8
+
+    n, k = 67, 384
+    weight = _full_range_g128(n, k, seed=15)
+    scratch = torch.full((n * k + 100,), 77, dtype=torch.int8)
+    assert torch.equal(dequantize_g128_to_int8(weight, scratch), weight.int8_weight())
+    assert (scratch[n * k:] == 77).all()  # nothing written past N * K
+    variant = gemm.get_variant("g128.i8.n128m128")
+    assert gemm.workspace_elements(variant, 300, n, k, torch.device("cpu")) == (n * k + 3) // 4
+    x8, sx = quantize_per_token(_activations(5, k, seed=16))
+    gemm.w4a8_gemm(x8, sx, weight, variant=variant.name)
+    assert torch.equal(gemm.WORKSPACE.get("cpu", 1).view(torch.int8)[: n * k].view(n, k), weight.int8_weight())
+    with pytest.raises(AssertionError, match="does not split K"):
+        gemm.w4a8_gemm(x8, sx, weight, variant=variant.name, split_k=2)

@@ -141,7 +141,8 @@ class TritonRunner:
         return 2 * c.num_layers * c.num_kv_heads * self.block_size * self.kv_row_bytes()
 
     def _workspace_elements(self, max_tokens: int) -> int:
-        """The largest split-K workspace (int32 elements) any GEMM of up to max_tokens rows asks for."""
+        """The largest W4A8 workspace (int32 elements: split-K partials, or the int8 path's weight copy)
+        any GEMM of up to max_tokens rows asks for."""
         if not isinstance(self.ops, W4A8Ops):
             return 0
         layer = self.weights.layers[0]
@@ -150,12 +151,7 @@ class TritonRunner:
             n, k = w.qweight.shape[0], w.qweight.shape[1] * 2
             for m in range(1, max_tokens + 1):
                 variant = w4a8_gemm.get_variant(self.ops.policy.variant(w.kind, n, k, m))
-                if variant.split_k:
-                    split = w4a8_gemm.split_factor(variant, m, n, k, self.device)
-                    per = triton.cdiv(k // w4a8_gemm.GROUP_SIZE, split)
-                    split = triton.cdiv(k // w4a8_gemm.GROUP_SIZE, per)
-                    if split > 1:
-                        most = max(most, split * m * n)
+                most = max(most, w4a8_gemm.workspace_elements(variant, m, n, k, self.device))
         return most
 
     def _reserve_workspace(self) -> None:

@@ -1,6 +1,6 @@
 """PTX text for the g128 weight's int8 value (q - z) * s2 on the 4 bytes of one 32-bit register.
 
-Used by w4a8_gemm._dequant_swar (the MMA operand; the dp4a GEMV of w4a8_gemv.py needs no int8 weight).
+Used by gemm_common._dequant_swar (the MMA operand; the dp4a GEMV of w4a8_gemv.py needs no int8 weight).
 Per byte q is a code in [0, 15] and s2 <= 16, so q * s2 <= 240: one 32-bit multiply by s2 never
 carries into the next byte. Subtracting z * s2 bytewise without borrows: set bit 7 of every byte
 of q * s2, subtract (z * s2) with its bit 7 cleared, then fix bit 7 with the sign rule of a

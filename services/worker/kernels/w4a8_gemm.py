@@ -40,9 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.gemm_common import _dequant_swar, _split_nibbles, _tile_ids
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
-from services.worker.kernels.swar_ptx import SWAR_REGISTERS, high_plane, low_plane, swar_plane, swar_setup
 from services.worker.kernels.w4a8_gemv import _w4a8_gemv_kernel
+from services.worker.kernels.w4a8_int8_path import int8_path_gemm
 from services.worker.kernels.w4a8_warp_mma import _w4a8_warp_mma_kernel
 from shared.formats.weights import GROUP_SIZE, W4ChannelWeight, W4G128ProgressiveWeight
 
@@ -51,21 +52,6 @@ log = logging.getLogger(__name__)
 # |x8 * w8| <= 127 * 128 per product: the int32 sum cannot overflow below this K.
 MAX_K = (2**31 - 1) // (127 * 128) // GROUP_SIZE * GROUP_SIZE
 KINDS = (W4G128ProgressiveWeight.kind, W4ChannelWeight.kind)
-
-
-@triton.jit
-def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Program id -> (pid_n, pid_m), GROUP_M row blocks of x sweeping N together (L2 reuse)."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    return pid_n, pid_m
 
 
 @triton.jit
@@ -109,41 +95,6 @@ def _split_k_epilogue_kernel(
         y = y - tl.load(rowsum_ptr + m, mask=mask, other=0).to(tl.float32) * tl.load(zero_ptr + n, mask=mask).to(tl.float32)
     y = y * tl.load(sx_ptr + m, mask=mask) * tl.load(col_scale_ptr + n, mask=mask).to(tl.float32)
     tl.store(out_ptr + m * stride_om + n * stride_on, y.to(tl.float16), mask=mask)
-
-
-@triton.jit
-def _split_nibbles(packed, OP_DTYPE: tl.constexpr, FAST_UNPACK: tl.constexpr):
-    """(BLOCK_N, 64) uint8 -> the codes of k .. k+63 (low nibbles) and k+64 .. k+127 (high nibbles)."""
-    if FAST_UNPACK:
-        # Four bytes per 32-bit register, split with two masks and a shift (no per-byte unpacking).
-        lo, hi = tl.inline_asm_elementwise(
-            asm="and.b32 $0, $2, 0x0F0F0F0F;\n\tshr.u32 $1, $2, 4;\n\tand.b32 $1, $1, 0x0F0F0F0F;",
-            constraints="=r,=r,r", args=[packed], dtype=(tl.int8, tl.int8), is_pure=True, pack=4,
-        )
-    else:
-        lo = (packed & 0xF).to(tl.int8)
-        hi = (packed >> 4).to(tl.int8)
-    return lo.to(OP_DTYPE), hi.to(OP_DTYPE)
-
-
-# $0 / $1: the low / high nibble planes of packed word $2 as int8 (q - z) * s2; $3 s2, $4 zs.
-_DEQUANT_SWAR_PTX = tl.constexpr(
-    "{\n        .reg .b32 " + SWAR_REGISTERS + ";" + swar_setup("$3", "$4")
-    + low_plane("$2") + swar_plane("$0") + high_plane("$2") + swar_plane("$1") + "\n        }"
-)
-
-
-@triton.jit
-def _dequant_swar(packed, s2, zs):
-    """(BLOCK_N, 64) packed bytes, s2 and zs = (z * s2) mod 256 per row -> int8 (q - z) * s2, both halves.
-
-    Four bytes of one row share a 32-bit register (the 4 consecutive K values of an int8 MMA
-    operand), so the row's s2 and zs are taken from byte 0 of their registers.
-    """
-    return tl.inline_asm_elementwise(
-        asm=_DEQUANT_SWAR_PTX,
-        constraints="=r,=r,r,r,r", args=[packed, s2, zs], dtype=(tl.int8, tl.int8), is_pure=True, pack=4,
-    )
 
 
 # M and the split sizes change with every batch; specializing on them (== 1, % 16) would only recompile.
@@ -339,6 +290,7 @@ class GemmVariant:
     x_shared: bool = False  # gemv: x words held once per thread for all its rows, one program per token (_row_sums_x_shared)
     warp_mma: bool = False  # small M: one-warp programs, weight words straight into mma.sync (w4a8_warp_mma.py)
     groups_ahead: int = 1  # warp_mma: groups of weight words loaded ahead of the MMAs (register buffers)
+    int8_path: bool = False  # g128, large M: dequantize to int8 in the workspace, then an int8 GEMM (w4a8_int8_path.py)
     max_m: int | None = None
     group_m: int = 8
     # Register cap per thread (ptxas .maxnreg). An 8-warp n128m128 tile compiles to 128-149 registers
@@ -465,6 +417,11 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # Small M as a weight stream on mma.sync (session 29; not yet timed on a GPU).
     *(_warp_mma(kind, bn) for kind in KINDS for bn in (8, 16, 32)),
     *(_warp_mma(kind, bn, ahead=2) for kind in KINDS for bn in (16, 32)),
+    # Prefill-sized M (session 30; not yet timed on a GPU): the g128 weight dequantized to int8 in
+    # one pass, then an int8 GEMM with both operands in shared memory (w4a8_int8_path.py).
+    _v("g128.i8.n128m128", G128, 128, 128, 8, 4, int8_path=True),
+    _v("g128.i8.n256m128", G128, 256, 128, 8, 3, int8_path=True),
+    _v("g128.i8.n128m256", G128, 128, 256, 8, 3, int8_path=True),
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 
@@ -526,6 +483,28 @@ class _Workspace:
 WORKSPACE = _Workspace()
 
 
+def workspace_elements(variant: GemmVariant, M: int, N: int, K: int, device: torch.device) -> int:
+    """The int32 elements of WORKSPACE a launch of this variant uses (1 where it uses none)."""
+    if variant.int8_path:
+        return triton.cdiv(N * K, 4)  # the int8 weight copy
+    split = _k_slices(variant, M, N, K, None, device)[1]
+    return split * M * N if split > 1 else 1
+
+
+def _k_slices(variant: GemmVariant, M: int, N: int, K: int, split_k: int | None, device: torch.device) -> tuple[int, int]:
+    """-> groups per K slice, slices (split_k, or the variant's rule where None; no empty slices)."""
+    split = split_factor(variant, M, N, K, device) if split_k is None else split_k
+    groups = K // GROUP_SIZE
+    assert 1 <= split <= groups, f"split_k={split} must be in [1, {groups}]"
+    per_split = triton.cdiv(groups, split)
+    return per_split, triton.cdiv(groups, per_split)
+
+
+def scratch_int8(device: torch.device, elements: int) -> torch.Tensor:
+    """WORKSPACE as int8, at least `elements` of them (the int8 path's weight copy)."""
+    return WORKSPACE.get(device, triton.cdiv(elements, 4)).view(torch.int8)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -570,11 +549,7 @@ def _check_common(x8: torch.Tensor, sx: torch.Tensor, N: int, K: int, out: torch
 
 def _launch_grid(variant: GemmVariant, M: int, N: int, K: int, split_k: int | None, device: torch.device):
     """-> grid, groups per slice, slices, workspace (SPLIT * M * N int32, or a dummy when not split)."""
-    split = split_factor(variant, M, N, K, device) if split_k is None else split_k
-    groups = K // GROUP_SIZE
-    assert 1 <= split <= groups, f"split_k={split} must be in [1, {groups}]"
-    per_split = triton.cdiv(groups, split)
-    split = triton.cdiv(groups, per_split)  # no empty slices
+    per_split, split = _k_slices(variant, M, N, K, split_k, device)
     ws = WORKSPACE.get(device, split * M * N if split > 1 else 1)
     if variant.x_shared:
         row_blocks = triton.cdiv(N, variant.block_n)
@@ -631,6 +606,9 @@ def w4a8_g128_gemm(
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
     group_sums = _group_sums_read_by(variant, group_sums, M, K)
+    if variant.int8_path:
+        assert split_k in (None, 1), f"{variant.name} does not split K"
+        return int8_path_gemm(x8, sx, weight, variant, scratch_int8(x8.device, N * K), out)
     grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
     _w4a8_g128_kernel[grid](
         x8, sx, qw, s2, zero, s1, out, ws, sx if group_sums is None else group_sums,

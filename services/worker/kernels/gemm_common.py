@@ -1,0 +1,59 @@
+"""Triton pieces the W4A8 tile GEMMs share (w4a8_gemm.py, w4a8_int8_path.py): the order of output
+tiles and the packed weight's unpacking into int8 MMA operands (nibble split, SWAR dequantization)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from services.worker.kernels.swar_ptx import SWAR_REGISTERS, high_plane, low_plane, swar_plane, swar_setup
+
+
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (pid_n, pid_m), GROUP_M row blocks of x sweeping N together (L2 reuse)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_n, pid_m
+
+
+@triton.jit
+def _split_nibbles(packed, OP_DTYPE: tl.constexpr, FAST_UNPACK: tl.constexpr):
+    """(BLOCK_N, 64) uint8 -> the codes of k .. k+63 (low nibbles) and k+64 .. k+127 (high nibbles)."""
+    if FAST_UNPACK:
+        # Four bytes per 32-bit register, split with two masks and a shift (no per-byte unpacking).
+        lo, hi = tl.inline_asm_elementwise(
+            asm="and.b32 $0, $2, 0x0F0F0F0F;\n\tshr.u32 $1, $2, 4;\n\tand.b32 $1, $1, 0x0F0F0F0F;",
+            constraints="=r,=r,r", args=[packed], dtype=(tl.int8, tl.int8), is_pure=True, pack=4,
+        )
+    else:
+        lo = (packed & 0xF).to(tl.int8)
+        hi = (packed >> 4).to(tl.int8)
+    return lo.to(OP_DTYPE), hi.to(OP_DTYPE)
+
+
+# $0 / $1: the low / high nibble planes of packed word $2 as int8 (q - z) * s2; $3 s2, $4 zs.
+_DEQUANT_SWAR_PTX = tl.constexpr(
+    "{\n        .reg .b32 " + SWAR_REGISTERS + ";" + swar_setup("$3", "$4")
+    + low_plane("$2") + swar_plane("$0") + high_plane("$2") + swar_plane("$1") + "\n        }"
+)
+
+
+@triton.jit
+def _dequant_swar(packed, s2, zs):
+    """(BLOCK_N, 64) packed bytes, s2 and zs = (z * s2) mod 256 per row -> int8 (q - z) * s2, both halves.
+
+    Four bytes of one row share a 32-bit register (the 4 consecutive K values of an int8 MMA
+    operand), so the row's s2 and zs are taken from byte 0 of their registers.
+    """
+    return tl.inline_asm_elementwise(
+        asm=_DEQUANT_SWAR_PTX,
+        constraints="=r,=r,r,r,r", args=[packed, s2, zs], dtype=(tl.int8, tl.int8), is_pure=True, pack=4,
+    )

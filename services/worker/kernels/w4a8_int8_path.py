@@ -1,0 +1,128 @@
+"""Large-M g128 W4A8 through an int8 copy of the weight: dequantize once per call, then an int8 GEMM.
+
+At prefill-sized M the g128 tile kernels (w4a8_gemm.py) run the int8 tensor cores at ~0.8 POP/s
+against the per-channel kernel's 1.2: every K step spends issue slots on (q - z) * s2, and Triton
+3.6 waits on each wgmma whose first operand comes from registers before the next dequantization
+(kernels README, "Where the time goes"). Here the dequantization is its own memory-bound pass:
+
+  1. _g128_to_int8_kernel writes W8 = (q - z) * s2, (N, K) int8, into the caller's scratch buffer
+     (1.5 bytes of traffic a weight: ~18 us for 12288 x 4096 at 4 TB/s).
+  2. _int8_gemm_kernel: acc (BLOCK_M, BLOCK_N) = x8 @ W8^T with both operands K-major in shared memory
+     (the layout int8 wgmma takes), software-pipelined like any int8 matmul; fp32 epilogue * sx * s1.
+
+W8 is exact (the protective range keeps (q - z) * s2 in [-128, 127]), so the output equals the
+reference linear bit for bit. The price is the pass (a few % of the GEMM at M = 4096; far too much at
+decode sizes: the policy table decides where it wins) and N * K bytes of scratch (90 MB at 22016 x 4096).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.worker.kernels.gemm_common import _dequant_swar, _split_nibbles, _tile_ids
+from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
+from shared.formats.weights import GROUP_SIZE, W4G128ProgressiveWeight
+
+# Rows of W8 one dequantization program writes (one 128-group each): 4 KB read, 8 KB written.
+DEQUANT_BLOCK_N = 64
+# K per pipeline stage of the int8 GEMM: one group; K is always a multiple of it.
+INT8_BLOCK_K = GROUP_SIZE
+
+
+@triton.jit
+def _g128_to_int8_kernel(
+    qw_ptr, s2_ptr, zero_ptr, w8_ptr,
+    N, K,
+    stride_qn, stride_sn, stride_sg,
+    BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr, PDL: tl.constexpr = 0,
+):
+    """w8[n, g*128 + j] = (q - z) * s2 for BLOCK_N rows n and the 128-group g = program_id(1)."""
+    g = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, 64)
+    rn = offs_n % N  # rows past N read a valid row and are not stored
+    packed = tl.load(qw_ptr + rn[:, None] * stride_qn + (g * 64 + offs_h)[None, :])
+    s2 = tl.load(s2_ptr + rn * stride_sn + g * stride_sg)
+    z = tl.load(zero_ptr + rn * stride_sn + g * stride_sg)
+    # The scratch buffer may still be read by the previous kernel (another layer's GEMM): wait before writing.
+    _overlap_entry(PDL)
+    if FAST_UNPACK:
+        zs = (z.to(tl.int32) * s2.to(tl.int32)).to(tl.uint8)
+        w_lo, w_hi = _dequant_swar(packed, s2[:, None], zs[:, None])
+    else:
+        # int8 arithmetic wraps, but the true (q - z) * s2 lies in [-128, 127] (protective range).
+        q_lo, q_hi = _split_nibbles(packed, tl.int8, False)
+        zi = z.to(tl.int8)[:, None]
+        si = s2.to(tl.int8)[:, None]
+        w_lo = (q_lo - zi) * si
+        w_hi = (q_hi - zi) * si
+    w_ptrs = w8_ptr + offs_n[:, None] * K + (g * 128 + offs_h)[None, :]
+    mask = (offs_n < N)[:, None]
+    tl.store(w_ptrs, w_lo, mask=mask)
+    tl.store(w_ptrs + 64, w_hi, mask=mask)
+    _overlap_release(PDL)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int8_gemm_kernel(
+    x_ptr, w8_ptr, sx_ptr, s1_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr = 0,
+):
+    """out (M, N) fp16 = (x8 @ w8^T) * sx[m] * s1[n]; x8 (M, K) and w8 (N, K) int8, both contiguous along K."""
+    pid_n, pid_m = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows past M or N are read from a valid row and dropped at the store: no masks in the loop.
+    rm = offs_m % M
+    rn = offs_n % N
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :]  # (BM, BK)
+    w_ptrs = w8_ptr + rn[None, :] * K + offs_k[:, None]  # (BK, BN), K-major
+    _overlap_entry(PDL)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for _ in range(0, K, BLOCK_K):
+        acc = tl.dot(tl.load(x_ptrs), tl.load(w_ptrs), acc, out_dtype=tl.int32)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    _overlap_release(PDL)
+    sx = tl.load(sx_ptr + rm)  # (BM,) fp32
+    s1 = tl.load(s1_ptr + rn).to(tl.float32)  # (BN,)
+    # The same order as the other kernels' epilogue (acc * sx, then * s1): bit-equal results.
+    y = acc.to(tl.float32) * sx[:, None] * s1[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, y.to(tl.float16), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+def dequantize_g128_to_int8(weight: W4G128ProgressiveWeight, w8: torch.Tensor, overlap: dict | None = None) -> torch.Tensor:
+    """The weight's int8 values (N, K) written into w8 (at least N * K int8 elements); returns the (N, K) view.
+    overlap: the launch's PDL keywords (launch_overlap.launch_kwargs), by default off."""
+    qw, s2, zero = weight.qweight, weight.s2, weight.zero
+    N, K = qw.shape[0], qw.shape[1] * 2
+    assert w8.dtype == torch.int8 and w8.numel() >= N * K and w8.is_contiguous(), "w8: a contiguous int8 buffer of N * K"
+    w8 = w8.view(-1)[: N * K].view(N, K)
+    _g128_to_int8_kernel[(triton.cdiv(N, DEQUANT_BLOCK_N), K // GROUP_SIZE)](
+        qw, s2, zero, w8, N, K, qw.stride(0), s2.stride(0), s2.stride(1),
+        BLOCK_N=DEQUANT_BLOCK_N, FAST_UNPACK=qw.is_cuda, num_warps=4, **(overlap or {}),
+    )
+    return w8
+
+
+def int8_path_gemm(x8, sx, weight: W4G128ProgressiveWeight, variant, scratch: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Checked operands (w4a8_gemm.w4a8_g128_gemm's contract) -> out = the g128 linear, through W8 in scratch."""
+    M, K = x8.shape
+    N = out.shape[1]
+    overlap = launch_kwargs(x8.device, M)
+    w8 = dequantize_g128_to_int8(weight, scratch, overlap)
+    grid = (triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n),)
+    _int8_gemm_kernel[grid](
+        x8, w8, sx, weight.s1, out, M, N, K,
+        x8.stride(0), out.stride(0), out.stride(1),
+        BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, BLOCK_K=INT8_BLOCK_K, GROUP_M=variant.group_m,
+        **variant.launch_options, **overlap,
+    )
+    return out
