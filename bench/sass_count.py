@@ -7,6 +7,7 @@
     python3 bench/sass_count.py kv_write --group 2 --block-h 8 --warps 4
     python3 bench/sass_count.py --loop-min 20 kv_write --feedback-tile 16 --warps 4
     python3 bench/sass_count.py --loop-min 50 gemm g128.n64m64.sk.swar
+    python3 bench/sass_count.py --loop-min 20 gemm g128.i8.n256m128 [--dequant]
     python3 bench/sass_count.py --loop-min 50 warp_mma g128.wmma.n32
 
 Triton compiles the kernel for an H100/H200 target (ptxas ships with the triton wheel), the
@@ -158,6 +159,8 @@ def gemm(a):
     v = wg.get_variant(a.variant)
     if v.gemv:
         raise SystemExit(f"{v.name} is a dp4a variant: use the gemv subcommand")
+    if v.int8_path:
+        return int8_path(v, a.dequant)
     common = dict(BLOCK_M=v.block_m, BLOCK_N=v.block_n, GROUP_M=v.group_m, DOT_FP16=v.dot_fp16, USE_SPLIT=v.split_k,
                   FAST_UNPACK=True, PDL=0, stride_xk=1, stride_qk=1, stride_on=1)
     pointers = {"x_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*u8", "out_ptr": "*fp16", "ws_ptr": "*i32"}
@@ -171,6 +174,19 @@ def gemm(a):
         consts = common | dict(HAS_ROWSUM=True)
         kernel = wg._w4a8_channel_kernel
     return compile_sass(kernel, pointers, consts, num_warps=v.num_warps, num_stages=v.num_stages, maxnreg=v.maxnreg), None
+
+
+def int8_path(v, dequant: bool):
+    """The int8 path of a .i8 variant (w4a8_int8_path.py): its int8 GEMM, or with --dequant its first pass."""
+    from services.worker.kernels import w4a8_int8_path as ip
+
+    if dequant:
+        pointers = {"qw_ptr": "*u8", "s2_ptr": "*u8", "zero_ptr": "*u8", "w8_ptr": "*i8"}
+        consts = dict(BLOCK_N=ip.DEQUANT_BLOCK_N, FAST_UNPACK=True, PDL=0, stride_sg=1)
+        return compile_sass(ip._g128_to_int8_kernel, pointers, consts, num_warps=4), None
+    pointers = {"x_ptr": "*i8", "w8_ptr": "*i8", "sx_ptr": "*fp32", "s1_ptr": "*fp16", "out_ptr": "*fp16"}
+    consts = dict(BLOCK_M=v.block_m, BLOCK_N=v.block_n, BLOCK_K=ip.INT8_BLOCK_K, GROUP_M=v.group_m, PDL=0, stride_on=1)
+    return compile_sass(ip._int8_gemm_kernel, pointers, consts, num_warps=v.num_warps, num_stages=v.num_stages), None
 
 
 def warp_mma(a):
@@ -238,6 +254,7 @@ def main() -> None:
     gm = sub.add_parser("gemm", help="a W4A8 tensor-core variant of w4a8_gemm.py, by name")
     gm.add_argument("variant", help="e.g. chn.n128m16.sk or g128.n64m64.sk.swar")
     gm.add_argument("--group-sums", action="store_true", help="g128 .zp: x8's group sums from the act-quant kernel")
+    gm.add_argument("--dequant", action="store_true", help=".i8 variants: the dequantization pass instead of the GEMM")
     wmm = sub.add_parser("warp_mma", help="the small-M warp-MMA kernel (w4a8_warp_mma.py), by variant name")
     wmm.add_argument("variant", help="e.g. g128.wmma.n32 or chn.wmma.n16")
     wmm.add_argument("--rowsum", action="store_true", help="chn: x8's row sums given (no in-kernel sums)")
