@@ -8,7 +8,6 @@
     python3 bench/sass_count.py --loop-min 20 kv_write --feedback-tile 16 --warps 4
     python3 bench/sass_count.py --loop-min 50 gemm g128.n64m64.sk.swar
     python3 bench/sass_count.py --loop-min 20 gemm g128.i8.n256m128 [--dequant]
-    python3 bench/sass_count.py --loop-min 50 warp_mma g128.wmma.n32
 
 Triton compiles the kernel for an H100/H200 target (ptxas ships with the triton wheel), the
 integer arguments specialized as divisible by 16 the way real launches are; nvdisasm (also in
@@ -189,23 +188,6 @@ def int8_path(v, dequant: bool):
     return compile_sass(ip._int8_gemm_kernel, pointers, consts, num_warps=v.num_warps, num_stages=v.num_stages), None
 
 
-def warp_mma(a):
-    """The small-M warp-MMA kernel (w4a8_warp_mma.py) by variant name, e.g. g128.wmma.n32."""
-    from services.worker.kernels import w4a8_gemm as wg
-    from services.worker.kernels import w4a8_warp_mma as wm
-
-    v = wg.get_variant(a.variant)
-    if not v.warp_mma:
-        raise SystemExit(f"{v.name} is not a warp-MMA variant")
-    g128 = v.kind == wg.G128
-    pointers = {"x_ptr": "*i32", "sx_ptr": "*fp32", "rowsum_ptr": "*i32", "qw_ptr": "*i32", "col_scale_ptr": "*fp16",
-                "out_ptr": "*fp16", "ws_ptr": "*i32", "s2_ptr": "*u8" if g128 else "*fp16",
-                "zero_ptr": "*u8" if g128 else "*fp16"}
-    consts = dict(G128=g128, HAS_ROWSUM=not g128 and a.rowsum, J=v.block_n // 8, USE_SPLIT=True, FAST=True,
-                  AHEAD=v.groups_ahead, PDL=0)
-    return compile_sass(wm._w4a8_warp_mma_kernel, pointers, consts, num_warps=1), None
-
-
 def gemv(a):
     from services.worker.kernels import w4a8_gemv as gv
 
@@ -255,9 +237,6 @@ def main() -> None:
     gm.add_argument("variant", help="e.g. chn.n128m16.sk or g128.n64m64.sk.swar")
     gm.add_argument("--group-sums", action="store_true", help="g128 .zp: x8's group sums from the act-quant kernel")
     gm.add_argument("--dequant", action="store_true", help=".i8 variants: the dequantization pass instead of the GEMM")
-    wmm = sub.add_parser("warp_mma", help="the small-M warp-MMA kernel (w4a8_warp_mma.py), by variant name")
-    wmm.add_argument("variant", help="e.g. g128.wmma.n32 or chn.wmma.n16")
-    wmm.add_argument("--rowsum", action="store_true", help="chn: x8's row sums given (no in-kernel sums)")
     gv = sub.add_parser("gemv", help="the W4A8 dp4a kernel for M <= 4 (w4a8_gemv.py)")
     gv.add_argument("--g128", action="store_true", help="per-group weights (default per-channel)")
     gv.add_argument("--group-sums", action="store_true", help="g128: the zero term from the act-quant group sums")
@@ -269,7 +248,7 @@ def main() -> None:
     gv.add_argument("--x-shared", action="store_true", help="M = 1: x held once for all rows (_row_sums_x_shared)")
     a = p.parse_args()
     result, tile_tokens = {"attention": attention, "act_quant": act_quant, "kv_write": kv_write,
-                           "gemm": gemm, "gemv": gemv, "warp_mma": warp_mma}[a.kernel](a)
+                           "gemm": gemm, "gemv": gemv}[a.kernel](a)
     total = len(re.findall(r"/\*[0-9a-f]{4,}\*/", result["sass"]))
     print(f"{a.kernel}: {result['regs']} registers, {result['stack']} bytes of stack, {total} instructions")
     for layout in result["layouts"]:

@@ -47,11 +47,10 @@ def _weight(kind: str, n: int, k: int, seed: int):
 def _slice_tested(v: gemm.GemmVariant) -> bool:
     """The variants the K-slice and group-sums tests run: the x-shared M = 1 loops differ from each
     other only in rows per program and warps (the same code), so one per kind stands for the rest
-    there; the interpreter runs their programs one by one (the n4 ones took 20 s a test). Likewise
-    the warp-MMA variants differ only in tiles per warp: .wmma.n32 runs them all (10-16 s a test)."""
+    there; the interpreter runs their programs one by one (the n4 ones took 20 s a test)."""
     if v.x_shared:
         return v.name.endswith(".n16m1g16.xs")
-    return not v.warp_mma or v.name.endswith(".wmma.n32")
+    return True
 
 
 def _rows(v: gemm.GemmVariant, cap: int) -> int:
@@ -120,25 +119,6 @@ def test_split_factor_rules(monkeypatch):
     assert gemm.split_factor(capped, 256, 12288, 4096, cpu) == 1  # 192 tiles already fill most of it
     assert gemm.split_factor(capped, 16, 4096, 1024, cpu) == 2  # 32 tiles would take 8; 8 groups allow 2
     assert gemm.split_factor(gemm.get_variant("chn.n128m128.r128"), 16, 4096, 4096, cpu) == 1  # not a split variant
-    # One-warp programs: WARP_MMA_PROGRAMS_PER_SM (16) per SM, slices of at least 2 groups.
-    wmma = gemm.get_variant("g128.wmma.n32")
-    assert gemm.split_factor(wmma, 16, 4096, 4096, cpu) == 16  # 128 tiles -> 2048 programs, 2 groups a slice
-    assert gemm.split_factor(wmma, 16, 22016, 4096, cpu) == 3  # 688 tiles
-    assert gemm.split_factor(wmma, 16, 4096, 512, cpu) == 2  # 4 groups
-
-
-@pytest.mark.parametrize("name", ["g128.wmma.n16", "chn.wmma.n16", "chn.wmma.n32.p2"])
-def test_warp_mma_row_blocks(name: str):
-    """M = 40: three programs of 16 rows per column block (the last one 8 rows short), with and
-    without split K (K = 384: slices of 2 and 1 groups, shorter than .p2's two groups ahead)."""
-    variant = gemm.get_variant(name)
-    m, n, k = 40, 24, 384
-    weight = _weight(variant.kind, n, k, seed=12)
-    x = _activations(m, k, seed=13)
-    x8, sx = quantize_per_token(x)
-    ref = reference_linear(weight)(x)
-    for split in (1, 2):
-        _assert_matches(gemm.w4a8_gemm(x8, sx, weight, variant=name, split_k=split), ref, variant)
 
 
 @pytest.mark.parametrize("variant", [v for v in gemm.VARIANTS if v.kind == "w4g128p"], ids=lambda v: v.name)
@@ -154,7 +134,7 @@ def test_g128_full_int8_weight_range(variant: gemm.GemmVariant):
 
 
 @pytest.mark.parametrize("name", ["chn.n64m16.sk", "chn.n64m16.sk.f16", "chn.n128m128", "chn.gemv.n8m4g4", "chn.gemv.n8m1g16",
-                                  "chn.gemv.n16m1g16.xs", "chn.wmma.n32"])
+                                  "chn.gemv.n16m1g16.xs"])
 def test_channel_rowsum_given_or_computed(name: str):
     from services.worker.kernels.act_quant import quantize
 
@@ -169,12 +149,12 @@ def test_channel_rowsum_given_or_computed(name: str):
 
 
 @pytest.mark.parametrize("variant", [v for v in gemm.VARIANTS if v.kind == "w4g128p"
-                                     and (v.gemv or v.zero_after_dot or v.warp_mma) and _slice_tested(v)],
+                                     and (v.gemv or v.zero_after_dot) and _slice_tested(v)],
                          ids=lambda v: v.name)
 def test_g128_group_sums_given_or_computed(variant: gemm.GemmVariant):
     """The variants that take x8's group sums (the M = 1 dp4a loop, the .zp kernels) use them for the
     zero term when given (full int8 weight range, a K slice per program or several); the others
-    (the other dp4a loops, the warp-MMA kernel) check and ignore them. Same exact result either way."""
+    (the other dp4a loops) check and ignore them. Same exact result either way."""
     m, n, k = _rows(variant, 3), 67, 640
     for rows in sorted({1, m}):
         weight = _full_range_g128(n, k, seed=9)
@@ -183,8 +163,6 @@ def test_g128_group_sums_given_or_computed(variant: gemm.GemmVariant):
         group_sums = x8.view(rows, k // GROUP_SIZE, GROUP_SIZE).sum(-1, dtype=torch.int32)
         ref = reference_linear(weight)(x)
         splits = (1, 2, 5) if variant.split_k or variant.gemv else (None,)
-        if variant.warp_mma:
-            splits = (2,)  # it never reads them (K slices: test_split_k_slices_sum_exactly)
         for split in splits:
             for sums in (group_sums, None):
                 y = gemm.w4a8_gemm(x8, sx, weight, variant=variant.name, group_sums=sums, split_k=split)

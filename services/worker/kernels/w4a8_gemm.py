@@ -44,7 +44,6 @@ from services.worker.kernels.gemm_common import _dequant_swar, _split_nibbles, _
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 from services.worker.kernels.w4a8_gemv import _w4a8_gemv_kernel
 from services.worker.kernels.w4a8_int8_path import int8_path_gemm
-from services.worker.kernels.w4a8_warp_mma import _w4a8_warp_mma_kernel
 from shared.formats.weights import GROUP_SIZE, W4ChannelWeight, W4G128ProgressiveWeight
 
 log = logging.getLogger(__name__)
@@ -288,8 +287,6 @@ class GemmVariant:
     gemv: bool = False  # no tensor cores: dp4a on CUDA cores, one program covers M <= block_m (w4a8_gemv.py)
     groups_per_step: int = 1  # gemv: 128-groups of K read per loop step
     x_shared: bool = False  # gemv: x words held once per thread for all its rows, one program per token (_row_sums_x_shared)
-    warp_mma: bool = False  # small M: one-warp programs, weight words straight into mma.sync (w4a8_warp_mma.py)
-    groups_ahead: int = 1  # warp_mma: groups of weight words loaded ahead of the MMAs (register buffers)
     int8_path: bool = False  # g128, large M: dequantize to int8 in the workspace, then an int8 GEMM (w4a8_int8_path.py)
     max_m: int | None = None
     group_m: int = 8
@@ -346,24 +343,6 @@ def _gemv(kind: str, bn: int, bm: int, groups_per_step: int, x_shared: bool = Fa
 X_SHARED_MAX_M = 4  # the H200 tune run (session 25): never fastest at M = 8, at 4 only on 4096x4096
 
 
-def _warp_mma(kind: str, bn: int, ahead: int = 1) -> GemmVariant:
-    """A w4a8_warp_mma.py variant: one warp per program covering bn = 8 J columns of 16 rows, its weight
-    words loaded `ahead` groups before their MMAs (`.p2`: two, twice the bytes in flight a warp)."""
-    prefix = "g128" if kind == G128 else "chn"
-    return GemmVariant(f"{prefix}.wmma.n{bn}" + (f".p{ahead}" if ahead > 1 else ""), kind, bn, 16, 1, 1,
-                       split_k=True, warp_mma=True, max_m=WARP_MMA_MAX_M, groups_ahead=ahead)
-
-
-# Rows of x the warp-MMA variants take: row blocks of 16 beyond the first re-read the weights from L2,
-# so they are meant for decode batches; the tune run decides where they stop winning.
-WARP_MMA_MAX_M = 64
-
-
-# One-warp programs per SM that the warp-MMA split aims at: each keeps a group of weight words in
-# flight (512 bytes a tile of 8 columns), and the SM's share of the copy bandwidth needs ~30 KB.
-WARP_MMA_PROGRAMS_PER_SM = 16
-
-
 G128, CHN = KINDS
 VARIANTS: tuple[GemmVariant, ...] = (
     _v("g128.n64m16.sk", G128, 64, 16, 4, 4, split_k=True),
@@ -414,9 +393,6 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # Batch 1 with x held once per thread for all its rows (session 25): 1, 2 or 4 warps.
     *(_gemv(kind, bn, 1, gps, x_shared=True) for kind in KINDS
       for bn, gps in ((4, 32), (16, 32), (4, 16), (8, 16), (16, 16), (16, 8))),
-    # Small M as a weight stream on mma.sync (session 29; not yet timed on a GPU).
-    *(_warp_mma(kind, bn) for kind in KINDS for bn in (8, 16, 32)),
-    *(_warp_mma(kind, bn, ahead=2) for kind in KINDS for bn in (16, 32)),
     # Prefill-sized M (session 30; not yet timed on a GPU): the g128 weight dequantized to int8 in
     # one pass, then an int8 GEMM with both operands in shared memory (w4a8_int8_path.py).
     _v("g128.i8.n128m128", G128, 128, 128, 8, 4, int8_path=True),
@@ -523,8 +499,6 @@ def split_factor(variant: GemmVariant, M: int, N: int, K: int, device: torch.dev
         return 1
     tiles = triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n)
     groups = K // GROUP_SIZE
-    if variant.warp_mma:  # one-warp programs: many more of them, slices of >= 2 groups
-        return max(1, min(WARP_MMA_PROGRAMS_PER_SM * _num_sms(device) // tiles, groups // 2))
     if variant.maxnreg is not None and variant.maxnreg <= 128:
         want = 2 * _num_sms(device) // tiles
     else:
@@ -692,8 +666,8 @@ def _group_sums_read_by(variant: GemmVariant, group_sums: torch.Tensor | None, M
 
 @dataclass(frozen=True, slots=True)
 class _WordOperands:
-    """What the kernels that read x8 and the packed weights as 32-bit words take (the dp4a GEMV and
-    the warp-MMA kernel): checked, with g128's or chn's scales in the same argument slots."""
+    """What the dp4a GEMV, which reads x8 and the packed weights as 32-bit words, takes: checked, with
+    g128's or chn's scales in the same argument slots."""
 
     M: int
     N: int
@@ -719,13 +693,13 @@ def _word_operands(x8, sx, weight, variant: GemmVariant, rowsum, group_sums, out
     sx = _check_common(x8, sx, N, K, out)
     M = x8.shape[0]
     ok, reason = variant.can_implement(M, N, K, weight.kind)
-    assert ok and (variant.gemv or variant.warp_mma), reason
+    assert ok and variant.gemv, reason
     g128 = isinstance(weight, W4G128ProgressiveWeight)
     if g128:
         s2, zero, col_scale = weight.s2, weight.zero, weight.s1
         assert s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride() and s2.stride(1) == 1
         # The g128 x-sums input is the group sums, read by the M = 1 GEMV loops only (the x-shared
-        # one steps through them by whole rows of K / 128); the warp-MMA kernel sums x itself.
+        # one steps through them by whole rows of K / 128).
         x_sums = _group_sums_read_by(variant, group_sums, M, K)
         if x_sums is not None and M > 1:
             x_sums = x_sums.contiguous()
@@ -753,21 +727,17 @@ def w4a8_word_gemm(
     split_k: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The kernels that read x8 and the weights as 32-bit words, for the M their variant takes: the dp4a
-    GEMV (w4a8_gemv.py) or the warp-MMA kernel (w4a8_warp_mma.py; group_sums checked, not read: it sums
-    x8's groups itself). Same contract as w4a8_gemm."""
+    """The dp4a GEMV (w4a8_gemv.py), which reads x8 and the weights as 32-bit words, for the M its
+    variant takes. Same contract as w4a8_gemm."""
     o = _word_operands(x8, sx, weight, variant, rowsum, group_sums, out)
     grid, per_split, split, ws = _launch_grid(variant, o.M, o.N, o.K, split_k, x8.device)
-    if variant.warp_mma:
-        kernel, meta = _w4a8_warp_mma_kernel, {"J": variant.block_n // 8, "AHEAD": variant.groups_ahead}
-    else:
-        kernel, meta = _w4a8_gemv_kernel, {"BLOCK_N": variant.block_n, "BLOCK_M": variant.block_m,
-                                           "GROUPS_PER_STEP": variant.groups_per_step, "X_SHARED": variant.x_shared}
-    kernel[grid](
+    _w4a8_gemv_kernel[grid](
         o.x32, o.sx, o.sx if o.x_sums is None else o.x_sums, o.qw32, o.s2, o.zero, o.col_scale, o.out, ws,
         o.M, o.N, o.K, per_split,
         o.x32.stride(0), o.qw32.stride(0), o.s2.stride(0), o.out.stride(0), o.out.stride(1),
-        G128=o.g128, HAS_ROWSUM=o.x_sums is not None, USE_SPLIT=split > 1, FAST=x8.is_cuda, **meta,
+        G128=o.g128, HAS_ROWSUM=o.x_sums is not None, USE_SPLIT=split > 1, FAST=x8.is_cuda,
+        BLOCK_N=variant.block_n, BLOCK_M=variant.block_m, GROUPS_PER_STEP=variant.groups_per_step,
+        X_SHARED=variant.x_shared,
         **variant.launch_options, **launch_kwargs(x8.device, o.M),
     )
     if split > 1:
@@ -808,7 +778,7 @@ def w4a8_gemm(
     if not ok:
         others = "; ".join(f"{v.name}: {v.can_implement(M, N, K, weight.kind)[1]}" for v in VARIANTS)
         raise ValueError(f"variant {variant} cannot run M={M} N={N} K={K} {weight.kind}: {reason}. All: {others}")
-    if chosen.gemv or chosen.warp_mma:
+    if chosen.gemv:
         return w4a8_word_gemm(x8, sx, weight, chosen, rowsum, group_sums=group_sums, split_k=split_k, out=out)
     if isinstance(weight, W4G128ProgressiveWeight):
         return w4a8_g128_gemm(x8, sx, weight, chosen, group_sums=group_sums, split_k=split_k, out=out)
