@@ -102,10 +102,9 @@ def _assert_splits_sum_exactly(variant: gemm.GemmVariant, splits: tuple[int, ...
 
 
 @pytest.mark.parametrize("name", ["chn.n64m16.sk", "g128.n64m16.sk.zp", "chn.gemv.n8m4g4"])
-def test_split_epilogue_reading_every_slice_at_once_sums_exactly(name: str, monkeypatch):
-    """The epilogue's other way to read the slices (one tile of all of them; SPLIT_EPILOGUE_READS
-    "all"), at splits that fill its power-of-two tile (2) and that leave masked rows (3, 5)."""
-    monkeypatch.setattr(gemm, "SPLIT_EPILOGUE_READS", "all")
+def test_split_epilogue_sums_whole_and_partial_slice_tiles_exactly(name: str):
+    """The epilogue reads the slices as one power-of-two tile: splits that fill it (2) and that leave
+    masked rows (3, 5)."""
     _assert_splits_sum_exactly(gemm.get_variant(name), (2, 3, 5), seed=11)
 
 

@@ -69,27 +69,22 @@ def _split_k_epilogue_kernel(
     # strides
     stride_om, stride_on,
     # meta
-    HAS_ROWSUM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0, SLICES_AT_ONCE: tl.constexpr = 0,
+    HAS_ROWSUM: tl.constexpr, BLOCK: tl.constexpr, SLICES: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """out[m, n] = (sum_s ws[s, m, n] [- rowsum[m] * zero[n]]) * sx[m] * col_scale[n], flat over M * N.
 
-    SLICES_AT_ONCE (a power of two >= SPLIT_K, or 0): every slice read as one (SLICES_AT_ONCE, BLOCK)
-    tile, all loads in flight together; 0 sums them in a loop, which Triton 3.6 unrolls by 4 with
-    two slices' loads in flight at a time (sm_90 SASS), so a 6-way split waits on ~3 L2 round trips."""
+    Every slice is read as one (SLICES, BLOCK) tile (SLICES a power of two >= SPLIT_K), all loads in
+    flight together. Summing them in a loop instead (Triton 3.6 unrolls it by 4 with two slices' loads in
+    flight at a time) was as fast or slower: on an H100, 73 of 288 (tile, shape, M) points more than 2%
+    slower, 5 faster (session 30, bench/results/h100/split_epilogue_ab.json)."""
     _overlap_entry(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     m = offs // N
     n = offs % N
-    if SLICES_AT_ONCE:
-        ks = tl.arange(0, SLICES_AT_ONCE)[:, None]
-        parts = tl.load(ws_ptr + ks * M * N + offs[None, :], mask=(ks < SPLIT_K) & mask[None, :], other=0)
-        acc = tl.sum(parts, axis=0)
-    else:
-        acc = tl.zeros((BLOCK,), dtype=tl.int32)
-        for k in range(SPLIT_K):
-            acc += tl.load(ws_ptr + k * M * N + offs, mask=mask, other=0)
-    y = acc.to(tl.float32)
+    ks = tl.arange(0, SLICES)[:, None]
+    parts = tl.load(ws_ptr + ks * M * N + offs[None, :], mask=(ks < SPLIT_K) & mask[None, :], other=0)
+    y = tl.sum(parts, axis=0).to(tl.float32)
     if HAS_ROWSUM:
         y = y - tl.load(rowsum_ptr + m, mask=mask, other=0).to(tl.float32) * tl.load(zero_ptr + n, mask=mask).to(tl.float32)
     y = y * tl.load(sx_ptr + m, mask=mask) * tl.load(col_scale_ptr + n, mask=mask).to(tl.float32)
@@ -533,24 +528,15 @@ def _launch_grid(variant: GemmVariant, M: int, N: int, K: int, split_k: int | No
     return (tiles, split), per_split, split, ws
 
 
-# How the split-K epilogue reads the slices: "loop" (one or two at a time; measured, the default) or
-# "all" (one tile of every slice, all in flight; session 28, not yet timed on a GPU:
-# bench/split_epilogue_ab.py decides).
-SPLIT_EPILOGUE_READS = "loop"
-
-
 def _split_k_epilogue(ws, split, sx, col_scale, zero, rowsum, out) -> None:
     M, N = out.shape
-    if SPLIT_EPILOGUE_READS == "all":
-        slices = triton.next_power_of_2(split)
-        block = max(128, min(1024, 8192 // slices))  # at most 64 int32 partials a thread at 4 warps
-    else:
-        slices, block = 0, 1024
+    slices = triton.next_power_of_2(split)
+    block = max(128, min(1024, 8192 // slices))  # at most 64 int32 partials a thread at 4 warps (split <= 64)
     _split_k_epilogue_kernel[(triton.cdiv(M * N, block),)](
         ws, sx, col_scale, zero, sx if rowsum is None else rowsum, out,
         M, N, split,
         out.stride(0), out.stride(1),
-        HAS_ROWSUM=rowsum is not None, BLOCK=block, SLICES_AT_ONCE=slices, num_warps=4,
+        HAS_ROWSUM=rowsum is not None, BLOCK=block, SLICES=slices, num_warps=4,
         **launch_kwargs(out.device, M),
     )
 
