@@ -4,8 +4,7 @@
 
 Llama-2-7B attention shapes (32 KV heads, head_dim 128, 32 layers): the write of T tokens with and
 without a key feedback factor (shared.quant.key_feedback), decode batches and prefill chunks, the
-query rotated in the same launch as the worker does; with feedback, both ways of writing the keys
-(kv4_cache.KEY_FEEDBACK_WRITE: "per_token" in the main kernel, "head_tiles" in a second one).
+query rotated in the same launch as the worker does.
 Times are triton.testing.do_bench medians.
 Rows are also checked against the reference write (write_kv4_cache_reference) byte for byte.
 """
@@ -25,7 +24,6 @@ from triton.testing import do_bench  # noqa: E402
 
 from bench.machine import gpu_machine  # noqa: E402
 from services.worker.kernels.attention_reference import build_rope_cache, write_kv4_cache_reference  # noqa: E402
-from services.worker.kernels import kv4_cache  # noqa: E402
 from services.worker.kernels.kv4_cache import write_kv4_cache  # noqa: E402
 from shared.formats.kv4 import page_row_bytes  # noqa: E402
 from shared.model.config import RopeConfig  # noqa: E402
@@ -41,7 +39,6 @@ def main() -> None:
     p.add_argument("--tokens", default="1,8,64,256,1024,4096")
     a = p.parse_args()
     dev = torch.device("cuda")
-    default_write = kv4_cache.KEY_FEEDBACK_WRITE
     g = torch.Generator(device="cpu").manual_seed(0)
     mix = torch.randn(KV_HEADS, HEAD_DIM, HEAD_DIM, generator=g)
     factor = feedback_factor(mix @ mix.transpose(1, 2) / HEAD_DIM).to(dev)
@@ -57,10 +54,7 @@ def main() -> None:
         shape = (blocks, KV_HEADS, BLOCK, page_row_bytes(HEAD_DIM))
         kc, vc = torch.zeros(shape, dtype=torch.uint8, device=dev), torch.zeros(shape, dtype=torch.uint8, device=dev)
         row = {"tokens": t}
-        for name, fb, keys_written in (("plain", None, None), ("key_feedback", factor, "per_token"),
-                                       ("key_feedback_head_tiles", factor, "head_tiles")):
-            if keys_written:
-                kv4_cache.KEY_FEEDBACK_WRITE = keys_written
+        for name, fb in (("plain", None), ("key_feedback", factor)):
             row[f"{name}_us"] = 1000 * do_bench(
                 lambda: write_kv4_cache(k, v, positions, slots, rope, kc, vc, query=q, key_feedback=fb),
                 warmup=5, rep=50, return_mode="median")
@@ -71,10 +65,8 @@ def main() -> None:
                                           key_feedback=None if fb is None else fb.cpu())
                 row[f"{name}_k_bytes_differing"] = int((kc.cpu() != kr).sum())
                 row[f"{name}_v_bytes_differing"] = int((vc.cpu() != vr).sum())
-        kv4_cache.KEY_FEEDBACK_WRITE = default_write
-        for name in ("key_feedback", "key_feedback_head_tiles"):
-            row[f"{name}_ratio"] = row[f"{name}_us"] / row["plain_us"]
-            row[f"{name}_added_us_per_32_layers"] = LAYERS * (row[f"{name}_us"] - row["plain_us"])
+        row["key_feedback_ratio"] = row["key_feedback_us"] / row["plain_us"]
+        row["key_feedback_added_us_per_32_layers"] = LAYERS * (row["key_feedback_us"] - row["plain_us"])
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"command": "python3 bench/kv_write_feedback.py " + " ".join(sys.argv[1:]), "machine": gpu_machine(dev),

@@ -5,7 +5,7 @@
     python3 bench/sass_count.py act_quant --op silu --block 16384 --warps 16
     python3 bench/sass_count.py act_quant --op rmsnorm --block 4096 --warps 8 --add
     python3 bench/sass_count.py kv_write --group 2 --block-h 8 --warps 4
-    python3 bench/sass_count.py --loop-min 20 kv_write --feedback-tile 16 --warps 4
+    python3 bench/sass_count.py --loop-min 20 kv_write --key-feedback --group 1 --block-h 16 --warps 2
     python3 bench/sass_count.py --loop-min 50 gemm g128.n64m64.sk.swar
     python3 bench/sass_count.py --loop-min 20 gemm g128.i8.n256m128 [--dequant]
 
@@ -132,12 +132,6 @@ def kv_write(a):
 
     from services.worker.kernels import kv4_cache as kc
 
-    if a.feedback_tile:  # the keys' kernel of KEY_FEEDBACK_WRITE "head_tiles"
-        pointers = {"key_ptr": "*fp16", "positions_ptr": "*i32", "slots_ptr": "*i64", "rope_ptr": "*fp32",
-                    "k_cache_ptr": "*u8", "key_feedback_ptr": "*fp32"}
-        consts = dict(HEAD_DIM=a.head_dim, BLOCK_SIZE=16, TOKENS=a.feedback_tile, K_SHRINK=False)
-        return compile_sass(kc._key_feedback_write_kernel, pointers, consts, floats=("k_margin",), num_warps=a.warps,
-                            fp_fusion=False), None
     pointers = {n: "*fp16" for n in ("key_ptr", "value_ptr", "query_ptr", "query_out_ptr")}
     pointers |= {"positions_ptr": "*i32", "slots_ptr": "*i64", "rope_ptr": "*fp32", "k_cache_ptr": "*u8", "v_cache_ptr": "*u8",
                  "key_feedback_ptr": "*fp32"}
@@ -231,8 +225,6 @@ def main() -> None:
     kv.add_argument("--block-h", type=int, default=8)
     kv.add_argument("--warps", type=int, default=4)
     kv.add_argument("--key-feedback", action="store_true", help="keys by error-feedback rounding (shared.formats.kv4)")
-    kv.add_argument("--feedback-tile", type=int, default=0,
-                    help="the keys' feedback kernel of KEY_FEEDBACK_WRITE head_tiles, with this many tokens a program")
     gm = sub.add_parser("gemm", help="a W4A8 tensor-core variant of w4a8_gemm.py, by name")
     gm.add_argument("variant", help="e.g. chn.n128m16.sk or g128.n64m64.sk.swar")
     gm.add_argument("--group-sums", action="store_true", help="g128 .zp: x8's group sums from the act-quant kernel")

@@ -16,7 +16,6 @@ from services.worker.kernels.attention_reference import (
     write_fp16_cache_reference,
     write_kv4_cache_reference,
 )
-from services.worker.kernels import kv4_cache
 from services.worker.kernels.kv4_cache import write_fp16_cache, write_kv4_cache
 from shared.formats.kv4 import decode_rows, page_row_bytes, quantize_kv4
 from shared.formats.nibbles import unpack_halves
@@ -207,15 +206,11 @@ def _feedback_factor(kv_heads: int, d: int, seed: int) -> torch.Tensor:
     return feedback_factor(mix @ mix.transpose(1, 2) / d)
 
 
-@pytest.mark.parametrize("keys_written", ["per_token", "head_tiles"])
 @pytest.mark.parametrize("head_dim,kv_heads,kv_range", [(128, 2, (1.0, 0.8)), (64, 3, (0.9, 1.0))])
-def test_kv4_write_with_key_feedback_matches_reference_bit_for_bit(head_dim, kv_heads, kv_range, keys_written,
-                                                                   monkeypatch):
+def test_kv4_write_with_key_feedback_matches_reference_bit_for_bit(head_dim, kv_heads, kv_range):
     """Error-feedback rounding of the keys: every step's error moves the later dims, so one code
-    off would move the rest; the kernel's rows equal the reference's byte for byte (keys and values),
-    whichever kernel writes the keys. 18 tokens: a whole tile of 16 and a partial one for "head_tiles",
-    and a padding token (slot -1) that neither writes."""
-    monkeypatch.setattr(kv4_cache, "KEY_FEEDBACK_WRITE", keys_written)
+    off would move the rest; the kernel's rows equal the reference's byte for byte (keys and values).
+    18 tokens, one of them padding (slot -1), which is not written."""
     num_blocks = 5
     positions, slots, _ = _prefill_slots([5, 11, 2], num_blocks, seed=21)
     slots[6] = -1
@@ -238,12 +233,10 @@ def test_kv4_write_with_key_feedback_matches_reference_bit_for_bit(head_dim, kv_
     assert torch.equal(_slot_rows(plain, written)[..., d // 2 :], _slot_rows(k_cache, written)[..., d // 2 :])
 
 
-@pytest.mark.parametrize("keys_written", ["per_token", "head_tiles"])
-def test_key_feedback_write_on_extreme_keys(keys_written, monkeypatch):
-    """The kernels read each code back from the dim's final value (w - e, _feedback_codes): exact
+def test_key_feedback_write_on_extreme_keys():
+    """The kernel reads each code back from the dim's final value (w - e, _feedback_codes): exact
     for empty ranges (all-zero and constant keys, at position 0 where RoPE is the identity), a lone
     outlier, a narrow range far from zero, and clamping everywhere (K range ratio 0.6)."""
-    monkeypatch.setattr(kv4_cache, "KEY_FEEDBACK_WRITE", keys_written)
     d, kv_heads = 64, 2
     g = torch.Generator().manual_seed(5)
     k = torch.randn(6, kv_heads, d, generator=g)
@@ -269,14 +262,6 @@ def test_key_feedback_write_on_extreme_keys(keys_written, monkeypatch):
     codes = unpack_halves(_slot_rows(k_cache, slots)[..., : d // 2], d)
     assert (codes[:3] == 0).all() and (codes == 15).any() and (codes == 0).any()
 
-
-def test_key_feedback_write_mode_must_be_known(monkeypatch):
-    monkeypatch.setattr(kv4_cache, "KEY_FEEDBACK_WRITE", "tiles")
-    k, v = _kv(2, 2, 64, seed=1)
-    cache = torch.zeros(1, 2, BLOCK_SIZE, page_row_bytes(64), dtype=torch.uint8)
-    with pytest.raises(ValueError, match="KEY_FEEDBACK_WRITE"):
-        write_kv4_cache(k, v, torch.arange(2), torch.tensor([0, 1]), _rope_cache(64), cache, cache.clone(),
-                        key_feedback=_feedback_factor(2, 64, seed=1))
 
 
 def test_key_feedback_of_the_wrong_shape_is_refused():

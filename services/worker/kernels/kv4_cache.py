@@ -7,8 +7,12 @@ The same program can also rotate the query heads of its KV groups, so one launch
 all the RoPE work of the attention block. A program takes up to HEADS_PER_PROGRAM query heads'
 worth of KV heads: one program per (token, head) was latency-bound (a chain of dependent loads
 for 128 values; 216 us a layer for an 8192-token prefill chunk on the H200).
-With key error feedback (opt-in, shared.formats.kv4) the keys may instead be written by a second
-kernel, a program per (KV head, tile of tokens): see KEY_FEEDBACK_WRITE.
+With key error feedback (opt-in, shared.formats.kv4) each program runs the keys' D-step rounding
+loop, reading its heads' whole R (64 KiB a head at D = 128) for its one token. Measured on an H200
+(session 27, bench/results/h200/kv_write_feedback.json): 2.9x / 9.4x the plain write at 1024 / 4096
+tokens, +10-25 us a layer for decode batches. A second kernel reading each row of R once for 16 tokens
+of a head ("head_tiles", session 29) was slower from 64 tokens up on an H100 (1.4x at 64-256 tokens;
+session 30, bench/results/h100/kv_write_feedback.json) and was deleted.
 
 Layouts:
     key, value    (T, kv_heads, D) fp16, last dim contiguous; key is pre-RoPE
@@ -35,20 +39,6 @@ __all__ = ["build_rope_cache", "write_fp16_cache", "write_kv4_cache"]
 # Query heads a program covers (its KV heads times the group, padded to powers of two): 16 heads
 # of head_dim 128 are 2048 values a tensor, 16 a thread at 4 warps.
 HEADS_PER_PROGRAM = 16
-
-# Where a write with key error feedback (shared.formats.kv4) runs the keys' D-step rounding loop:
-#   "per_token":  in the main kernel's (token, KV-head tile) programs, each reading its heads' whole R
-#                 (64 KiB a head at D = 128) for its one token. Measured on an H200 (session 27,
-#                 bench/results/h200/kv_write_feedback.json): 2.9x / 9.4x the plain write at 1024 / 4096
-#                 tokens (R traffic through L1/L2: 2 GiB a layer at 1024 tokens of 32 KV heads), +10-25 us
-#                 a layer for decode batches.
-#   "head_tiles": a second kernel, a program per (KV head, KEY_FEEDBACK_TILE tokens), reading each row of R
-#                 once for the tile's tokens (1/16 of the traffic); the main kernel then writes only values.
-#                 Rows identical to "per_token" (tests); not yet timed on a GPU: bench/kv_write_feedback.py
-#                 times both, and the slower one goes.
-KEY_FEEDBACK_WRITE = "per_token"
-KEY_FEEDBACK_TILE = 16  # tokens a program of "head_tiles": (16, D) fp32 halves, 8-16 values a thread
-
 
 @triton.jit
 def _round_half_even(x):
@@ -151,7 +141,7 @@ def _rope_cache_write_kernel(
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_H: tl.constexpr, QUANTIZE: tl.constexpr, ROTATE_QUERY: tl.constexpr, K_SHRINK: tl.constexpr,
-    V_SHRINK: tl.constexpr, KEY_FEEDBACK: tl.constexpr = False, WRITE_KEYS: tl.constexpr = True,
+    V_SHRINK: tl.constexpr, KEY_FEEDBACK: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
     """Token tl.program_id(0), KV heads [BLOCK_H * tl.program_id(1), + BLOCK_H) (the last tile masked)."""
@@ -187,65 +177,28 @@ def _rope_cache_write_kernel(
     if slot >= 0:
         # Every load first (keys, then values), so their latencies overlap; then the math and stores.
         k_ptrs = key_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs[None, :]  # (BLOCK_H, HALF)
-        if WRITE_KEYS:
-            k_lo = tl.load(k_ptrs, mask=rows_mask, other=0.0).to(tl.float32)
-            k_hi = tl.load(k_ptrs + HALF, mask=rows_mask, other=0.0).to(tl.float32)
-        else:  # another kernel writes the keys (KEY_FEEDBACK_WRITE "head_tiles")
-            k_lo = tl.zeros((BLOCK_H, HALF), tl.float32)
-            k_hi = k_lo
+        k_lo = tl.load(k_ptrs, mask=rows_mask, other=0.0).to(tl.float32)
+        k_hi = tl.load(k_ptrs + HALF, mask=rows_mask, other=0.0).to(tl.float32)
         v_ptrs = value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs[None, :]
         v_lo = tl.load(v_ptrs, mask=rows_mask, other=0.0)
         v_hi = tl.load(v_ptrs + HALF, mask=rows_mask, other=0.0)
         row = (slot // BLOCK_SIZE) * stride_cb + offs_h * stride_ch + (slot % BLOCK_SIZE) * stride_cs  # (BLOCK_H,)
-        if WRITE_KEYS:
-            # Round the rotated key to fp16 first: the reference quantizes the fp16 rotated key.
-            r_lo, r_hi = _rotate_half_pairs(k_lo, k_hi, cos, sin)
-            if QUANTIZE:
-                _store_kv4_rows(k_cache_ptr + row, mask_h, r_lo.to(tl.float32), r_hi.to(tl.float32), k_margin, HALF,
-                                K_SHRINK, (key_feedback_ptr + offs_h * (HEAD_DIM * HEAD_DIM))[:, None], rows_mask,
-                                KEY_FEEDBACK)
-            else:
-                dst = row[:, None] + offs[None, :]
-                tl.store(k_cache_ptr + dst, r_lo, mask=rows_mask)
-                tl.store(k_cache_ptr + dst + HALF, r_hi, mask=rows_mask)
+        # Round the rotated key to fp16 first: the reference quantizes the fp16 rotated key.
+        r_lo, r_hi = _rotate_half_pairs(k_lo, k_hi, cos, sin)
+        if QUANTIZE:
+            _store_kv4_rows(k_cache_ptr + row, mask_h, r_lo.to(tl.float32), r_hi.to(tl.float32), k_margin, HALF,
+                            K_SHRINK, (key_feedback_ptr + offs_h * (HEAD_DIM * HEAD_DIM))[:, None], rows_mask,
+                            KEY_FEEDBACK)
+        else:
+            dst = row[:, None] + offs[None, :]
+            tl.store(k_cache_ptr + dst, r_lo, mask=rows_mask)
+            tl.store(k_cache_ptr + dst + HALF, r_hi, mask=rows_mask)
         if QUANTIZE:
             _store_kv4_rows(v_cache_ptr + row, mask_h, v_lo.to(tl.float32), v_hi.to(tl.float32), v_margin, HALF, V_SHRINK)
         else:
             dst = row[:, None] + offs[None, :]
             tl.store(v_cache_ptr + dst, v_lo, mask=rows_mask)
             tl.store(v_cache_ptr + dst + HALF, v_hi, mask=rows_mask)
-
-
-@triton.jit
-def _key_feedback_write_kernel(
-    key_ptr, positions_ptr, slots_ptr, rope_ptr, k_cache_ptr, key_feedback_ptr, num_tokens,
-    stride_kt, stride_kh, stride_rope, stride_cb, stride_ch, stride_cs, k_margin,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, K_SHRINK: tl.constexpr,
-    PDL: tl.constexpr = 0,
-):
-    """The keys of a write with error feedback: KV head tl.program_id(1), tokens
-    [TOKENS * tl.program_id(0), + TOKENS) (the last tile masked, and tokens whose slot is negative).
-    RoPE and rows as _rope_cache_write_kernel's keys; each step of the feedback loop reads one row of
-    the head's R for the whole tile (see KEY_FEEDBACK_WRITE)."""
-    _overlap_entry(PDL)
-    head = tl.program_id(1)
-    HALF: tl.constexpr = HEAD_DIM // 2
-    offs = tl.arange(0, HALF)[None, :]
-    offs_t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
-    slot = tl.load(slots_ptr + offs_t, mask=offs_t < num_tokens, other=-1).to(tl.int64)
-    write = slot >= 0  # (TOKENS,)
-    rows_mask = write[:, None]
-    pos = tl.load(positions_ptr + offs_t, mask=write, other=0).to(tl.int64)[:, None]
-    cos = tl.load(rope_ptr + pos * stride_rope + offs, mask=rows_mask, other=0.0)  # (TOKENS, HALF) fp32
-    sin = tl.load(rope_ptr + pos * stride_rope + HALF + offs, mask=rows_mask, other=0.0)
-    k_ptrs = key_ptr + offs_t[:, None].to(tl.int64) * stride_kt + head * stride_kh + offs
-    k_lo = tl.load(k_ptrs, mask=rows_mask, other=0.0).to(tl.float32)
-    k_hi = tl.load(k_ptrs + HALF, mask=rows_mask, other=0.0).to(tl.float32)
-    r_lo, r_hi = _rotate_half_pairs(k_lo, k_hi, cos, sin)
-    row = (slot // BLOCK_SIZE) * stride_cb + head * stride_ch + (slot % BLOCK_SIZE) * stride_cs  # (TOKENS,)
-    r_rows = key_feedback_ptr + head * (HEAD_DIM * HEAD_DIM)  # one R for the whole tile
-    _store_kv4_rows(k_cache_ptr + row, write, r_lo.to(tl.float32), r_hi.to(tl.float32), k_margin, HALF, K_SHRINK,
-                    r_rows, offs < HALF, True)
 
 
 def _check_inputs(key, value, positions, slot_mapping, rope_cache, query) -> tuple[int, int, int]:
@@ -307,9 +260,6 @@ def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, q
     query_out = torch.empty_like(query) if query is not None else None
     if t == 0:
         return query_out
-    if KEY_FEEDBACK_WRITE not in ("per_token", "head_tiles"):
-        raise ValueError(f"KEY_FEEDBACK_WRITE must be per_token or head_tiles, got {KEY_FEEDBACK_WRITE!r}")
-    keys_apart = key_feedback is not None and KEY_FEEDBACK_WRITE == "head_tiles"
     q_arg = query if query is not None else key  # unused when ROTATE_QUERY is off
     o_arg = query_out if query_out is not None else key
     block_g = triton.next_power_of_2(group)
@@ -323,23 +273,11 @@ def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, q
         range_margin(kv_range[0]), range_margin(kv_range[1]),
         HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], GROUP=group, BLOCK_G=block_g, BLOCK_H=block_h,
         QUANTIZE=quantize, ROTATE_QUERY=query is not None, K_SHRINK=kv_range[0] != 1.0, V_SHRINK=kv_range[1] != 1.0,
-        KEY_FEEDBACK=key_feedback is not None and not keys_apart, WRITE_KEYS=not keys_apart,
+        KEY_FEEDBACK=key_feedback is not None,
         # No FMA contraction: x * cos - y * sin rounds each product as torch does, so the rotated
         # fp16 key, and with it the KV4 row, is bit-identical to the reference.
         num_warps=max(1, min(4, block_h * block_g * d // 1024)), enable_fp_fusion=False, **launch_kwargs(key.device, t),
     )
-    if keys_apart:
-        tokens = min(KEY_FEEDBACK_TILE, triton.next_power_of_2(t))
-        _key_feedback_write_kernel[(triton.cdiv(t, tokens), kv_heads)](
-            key, positions, slot_mapping, rope_cache, k_cache, key_feedback, t,
-            key.stride(0), key.stride(1), rope_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            range_margin(kv_range[0]),
-            HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2], TOKENS=tokens, K_SHRINK=kv_range[0] != 1.0,
-            # 4 warps from 2 tokens up: with fewer (the main kernel's rule, tokens * d // 1024) the sm_90
-            # loop changed layouts through shared memory every step (Triton 3.6: 758 instructions a
-            # step at 16 tokens x 128 dims on 2 warps against 108 / 91 on 4); one token, one warp.
-            num_warps=1 if tokens == 1 else 4, enable_fp_fusion=False, **launch_kwargs(key.device, t),
-        )
     return query_out
 
 
