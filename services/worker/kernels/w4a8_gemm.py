@@ -388,8 +388,9 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # Batch 1 with x held once per thread for all its rows (session 25): 1, 2 or 4 warps.
     *(_gemv(kind, bn, 1, gps, x_shared=True) for kind in KINDS
       for bn, gps in ((4, 32), (16, 32), (4, 16), (8, 16), (16, 16), (16, 8))),
-    # Prefill-sized M (session 30; not yet timed on a GPU): the g128 weight dequantized to int8 in
-    # one pass, then an int8 GEMM with both operands in shared memory (w4a8_int8_path.py).
+    # Prefill-sized M (session 30): the g128 weight dequantized to int8 in one pass, then an int8 GEMM
+    # with both operands in shared memory (w4a8_int8_path.py). On an H100 the fastest g128 kernel from
+    # M = 2048 (1.32-1.56x cuBLAS fp16 at 4096, the tiles 1.08-1.27x); 4 stages or 4 warps lost.
     _v("g128.i8.n128m128", G128, 128, 128, 8, 4, int8_path=True),
     _v("g128.i8.n256m128", G128, 256, 128, 8, 3, int8_path=True),
     _v("g128.i8.n128m256", G128, 128, 256, 8, 3, int8_path=True),
