@@ -21,6 +21,7 @@ from shared.model.perplexity import perplexity, windows_of
 from shared.model.tokenizer import Tokenizer
 from shared.quant.options import QoQOptions
 from shared.quant.quantize_model import QuantizeSettings, quantize_checkpoint
+from tests.time_limits import assert_within
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +62,7 @@ def test_fp16_reproduces_the_published_perplexity(windows, fp16_halves):
 def test_qoq_g128_keeps_accuracy_and_quantizes_in_under_two_minutes(tiny_llama, calib_text, windows, fp16_ppl, tmp_path):
     qoq, seconds = _quantized_ppl(tiny_llama, calib_text, windows, tmp_path / "qoq", "w4a8kv4-g128", QoQOptions())
     rtn, _ = _quantized_ppl(tiny_llama, calib_text, windows, tmp_path / "rtn", "w4a8kv4-g128", QoQOptions.rtn())
-    assert seconds < 120
+    assert_within(seconds, 120, "quantizing the fixture (QoQ g128)")
     # bench/results/accuracy.json (whole file): RTN 1.033, QoQ 1.0192 (the issue's 1.02, met), 0.42
     # of the gap closed (half not met); on the even windows 1.0197 and 0.41. 1.021 leaves room for
     # the ~0.005 ppl that hosts' float math moves it.
