@@ -66,9 +66,8 @@ def _kv4_code(x, scale, zero):
 @triton.jit
 def _feedback_codes(lo, hi, scale, zero, r_rows, r_mask, HALF: tl.constexpr):
     """The error-feedback codes of shared.formats.kv4 (its module doc): (H, HALF) halves lo, hi of H
-    vectors on the grids scale, zero (H,). r_rows: pointers to the first element of each vector's R
-    (D, D) fp32, as (H, 1) (a head each) or a scalar (one R for all: read once per step for every
-    vector); r_mask: where r_rows may be read (broadcast against (H, HALF)).
+    vectors on the grids scale, zero (H,). r_rows (H, 1): pointers to the first element of each
+    vector's R (D, D) fp32 (its KV head's); r_mask: where they may be read (broadcast against (H, HALF)).
 
     Dim i is lo[:, i] for i < HALF, else hi[:, i - HALF]. Step i updates a whole half where the
     reference updates the dims after i: R is upper triangular, so the others change by a product with
@@ -78,7 +77,7 @@ def _feedback_codes(lo, hi, scale, zero, r_rows, r_mask, HALF: tl.constexpr):
     exactly wherever the vector's range is not empty (checked over 40M fp16-valued cases with up to
     1e4 steps of overshoot; an empty range has every error 0 and every code 0). That saves the two
     per-step selects that kept each q_i: D dependent steps per vector, each over one half (lower half)
-    or the upper half alone, reading one row of R (or its upper half) per distinct pointer in r_rows."""
+    or the upper half alone, reading one row of R (or its upper half) per vector."""
     D: tl.constexpr = 2 * HALF
     offs = tl.arange(0, HALF)[None, :]
     for i in range(HALF):

@@ -459,7 +459,11 @@ def workspace_elements(variant: GemmVariant, M: int, N: int, K: int, device: tor
     """The int32 elements of WORKSPACE a launch of this variant uses (1 where it uses none)."""
     if variant.int8_path:
         return triton.cdiv(N * K, 4)  # the int8 weight copy
-    split = _k_slices(variant, M, N, K, None, device)[1]
+    return _split_workspace_elements(_k_slices(variant, M, N, K, None, device)[1], M, N)
+
+
+def _split_workspace_elements(split: int, M: int, N: int) -> int:
+    """Split-K partials: SPLIT * M * N int32, or a one-element dummy when not split."""
     return split * M * N if split > 1 else 1
 
 
@@ -520,7 +524,7 @@ def _check_common(x8: torch.Tensor, sx: torch.Tensor, N: int, K: int, out: torch
 def _launch_grid(variant: GemmVariant, M: int, N: int, K: int, split_k: int | None, device: torch.device):
     """-> grid, groups per slice, slices, workspace (SPLIT * M * N int32, or a dummy when not split)."""
     per_split, split = _k_slices(variant, M, N, K, split_k, device)
-    ws = WORKSPACE.get(device, split * M * N if split > 1 else 1)
+    ws = WORKSPACE.get(device, _split_workspace_elements(split, M, N))
     if variant.x_shared:
         row_blocks = triton.cdiv(N, variant.block_n)
         assert row_blocks <= 65535, f"N={N}: {row_blocks} row blocks exceed the grid's second axis (65535)"
@@ -651,30 +655,19 @@ def _group_sums_read_by(variant: GemmVariant, group_sums: torch.Tensor | None, M
     return group_sums if variant.takes_group_sums else None
 
 
-@dataclass(frozen=True, slots=True)
-class _WordOperands:
-    """What the dp4a GEMV, which reads x8 and the packed weights as 32-bit words, takes: checked, with
-    g128's or chn's scales in the same argument slots."""
-
-    M: int
-    N: int
-    K: int
-    sx: torch.Tensor
-    g128: bool
-    s2: torch.Tensor  # g128 s2 (N, G) uint8; chn: its zero (unused)
-    zero: torch.Tensor  # g128 zero (N, G) uint8; chn zero (N,) fp16
-    col_scale: torch.Tensor  # g128 s1, chn scale (N,) fp16
-    x_sums: torch.Tensor | None  # g128: x8's group sums where the variant reads them; chn: rowsum; or None
-    x32: torch.Tensor
-    qw32: torch.Tensor
-    out: torch.Tensor
-
-    def split_epilogue(self, ws, split: int) -> None:
-        zero = self.col_scale if self.g128 else self.zero  # g128 has no zero term here
-        _split_k_epilogue(ws, split, self.sx, self.col_scale, zero, None if self.g128 else self.x_sums, self.out)
-
-
-def _word_operands(x8, sx, weight, variant: GemmVariant, rowsum, group_sums, out) -> _WordOperands:
+def w4a8_word_gemm(
+    x8: torch.Tensor,
+    sx: torch.Tensor,
+    weight: W4G128ProgressiveWeight | W4ChannelWeight,
+    variant: GemmVariant,
+    rowsum: torch.Tensor | None = None,
+    *,
+    group_sums: torch.Tensor | None = None,
+    split_k: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The dp4a GEMV (w4a8_gemv.py), which reads x8 and the weights as 32-bit words, for the M its
+    variant takes. Same contract as w4a8_gemm; g128's and chn's scales go in the same argument slots."""
     qw = weight.qweight
     N, K = qw.shape[0], qw.shape[1] * 2
     sx = _check_common(x8, sx, N, K, out)
@@ -691,7 +684,7 @@ def _word_operands(x8, sx, weight, variant: GemmVariant, rowsum, group_sums, out
         if x_sums is not None and M > 1:
             x_sums = x_sums.contiguous()
     else:
-        s2 = zero = weight.zero
+        s2 = zero = weight.zero  # chn has no s2: its slot takes the zero, unread
         col_scale = weight.scale
         x_sums = rowsum
         if rowsum is not None:
@@ -699,37 +692,20 @@ def _word_operands(x8, sx, weight, variant: GemmVariant, rowsum, group_sums, out
             x_sums = rowsum.reshape(M)
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
-    return _WordOperands(M, N, K, sx, g128, s2, zero, col_scale, x_sums, _as_words(x8, "x8"), _as_words(qw, "qweight"),
-                         out)
-
-
-def w4a8_word_gemm(
-    x8: torch.Tensor,
-    sx: torch.Tensor,
-    weight: W4G128ProgressiveWeight | W4ChannelWeight,
-    variant: GemmVariant,
-    rowsum: torch.Tensor | None = None,
-    *,
-    group_sums: torch.Tensor | None = None,
-    split_k: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The dp4a GEMV (w4a8_gemv.py), which reads x8 and the weights as 32-bit words, for the M its
-    variant takes. Same contract as w4a8_gemm."""
-    o = _word_operands(x8, sx, weight, variant, rowsum, group_sums, out)
-    grid, per_split, split, ws = _launch_grid(variant, o.M, o.N, o.K, split_k, x8.device)
+    x32, qw32 = _as_words(x8, "x8"), _as_words(qw, "qweight")
+    grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
     _w4a8_gemv_kernel[grid](
-        o.x32, o.sx, o.sx if o.x_sums is None else o.x_sums, o.qw32, o.s2, o.zero, o.col_scale, o.out, ws,
-        o.M, o.N, o.K, per_split,
-        o.x32.stride(0), o.qw32.stride(0), o.s2.stride(0), o.out.stride(0), o.out.stride(1),
-        G128=o.g128, HAS_ROWSUM=o.x_sums is not None, USE_SPLIT=split > 1, FAST=x8.is_cuda,
+        x32, sx, sx if x_sums is None else x_sums, qw32, s2, zero, col_scale, out, ws,
+        M, N, K, per_split,
+        x32.stride(0), qw32.stride(0), s2.stride(0), out.stride(0), out.stride(1),
+        G128=g128, HAS_ROWSUM=x_sums is not None, USE_SPLIT=split > 1, FAST=x8.is_cuda,
         BLOCK_N=variant.block_n, BLOCK_M=variant.block_m, GROUPS_PER_STEP=variant.groups_per_step,
         X_SHARED=variant.x_shared,
-        **variant.launch_options, **launch_kwargs(x8.device, o.M),
+        **variant.launch_options, **launch_kwargs(x8.device, M),
     )
-    if split > 1:
-        o.split_epilogue(ws, split)
-    return o.out
+    if split > 1:  # g128's zero term is already in the partials: no rowsum, its zero slot unread
+        _split_k_epilogue(ws, split, sx, col_scale, col_scale if g128 else zero, None if g128 else x_sums, out)
+    return out
 
 
 def w4a8_gemm(
