@@ -50,7 +50,8 @@ def compile_sass(fn, pointer_types: dict[str, str], constexprs: dict, floats=(),
 
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "fp32" if n in floats else "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constexprs and n not in floats}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in constexprs and n not in floats and not signature[n].startswith("tensordesc")}
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in constexprs.items()}, attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fp_fusion,
                **({"maxnreg": maxnreg} if maxnreg else {})}
@@ -177,9 +178,16 @@ def int8_path(v, dequant: bool):
         pointers = {"qw_ptr": "*u8", "s2_ptr": "*u8", "zero_ptr": "*u8", "w8_ptr": "*i8"}
         consts = dict(BLOCK_N=ip.DEQUANT_BLOCK_N, FAST_UNPACK=True, PDL=0, stride_sg=1)
         return compile_sass(ip._g128_to_int8_kernel, pointers, consts, num_warps=4), None
-    pointers = {"x_ptr": "*i8", "w8_ptr": "*i8", "sx_ptr": "*fp32", "s1_ptr": "*fp16", "out_ptr": "*fp16"}
     consts = dict(BLOCK_M=v.block_m, BLOCK_N=v.block_n, BLOCK_K=ip.INT8_BLOCK_K, GROUP_M=v.group_m, PDL=0, stride_on=1)
-    return compile_sass(ip._int8_gemm_kernel, pointers, consts, num_warps=v.num_warps, num_stages=v.num_stages), None
+    pointers = {"sx_ptr": "*fp32", "s1_ptr": "*fp16", "out_ptr": "*fp16"}
+    if v.tma:
+        pointers |= {"x_desc": f"tensordesc<i8[{v.block_m}, {ip.INT8_BLOCK_K}]>",
+                     "w_desc": f"tensordesc<i8[{v.block_n}, {ip.INT8_BLOCK_K}]>"}
+        fn, consts = ip._int8_gemm_tma_kernel, consts | dict(PERSISTENT=v.persistent)
+    else:
+        pointers |= {"x_ptr": "*i8", "w8_ptr": "*i8"}
+        fn = ip._int8_gemm_kernel
+    return compile_sass(fn, pointers, consts, num_warps=v.num_warps, num_stages=v.num_stages), None
 
 
 def gemv(a):

@@ -12,7 +12,12 @@ from services.worker.kernels.swar_ptx import SWAR_REGISTERS, high_plane, low_pla
 @triton.jit
 def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Program id -> (pid_n, pid_m), GROUP_M row blocks of x sweeping N together (L2 reuse)."""
-    pid = tl.program_id(0)
+    return _tile_at(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+
+
+@triton.jit
+def _tile_at(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile number pid -> (pid_n, pid_m) in _tile_ids' order (persistent kernels walk several)."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n

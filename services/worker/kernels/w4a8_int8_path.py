@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.kernels.gemm_common import _dequant_swar, _split_nibbles, _tile_ids
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from services.worker.kernels.gemm_common import _dequant_swar, _split_nibbles, _tile_at, _tile_ids
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 from shared.formats.weights import GROUP_SIZE, W4G128ProgressiveWeight
 
@@ -98,6 +100,53 @@ def _int8_gemm_kernel(
     tl.store(out_ptrs, y.to(tl.float16), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _int8_gemm_tma_kernel(
+    x_desc, w_desc, sx_ptr, s1_ptr, out_ptr,
+    M, N, K,
+    stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr, PDL: tl.constexpr = 0,
+):
+    """_int8_gemm_kernel with both operands fetched by the tensor memory accelerator (TMA): one
+    instruction a tile instead of a pointer per 16 bytes, fewer registers for addresses, and rows
+    past M or N come back as zeros (the descriptors' padding). PERSISTENT: one program per SM walks
+    the tiles (the next tile's loads can start under the last one's epilogue)."""
+    _overlap_entry(PDL)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    first, step = (tl.program_id(0), tl.num_programs(0)) if PERSISTENT else (tl.program_id(0), num_tiles)
+    for tile in tl.range(first, num_tiles, step, flatten=PERSISTENT):
+        pid_n, pid_m = _tile_at(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for k in range(0, K, BLOCK_K):
+            acc = tl.dot(x_desc.load([off_m, k]), w_desc.load([off_n, k]).T, acc, out_dtype=tl.int32)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        sx = tl.load(sx_ptr + offs_m, mask=offs_m < M, other=0.0)  # (BM,) fp32
+        s1 = tl.load(s1_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)  # (BN,)
+        y = acc.to(tl.float32) * sx[:, None] * s1[None, :]  # the other kernels' order: bit-equal results
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, y.to(tl.float16), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+    _overlap_release(PDL)
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """t (rows, K) int8 as TMA takes it: 16-byte aligned base and row stride, contiguous along K."""
+    if t.stride(1) != 1 or t.data_ptr() % 16 or (t.shape[0] > 1 and t.stride(0) % 16):
+        t = t.contiguous() if not t.is_contiguous() else t.clone()  # a fresh buffer is aligned
+    return t
+
+
+def _num_programs(variant, M: int, N: int, device: torch.device) -> int:
+    tiles = triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n)
+    if not variant.persistent:
+        return tiles
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return min(tiles, sms)
+
+
 def dequantize_g128_to_int8(weight: W4G128ProgressiveWeight, w8: torch.Tensor, overlap: dict | None = None) -> torch.Tensor:
     """The weight's int8 values (N, K) written into w8 (at least N * K int8 elements); returns the (N, K) view.
     overlap: the launch's PDL keywords (launch_overlap.launch_kwargs), by default off."""
@@ -118,6 +167,16 @@ def int8_path_gemm(x8, sx, weight: W4G128ProgressiveWeight, variant, scratch: to
     N = out.shape[1]
     overlap = launch_kwargs(x8.device, M)
     w8 = dequantize_g128_to_int8(weight, scratch, overlap)
+    if variant.tma:
+        x8 = _tma_ready(x8)
+        _int8_gemm_tma_kernel[(_num_programs(variant, M, N, x8.device),)](
+            TensorDescriptor.from_tensor(x8, [variant.block_m, INT8_BLOCK_K]),
+            TensorDescriptor.from_tensor(w8, [variant.block_n, INT8_BLOCK_K]),
+            sx, weight.s1, out, M, N, K, out.stride(0), out.stride(1),
+            BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, BLOCK_K=INT8_BLOCK_K, GROUP_M=variant.group_m,
+            PERSISTENT=variant.persistent, **variant.launch_options, **overlap,
+        )
+        return out
     grid = (triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n),)
     _int8_gemm_kernel[grid](
         x8, w8, sx, weight.s1, out, M, N, K,
