@@ -176,7 +176,7 @@ def int8_path(v, dequant: bool):
 
     if dequant:
         pointers = {"qw_ptr": "*u8", "s2_ptr": "*u8", "zero_ptr": "*u8", "w8_ptr": "*i8"}
-        consts = dict(BLOCK_N=ip.DEQUANT_BLOCK_N, FAST_UNPACK=True, PDL=0, stride_sg=1)
+        consts = dict(BLOCK_N=ip.DEQUANT_BLOCK_N, GROUPS=ip.DEQUANT_GROUPS, FAST_UNPACK=True, PDL=0, stride_sg=1)
         return compile_sass(ip._g128_to_int8_kernel, pointers, consts, num_warps=4), None
     consts = dict(BLOCK_M=v.block_m, BLOCK_N=v.block_n, BLOCK_K=ip.INT8_BLOCK_K, GROUP_M=v.group_m, PDL=0, stride_on=1)
     pointers = {"sx_ptr": "*fp32", "s1_ptr": "*fp16", "out_ptr": "*fp16"}

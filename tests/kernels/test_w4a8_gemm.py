@@ -256,9 +256,12 @@ def test_int8_path_dequantizes_every_weight_and_uses_the_workspace():
 
     n, k = 67, 384
     weight = _full_range_g128(n, k, seed=15)
-    scratch = torch.full((n * k + 100,), 77, dtype=torch.int8)
-    assert torch.equal(dequantize_g128_to_int8(weight, scratch), weight.int8_weight())
-    assert (scratch[n * k:] == 77).all()  # nothing written past N * K
+    # K = 384 is 3 groups: 2 or 4 a program leave groups past K, masked.
+    for block_n, groups in ((64, 1), (32, 2), (16, 4)):
+        scratch = torch.full((n * k + 100,), 77, dtype=torch.int8)
+        assert torch.equal(dequantize_g128_to_int8(weight, scratch, block_n=block_n, groups=groups),
+                           weight.int8_weight()), (block_n, groups)
+        assert (scratch[n * k:] == 77).all()  # nothing written past N * K
     variant = gemm.get_variant("g128.i8.n128m128")
     assert gemm.workspace_elements(variant, 300, n, k, torch.device("cpu")) == (n * k + 3) // 4
     x8, sx = quantize_per_token(_activations(5, k, seed=16))

@@ -27,8 +27,9 @@ from services.worker.kernels.gemm_common import _dequant_swar, _split_nibbles, _
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 from shared.formats.weights import GROUP_SIZE, W4G128ProgressiveWeight
 
-# Rows of W8 one dequantization program writes (one 128-group each): 4 KB read, 8 KB written.
+# Rows and 128-groups of W8 one dequantization program writes: 4 KB read, 8 KB written.
 DEQUANT_BLOCK_N = 64
+DEQUANT_GROUPS = 1
 # K per pipeline stage of the int8 GEMM: one group; K is always a multiple of it.
 INT8_BLOCK_K = GROUP_SIZE
 
@@ -38,30 +39,33 @@ def _g128_to_int8_kernel(
     qw_ptr, s2_ptr, zero_ptr, w8_ptr,
     N, K,
     stride_qn, stride_sn, stride_sg,
-    BLOCK_N: tl.constexpr, FAST_UNPACK: tl.constexpr, PDL: tl.constexpr = 0,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, FAST_UNPACK: tl.constexpr, PDL: tl.constexpr = 0,
 ):
-    """w8[n, g*128 + j] = (q - z) * s2 for BLOCK_N rows n and the 128-group g = program_id(1)."""
-    g = tl.program_id(1)
+    """w8[n, g*128 + j] = (q - z) * s2 for BLOCK_N rows n and GROUPS 128-groups g from program_id(1) * GROUPS
+    (each row's GROUPS * 64 packed bytes in one contiguous run)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_h = tl.arange(0, 64)
-    rn = offs_n % N  # rows past N read a valid row and are not stored
-    packed = tl.load(qw_ptr + rn[:, None] * stride_qn + (g * 64 + offs_h)[None, :])
-    s2 = tl.load(s2_ptr + rn * stride_sn + g * stride_sg)
-    z = tl.load(zero_ptr + rn * stride_sn + g * stride_sg)
+    offs_g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    offs_h = tl.arange(0, 64)[None, None, :]
+    groups = K // 128
+    rn = offs_n % N  # rows past N and groups past K read a valid byte and are not stored
+    rg = offs_g % groups
+    packed = tl.load(qw_ptr + rn[:, None, None] * stride_qn + rg[None, :, None] * 64 + offs_h)  # (BN, GROUPS, 64)
+    s2 = tl.load(s2_ptr + rn[:, None] * stride_sn + rg[None, :] * stride_sg)[:, :, None]  # (BN, GROUPS, 1)
+    z = tl.load(zero_ptr + rn[:, None] * stride_sn + rg[None, :] * stride_sg)[:, :, None]
     # The scratch buffer may still be read by the previous kernel (another layer's GEMM): wait before writing.
     _overlap_entry(PDL)
     if FAST_UNPACK:
         zs = (z.to(tl.int32) * s2.to(tl.int32)).to(tl.uint8)
-        w_lo, w_hi = _dequant_swar(packed, s2[:, None], zs[:, None])
+        w_lo, w_hi = _dequant_swar(packed, s2, zs)
     else:
         # int8 arithmetic wraps, but the true (q - z) * s2 lies in [-128, 127] (protective range).
         q_lo, q_hi = _split_nibbles(packed, tl.int8, False)
-        zi = z.to(tl.int8)[:, None]
-        si = s2.to(tl.int8)[:, None]
+        zi = z.to(tl.int8)
+        si = s2.to(tl.int8)
         w_lo = (q_lo - zi) * si
         w_hi = (q_hi - zi) * si
-    w_ptrs = w8_ptr + offs_n[:, None] * K + (g * 128 + offs_h)[None, :]
-    mask = (offs_n < N)[:, None]
+    w_ptrs = w8_ptr + offs_n[:, None, None] * K + offs_g[None, :, None] * 128 + offs_h
+    mask = (offs_n < N)[:, None, None] & (offs_g < groups)[None, :, None]
     tl.store(w_ptrs, w_lo, mask=mask)
     tl.store(w_ptrs + 64, w_hi, mask=mask)
     _overlap_release(PDL)
@@ -147,16 +151,18 @@ def _num_programs(variant, M: int, N: int, device: torch.device) -> int:
     return min(tiles, sms)
 
 
-def dequantize_g128_to_int8(weight: W4G128ProgressiveWeight, w8: torch.Tensor, overlap: dict | None = None) -> torch.Tensor:
+def dequantize_g128_to_int8(weight: W4G128ProgressiveWeight, w8: torch.Tensor, overlap: dict | None = None,
+                            block_n: int = DEQUANT_BLOCK_N, groups: int = DEQUANT_GROUPS) -> torch.Tensor:
     """The weight's int8 values (N, K) written into w8 (at least N * K int8 elements); returns the (N, K) view.
-    overlap: the launch's PDL keywords (launch_overlap.launch_kwargs), by default off."""
+    overlap: the launch's PDL keywords (launch_overlap.launch_kwargs), by default off; block_n, groups:
+    the rows and 128-groups of one program (bench/int8_pass_ab.py times the choices)."""
     qw, s2, zero = weight.qweight, weight.s2, weight.zero
     N, K = qw.shape[0], qw.shape[1] * 2
     assert w8.dtype == torch.int8 and w8.numel() >= N * K and w8.is_contiguous(), "w8: a contiguous int8 buffer of N * K"
     w8 = w8.view(-1)[: N * K].view(N, K)
-    _g128_to_int8_kernel[(triton.cdiv(N, DEQUANT_BLOCK_N), K // GROUP_SIZE)](
+    _g128_to_int8_kernel[(triton.cdiv(N, block_n), triton.cdiv(K // GROUP_SIZE, groups))](
         qw, s2, zero, w8, N, K, qw.stride(0), s2.stride(0), s2.stride(1),
-        BLOCK_N=DEQUANT_BLOCK_N, FAST_UNPACK=qw.is_cuda, num_warps=4, **(overlap or {}),
+        BLOCK_N=block_n, GROUPS=groups, FAST_UNPACK=qw.is_cuda, num_warps=4, **(overlap or {}),
     )
     return w8
 
