@@ -179,15 +179,10 @@ def int8_path(v, dequant: bool):
         consts = dict(BLOCK_N=ip.DEQUANT_BLOCK_N, GROUPS=ip.DEQUANT_GROUPS, FAST_UNPACK=True, PDL=0, stride_sg=1)
         return compile_sass(ip._g128_to_int8_kernel, pointers, consts, num_warps=4), None
     consts = dict(BLOCK_M=v.block_m, BLOCK_N=v.block_n, BLOCK_K=ip.INT8_BLOCK_K, GROUP_M=v.group_m, PDL=0, stride_on=1)
-    pointers = {"sx_ptr": "*fp32", "s1_ptr": "*fp16", "out_ptr": "*fp16"}
-    if v.tma:
-        pointers |= {"x_desc": f"tensordesc<i8[{v.block_m}, {ip.INT8_BLOCK_K}]>",
-                     "w_desc": f"tensordesc<i8[{v.block_n}, {ip.INT8_BLOCK_K}]>"}
-        fn, consts = ip._int8_gemm_tma_kernel, consts | dict(PERSISTENT=v.persistent)
-    else:
-        pointers |= {"x_ptr": "*i8", "w8_ptr": "*i8"}
-        fn = ip._int8_gemm_kernel
-    return compile_sass(fn, pointers, consts, num_warps=v.num_warps, num_stages=v.num_stages), None
+    pointers = {"sx_ptr": "*fp32", "s1_ptr": "*fp16", "out_ptr": "*fp16",
+                "x_desc": f"tensordesc<i8[{v.block_m}, {ip.INT8_BLOCK_K}]>",
+                "w_desc": f"tensordesc<i8[{v.block_n}, {ip.INT8_BLOCK_K}]>"}
+    return compile_sass(ip._int8_gemm_kernel, pointers, consts, num_warps=v.num_warps, num_stages=v.num_stages), None
 
 
 def gemv(a):

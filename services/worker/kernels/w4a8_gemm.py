@@ -283,8 +283,6 @@ class GemmVariant:
     groups_per_step: int = 1  # gemv: 128-groups of K read per loop step
     x_shared: bool = False  # gemv: x words held once per thread for all its rows, one program per token (_row_sums_x_shared)
     int8_path: bool = False  # g128, large M: dequantize to int8 in the workspace, then an int8 GEMM (w4a8_int8_path.py)
-    tma: bool = False  # int8 path: operands loaded through TMA descriptors
-    persistent: bool = False  # int8 path with TMA: one program per SM walks the output tiles
     max_m: int | None = None
     group_m: int = 8
     # Register cap per thread (ptxas .maxnreg). An 8-warp n128m128 tile compiles to 128-149 registers
@@ -390,16 +388,12 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # Batch 1 with x held once per thread for all its rows (session 25): 1, 2 or 4 warps.
     *(_gemv(kind, bn, 1, gps, x_shared=True) for kind in KINDS
       for bn, gps in ((4, 32), (16, 32), (4, 16), (8, 16), (16, 16), (16, 8))),
-    # Prefill-sized M (session 30): the g128 weight dequantized to int8 in one pass, then an int8 GEMM
-    # with both operands in shared memory (w4a8_int8_path.py). On an H100 the fastest g128 kernel from
-    # M = 2048 (1.32-1.56x cuBLAS fp16 at 4096, the tiles 1.08-1.27x); 4 stages or 4 warps lost.
+    # Prefill-sized M (sessions 30-31): the g128 weight dequantized to int8 in one pass, then a
+    # persistent TMA int8 GEMM (w4a8_int8_path.py). On an H100 the fastest g128 kernel from M = 1024-2048
+    # (1.48-1.55x cuBLAS fp16 at 4096, the tiles 1.08-1.27x); 4 stages or 4 warps lost (session 30).
     _v("g128.i8.n128m128", G128, 128, 128, 8, 4, int8_path=True),
     _v("g128.i8.n256m128", G128, 256, 128, 8, 3, int8_path=True),
     _v("g128.i8.n128m256", G128, 128, 256, 8, 3, int8_path=True),
-    # The same GEMM with TMA loads (session 31), one program a tile or one per SM.
-    *(_v(f"g128.i8.tma{'.p' if persistent else ''}.n{bn}m{bm}", G128, bn, bm, 8, stages, int8_path=True,
-         tma=True, persistent=persistent)
-      for persistent in (False, True) for bn, bm, stages in ((128, 128, 4), (256, 128, 3), (128, 256, 3))),
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 

@@ -6,9 +6,13 @@ against the per-channel kernel's 1.2: every K step spends issue slots on (q - z)
 (kernels README, "Where the time goes"). Here the dequantization is its own memory-bound pass:
 
   1. _g128_to_int8_kernel writes W8 = (q - z) * s2, (N, K) int8, into the caller's scratch buffer
-     (1.5 bytes of traffic a weight: ~18 us for 12288 x 4096 at 4 TB/s).
+     (1.5 bytes of traffic a weight: 28 us for 12288 x 4096 on an H100, 0.87 of a copy of the same
+     bytes; 16 rows x 8 groups a program beat 64 x 1 by 4-10%: bench/results/h100/int8_pass_ab.json).
   2. _int8_gemm_kernel: acc (BLOCK_M, BLOCK_N) = x8 @ W8^T with both operands K-major in shared memory
-     (the layout int8 wgmma takes), software-pipelined like any int8 matmul; fp32 epilogue * sx * s1.
+     (the layout int8 wgmma takes), loaded by TMA, one persistent program per SM; fp32 epilogue * sx * s1.
+     On an H100 it is 3-12% faster than the same GEMM on pointer loads, one program a tile
+     (bench/results/h100/int8_tma_ab.json; session 30's kernel, since replaced), and with the pass
+     within 5% of cuBLAS fp8 (torch._scaled_mm) at M = 4096 less the pass.
 
 W8 is exact (the protective range keeps (q - z) * s2 in [-128, 127]), so the output equals the
 reference linear bit for bit. The price is the pass (a few % of the GEMM at M = 4096; far too much at
@@ -23,13 +27,13 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from services.worker.kernels.gemm_common import _dequant_swar, _split_nibbles, _tile_at, _tile_ids
+from services.worker.kernels.gemm_common import _dequant_swar, _split_nibbles, _tile_at
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 from shared.formats.weights import GROUP_SIZE, W4G128ProgressiveWeight
 
 # Rows and 128-groups of W8 one dequantization program writes: 4 KB read, 8 KB written.
-DEQUANT_BLOCK_N = 64
-DEQUANT_GROUPS = 1
+DEQUANT_BLOCK_N = 16
+DEQUANT_GROUPS = 8
 # K per pipeline stage of the int8 GEMM: one group; K is always a multiple of it.
 INT8_BLOCK_K = GROUP_SIZE
 
@@ -73,53 +77,19 @@ def _g128_to_int8_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _int8_gemm_kernel(
-    x_ptr, w8_ptr, sx_ptr, s1_ptr, out_ptr,
-    M, N, K,
-    stride_xm, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = 0,
-):
-    """out (M, N) fp16 = (x8 @ w8^T) * sx[m] * s1[n]; x8 (M, K) and w8 (N, K) int8, both contiguous along K."""
-    pid_n, pid_m = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Rows past M or N are read from a valid row and dropped at the store: no masks in the loop.
-    rm = offs_m % M
-    rn = offs_n % N
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :]  # (BM, BK)
-    w_ptrs = w8_ptr + rn[None, :] * K + offs_k[:, None]  # (BK, BN), K-major
-    _overlap_entry(PDL)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for _ in range(0, K, BLOCK_K):
-        acc = tl.dot(tl.load(x_ptrs), tl.load(w_ptrs), acc, out_dtype=tl.int32)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    _overlap_release(PDL)
-    sx = tl.load(sx_ptr + rm)  # (BM,) fp32
-    s1 = tl.load(s1_ptr + rn).to(tl.float32)  # (BN,)
-    # The same order as the other kernels' epilogue (acc * sx, then * s1): bit-equal results.
-    y = acc.to(tl.float32) * sx[:, None] * s1[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, y.to(tl.float16), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
-
-
-@triton.jit(do_not_specialize=["M"])
-def _int8_gemm_tma_kernel(
     x_desc, w_desc, sx_ptr, s1_ptr, out_ptr,
     M, N, K,
     stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr, PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0,
 ):
-    """_int8_gemm_kernel with both operands fetched by the tensor memory accelerator (TMA): one
-    instruction a tile instead of a pointer per 16 bytes, fewer registers for addresses, and rows
-    past M or N come back as zeros (the descriptors' padding). PERSISTENT: one program per SM walks
-    the tiles (the next tile's loads can start under the last one's epilogue)."""
+    """out (M, N) fp16 = (x8 @ w8^T) * sx[m] * s1[n]; x8 (M, K) and w8 (N, K) int8 behind TMA descriptors
+    (rows past M or N come back as zeros: the descriptors' padding). Persistent: program i takes
+    tiles i, i + programs, ... in _tile_ids' order, the loop over tiles and K flattened into one
+    pipeline, so the next tile's loads start under this one's epilogue."""
     _overlap_entry(PDL)
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    first, step = (tl.program_id(0), tl.num_programs(0)) if PERSISTENT else (tl.program_id(0), num_tiles)
-    for tile in tl.range(first, num_tiles, step, flatten=PERSISTENT):
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
         pid_n, pid_m = _tile_at(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -144,9 +114,8 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 def _num_programs(variant, M: int, N: int, device: torch.device) -> int:
+    """One program per SM (or per tile, if fewer); 4 on the CPU interpreter, so each walks several."""
     tiles = triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n)
-    if not variant.persistent:
-        return tiles
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return min(tiles, sms)
 
@@ -173,20 +142,11 @@ def int8_path_gemm(x8, sx, weight: W4G128ProgressiveWeight, variant, scratch: to
     N = out.shape[1]
     overlap = launch_kwargs(x8.device, M)
     w8 = dequantize_g128_to_int8(weight, scratch, overlap)
-    if variant.tma:
-        x8 = _tma_ready(x8)
-        _int8_gemm_tma_kernel[(_num_programs(variant, M, N, x8.device),)](
-            TensorDescriptor.from_tensor(x8, [variant.block_m, INT8_BLOCK_K]),
-            TensorDescriptor.from_tensor(w8, [variant.block_n, INT8_BLOCK_K]),
-            sx, weight.s1, out, M, N, K, out.stride(0), out.stride(1),
-            BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, BLOCK_K=INT8_BLOCK_K, GROUP_M=variant.group_m,
-            PERSISTENT=variant.persistent, **variant.launch_options, **overlap,
-        )
-        return out
-    grid = (triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n),)
-    _int8_gemm_kernel[grid](
-        x8, w8, sx, weight.s1, out, M, N, K,
-        x8.stride(0), out.stride(0), out.stride(1),
+    x8 = _tma_ready(x8)
+    _int8_gemm_kernel[(_num_programs(variant, M, N, x8.device),)](
+        TensorDescriptor.from_tensor(x8, [variant.block_m, INT8_BLOCK_K]),
+        TensorDescriptor.from_tensor(w8, [variant.block_n, INT8_BLOCK_K]),
+        sx, weight.s1, out, M, N, K, out.stride(0), out.stride(1),
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, BLOCK_K=INT8_BLOCK_K, GROUP_M=variant.group_m,
         **variant.launch_options, **overlap,
     )
