@@ -10,7 +10,7 @@ against the per-channel kernel's 1.2: every K step spends issue slots on (q - z)
      bytes; 16 rows x 8 groups a program beat 64 x 1 by 4-10%: bench/results/h100/int8_pass_ab.json).
   2. _int8_gemm_kernel: acc (BLOCK_M, BLOCK_N) = x8 @ W8^T with both operands K-major in shared memory
      (the layout int8 wgmma takes), loaded by TMA, one persistent program per SM; fp32 epilogue * sx * s1.
-     On an H100 it is 3-12% faster than the same GEMM on pointer loads, one program a tile
+     On an H100 it is 2-12% faster than the same GEMM on pointer loads, one program a tile
      (bench/results/h100/int8_tma_ab.json; session 30's kernel, since replaced), and with the pass
      within 5% of cuBLAS fp8 (torch._scaled_mm) at M = 4096 less the pass.
 
