@@ -390,9 +390,11 @@ VARIANTS: tuple[GemmVariant, ...] = (
       for bn, gps in ((4, 32), (16, 32), (4, 16), (8, 16), (16, 16), (16, 8))),
     # Prefill-sized M (sessions 30-31): the g128 weight dequantized to int8 in one pass, then a
     # persistent TMA int8 GEMM (w4a8_int8_path.py). On an H100 the fastest g128 kernel from M = 1024-2048
-    # (1.48-1.55x cuBLAS fp16 at 4096, the tiles 1.08-1.27x); 4 stages or 4 warps lost (session 30).
+    # (1.5-1.7x cuBLAS fp16 at 4096, the tiles 1.08-1.27x). 4 warps lost (session 30); with TMA, 4 stages
+    # won for n256m128 (1-5%, one shape 1.4% slower) and were mixed for n128m256, GROUP_M 4 lost, 16 tied
+    # (bench/results/h100/int8_tiles_tma.json).
     _v("g128.i8.n128m128", G128, 128, 128, 8, 4, int8_path=True),
-    _v("g128.i8.n256m128", G128, 256, 128, 8, 3, int8_path=True),
+    _v("g128.i8.n256m128", G128, 256, 128, 8, 4, int8_path=True),
     _v("g128.i8.n128m256", G128, 128, 256, 8, 3, int8_path=True),
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
