@@ -1,12 +1,20 @@
-"""Triton pieces the W4A8 tile GEMMs share (w4a8_gemm.py, w4a8_int8_path.py): the order of output
-tiles and the packed weight's unpacking into int8 MMA operands (nibble split, SWAR dequantization)."""
+"""Pieces the W4A8 tile GEMMs share (w4a8_gemm.py, w4a8_int8_path.py): the order of output tiles, the
+packed weight's unpacking into int8 MMA operands (nibble split, SWAR dequantization), the SM count."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from services.worker.kernels.swar_ptx import SWAR_REGISTERS, high_plane, low_plane, swar_plane, swar_setup
+
+
+def _num_sms(device: torch.device) -> int:
+    """SMs of a GPU; 4 on the CPU interpreter (small grids, yet several programs)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
 
 
 @triton.jit

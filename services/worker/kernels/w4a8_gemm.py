@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.kernels.gemm_common import _dequant_swar, _split_nibbles, _tile_ids
+from services.worker.kernels.gemm_common import _dequant_swar, _num_sms, _split_nibbles, _tile_ids
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 from services.worker.kernels.w4a8_gemv import _w4a8_gemv_kernel
 from services.worker.kernels.w4a8_int8_path import int8_path_gemm
@@ -481,12 +481,6 @@ def _k_slices(variant: GemmVariant, M: int, N: int, K: int, split_k: int | None,
 def scratch_int8(device: torch.device, elements: int) -> torch.Tensor:
     """WORKSPACE as int8, at least `elements` of them (the int8 path's weight copy)."""
     return WORKSPACE.get(device, triton.cdiv(elements, 4)).view(torch.int8)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the CPU interpreter: keep grids small
 
 
 def split_factor(variant: GemmVariant, M: int, N: int, K: int, device: torch.device) -> int:

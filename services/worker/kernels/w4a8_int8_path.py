@@ -27,7 +27,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from services.worker.kernels.gemm_common import _dequant_swar, _split_nibbles, _tile_at
+from services.worker.kernels.gemm_common import _dequant_swar, _num_sms, _split_nibbles, _tile_at
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 from shared.formats.weights import GROUP_SIZE, W4G128ProgressiveWeight
 
@@ -115,9 +115,7 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 def _num_programs(variant, M: int, N: int, device: torch.device) -> int:
     """One program per SM (or per tile, if fewer); 4 on the CPU interpreter, so each walks several."""
-    tiles = triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return min(tiles, sms)
+    return min(triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n), _num_sms(device))
 
 
 def dequantize_g128_to_int8(weight: W4G128ProgressiveWeight, w8: torch.Tensor, overlap: dict | None = None,
