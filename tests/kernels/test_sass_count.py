@@ -89,3 +89,13 @@ def test_gemm_tiles_stream_weights_through_async_copies(variant):
     if variant.startswith("chn"):
         assert "LDG.E.U8" not in loop, loop  # g128 reads its per-group s2 / zero bytes one step ahead
     assert "0 bytes of stack" in out, out
+
+
+def test_int8_path_gemm_meets_wgmma_with_tma_loads():
+    """The int8 path's GEMM (sm_90): in every loop that issues wgmma, the x and weight tiles arrive
+    by TMA (UTMALDG), not cp.async; the dequantization pass beside it compiles without spills."""
+    out = _sass_count("--loop-min", "50", "--ops", "100", "gemm", "g128.i8.n256m128")
+    mma_loops = [line for line in out.splitlines() if line.strip().startswith("loop of") and "IGMMA" in line]
+    assert mma_loops and all("UTMALDG" in loop and "LDGSTS" not in loop for loop in mma_loops), out
+    assert "0 bytes of stack" in out, out
+    assert "0 bytes of stack" in _sass_count("gemm", "g128.i8.n256m128", "--dequant")
