@@ -15,7 +15,7 @@ against the per-channel kernel's 1.2: every K step spends issue slots on (q - z)
      within 5% of cuBLAS fp8 (torch._scaled_mm) at M = 4096 less the pass.
 
 W8 is exact (the protective range keeps (q - z) * s2 in [-128, 127]), so the output equals the
-reference linear bit for bit. The price is the pass (a few % of the GEMM at M = 4096; far too much at
+reference linear bit for bit. The price is the pass (5-10% of the time at M = 4096; far too much at
 decode sizes: the policy table decides where it wins) and N * K bytes of scratch (90 MB at 22016 x 4096).
 """
 
@@ -31,7 +31,7 @@ from services.worker.kernels.gemm_common import _dequant_swar, _num_sms, _split_
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 from shared.formats.weights import GROUP_SIZE, W4G128ProgressiveWeight
 
-# Rows and 128-groups of W8 one dequantization program writes: 4 KB read, 8 KB written.
+# Rows and 128-groups of W8 one dequantization program writes: 8 KB read, 16 KB written.
 DEQUANT_BLOCK_N = 16
 DEQUANT_GROUPS = 8
 # K per pipeline stage of the int8 GEMM: one group; K is always a multiple of it.
