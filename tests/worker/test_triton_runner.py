@@ -280,3 +280,37 @@ def test_g128_activations_carry_group_sums_exactly_when_the_gemm_reads_them(tiny
     for s in SEQS:
         for pos, row in default[s].items():
             torch.testing.assert_close(mixed_run[s][pos], row, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_path_workspace_is_reserved_up_front_and_logits_match(tiny_artifacts, g128_steps, monkeypatch):
+    """A policy naming the g128 int8 path from M = 8: the runner reserves its weight copy (the largest
+    layer's N * K bytes) when it is built, the prefill steps of 9 and 11 rows go through it without
+    growing the workspace (captured graphs keep its address), and the logits equal the default
+    policy's (the path is bit-exact)."""
+    from services.worker.engine.kernel_policy import GemmPolicy
+    from services.worker.kernels import w4a8_gemm
+
+    class Int8PathFrom8:
+        def variant(self, kind, n, k, m):
+            return "g128.i8.n128m128" if m >= 8 else w4a8_gemm.default_variant_name(m, kind)
+
+    monkeypatch.setattr(GemmPolicy, "from_manifest", classmethod(lambda cls, table: Int8PathFrom8()))
+    int8_rows = []
+    real = w4a8_gemm.int8_path_gemm
+    monkeypatch.setattr(w4a8_gemm, "int8_path_gemm", lambda x8, *a, **k: int8_rows.append(x8.shape[0]) or real(x8, *a, **k))
+    seen = {}
+
+    def record(runner: TritonRunner) -> None:
+        layer = runner.weights.layers[0]
+        seen["largest"] = max(w.qweight.shape[0] * w.qweight.shape[1] * 2 for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        seen["bytes"] = runner.workspace_bytes
+        seen["address"] = w4a8_gemm.WORKSPACE.pointer(runner.device)
+
+    _, default = g128_steps
+    _, got = _run_steps(ArtifactReader(tiny_artifacts["w4a8kv4-g128"]), install=record)
+    assert seen["bytes"] == seen["largest"]
+    assert w4a8_gemm.WORKSPACE.pointer("cpu") == seen["address"]
+    assert sorted(set(int8_rows)) == [9, 11]  # the two prefill steps, every linear of every layer
+    for s in SEQS:
+        for pos, row in default[s].items():
+            torch.testing.assert_close(got[s][pos], row, rtol=1e-5, atol=1e-5)
