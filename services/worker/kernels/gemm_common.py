@@ -1,5 +1,6 @@
 """Pieces the W4A8 tile GEMMs share (w4a8_gemm.py, w4a8_int8_path.py): the order of output tiles, the
-packed weight's unpacking into int8 MMA operands (nibble split, SWAR dequantization), the SM count."""
+packed weight's unpacking into int8 MMA operands (nibble split, SWAR dequantization), the SM count and
+operand alignment."""
 
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+def _rows_aligned(t: torch.Tensor, alignment: int) -> torch.Tensor:
+    """t (rows, bytes), or a copy of it, whose base and row stride are multiples of alignment bytes."""
+    if t.data_ptr() % alignment or (t.shape[0] > 1 and t.stride(0) * t.element_size() % alignment):
+        t = t.contiguous() if not t.is_contiguous() else t.clone()  # a fresh buffer is aligned
+    return t
 
 
 @triton.jit

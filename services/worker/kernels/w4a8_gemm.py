@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.kernels.gemm_common import _dequant_swar, _num_sms, _split_nibbles, _tile_ids
+from services.worker.kernels.gemm_common import _dequant_swar, _num_sms, _rows_aligned, _split_nibbles, _tile_ids
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 from services.worker.kernels.w4a8_gemv import _w4a8_gemv_kernel
 from services.worker.kernels.w4a8_int8_path import int8_path_gemm
@@ -633,8 +633,7 @@ def w4a8_channel_gemm(
 
 def _as_words(t: torch.Tensor, name: str) -> torch.Tensor:
     """A (rows, bytes) int8/uint8 tensor, contiguous along bytes, as (rows, bytes // 4) int32 words."""
-    if t.data_ptr() % 4 or (t.shape[0] > 1 and t.stride(0) % 4):
-        t = t.contiguous() if not t.is_contiguous() else t.clone()  # a fresh buffer is aligned
+    t = _rows_aligned(t, 4)
     assert t.stride(1) == 1 and t.shape[1] % 4 == 0, f"{name}: rows must be contiguous whole words"
     return t.view(torch.int32)
 

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from services.worker.kernels.gemm_common import _dequant_swar, _num_sms, _split_nibbles, _tile_at
+from services.worker.kernels.gemm_common import _dequant_swar, _num_sms, _rows_aligned, _split_nibbles, _tile_at
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 from shared.formats.weights import GROUP_SIZE, W4G128ProgressiveWeight
 
@@ -108,9 +108,7 @@ def _int8_gemm_kernel(
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """t (rows, K) int8 as TMA takes it: 16-byte aligned base and row stride, contiguous along K."""
-    if t.stride(1) != 1 or t.data_ptr() % 16 or (t.shape[0] > 1 and t.stride(0) % 16):
-        t = t.contiguous() if not t.is_contiguous() else t.clone()  # a fresh buffer is aligned
-    return t
+    return _rows_aligned(t if t.stride(1) == 1 else t.contiguous(), 16)
 
 
 def _num_programs(variant, M: int, N: int, device: torch.device) -> int:
