@@ -266,7 +266,7 @@ def test_g128_activations_carry_group_sums_exactly_when_the_gemm_reads_them(tiny
     class MixedPolicy:
         def variant(self, kind, n, k, m):
             if m <= 2:
-                return "g128.gemv.n4m1g16" if m == 1 else "g128.gemv.n16m1g8.xs"
+                return "g128.gemv.n32m1g4" if m == 1 else "g128.gemv.n16m1g8.xs"
             return "g128.n128m16.sk.zp" if m % 2 else "g128.n64m16.sk.swar"
 
     def mixed(runner: TritonRunner) -> None:
@@ -274,7 +274,7 @@ def test_g128_activations_carry_group_sums_exactly_when_the_gemm_reads_them(tiny
 
     monkeypatch.setattr(w4a8_gemm, "w4a8_gemm", spy)
     _, mixed_run = _run_steps(reader, install=mixed)
-    assert {variant for variant, _ in calls} == {"g128.gemv.n4m1g16", "g128.gemv.n16m1g8.xs", "g128.n128m16.sk.zp",
+    assert {variant for variant, _ in calls} == {"g128.gemv.n32m1g4", "g128.gemv.n16m1g8.xs", "g128.n128m16.sk.zp",
                                                  "g128.n64m16.sk.swar"}
     assert all(sums == w4a8_gemm.get_variant(variant).takes_group_sums for variant, sums in calls)
     for s in SEQS:
