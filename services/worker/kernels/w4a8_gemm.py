@@ -396,10 +396,9 @@ VARIANTS: tuple[GemmVariant, ...] = (
     _v("g128.i8.n128m128", G128, 128, 128, 8, 4, int8_path=True),
     _v("g128.i8.n256m128", G128, 256, 128, 8, 4, int8_path=True),
     _v("g128.i8.n128m256", G128, 128, 256, 8, 3, int8_path=True),
-    # M = 128..512 (session 32): 128 x 128 tiles leave most SMs idle there (4096x11008 M = 256: 32 tiles
-    # for 132 SMs, each walking K = 11008 alone); one-warpgroup tiles give 2-4x the programs.
-    _v("g128.i8.n64m128", G128, 64, 128, 4, 4, int8_path=True),
-    _v("g128.i8.n128m64", G128, 128, 64, 4, 4, int8_path=True),
+    # One-warpgroup tiles (n64m128, n128m64, 4 warps, 4 stages) for M = 128..512, where 128 x 128
+    # tiles leave SMs idle, won 1 of 12 points on an H100, by 3% (session 32, int8_small_tiles.json):
+    # there the pass alone costs most of a tile kernel's time (4096x11008 M = 128: 25.6 of 29.4 us). Not kept.
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 
