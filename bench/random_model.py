@@ -72,3 +72,7 @@ class RandomArtifact:
         """K and V range ratios of a KV4 layer: those QoQ picks on the trained fixture (V narrowed to
         0.925 in every layer), so the benchmark's cache write takes the path real artifacts take."""
         return (1.0, 0.925) if self.spec.kv_bits == 4 else FULL_KV_RANGE
+
+    def block_key_feedback(self, i: int) -> None:
+        """No key error-feedback factor: keys rounded to nearest, as in a default (`qctl quantize`) artifact."""
+        return None
