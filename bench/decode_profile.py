@@ -35,7 +35,7 @@ GROUPS = (  # (group, substrings of the kernel name), first match wins
     ("attention: paged decode", ("decode", "reduce_partitions")),
     ("attention: prefill", ("prefill", "flash", "attn")),
     ("KV cache write + RoPE", ("cache",)),
-    ("W4A8 GEMM", ("w4a8", "split_k")),
+    ("W4A8 GEMM", ("w4a8", "split_k", "int8_gemm", "to_int8")),  # the g128 int8 path: its pass and GEMM
     ("fp16 GEMM (cuBLAS)", ("gemm", "gemv", "sm90_xmma", "cutlass", "nvjet")),
     ("activation quant / norm / SiLU", ("quant", "rms", "silu", "norm")),
 )

@@ -37,6 +37,16 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+# Tokens per engine step by default. A prefill step runs eagerly (decode-only steps replay CUDA graphs), and
+# its host work is ~55 ms for a 7B model on an H100 host whatever its size, while the GPU needs ~11 ms for
+# 512 tokens and ~54 ms for 4096: at 512 every prefill step waits on the host, so prompts went in ~6x
+# slower and streams decoding beside them got no faster step (bench/results/h100/e2e_prefill_512.json,
+# e2e_prefill_4096.json, step_profile_*.json; session 32). On the CPU backend a step's time grows with
+# its tokens: the smaller budget keeps decoding streams moving between prompt chunks.
+GPU_MAX_BATCH_TOKENS = 4096
+CPU_MAX_BATCH_TOKENS = 512
+
+
 @dataclass(slots=True)
 class WorkerConfig:
     artifact: str  # a local artifact folder, or an artifact id to fetch from `store`
@@ -50,7 +60,8 @@ class WorkerConfig:
     block_size: int = 16  # token slots per KV block
     max_running_sequences: int = 32
     max_waiting_requests: int = 128
-    max_batch_tokens: int = 512  # tokens per step: the chunked-prefill budget
+    # Tokens per step (the chunked-prefill budget); None = GPU_MAX_BATCH_TOKENS on a GPU, CPU_MAX_BATCH_TOKENS on cpu.
+    max_batch_tokens: int | None = None
     max_context_tokens: int | None = None  # None = the model's max_position_embeddings
     overlap_steps: bool | None = None  # launch step N + 1 before reading back N's tokens; None = on a GPU only
     host: str = DEFAULT_HOST
@@ -74,6 +85,8 @@ class WorkerConfig:
             raise ConfigError(f"gpu_memory_budget={self.gpu_memory_budget} must be a positive number of bytes")
         if self.kv_blocks is not None and self.kv_blocks < 1:
             raise ConfigError(f"kv_blocks={self.kv_blocks} must be at least 1")
+        if self.max_batch_tokens is None:
+            self.max_batch_tokens = CPU_MAX_BATCH_TOKENS if self.device == "cpu" else GPU_MAX_BATCH_TOKENS
         for name in ("block_size", "max_running_sequences", "max_waiting_requests", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
@@ -158,7 +171,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-sequences", type=int, default=32, help="most sequences in one step")
     p.add_argument("--max-waiting-requests", type=int, default=128,
                    help="waiting requests before Generate answers RESOURCE_EXHAUSTED")
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (chunked-prefill budget)")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help=f"tokens per step (chunked-prefill budget) [default: {GPU_MAX_BATCH_TOKENS} with a GPU, "
+                        f"{CPU_MAX_BATCH_TOKENS} on cpu]")
     p.add_argument("--max-context-tokens", type=int, default=None,
                    help="prompt + generated tokens of one sequence [default: the model's context window]")
     p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,

@@ -23,6 +23,20 @@ def test_command_line_flags():
     assert WorkerConfig.from_args(["--artifact", "a"]).overlap_steps is None  # the device decides
 
 
+def test_step_token_budget_defaults_by_device():
+    """Large prefill steps on a GPU (a small one leaves the GPU waiting on the host's launches), small ones
+    on the CPU backend; an explicit budget wins on either."""
+    from services.worker.config import CPU_MAX_BATCH_TOKENS, GPU_MAX_BATCH_TOKENS
+
+    assert CPU_MAX_BATCH_TOKENS < GPU_MAX_BATCH_TOKENS
+    assert WorkerConfig.from_args(["--artifact", "a"]).max_batch_tokens == CPU_MAX_BATCH_TOKENS
+    for device in ("cuda", "cuda:1"):
+        assert WorkerConfig.from_args(["--artifact", "a", "--device", device]).max_batch_tokens == GPU_MAX_BATCH_TOKENS
+        assert WorkerConfig(artifact="a", device=device, max_batch_tokens=256).max_batch_tokens == 256
+    with pytest.raises(ConfigError, match="max_batch_tokens=0"):
+        WorkerConfig(artifact="a", device="cuda", max_batch_tokens=0)
+
+
 @pytest.mark.parametrize("text, value", [("48GiB", 48 * 2**30), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9),
                                          ("1.5GiB", int(1.5 * 2**30)), ("1000", 1000)])
 def test_memory_sizes(text, value):
