@@ -38,8 +38,8 @@ def parse_bytes(text: str) -> int:
 
 
 # Tokens per engine step by default. A prefill step runs eagerly (decode-only steps replay CUDA graphs), and
-# its host work is ~55 ms for a 7B model on an H100 host whatever its size, while the GPU needs ~11 ms for
-# 512 tokens and ~54 ms for 4096: at 512 every prefill step waits on the host, so prompts went in ~6x
+# a 512-token step of a 7B model took 40-90 ms on an H100 host while its kernels took 11.5 ms (4096 tokens:
+# 54 ms of kernels, 56-78 ms a step): at 512 every prefill step waits on the host, so prompts went in ~6x
 # slower and streams decoding beside them got no faster step (bench/results/h100/e2e_prefill_512.json,
 # e2e_prefill_4096.json, step_profile_*.json; session 32). On the CPU backend a step's time grows with
 # its tokens: the smaller budget keeps decoding streams moving between prompt chunks.
