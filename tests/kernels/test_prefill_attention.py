@@ -60,3 +60,20 @@ def test_bad_inputs_name_the_value():
         prefill_attention(q[:, :3], k, v, cu)
     with pytest.raises(ValueError, match="block_n"):
         PrefillConfig(block_m=16, block_n=32)
+
+
+def test_writes_into_a_given_output_slice():
+    """`out=` (the runner's mixed steps hand each attention kernel its rows of one step output): the
+    kernel writes those rows and nothing around them, the same values as a fresh output; a wrong
+    output is refused with what it must be."""
+    q, k, v, cu = _batch([5, 12], 4, 2, 64, seed=4)
+    config = PrefillConfig(block_m=16, block_n=16)
+    step_out = torch.full((q.shape[0] + 5, 4, 64), 7.0, dtype=torch.float16)
+    rows = step_out[2 : 2 + q.shape[0]]
+    assert prefill_attention(q, k, v, cu, max_seqlen=12, config=config, out=rows) is rows
+    assert torch.equal(rows, prefill_attention(q, k, v, cu, max_seqlen=12, config=config))
+    assert (step_out[:2] == 7).all() and (step_out[2 + q.shape[0]:] == 7).all()
+    with pytest.raises(ValueError, match="out must be"):
+        prefill_attention(q, k, v, cu, config=config, out=torch.empty(q.shape, dtype=torch.float32))
+    with pytest.raises(ValueError, match="out must be"):
+        prefill_attention(q, k, v, cu, config=config, out=step_out[:3])

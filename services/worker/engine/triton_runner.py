@@ -300,21 +300,23 @@ class TritonRunner:
             ).reshape(t, c.q_size)
         if p + n == 0:
             return self._paged(i, q_rot, st).reshape(t, c.q_size)
+        # A mixed step: each kernel writes its rows of one output (no copy per part).
         out = torch.empty((t, heads, d), dtype=torch.float16, device=qkv.device)
         if p:
-            out[:p] = prefill_attention.prefill_attention(
-                q_rot[:p], rotated[:p, heads:], v[:p], st.cu_seqlens, max_seqlen=st.max_seqlen
+            prefill_attention.prefill_attention(
+                q_rot[:p], rotated[:p, heads:], v[:p], st.cu_seqlens, max_seqlen=st.max_seqlen, out=out[:p]
             )
         if n:
-            out[p : p + n] = paged_prefill_attention.paged_prefill_attention(
+            paged_prefill_attention.paged_prefill_attention(
                 q_rot[p : p + n], self.k_cache[i], self.v_cache[i], st.chunk_cu, st.chunk_starts, st.chunk_tables,
-                max_seqlen=st.max_chunk,
+                max_seqlen=st.max_chunk, out=out[p : p + n],
             )
         if p + n < t:
-            out[p + n :] = self._paged(i, q_rot[p + n :], st)
+            self._paged(i, q_rot[p + n :], st, out=out[p + n :])
         return out.reshape(t, c.q_size)
 
-    def _paged(self, i: int, q: torch.Tensor, st: StepTensors) -> torch.Tensor:
+    def _paged(self, i: int, q: torch.Tensor, st: StepTensors, out: torch.Tensor | None = None) -> torch.Tensor:
         return paged_attention.paged_decode_attention(
-            q, self.k_cache[i], self.v_cache[i], st.block_tables, st.context_lens, max_context_len=st.max_context
+            q, self.k_cache[i], self.v_cache[i], st.block_tables, st.context_lens, max_context_len=st.max_context,
+            out=out,
         )

@@ -53,6 +53,7 @@ from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_rele
 from services.worker.kernels.paged_attention_head_rows import _kv4_decode_head_rows_kernel
 from services.worker.kernels.paged_attention_mma import _kv4_decode_mma_kernel
 from services.worker.kernels.paged_decode_parts import _bytes_at_15, _nibble, _program_span, _scale_zero
+from services.worker.kernels.prefill_attention import attention_output
 from services.worker.kernels.w4a8_gemv import _dot_chn
 
 LOG2E = 1.4426950408889634
@@ -902,11 +903,12 @@ def paged_decode_attention(
     sm_scale: float | None = None,
     max_context_len: int | None = None,
     config: DecodeConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over a paged KV4 (uint8) or fp16 cache.
 
     query (B, heads, D) fp16 (rotated); caches as in the module docstring; block_tables (B,
-    max_blocks) int32; context_lens (B,) int32. Returns (B, heads, D) fp16. sm_scale defaults to
+    max_blocks) int32; context_lens (B,) int32. Returns (B, heads, D) fp16 (in `out` if given). sm_scale defaults to
     1/sqrt(D). max_context_len (>= every context length) sizes the partition grid; without it
     the launcher reads context_lens.max() (a device sync).
     """
@@ -922,7 +924,7 @@ def paged_decode_attention(
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if max_context_len is None:
         max_context_len = int(context_lens.max().item()) if b else 0
-    out = torch.empty_like(query)
+    out = attention_output(query, out)
     if b == 0:
         return out
     partition_size = partition_for(cfg, b * kv_heads * kv_share, max_context_len, multiprocessors(query.device))

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
 from services.worker.kernels.paged_decode_parts import _scale_zero
-from services.worker.kernels.prefill_attention import LOG2E, PrefillConfig, default_prefill_config
+from services.worker.kernels.prefill_attention import LOG2E, PrefillConfig, attention_output, default_prefill_config
 
 
 @triton.jit
@@ -133,8 +133,9 @@ def paged_prefill_attention(
     max_seqlen: int,
     sm_scale: float | None = None,
     config: PrefillConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Chunks continuing cached prefixes: (T, heads, D) fp16 rotated queries -> (T, heads, D) fp16.
+    """Chunks continuing cached prefixes: (T, heads, D) fp16 rotated queries -> (T, heads, D) fp16 (in `out` if given).
 
     k_cache / v_cache: KV4 (uint8) or fp16 pages holding every position up to each chunk's end
     (this step's rows included); cu_seqlens (B + 1,) int32 over the rows; starts (B,) int32;
@@ -162,7 +163,7 @@ def paged_prefill_attention(
         raise ValueError(f"block_tables must be ({batch}, max_blocks) int32, got {tuple(block_tables.shape)}")
     cfg = config or default_prefill_config(d)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
-    out = torch.empty_like(query)
+    out = attention_output(query, out)
     if total == 0 or batch == 0 or max_seqlen == 0:
         return out
     # KV4: codes read bytewise from the uint8 pages, each row's scale/zero word from an int32 view.

@@ -118,6 +118,18 @@ def _prefill_kernel(
         tl.store(o_ptrs, out.to(tl.float16), mask=mask_m[:, None])
 
 
+def attention_output(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The attention launchers' output: a new (T, heads, D) fp16 tensor, or the caller's `out` (a slice of a
+    larger step output, so the runner's mixed steps need no copy per part), checked to take the kernels'
+    (row, head) strides with D contiguous."""
+    if out is None:
+        return torch.empty_like(query)
+    if out.shape != query.shape or out.dtype != torch.float16 or out.stride(-1) != 1 or out.device != query.device:
+        raise ValueError(f"out must be {tuple(query.shape)} fp16 on {query.device}, contiguous in D; "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+    return out
+
+
 def prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -126,8 +138,9 @@ def prefill_attention(
     max_seqlen: int | None = None,
     sm_scale: float | None = None,
     config: PrefillConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention per sequence of a packed batch. Returns (total_tokens, heads, D) fp16.
+    """Causal attention per sequence of a packed batch. Returns (total_tokens, heads, D) fp16 (in `out` if given).
 
     query (total, heads, D) fp16, key/value (total, kv_heads, D) fp16, cu_seqlens (B + 1,) int32.
     max_seqlen (>= every sequence's length) sizes the grid; without it the launcher reads
@@ -154,7 +167,7 @@ def prefill_attention(
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
-    out = torch.empty_like(query)
+    out = attention_output(query, out)
     batch = cu_seqlens.numel() - 1
     if total == 0 or max_seqlen == 0:
         return out
