@@ -49,6 +49,19 @@ def group_of(name: str) -> str:
     return "other (embedding, residual adds, copies)"
 
 
+def ms_per_step(prof, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(GPU ms per step by kernel, host ms per step by CPU op or profiler range) of a torch profile of
+    `steps` steps: kernels by their own device time, host entries by their inclusive CPU time."""
+    gpu: dict[str, float] = defaultdict(float)
+    host: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        if evt.device_type.name == "CUDA" and evt.self_device_time_total > 0:
+            gpu[evt.key] += evt.self_device_time_total / 1e3 / steps
+        elif evt.device_type.name == "CPU" and evt.cpu_time_total > 0:
+            host[evt.key] += evt.cpu_time_total / 1e3 / steps
+    return dict(gpu), dict(host)
+
+
 def timeline(prof, repeats: int) -> dict:
     """GPU timeline of the profiled replays: kernels' span and busy time per step, the idle time between
     consecutive kernels, and the largest gaps by the (kernel before, kernel after) pair."""
@@ -131,10 +144,7 @@ def main() -> None:
         end.record()
         torch.cuda.synchronize()
     step_ms = start.elapsed_time(end) / a.repeats
-    by_kernel: dict[str, float] = defaultdict(float)
-    for evt in prof.key_averages():
-        if evt.device_type.name == "CUDA" and evt.self_device_time_total > 0:
-            by_kernel[evt.key] += evt.self_device_time_total / 1e3 / a.repeats  # ms per step
+    by_kernel, _ = ms_per_step(prof, a.repeats)
     total = sum(by_kernel.values())
     groups: dict[str, float] = defaultdict(float)
     for name, ms in by_kernel.items():

@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.decode_profile import group_of, timeline  # noqa: E402
+from bench.decode_profile import group_of, ms_per_step, timeline  # noqa: E402
 from bench.machine import gpu_machine  # noqa: E402
 
 
@@ -95,13 +95,11 @@ def main() -> None:
     while engine.step():
         pass
 
-    host: dict[str, float] = defaultdict(float)  # ms per iteration (inclusive) by op or engine: range
+    kernels, host = ms_per_step(prof, a.steps)  # host: ms per iteration (inclusive) by op or engine: range
     by_kernel: dict[str, float] = defaultdict(float)  # GPU ms per iteration by kernel group
-    for evt in prof.key_averages():
-        if evt.device_type.name == "CPU" and evt.cpu_time_total > 0:
-            host[evt.key] += evt.cpu_time_total / 1e3 / a.steps
-        elif evt.device_type.name == "CUDA" and evt.self_device_time_total > 0 and not evt.key.startswith("engine:"):
-            by_kernel[group_of(evt.key)] += evt.self_device_time_total / 1e3 / a.steps
+    for name, ms in kernels.items():
+        if not name.startswith("engine:"):  # the GPU-side spans of the engine: ranges, not kernels
+            by_kernel[group_of(name)] += ms
     labelled = {k: v for k, v in host.items() if k.startswith("engine:")}
 
     # The graph replay alone at the profiled window's context, for comparison.

@@ -64,3 +64,22 @@ def test_gaps_between_kernels_per_step():
 def test_no_kernels_is_an_empty_timeline():
     t = timeline(_prof([_Event("aten::mm", 0, 5, device="CPU")]), repeats=1)
     assert t["kernels_per_step"] == 0 and t["span_ms_per_step"] == 0.0 and t["largest_gaps"] == []
+
+
+def test_ms_per_step_splits_kernels_from_host_work():
+    """ms_per_step (decode_profile, engine_profile, step_profile): kernels by their own device time, host ops
+    and ranges by inclusive CPU time, both per step; entries with no time of their side are left out."""
+    from bench.decode_profile import ms_per_step
+
+    def evt(key, device, self_device_us=0.0, cpu_us=0.0):
+        return SimpleNamespace(key=key, device_type=SimpleNamespace(name=device),
+                               self_device_time_total=self_device_us, cpu_time_total=cpu_us)
+
+    prof = SimpleNamespace(key_averages=lambda: [
+        evt("_int8_gemm_kernel", "CUDA", self_device_us=8000), evt("_act_quant_kernel", "CUDA", self_device_us=400),
+        evt("aten::empty", "CPU", cpu_us=1200), evt("engine:launch", "CPU", cpu_us=3000), evt("aten::view", "CPU"),
+        evt("idle", "CUDA"),
+    ])
+    gpu, host = ms_per_step(prof, steps=4)
+    assert gpu == pytest.approx({"_int8_gemm_kernel": 2.0, "_act_quant_kernel": 0.1})
+    assert host == pytest.approx({"aten::empty": 0.3, "engine:launch": 0.75})
