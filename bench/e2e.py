@@ -132,7 +132,8 @@ class Bench:
         t0 = time.perf_counter()
         reader = random_artifact(fmt, torch.device("cuda"), a.shape)
         total = a.prompt + a.output
-        runner = TritonRunner(reader, "cuda", 16, TritonRunnerSettings(max_model_len=total, max_batch_tokens=a.prefill_tokens))
+        runner = TritonRunner(reader, "cuda", 16, TritonRunnerSettings(max_model_len=total, max_batch_tokens=a.prefill_tokens,
+                                                                step_graphs=not a.no_step_graphs))
         gc.collect()
         torch.cuda.empty_cache()
         build_s = time.perf_counter() - t0
@@ -411,6 +412,8 @@ def main():
     p.add_argument("--engine-overlap", choices=("auto", "on", "off"), default="auto",
                    help="engine driver: launch each step before reading back the previous one's tokens "
                         "(auto: the engine's default, on with a GPU)")
+    p.add_argument("--no-step-graphs", action="store_true",
+                   help="launch steps with prompt tokens kernel by kernel (the runner's step graphs off)")
     p.add_argument("--batches", type=lambda t: [int(v) for v in t.split(",")],
                    help="comma-separated batch sizes instead of the sweep (1, 16, 64, 128, 256 and the budget caps)")
     p.add_argument("--time-limit", type=float, default=540.0, help="seconds; later runs are skipped past it")

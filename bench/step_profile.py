@@ -27,6 +27,27 @@ from bench.decode_profile import group_of, ms_per_step  # noqa: E402
 from bench.machine import gpu_machine  # noqa: E402
 
 
+def python_functions(engine, steps: int, n: int = 40) -> dict[str, dict[str, float]]:
+    """The host's Python functions over `steps` engine steps under cProfile, by own time: ms per
+    step of own and cumulative time (cProfile's own overhead inflates both; read them as shares)."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return {f"{Path(f).name}:{line}({name})": {"calls": calls / steps, "own_ms": round(own / steps * 1e3, 3),
+                                               "cum_ms": round(cum / steps * 1e3, 3)}
+            for (f, line, name), (calls, _, own, cum, _) in rows}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--format", default="w4a8kv4-g128", choices=("w4a8kv4-chn", "w4a8kv4-g128", "fp16"))
@@ -35,6 +56,8 @@ def main() -> None:
     p.add_argument("--output", type=int, default=64)
     p.add_argument("--prefill-tokens", type=int, default=512, help="the engine's tokens per step")
     p.add_argument("--steps", type=int, default=10, help="steps timed, then steps profiled")
+    p.add_argument("--cprofile", action="store_true",
+                   help="also run --steps steps under cProfile: the host's Python functions by own time")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
 
@@ -75,6 +98,7 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) / a.steps * 1e3
+    python_top = python_functions(engine, a.steps) if a.cprofile else None
     while engine.step():
         pass
 
@@ -101,6 +125,7 @@ def main() -> None:
         "gpu_ms_per_step_by_group": top(by_group),
         "gpu_ms_per_step_top_kernels": top(kernels),
         "host_ms_per_step_top_ops": top(host_ops),
+        **({"host_python_ms_per_step_top_functions": python_top} if python_top else {}),
         "checks": [],  # a diagnosis: no target of an issue is measured here
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)

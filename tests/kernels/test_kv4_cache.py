@@ -274,3 +274,24 @@ def test_key_feedback_of_the_wrong_shape_is_refused():
     with pytest.raises(ValueError, match="contiguous"):
         write_kv4_cache(k, v, torch.arange(2), slots, rope, cache, cache.clone(),
                         key_feedback=torch.eye(64).expand(2, 64, 64))
+
+
+def test_rotated_query_goes_into_the_given_rows_of_a_larger_buffer():
+    """query_out: the runner's step buffer holds (T, heads + kv_heads, D) rows and takes the rotated
+    query in its first heads; the kernel writes exactly those, bit-equal to its own output."""
+    d, kv_heads, heads, t = 64, 2, 4, 5
+    rope = _rope_cache(d)
+    k, v = _kv(t, kv_heads, d, seed=7)
+    q = (torch.randn(t, heads, d, generator=torch.Generator().manual_seed(8)) * 2).half()
+    positions, slots, _ = _prefill_slots([t], 4, seed=9)
+    cache = lambda: torch.full((4, kv_heads, BLOCK_SIZE, page_row_bytes(d)), POISON, dtype=torch.uint8)  # noqa: E731
+    own = write_kv4_cache(k, v, positions, slots, rope, cache(), cache(), query=q)
+    buffer = torch.full((t, heads + kv_heads, d), 7.0, dtype=torch.float16)
+    got = write_kv4_cache(k, v, positions, slots, rope, cache(), cache(), query=q, query_out=buffer[:, :heads])
+    assert got.data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:, :heads], own) and (buffer[:, heads:] == 7.0).all()
+    with pytest.raises(ValueError, match="query_out"):
+        write_kv4_cache(k, v, positions, slots, rope, cache(), cache(), query=q, query_out=buffer[:, : heads - 1])
+    with pytest.raises(ValueError, match="query_out"):
+        write_fp16_cache(k, v, positions, slots, rope, torch.zeros(4, kv_heads, BLOCK_SIZE, d, dtype=torch.float16),
+                         torch.zeros(4, kv_heads, BLOCK_SIZE, d, dtype=torch.float16), query_out=buffer[:, :heads])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -218,6 +219,16 @@ def test_decode_batch_cap_must_be_positive():
         TritonRunnerSettings(max_decode_batch=0)
 
 
+@pytest.mark.parametrize("max_batch_tokens,largest", [(4096, 4096), (512, 512), (500, 512), (100, 128), (20000, 8192)])
+def test_step_graphs_stop_at_the_first_bucket_covering_the_step_budget(max_batch_tokens, largest):
+    """Every step of at most max_batch_tokens tokens has a bucket (up to the largest, 8192: larger steps
+    run kernel by kernel), and no bucket above that one is captured."""
+    buckets = TritonRunnerSettings(max_batch_tokens=max_batch_tokens).step_buckets()
+    assert buckets[-1] == largest and buckets == tuple(sorted(buckets))
+    with pytest.raises(ValueError, match="step_graph_tokens"):
+        TritonRunnerSettings(step_graph_tokens=(0, 16))
+
+
 class _EagerGraphs:
     """DecodeGraphs' interface on the CPU: each "replay" is an eager step of the rows it is given."""
 
@@ -226,7 +237,7 @@ class _EagerGraphs:
 
     def replay(self, host, previous_token_ids):
         self.pieces.append(len(host.tokens))
-        return self.runner._eager_step(host, previous_token_ids)
+        return self.runner._prompt_step(host, previous_token_ids)
 
 
 def test_a_decode_batch_above_the_largest_graph_runs_in_pieces(tiny_artifacts, g128_steps):
@@ -314,3 +325,40 @@ def test_int8_path_workspace_is_reserved_up_front_and_logits_match(tiny_artifact
     for s in SEQS:
         for pos, row in default[s].items():
             torch.testing.assert_close(got[s][pos], row, rtol=1e-5, atol=1e-5)
+
+
+class _EagerPiece:
+    """A step graph piece on the CPU: each "replay" runs the captured function again."""
+
+    def __init__(self, fn, pool):
+        self.fn, self.pool = fn, pool
+
+    def replay(self) -> None:
+        self.fn()
+
+
+@pytest.mark.parametrize("fmt", list(TOLERANCE))
+def test_prompt_steps_replay_padded_step_graphs_like_kernel_by_kernel_steps(tiny_artifacts, g128_steps, fmt):
+    """Step graphs of 8 and 10 tokens (pieces replayed eagerly): the prompt steps of 9 and 6 tokens
+    run padded (padding rows write no cache slot: blocks no table names stay zero) with each layer's
+    attention between the pieces, the 11-token step above the largest bucket kernel by kernel, and
+    all give the kernel-by-kernel steps' logits."""
+    reader = ArtifactReader(tiny_artifacts[fmt])
+    runners = []
+
+    def step_graphs(runner: TritonRunner) -> None:
+        runner.settings = replace(runner.settings, step_graph_tokens=(8, 10))
+        runner.step_graphs = runner._make_step_graphs(capture_piece=_EagerPiece)
+        runners.append(runner)
+
+    _, padded = _run_steps(reader, install=step_graphs)
+    _, whole = g128_steps if fmt == "w4a8kv4-g128" else _run_steps(reader)
+    runner = runners[0]
+    assert sorted(runner.step_graphs.graphs) == [8, 10]
+    assert all(len(pieces) == 3 for pieces in runner.step_graphs.graphs.values())  # 2 layers + 1
+    unused = sorted(set(range(16)) - {b for _, _, table in SEQS.values() for b in table})
+    assert not runner.k_cache[:, unused].any() and not runner.v_cache[:, unused].any()
+    for s in SEQS:
+        assert sorted(padded[s]) == sorted(whole[s])
+        for pos, row in whole[s].items():
+            torch.testing.assert_close(padded[s][pos], row, rtol=0, atol=0)

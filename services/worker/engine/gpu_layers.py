@@ -93,10 +93,10 @@ class W4A8Ops:
     def plain(self, x: torch.Tensor, *, feeds):
         return act_quant.quantize(x, group_sums=self._group_sums(x.shape[0], feeds))
 
-    def linear(self, act: act_quant.QuantizedActivations, weight) -> torch.Tensor:
+    def linear(self, act: act_quant.QuantizedActivations, weight, out: torch.Tensor | None = None) -> torch.Tensor:
         # Both sums: w4a8_gemm reads the ones its weight kind and variant use.
         return w4a8_gemm.w4a8_gemm(act.x8, act.scale, weight, act.rowsum, variant=self._variant(weight, act.x8.shape[0]),
-                                   group_sums=act.group_sums)
+                                   group_sums=act.group_sums, out=out)
 
     def linear_into_residual(self, act, weight, residual: torch.Tensor) -> torch.Tensor:
         """residual += linear(act, weight), left to the next norm: returns the GEMM output, which the
@@ -121,8 +121,8 @@ class Fp16Ops:
     def plain(self, x: torch.Tensor, *, feeds=None) -> torch.Tensor:
         return x
 
-    def linear(self, act: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(act, weight)
+    def linear(self, act: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(act, weight) if out is None else torch.matmul(act, weight.t(), out=out)
 
     def linear_into_residual(self, act: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> None:
         """residual += linear(act, weight) now: cuBLAS adds it in its epilogue (beta = 1); nothing left over."""

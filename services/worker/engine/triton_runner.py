@@ -12,7 +12,9 @@ Per layer, on the fp16 residual stream x (T, H):
 The fp16 format (the baseline engine) runs the same graph with fp16 RMSNorm / SiLU*mul kernels,
 cuBLAS fp16 GEMMs and an fp16 paged cache. GEMM variants come from the artifact's
 `kernel_policy` (schema in kernel_policy.py), else the kernels' defaults. Decode-only steps
-replay CUDA graphs at bucketed batch sizes (cuda_graphs.py); prefill runs eagerly.
+replay CUDA graphs at bucketed batch sizes (cuda_graphs.py); steps with prompt tokens replay
+piecewise graphs at bucketed token counts with each layer's attention launched between the
+pieces (step_graphs.py).
 
 Numerics against the reference (shared/model, the artifact's full-sequence forward): the GEMMs
 are bit-exact given the same input; the differences are the fp16 residual stream (the reference
@@ -39,6 +41,7 @@ from services.worker.engine.gpu_layers import Fp16Ops, W4A8Ops, rmsnorm_fp16
 from services.worker.engine.gpu_weights import LayerWeights, load_weights
 from services.worker.engine.kernel_policy import GemmPolicy
 from services.worker.engine.runner import StepBatch, resolve_token_ids
+from services.worker.engine.step_graphs import DEFAULT_STEP_GRAPH_TOKENS, StepBuffers, StepGraphs
 from services.worker.engine.step_inputs import HostStep, StepTensors, build_host_step, decode_rows, to_device
 from services.worker.kernels import kv4_cache, paged_attention, paged_prefill_attention, prefill_attention, w4a8_gemm
 from services.worker.kernels.attention_reference import build_rope_cache
@@ -63,6 +66,10 @@ class TritonRunnerSettings:
     # The engine's most running sequences: graphs for larger batches would never run, yet their
     # private pool and logits buffer are reserved (activation_bytes). None: every bucket.
     max_decode_batch: int | None = None
+    # Steps with prompt tokens replay piecewise graphs (step_graphs.py) at these token counts, up to
+    # the first that covers max_batch_tokens; off: they launch kernel by kernel.
+    step_graphs: bool = True
+    step_graph_tokens: tuple[int, ...] = DEFAULT_STEP_GRAPH_TOKENS
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -73,14 +80,25 @@ class TritonRunnerSettings:
             raise ValueError(f"graph_batch_sizes {self.graph_batch_sizes} must be positive batch sizes")
         if self.max_decode_batch is not None and self.max_decode_batch < 1:
             raise ValueError(f"max_decode_batch {self.max_decode_batch} must be positive")
+        if not self.step_graph_tokens or min(self.step_graph_tokens) < 1:
+            raise ValueError(f"step_graph_tokens {self.step_graph_tokens} must be positive token counts")
 
     def decode_buckets(self) -> tuple[int, ...]:
         """The graph batch sizes a decode batch of at most max_decode_batch rows can use."""
-        sizes = sorted(set(self.graph_batch_sizes))
-        if self.max_decode_batch is None:
-            return tuple(sizes)
-        covering = [b for b in sizes if b >= self.max_decode_batch][:1]
-        return tuple(b for b in sizes if b < self.max_decode_batch) + tuple(covering)
+        return _buckets_up_to(self.graph_batch_sizes, self.max_decode_batch)
+
+    def step_buckets(self) -> tuple[int, ...]:
+        """The step graphs' token counts a step of at most max_batch_tokens tokens can use."""
+        return _buckets_up_to(self.step_graph_tokens, self.max_batch_tokens)
+
+
+def _buckets_up_to(sizes: tuple[int, ...], most: int | None) -> tuple[int, ...]:
+    """The sizes below `most` and the first that covers it (all of them when most is None)."""
+    sizes = sorted(set(sizes))
+    if most is None:
+        return tuple(sizes)
+    covering = [b for b in sizes if b >= most][:1]
+    return tuple(b for b in sizes if b < most) + tuple(covering)
 
 
 class TritonRunner:
@@ -124,7 +142,15 @@ class TritonRunner:
             DecodeGraphs(self._forward, self.settings.decode_buckets(), self.max_blocks, self.max_model_len, self.device)
             if use_graphs else None
         )
+        self.step_graphs = self._make_step_graphs() if use_graphs and self.settings.step_graphs else None
         self._reserve_workspace()
+
+    def _make_step_graphs(self, capture_piece=None) -> StepGraphs:
+        c = self.config
+        buckets = self.settings.step_buckets()
+        buffers = StepBuffers.empty(buckets[-1], c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, self.device)
+        extra = {} if capture_piece is None else {"capture_piece": capture_piece}
+        return StepGraphs(self._piece, self._attend, c.num_layers, buffers, buckets, self.device, **extra)
 
     # ------------------------------------------------------------------ memory
 
@@ -170,13 +196,26 @@ class TritonRunner:
         if self.graphs is not None:
             b = self.graphs.buckets[-1]
             total += self._step_bytes(b) + b * self.config.vocab_size * 4
+        if self.step_graphs is not None:
+            # The static buffers, and the pool of what a piece allocates (no attention, no logits).
+            b = self.step_graphs.buckets[-1]
+            total += self.step_graphs.buffers.nbytes() + b * self._token_bytes()
         return total
 
     def _step_bytes(self, t: int) -> int:
         """Buffers that can be live at once in a step of t tokens."""
         c = self.config
-        h, q, kv, f, v = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size, c.vocab_size
-        per_token = 2 * (
+        v = c.vocab_size
+        parts = triton.cdiv(self.max_model_len, 256)  # decode partials: the smallest tuned partition
+        partials = t * c.num_heads * parts * (c.head_dim + 2) * 4
+        logits = t * v * (4 + 2)  # fp16 GEMM output, fp32 copy
+        return t * self._token_bytes() + partials + logits
+
+    def _token_bytes(self) -> int:
+        """A step's buffers per token, attention's partials and the logits aside."""
+        c = self.config
+        h, q, kv, f = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+        return 2 * (
             h  # residual stream
             + (q + 2 * kv)  # qkv
             + (q + kv)  # rotated q and k
@@ -185,16 +224,13 @@ class TritonRunner:
             + h  # GEMM output before the residual add
         ) + max(h, f) + 8 + 4 * triton.cdiv(max(h, f), 128)  # int8 activations + scale + rowsum + group sums
         # (fp16: the normed input, 2 * h <= max(h, f) + h)
-        parts = triton.cdiv(self.max_model_len, 256)  # decode partials: the smallest tuned partition
-        partials = t * c.num_heads * parts * (c.head_dim + 2) * 4
-        logits = t * v * (4 + 2)  # fp16 GEMM output, fp32 copy
-        return t * per_token + partials + logits
 
     def allocate_cache(self, num_blocks: int) -> None:
         c = self.config
         self.k_cache = self.v_cache = None
-        if self.graphs is not None:
-            self.graphs.clear()  # graphs hold the old cache's addresses
+        for graphs in (self.graphs, self.step_graphs):
+            if graphs is not None:
+                graphs.clear()  # graphs hold the old cache's addresses
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         shape = (c.num_layers, num_blocks, c.num_kv_heads, self.block_size, self.kv_row_bytes() if self.kv4 else c.head_dim)
@@ -204,12 +240,18 @@ class TritonRunner:
         self.num_blocks = num_blocks
 
     def capture_graphs(self, batch_sizes: tuple[int, ...] | None = None) -> None:
-        """Captures the decode graphs now (else each is captured at its first use)."""
-        if self.graphs is None or self.k_cache is None:
+        """Captures the decode graphs (at batch_sizes, default all) and every step graph now (else
+        each is captured at its first use, which a benchmark would time)."""
+        if self.k_cache is None:
             return
-        for b in sorted(batch_sizes or self.graphs.buckets, reverse=True):
-            if self.graphs.bucket_for(b) == b:
-                self.graphs.capture(b)
+        if self.graphs is not None:
+            for b in sorted(batch_sizes or self.graphs.buckets, reverse=True):
+                if self.graphs.bucket_for(b) == b:
+                    self.graphs.capture(b)
+        if self.step_graphs is not None:
+            for b in reversed(self.step_graphs.buckets):
+                if b not in self.step_graphs.graphs:
+                    self.step_graphs.capture(b)
 
     # ------------------------------------------------------------------ step
 
@@ -227,13 +269,17 @@ class TritonRunner:
             return logits
         if len(host.tokens) > self.settings.max_batch_tokens:
             raise ValueError(f"a step of {len(host.tokens)} tokens exceeds max_batch_tokens={self.settings.max_batch_tokens}")
-        return self._eager_step(host, batch.previous_token_ids)
+        return self._prompt_step(host, batch.previous_token_ids)
 
-    def _eager_step(self, host: HostStep, previous_token_ids: torch.Tensor | None) -> torch.Tensor:
-        """A step launched kernel by kernel from the host (prefill, mixed steps, no graphs)."""
+    def _prompt_step(self, host: HostStep, previous_token_ids: torch.Tensor | None) -> torch.Tensor:
+        """A step with prompt tokens: its pieces replayed from the step graphs with attention launched
+        between them, or (no step graphs, or a step above their largest bucket) every kernel launched
+        from the host."""
         st = to_device(host, self.device)
         st.tokens = resolve_token_ids(st.tokens, previous_token_ids)
-        return self._forward(st)
+        if self.step_graphs is None or len(host.tokens) > self.step_graphs.buckets[-1]:
+            return self._forward(st)  # above the largest bucket (8192 tokens by default) the GPU work dominates
+        return self._logits(self.step_graphs.run(st).x, st)
 
     def _decode_through_graphs(self, host: HostStep, previous_token_ids: torch.Tensor | None) -> torch.Tensor:
         """A decode step by graph replay; a batch above the largest bucket in pieces of that size
@@ -247,65 +293,84 @@ class TritonRunner:
                           for start in range(0, n, piece)])
 
     def _forward(self, st: StepTensors, logits_out: torch.Tensor | None = None) -> torch.Tensor:
-        """-> (rows, vocab) fp32 logits of st.logit_rows (all rows when None), in logits_out if given."""
+        """-> (rows, vocab) fp32 logits of st.logit_rows (all rows when None), in logits_out if given.
+        The pieces and attentions in turn, as step_graphs.StepGraphs replays them."""
         c = self.config
-        x = F.embedding(st.tokens, self.weights.embed)  # (T, H) fp16 residual stream
-        pending = None  # a GEMM output still to be added to x (see _layer)
-        for i, layer in enumerate(self.weights.layers):
-            pending = self._layer(i, layer, x, pending, st)
-        if pending is not None:
-            x += pending
+        buffers = StepBuffers.empty(st.tokens.shape[0], c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                    self.device)
+        rotate_keys = st.cu_seqlens is not None
+        for k in range(c.num_layers + 1):
+            self._piece(k, st, buffers, rotate_keys)
+            if k < c.num_layers:
+                self._attend(k, st, buffers)
+        return self._logits(buffers.x, st, logits_out)
+
+    def _logits(self, x: torch.Tensor, st: StepTensors, logits_out: torch.Tensor | None = None) -> torch.Tensor:
         if st.logit_rows is not None:
             x = x.index_select(0, st.logit_rows)
-        h = rmsnorm_fp16(x, self.weights.final_norm, c.rms_norm_eps)  # (n, H) fp16
+        h = rmsnorm_fp16(x, self.weights.final_norm, self.config.rms_norm_eps)  # (n, H) fp16
         logits = F.linear(h, self.weights.lm_head)  # (n, V) fp16
         return logits.float() if logits_out is None else logits_out.copy_(logits)
 
-    def _layer(self, i: int, w: LayerWeights, x: torch.Tensor, pending: torch.Tensor | None,
-               st: StepTensors) -> torch.Tensor | None:
-        """One decoder block, in place on x (T, H) fp16.
+    def _piece(self, k: int, st: StepTensors, buf: StepBuffers, rotate_keys: bool) -> None:
+        """The work between attention k - 1 and attention k (k = 0 .. layers), in place on buf.
 
         A residual add is either done by the GEMM (fp16: cuBLAS's epilogue) or left pending for the
-        next norm's kernel (W4A8: the add fused into rmsnorm_quant): `pending` comes in from the
-        previous block's down projection, and the return value is this block's.
+        next norm's kernel (W4A8: the add fused into rmsnorm_quant): layer k - 1's down projection
+        is added by layer k's first norm, the last layer's by the final add here.
         """
-        eps, ops = self.config.rms_norm_eps, self.ops
-        # Each activation is quantized for the GEMM it feeds (which sums of x8 that GEMM reads).
-        qkv = ops.linear(ops.norm(x, w.attn_norm, eps, add=pending, feeds=w.qkv), w.qkv)  # (T, q + 2kv) fp16
-        attn = self._attention(i, qkv, st)  # (T, q) fp16
-        pending = ops.linear_into_residual(ops.plain(attn, feeds=w.o), w.o, x)  # x += o(attn), now or in the next norm
-        gate_up = ops.linear(ops.norm(x, w.mlp_norm, eps, add=pending, feeds=w.gate_up), w.gate_up)  # (T, 2F) fp16
-        return ops.linear_into_residual(ops.silu_mul(gate_up, feeds=w.down), w.down, x)
+        layers = self.weights.layers
+        if k == 0:
+            torch.index_select(self.weights.embed, 0, st.tokens, out=buf.x)
+            pending = None
+        else:
+            pending = self._after_attention(layers[k - 1], buf)
+        if k == len(layers):
+            if pending is not None:
+                buf.x += pending
+            return
+        self._before_attention(k, layers[k], buf, pending, st, rotate_keys)
 
-    def _attention(self, i: int, qkv: torch.Tensor, st: StepTensors) -> torch.Tensor:
-        c = self.config
-        t, heads, kvh, d = qkv.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
-        k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, kvh, d)  # (T, kv_heads, D), pre-RoPE
-        v = qkv[:, c.q_size + c.kv_size :].view(t, kvh, d)
-        # Prefill attention needs the rotated key too: passing q and k as one (T, heads + kv_heads, D)
-        # "query" makes the cache-write kernel rotate both (every head shares the token's angles).
-        needs_key = st.cu_seqlens is not None
-        query = qkv[:, : c.q_size + c.kv_size].view(t, heads + kvh, d) if needs_key else qkv[:, : c.q_size].view(t, heads, d)
+    def _before_attention(self, i: int, w: LayerWeights, buf: StepBuffers, pending: torch.Tensor | None,
+                          st: StepTensors, rotate_keys: bool) -> None:
+        """x += pending, RMSNorm, qkv GEMM -> buf.qkv, RoPE + KV cache write -> buf.rotated (q, and k
+        when rotate_keys: prefill attention reads the chunk's own rotated keys)."""
+        c, ops = self.config, self.ops
+        # Each activation is quantized for the GEMM it feeds (which sums of x8 that GEMM reads).
+        ops.linear(ops.norm(buf.x, w.attn_norm, c.rms_norm_eps, add=pending, feeds=w.qkv), w.qkv, out=buf.qkv)
+        t, heads, kvh, d = buf.qkv.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        k = buf.qkv[:, c.q_size : c.q_size + c.kv_size].view(t, kvh, d)  # (T, kv_heads, D), pre-RoPE
+        v = buf.qkv[:, c.q_size + c.kv_size :].view(t, kvh, d)
+        # Passing q and k as one (T, heads + kv_heads, D) "query" makes the cache-write kernel rotate
+        # both (every head shares the token's angles).
+        rotated = heads + kvh if rotate_keys else heads
+        query = buf.qkv[:, : c.q_size + c.kv_size] if rotate_keys else buf.qkv[:, : c.q_size]
         write = kv4_cache.write_kv4_cache if self.kv4 else kv4_cache.write_fp16_cache
-        layer = self.weights.layers[i]
-        ranges = {"kv_range": layer.kv_range, "key_feedback": layer.key_feedback} if self.kv4 else {}  # the layer's KV4 write
-        rotated = write(k, v, st.positions, st.slots, self.rope_cache, self.k_cache[i], self.v_cache[i], query=query,
-                        **ranges)
-        q_rot = rotated[:, :heads]  # (T, heads, D) fp16
-        # Rows come grouped (build_host_step): prefill [0, p), continuing chunks [p, p + n), decode rows.
+        ranges = {"kv_range": w.kv_range, "key_feedback": w.key_feedback} if self.kv4 else {}  # the layer's KV4 write
+        write(k, v, st.positions, st.slots, self.rope_cache, self.k_cache[i], self.v_cache[i],
+              query=query.view(t, rotated, d), query_out=buf.rotated[:, :rotated], **ranges)
+
+    def _after_attention(self, w: LayerWeights, buf: StepBuffers) -> torch.Tensor | None:
+        """o GEMM (x += o), RMSNorm, gate_up GEMM, SiLU * up, down GEMM -> the down output still to
+        be added to x (None when the GEMM added it)."""
+        eps, ops = self.config.rms_norm_eps, self.ops
+        pending = ops.linear_into_residual(ops.plain(buf.attn, feeds=w.o), w.o, buf.x)  # x += o(attn), now or in the next norm
+        gate_up = ops.linear(ops.norm(buf.x, w.mlp_norm, eps, add=pending, feeds=w.gate_up), w.gate_up)  # (T, 2F) fp16
+        return ops.linear_into_residual(ops.silu_mul(gate_up, feeds=w.down), w.down, buf.x)
+
+    def _attend(self, i: int, st: StepTensors, buf: StepBuffers) -> None:
+        """Layer i's attention over the step's rows -> buf.attn."""
+        c = self.config
+        t, heads, kvh, d = buf.qkv.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        v = buf.qkv[:, c.q_size + c.kv_size :].view(t, kvh, d)
+        q_rot, k_rot = buf.rotated[:, :heads], buf.rotated[:, heads:]  # k_rot: written only for prefill rows
+        out = buf.attn.view(t, heads, d)
+        # Rows come grouped (build_host_step): prefill [0, p), continuing chunks [p, p + n), decode rows;
+        # each kernel writes its rows of the one output.
         p, n = st.num_prefill, st.num_chunked
-        if p == t:
-            return prefill_attention.prefill_attention(
-                q_rot, rotated[:, heads:], v, st.cu_seqlens, max_seqlen=st.max_seqlen
-            ).reshape(t, c.q_size)
-        if p + n == 0:
-            return self._paged(i, q_rot, st).reshape(t, c.q_size)
-        # A mixed step: each kernel writes its rows of one output (no copy per part).
-        out = torch.empty((t, heads, d), dtype=torch.float16, device=qkv.device)
         if p:
-            prefill_attention.prefill_attention(
-                q_rot[:p], rotated[:p, heads:], v[:p], st.cu_seqlens, max_seqlen=st.max_seqlen, out=out[:p]
-            )
+            prefill_attention.prefill_attention(q_rot[:p], k_rot[:p], v[:p], st.cu_seqlens, max_seqlen=st.max_seqlen,
+                                                out=out[:p])
         if n:
             paged_prefill_attention.paged_prefill_attention(
                 q_rot[p : p + n], self.k_cache[i], self.v_cache[i], st.chunk_cu, st.chunk_starts, st.chunk_tables,
@@ -313,9 +378,8 @@ class TritonRunner:
             )
         if p + n < t:
             self._paged(i, q_rot[p + n :], st, out=out[p + n :])
-        return out.reshape(t, c.q_size)
 
-    def _paged(self, i: int, q: torch.Tensor, st: StepTensors, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _paged(self, i: int, q: torch.Tensor, st: StepTensors, out: torch.Tensor) -> torch.Tensor:
         return paged_attention.paged_decode_attention(
             q, self.k_cache[i], self.v_cache[i], st.block_tables, st.context_lens, max_context_len=st.max_context,
             out=out,

@@ -241,7 +241,8 @@ def _check_cache(name: str, cache: torch.Tensor, kv_heads: int, row: int, dtype:
 
 
 def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, quantize: bool,
-            kv_range: tuple[float, float] = FULL_KV_RANGE, key_feedback: torch.Tensor | None = None):
+            kv_range: tuple[float, float] = FULL_KV_RANGE, key_feedback: torch.Tensor | None = None,
+            query_out: torch.Tensor | None = None):
     t, kv_heads, group = _check_inputs(key, value, positions, slot_mapping, rope_cache, query)
     d = key.shape[2]
     if key_feedback is not None:
@@ -256,7 +257,12 @@ def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, q
     _check_cache("v_cache", v_cache, kv_heads, row, dtype)
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError(f"v_cache {tuple(v_cache.shape)} must have k_cache's shape and strides {tuple(k_cache.shape)}")
-    query_out = torch.empty_like(query) if query is not None else None
+    if query_out is not None and (query is None or query_out.shape != query.shape or query_out.dtype != query.dtype
+                                  or query_out.stride(2) != 1 or query_out.device != query.device):
+        raise ValueError(f"query_out must be the query's shape {None if query is None else tuple(query.shape)}, dtype "
+                         f"and device with D contiguous; got {tuple(query_out.shape)} {query_out.dtype}")
+    if query is not None and query_out is None:
+        query_out = torch.empty_like(query)
     if t == 0:
         return query_out
     q_arg = query if query is not None else key  # unused when ROTATE_QUERY is off
@@ -291,17 +297,19 @@ def write_kv4_cache(
     query: torch.Tensor | None = None,
     kv_range: tuple[float, float] = FULL_KV_RANGE,
     key_feedback: torch.Tensor | None = None,
+    query_out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """RoPE the key, quantize key and value to KV4 rows, write them at slot_mapping (in place).
 
     key, value (T, kv_heads, D) fp16 pre-RoPE key; k_cache/v_cache (num_blocks, kv_heads,
     block_size, D/2 + 4) uint8. If `query` (T, heads, D) fp16 is given, returns it rotated
-    (a new tensor); otherwise returns None. Tokens whose slot is negative are not written.
+    (in `query_out` if given, else a new tensor); otherwise returns None. Tokens whose slot is
+    negative are not written.
     kv_range: the layer's K and V range ratios; key_feedback (kv_heads, D, D) fp32: its keys' error-feedback
     factor, or None for nearest rounding (shared.formats.kv4).
     """
     return _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, True, kv_range,
-                   key_feedback)
+                   key_feedback, query_out)
 
 
 def write_fp16_cache(
@@ -313,9 +321,11 @@ def write_fp16_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     query: torch.Tensor | None = None,
+    query_out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The fp16 baseline's write: RoPE the key, write key and value at slot_mapping (in place).
 
     k_cache/v_cache (num_blocks, kv_heads, block_size, D) fp16; `query` as in write_kv4_cache.
     """
-    return _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, quantize=False)
+    return _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, query, quantize=False,
+                   query_out=query_out)
