@@ -37,12 +37,13 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-# Tokens per engine step by default. A prefill step runs eagerly (decode-only steps replay CUDA graphs), and
-# a 512-token step of a 7B model took 40-90 ms on an H100 host while its kernels took 11.5 ms (4096 tokens:
-# 54 ms of kernels, 56-78 ms a step): at 512 every prefill step waits on the host, so prompts went in ~6x
-# slower and streams decoding beside them got no faster step (bench/results/h100/e2e_prefill_512.json,
-# e2e_prefill_4096.json, step_profile_*.json; session 32). On the CPU backend a step's time grows with
-# its tokens: the smaller budget keeps decoding streams moving between prompt chunks.
+# Tokens per engine step by default. Kernel by kernel, a 512-token step of a 7B model took 40-90 ms of
+# host time for 11.5 ms of kernels (H100, session 32), so 4096 became the default. Steps with prompt tokens
+# now replay piecewise CUDA graphs (engine/step_graphs.py), and 4096 still gives the most throughput: H200,
+# g128, 64 requests of 1024 + 64 tokens: 2688 tokens/s at 4096, 2150 at 1024, 1646 at 512 (mean TPOT
+# 14.0 / 10.9 / 10.5 ms; bench/results/h200/e2e_prefill_*_graphs.json). A lower budget trades prompt
+# throughput for steadier decoding streams. On the CPU backend a step's time grows with its tokens: the
+# smaller budget keeps decoding streams moving between prompt chunks.
 GPU_MAX_BATCH_TOKENS = 4096
 CPU_MAX_BATCH_TOKENS = 512
 
@@ -64,6 +65,9 @@ class WorkerConfig:
     max_batch_tokens: int | None = None
     max_context_tokens: int | None = None  # None = the model's max_position_embeddings
     overlap_steps: bool | None = None  # launch step N + 1 before reading back N's tokens; None = on a GPU only
+    # Compile and capture every CUDA graph (decode batches, step token counts) before serving, so no
+    # request's step pays a first-use capture; off: each graph is captured at its first use.
+    capture_graphs: bool = True
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT  # 0 picks a free port
     advertise_address: str | None = None  # host:port the gateway dials; default host:<bound port>
@@ -131,6 +135,7 @@ class WorkerConfig:
             max_batch_tokens=args.max_batch_tokens,
             max_context_tokens=args.max_context_tokens,
             overlap_steps=args.overlap_steps,
+            capture_graphs=args.capture_graphs,
             host=args.host,
             port=args.port,
             advertise_address=args.advertise_address,
@@ -179,6 +184,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before the previous step's tokens are read back, hiding the host's "
                         "work between steps [default: on with a GPU, off on cpu]")
+    p.add_argument("--capture-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="with a GPU: compile the kernels and capture every CUDA graph before serving (slower start, "
+                        "no first-use stalls) [default: on]")
     p.add_argument("--host", default=DEFAULT_HOST, help="address to serve gRPC on")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0 picks a free one)")
     p.add_argument("--advertise-address", default=None, help="host:port the gateway should dial [default: host:port]")

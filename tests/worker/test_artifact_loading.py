@@ -174,3 +174,25 @@ def test_an_artifact_the_registry_has_not_marked_ready_is_refused(artifacts, tmp
         open_artifact(artifact_id, gpu_target="cpu", store=store, registry_url=url, cache_dir=tmp_path / "cache")
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert not (tmp_path / "cache" / artifact_id).exists()  # refused before anything was downloaded
+
+
+@pytest.mark.parametrize("capture", [True, False])
+def test_the_worker_captures_graphs_once_the_cache_exists_unless_told_not_to(artifacts, monkeypatch, capture):
+    """Graphs point at the KV cache: the start-up capture comes after the engine allocated it, and
+    --no-capture-graphs leaves every graph to its first use."""
+    from services.worker import serving
+    from services.worker.config import WorkerConfig
+
+    captured = []
+    real_load_runner = serving.load_runner
+
+    def runner_with_graphs(*args, **kwargs):
+        runner = real_load_runner(*args, **kwargs)
+        runner.capture_graphs = lambda: captured.append(len(runner.k_cache))  # layers with a cache
+        return runner
+
+    monkeypatch.setattr(serving, "load_runner", runner_with_graphs)
+    config = WorkerConfig(artifact=str(artifacts["fp16"]), kv_blocks=8, block_size=4, capture_graphs=capture)
+    served = serving.load_served_model(config)
+    assert captured == ([served.engine.runner.config.num_layers] if capture else [])
+    assert WorkerConfig.from_args(["--artifact", "x", "--no-capture-graphs"]).capture_graphs is False
