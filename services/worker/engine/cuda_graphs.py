@@ -29,13 +29,53 @@ from services.worker.kernels import w4a8_gemm
 Forward = Callable[..., torch.Tensor]  # (StepTensors, logits_out=None) -> (rows, vocab) fp32 logits
 
 
-class DecodeGraphs:
+def warm_up(device: torch.device, fn: Callable[[], object]):
+    """fn() once on a side stream, waited for: compiles the kernels and sizes the W4A8 workspace
+    before a capture (neither may happen inside one). Returns what fn returned."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        out = fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    return out
+
+
+class BucketedGraphs:
+    """What the decode graphs and the step graphs (step_graphs.py) share: size buckets, one memory
+    pool, and the W4A8 workspace address their captures baked in."""
+
+    def __init__(self, buckets: tuple[int, ...], device: torch.device):
+        self.buckets = tuple(sorted(set(buckets)))
+        self.device = device
+        self.graphs: dict[int, object] = {}
+        self.pool = None
+        self.workspace_ptr = None
+
+    def bucket_for(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.pool = None
+
+    def workspace_moved(self) -> bool:
+        """Whether the shared W4A8 workspace was re-allocated since the captures (they point at the old one)."""
+        return w4a8_gemm.WORKSPACE.pointer(self.device) != self.workspace_ptr
+
+    def after_warm_up(self) -> None:
+        """Drops every capture if the warm-up re-allocated the workspace, and records its address."""
+        if self.workspace_moved():
+            self.clear()
+            self.workspace_ptr = w4a8_gemm.WORKSPACE.pointer(self.device)
+
+
+class DecodeGraphs(BucketedGraphs):
     def __init__(self, forward: Forward, buckets: tuple[int, ...], max_blocks: int, max_model_len: int,
                  device: torch.device):
+        super().__init__(buckets, device)
         self.forward = forward
-        self.buckets = tuple(sorted(set(buckets)))
         self.max_model_len = max_model_len
-        self.device = device
         b = self.buckets[-1]
         self.tokens = torch.zeros(b, dtype=torch.int64, device=device)
         self.positions = torch.zeros(b, dtype=torch.int32, device=device)
@@ -43,15 +83,6 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((b, max_blocks), dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(b, dtype=torch.int32, device=device)
         self.logits: torch.Tensor | None = None  # (largest bucket, vocab) fp32, allocated at the first capture
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
-        self.workspace_ptr = None
-
-    def bucket_for(self, n: int) -> int | None:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        return None
 
     def _inputs(self, b: int) -> StepTensors:
         # max_context = max_model_len: the decode kernel's partition grid is fixed at capture.
@@ -62,29 +93,15 @@ class DecodeGraphs:
             max_context=self.max_model_len, logit_rows=None,
         )
 
-    def _workspace_ptr(self) -> int | None:
-        return w4a8_gemm.WORKSPACE.pointer(self.device)
-
-    def clear(self) -> None:
-        self.graphs.clear()
-        self.pool = None
-
     def capture(self, b: int) -> None:
-        if self._workspace_ptr() != self.workspace_ptr:
+        if self.workspace_moved():
             self.clear()  # captured graphs point at a freed workspace
         # Padding inputs: no cache writes, zero-length contexts.
         self.slots[:b].fill_(-1)
         self.context_lens[:b].zero_()
         inputs = self._inputs(b)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up: compiles kernels and sizes the workspace outside capture
-            vocab = self.forward(inputs).shape[1]
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
-        if self._workspace_ptr() != self.workspace_ptr:
-            self.clear()
-            self.workspace_ptr = self._workspace_ptr()
+        vocab = warm_up(self.device, lambda: self.forward(inputs)).shape[1]
+        self.after_warm_up()
         if self.logits is None:
             self.logits = torch.empty((self.buckets[-1], vocab), dtype=torch.float32, device=self.device)
         graph = torch.cuda.CUDAGraph()
@@ -98,7 +115,7 @@ class DecodeGraphs:
         Placeholder token ids in host.tokens are resolved against previous_token_ids on the device."""
         n = len(host.tokens)
         b = self.bucket_for(n)
-        if b not in self.graphs or self._workspace_ptr() != self.workspace_ptr:
+        if b not in self.graphs or self.workspace_moved():
             self.capture(b)
         pad = b - n
         tables = host.block_tables

@@ -31,8 +31,8 @@ from typing import Callable
 
 import torch
 
+from services.worker.engine.cuda_graphs import BucketedGraphs, warm_up
 from services.worker.engine.step_inputs import StepTensors
-from services.worker.kernels import w4a8_gemm
 
 # Token counts a captured step is padded to. Steps of 1-2k tokens are GPU-bound enough that
 # padding shows (H200: 1104 tokens padded to 1536 took 31 ms a step, 2128 to 2560 took 45 ms
@@ -82,34 +82,20 @@ class CudaGraphPiece:
         self.graph.replay()
 
 
-class StepGraphs:
+class StepGraphs(BucketedGraphs):
     def __init__(self, piece: Piece, attend: Attend, layers: int, buffers: StepBuffers, buckets: tuple[int, ...],
                  device: torch.device, capture_piece=CudaGraphPiece):
+        super().__init__(buckets, device)
         self.piece, self.attend, self.layers = piece, attend, layers
-        self.buckets = tuple(sorted(set(buckets)))
         self.buffers = buffers  # the largest bucket's rows
         if buffers.x.shape[0] < self.buckets[-1]:
             raise ValueError(f"buffers of {buffers.x.shape[0]} rows cannot hold the {self.buckets[-1]}-token bucket")
-        self.device = device
         self.capture_piece = capture_piece  # (fn, pool) -> object with replay() and pool; tests replay eagerly
         b = self.buckets[-1]
         self.tokens = torch.zeros(b, dtype=torch.int64, device=device)
         self.positions = torch.zeros(b, dtype=torch.int32, device=device)
         self.slots = torch.full((b,), -1, dtype=torch.int64, device=device)
         buffers.attn.zero_()  # read by the warm-up before any attention wrote it
-        self.graphs: dict[int, list] = {}
-        self.pool = None
-        self.workspace_ptr = None
-
-    def bucket_for(self, n: int) -> int | None:
-        return next((b for b in self.buckets if b >= n), None)
-
-    def _workspace_ptr(self) -> int | None:
-        return w4a8_gemm.WORKSPACE.pointer(self.device)
-
-    def clear(self) -> None:
-        self.graphs.clear()
-        self.pool = None
 
     def _inputs(self, b: int) -> StepTensors:
         # The pieces read tokens, positions and slots; attention's fields belong to the eager part.
@@ -118,23 +104,14 @@ class StepGraphs:
                            logit_rows=None)
 
     def capture(self, b: int) -> None:
-        if self._workspace_ptr() != self.workspace_ptr:
+        if self.workspace_moved():
             self.clear()  # captured pieces point at a freed workspace
         self.positions[:b].zero_()
         self.slots[:b].fill_(-1)  # capture-time inputs: no cache writes
         inputs, buffers = self._inputs(b), self.buffers.rows(b)
         if self.device.type == "cuda":
-            # Warm-up outside capture: compiles the kernels and sizes the workspace.
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for k in range(self.layers + 1):
-                    self.piece(k, inputs, buffers, True)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            torch.cuda.synchronize(self.device)
-        if self._workspace_ptr() != self.workspace_ptr:
-            self.clear()
-            self.workspace_ptr = self._workspace_ptr()
+            warm_up(self.device, lambda: [self.piece(k, inputs, buffers, True) for k in range(self.layers + 1)])
+        self.after_warm_up()
         pieces = []
         for k in range(self.layers + 1):
             # Prefill attention reads the rotated keys: a captured piece always rotates them.
@@ -150,7 +127,7 @@ class StepGraphs:
         b = self.bucket_for(t)
         if b is None:
             raise ValueError(f"a step of {t} tokens is above the largest step graph ({self.buckets[-1]} tokens)")
-        if b not in self.graphs or self._workspace_ptr() != self.workspace_ptr:
+        if b not in self.graphs or self.workspace_moved():
             self.capture(b)
         self.tokens[:t].copy_(st.tokens)
         self.positions[:t].copy_(st.positions)
