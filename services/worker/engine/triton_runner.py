@@ -190,8 +190,10 @@ class TritonRunner:
 
     def activation_bytes(self, max_batch_tokens: int) -> int:
         """An upper bound of the memory besides weights and KV cache: one eager step's transient
-        buffers, the W4A8 workspace, and with CUDA graphs their private pool (the largest bucket's
-        step, which the caching allocator cannot lend to eager steps) and shared logits."""
+        buffers (the graphs' warm-ups run eagerly too, and the caching allocator keeps what they
+        took), the W4A8 workspace, and with CUDA graphs their private pools (the largest decode
+        bucket's step, which the caching allocator cannot lend to eager steps; a step piece of the
+        largest step bucket), the decode graphs' shared logits and the step graphs' static buffers."""
         total = self._step_bytes(max_batch_tokens) + self.workspace_bytes
         if self.graphs is not None:
             b = self.graphs.buckets[-1]
