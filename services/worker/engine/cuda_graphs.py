@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from services.worker.engine.runner import resolve_token_ids
-from services.worker.engine.step_inputs import HostStep, StepTensors
+from services.worker.engine.step_inputs import HostStep, StepTensors, host_tensor
 from services.worker.kernels import w4a8_gemm
 
 Forward = Callable[..., torch.Tensor]  # (StepTensors, logits_out=None) -> (rows, vocab) fp32 logits
@@ -121,9 +121,7 @@ class DecodeGraphs(BucketedGraphs):
         tables = host.block_tables
         if tables.shape[1] != self.block_tables.shape[1]:
             raise ValueError(f"block tables of width {tables.shape[1]}, the graphs take {self.block_tables.shape[1]}")
-        # Copies from pinned memory, non-blocking: a plain copy from pageable memory would wait for
-        # the step in flight (the engine launches this one while the previous still runs).
-        upload = lambda dst, a: dst.copy_(torch.from_numpy(a).pin_memory(), non_blocking=True)  # noqa: E731
+        upload = lambda dst, a: dst.copy_(host_tensor(a, self.device), non_blocking=True)  # noqa: E731
         put = lambda dst, a, fill: upload(dst[:b], np.concatenate([a, np.full(pad, fill, a.dtype)]))  # noqa: E731
         put(self.tokens, host.tokens, 0)
         put(self.positions, host.positions, 0)

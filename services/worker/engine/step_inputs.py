@@ -143,8 +143,17 @@ def _table_rows(tables: list[np.ndarray], max_blocks: int) -> np.ndarray:
     return out
 
 
+def host_tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """a as a CPU tensor to copy to `device` with non_blocking=True: pinned when the device is a GPU,
+    because a copy from pageable memory first waits for everything queued on the stream, i.e. for
+    the step in flight that the engine launched this one behind. (The caching host allocator
+    recycles the pinned block once the copy is done.)"""
+    t = torch.from_numpy(a)
+    return t.pin_memory() if device.type == "cuda" else t
+
+
 def to_device(host: HostStep, device: torch.device) -> StepTensors:
-    t = lambda a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731
+    t = lambda a: host_tensor(a, device).to(device, non_blocking=True)  # noqa: E731
     total = len(host.tokens)
     has_prefill, has_chunked = host.num_prefill > 0, host.num_chunked > 0
     has_paged = host.num_prefill + host.num_chunked < total
