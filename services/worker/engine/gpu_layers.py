@@ -18,6 +18,7 @@ import triton.language as tl
 
 from services.worker.engine.kernel_policy import GemmPolicy
 from services.worker.kernels import act_quant, w4a8_gemm
+from services.worker.kernels.host_int import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -50,7 +51,7 @@ def rmsnorm_fp16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     assert weight.shape == (k,) and weight.stride(0) == 1
     out = torch.empty((m, k), dtype=torch.float16, device=x.device)
     if m:
-        block = triton.next_power_of_2(k)
+        block = next_power_of_2(k)
         _rmsnorm_fp16_kernel[(m,)](x, weight, out, k, eps, x.stride(0), out.stride(0), BLOCK=block,
                                    num_warps=max(1, min(8, block // 512)))
     return out
@@ -63,7 +64,7 @@ def silu_mul_fp16(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((m, f), dtype=torch.float16, device=gate_up.device)
     if m:
         block = 1024
-        _silu_mul_fp16_kernel[(m, triton.cdiv(f, block))](gate_up, out, f, gate_up.stride(0), out.stride(0),
+        _silu_mul_fp16_kernel[(m, cdiv(f, block))](gate_up, out, f, gate_up.stride(0), out.stride(0),
                                                           BLOCK=block, num_warps=4)
     return out
 

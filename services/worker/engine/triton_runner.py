@@ -34,7 +34,6 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from services.worker.engine.cuda_graphs import DecodeGraphs
 from services.worker.engine.gpu_layers import Fp16Ops, W4A8Ops, rmsnorm_fp16
@@ -46,6 +45,7 @@ from services.worker.engine.step_inputs import (HostStep, StepTensors, build_hos
                                                  to_device)
 from services.worker.kernels import kv4_cache, paged_attention, paged_prefill_attention, prefill_attention, w4a8_gemm
 from services.worker.kernels.attention_reference import build_rope_cache
+from services.worker.kernels.host_int import cdiv
 from shared.formats.kv4 import page_row_bytes
 from shared.model.config import LlamaConfig
 from shared.model.rope import inverse_frequencies
@@ -129,7 +129,7 @@ class TritonRunner:
         self.config = LlamaConfig.from_dict(reader.manifest.model_config)
         self.block_size = self.settings.block_size
         self.max_model_len = self.settings.max_model_len or self.config.max_position_embeddings
-        self.max_blocks = triton.cdiv(self.max_model_len, self.block_size)
+        self.max_blocks = cdiv(self.max_model_len, self.block_size)
         self.weights = load_weights(reader, self.device)
         if reader.spec.weight_kind == "fp16":
             self.ops = Fp16Ops()
@@ -209,7 +209,7 @@ class TritonRunner:
         """Buffers that can be live at once in a step of t tokens."""
         c = self.config
         v = c.vocab_size
-        parts = triton.cdiv(self.max_model_len, 256)  # decode partials: the smallest tuned partition
+        parts = cdiv(self.max_model_len, 256)  # decode partials: the smallest tuned partition
         partials = t * c.num_heads * parts * (c.head_dim + 2) * 4
         logits = t * v * (4 + 2)  # fp16 GEMM output, fp32 copy
         return t * self._token_bytes() + partials + logits
@@ -225,7 +225,7 @@ class TritonRunner:
             + 2 * q  # attention output (+ a gathered copy in mixed steps)
             + 2 * f  # gate_up
             + h  # GEMM output before the residual add
-        ) + max(h, f) + 8 + 4 * triton.cdiv(max(h, f), 128)  # int8 activations + scale + rowsum + group sums
+        ) + max(h, f) + 8 + 4 * cdiv(max(h, f), 128)  # int8 activations + scale + rowsum + group sums
         # (fp16: the normed input, 2 * h <= max(h, f) + h)
 
     def allocate_cache(self, num_blocks: int) -> None:

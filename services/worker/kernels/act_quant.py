@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.host_int import cdiv, next_power_of_2
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 
 # Adding and subtracting 1.5 * 2^23 rounds an fp32 |v| < 2^22 to the nearest integer, ties to
@@ -188,7 +189,7 @@ def _outputs(m: int, k: int, device: torch.device, group_sums: bool) -> Quantize
         x8=torch.empty((m, k), dtype=torch.int8, device=device),
         scale=torch.empty((m,), dtype=torch.float32, device=device),
         rowsum=torch.empty((m,), dtype=torch.int32, device=device),
-        group_sums=torch.empty((m, triton.cdiv(k, GROUP)), dtype=torch.int32, device=device) if group_sums else None,
+        group_sums=torch.empty((m, cdiv(k, GROUP)), dtype=torch.int32, device=device) if group_sums else None,
     )
 
 
@@ -196,7 +197,7 @@ def launch_plan(k: int) -> tuple[bool, int, int]:
     """(one_pass, BLOCK, num_warps) for rows of k values, whatever the op and row count
     (bench/act_quant_paths.py times the alternatives per op and M)."""
     one_pass = k <= ONE_PASS_MAX
-    block = max(triton.next_power_of_2(k), GROUP) if one_pass else CHUNK  # whole groups per block
+    block = max(next_power_of_2(k), GROUP) if one_pass else CHUNK  # whole groups per block
     # one pass: 16 values a thread up to 8 warps (Llama-2-7B's 11008: 16 warps, 32 each); chunks: 8
     num_warps = max(1, min(16, block // 512)) if one_pass else max(1, min(4, block // 256))
     return one_pass, block, num_warps

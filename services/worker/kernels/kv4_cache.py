@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels.attention_reference import build_rope_cache  # noqa: F401  (re-exported)
+from services.worker.kernels.host_int import cdiv, next_power_of_2
 from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
 from shared.formats.kv4 import FULL_KV_RANGE, check_key_feedback, page_row_bytes, range_margin
 
@@ -267,9 +268,9 @@ def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, q
         return query_out
     q_arg = query if query is not None else key  # unused when ROTATE_QUERY is off
     o_arg = query_out if query_out is not None else key
-    block_g = triton.next_power_of_2(group)
-    block_h = min(triton.next_power_of_2(kv_heads), max(1, HEADS_PER_PROGRAM // block_g))
-    _rope_cache_write_kernel[(t, triton.cdiv(kv_heads, block_h))](
+    block_g = next_power_of_2(group)
+    block_h = min(next_power_of_2(kv_heads), max(1, HEADS_PER_PROGRAM // block_g))
+    _rope_cache_write_kernel[(t, cdiv(kv_heads, block_h))](
         key, value, q_arg, o_arg, positions, slot_mapping, rope_cache, k_cache, v_cache,
         key if key_feedback is None else key_feedback, kv_heads,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.host_int import cdiv, next_power_of_2
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 from services.worker.kernels.paged_attention_head_rows import _kv4_decode_head_rows_kernel
 from services.worker.kernels.paged_attention_mma import _kv4_decode_mma_kernel
@@ -139,10 +140,10 @@ def partition_for(cfg: DecodeConfig, programs: int, max_context_len: int, sms: i
     work; else cfg.partition_size."""
     enough = PROGRAMS_PER_SM * sms if sms else None
     if cfg.whole_context and enough and programs >= enough and 0 < max_context_len <= WHOLE_CONTEXT_MAX:
-        return max(cfg.partition_size, triton.cdiv(max_context_len, cfg.block_n) * cfg.block_n)
+        return max(cfg.partition_size, cdiv(max_context_len, cfg.block_n) * cfg.block_n)
     part = cfg.partition_size
     if cfg.max_partition_size and enough:
-        while part * 2 <= cfg.max_partition_size and programs * triton.cdiv(max_context_len, part * 2) >= enough:
+        while part * 2 <= cfg.max_partition_size and programs * cdiv(max_context_len, part * 2) >= enough:
             part *= 2
     return part
 
@@ -246,7 +247,7 @@ def default_config(kv4: bool, group: int, head_dim: int, block_size: int = 16) -
         return _DEFAULTS[("fp16", 1)]
     if group in MMA_DEFAULTS and _mma_covers(group, head_dim, block_size):
         return MMA_DEFAULTS[group]
-    return _DEFAULTS[("kv4", min(triton.next_power_of_2(group), 8))]
+    return _DEFAULTS[("kv4", min(next_power_of_2(group), 8))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -928,7 +929,7 @@ def paged_decode_attention(
     if b == 0:
         return out
     partition_size = partition_for(cfg, b * kv_heads * kv_share, max_context_len, multiprocessors(query.device))
-    num_partitions = max(1, triton.cdiv(max_context_len, partition_size))
+    num_partitions = max(1, cdiv(max_context_len, partition_size))
     split = num_partitions > 1
     if split:
         part_m = torch.empty(b, heads, num_partitions, dtype=torch.float32, device=query.device)
@@ -949,7 +950,7 @@ def paged_decode_attention(
             query, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_o, *sizes,
             query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
-            BLOCK_G=triton.next_power_of_2(group), **common,
+            BLOCK_G=next_power_of_2(group), **common,
         )
     elif cfg.variant == "fma":
         k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)
@@ -958,7 +959,7 @@ def paged_decode_attention(
             _NIBBLE_MASK, _FP32_ONE_BITS,
             query.stride(0), query.stride(1), k_words.stride(0), k_words.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1),
-            BLOCK_G=triton.next_power_of_2(group), PREFETCH=cfg.prefetch, QK_INT=cfg.qk_int16, FAST=query.is_cuda,
+            BLOCK_G=next_power_of_2(group), PREFETCH=cfg.prefetch, QK_INT=cfg.qk_int16, FAST=query.is_cuda,
             PAGE_AHEAD=cfg.page_ahead, **common,
         )
     elif cfg.variant == "mma" and cfg.head_rows:
@@ -989,7 +990,7 @@ def paged_decode_attention(
             context_lens, out, part_m, part_l, part_o, *sizes,
             query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
-            BLOCK_G=max(16, triton.next_power_of_2(group)), **common,
+            BLOCK_G=max(16, next_power_of_2(group)), **common,
         )
     if split:
         _reduce_partitions_kernel[(b, heads)](

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.host_int import cdiv
 from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
 from services.worker.kernels.paged_decode_parts import _scale_zero
 from services.worker.kernels.prefill_attention import LOG2E, PrefillConfig, attention_output, default_prefill_config
@@ -169,7 +170,7 @@ def paged_prefill_attention(
     # KV4: codes read bytewise from the uint8 pages, each row's scale/zero word from an int32 view.
     k_tail = k_cache.view(torch.int32) if kv4 else k_cache
     v_tail = v_cache.view(torch.int32) if kv4 else v_cache
-    grid = (triton.cdiv(max_seqlen, cfg.block_m), batch, heads)
+    grid = (cdiv(max_seqlen, cfg.block_m), batch, heads)
     _paged_prefill_kernel[grid](
         query, k_cache, v_cache, k_tail, v_tail, cu_seqlens, starts, block_tables, out, scale * LOG2E,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

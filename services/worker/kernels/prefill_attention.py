@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.host_int import cdiv
 from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
 
 LOG2E = 1.4426950408889634
@@ -171,7 +172,7 @@ def prefill_attention(
     batch = cu_seqlens.numel() - 1
     if total == 0 or max_seqlen == 0:
         return out
-    grid = (triton.cdiv(max_seqlen, cfg.block_m), batch, heads)
+    grid = (cdiv(max_seqlen, cfg.block_m), batch, heads)
     _prefill_kernel[grid](
         query, key, value, cu_seqlens, out, scale * LOG2E,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels.gemm_common import _dequant_swar, _num_sms, _rows_aligned, _split_nibbles, _tile_ids
+from services.worker.kernels.host_int import cdiv, next_power_of_2
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 from services.worker.kernels.w4a8_gemv import _w4a8_gemv_kernel
 from services.worker.kernels.w4a8_int8_path import int8_path_gemm
@@ -463,7 +464,7 @@ WORKSPACE = _Workspace()
 def workspace_elements(variant: GemmVariant, M: int, N: int, K: int, device: torch.device) -> int:
     """The int32 elements of WORKSPACE a launch of this variant uses (1 where it uses none)."""
     if variant.int8_path:
-        return triton.cdiv(N * K, 4)  # the int8 weight copy
+        return cdiv(N * K, 4)  # the int8 weight copy
     return _split_workspace_elements(_k_slices(variant, M, N, K, None, device)[1], M, N)
 
 
@@ -477,13 +478,13 @@ def _k_slices(variant: GemmVariant, M: int, N: int, K: int, split_k: int | None,
     split = split_factor(variant, M, N, K, device) if split_k is None else split_k
     groups = K // GROUP_SIZE
     assert 1 <= split <= groups, f"split_k={split} must be in [1, {groups}]"
-    per_split = triton.cdiv(groups, split)
-    return per_split, triton.cdiv(groups, per_split)
+    per_split = cdiv(groups, split)
+    return per_split, cdiv(groups, per_split)
 
 
 def scratch_int8(device: torch.device, elements: int) -> torch.Tensor:
     """WORKSPACE as int8, at least `elements` of them (the int8 path's weight copy)."""
-    return WORKSPACE.get(device, triton.cdiv(elements, 4)).view(torch.int8)
+    return WORKSPACE.get(device, cdiv(elements, 4)).view(torch.int8)
 
 
 def split_factor(variant: GemmVariant, M: int, N: int, K: int, device: torch.device) -> int:
@@ -496,7 +497,7 @@ def split_factor(variant: GemmVariant, M: int, N: int, K: int, device: torch.dev
     """
     if not variant.split_k:
         return 1
-    tiles = triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n)
+    tiles = cdiv(M, variant.block_m) * cdiv(N, variant.block_n)
     groups = K // GROUP_SIZE
     if variant.maxnreg is not None and variant.maxnreg <= 128:
         want = 2 * _num_sms(device) // tiles
@@ -525,18 +526,18 @@ def _launch_grid(variant: GemmVariant, M: int, N: int, K: int, split_k: int | No
     per_split, split = _k_slices(variant, M, N, K, split_k, device)
     ws = WORKSPACE.get(device, _split_workspace_elements(split, M, N))
     if variant.x_shared:
-        row_blocks = triton.cdiv(N, variant.block_n)
+        row_blocks = cdiv(N, variant.block_n)
         assert row_blocks <= 65535, f"N={N}: {row_blocks} row blocks exceed the grid's second axis (65535)"
         return (M, row_blocks, split), per_split, split, ws
-    tiles = triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n)
+    tiles = cdiv(M, variant.block_m) * cdiv(N, variant.block_n)
     return (tiles, split), per_split, split, ws
 
 
 def _split_k_epilogue(ws, split, sx, col_scale, zero, rowsum, out) -> None:
     M, N = out.shape
-    slices = triton.next_power_of_2(split)
+    slices = next_power_of_2(split)
     block = max(128, min(1024, 8192 // slices))  # at most 64 int32 partials a thread at 4 warps (split <= 64)
-    _split_k_epilogue_kernel[(triton.cdiv(M * N, block),)](
+    _split_k_epilogue_kernel[(cdiv(M * N, block),)](
         ws, sx, col_scale, zero, sx if rowsum is None else rowsum, out,
         M, N, split,
         out.stride(0), out.stride(1),

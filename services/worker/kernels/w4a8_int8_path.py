@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from services.worker.kernels.gemm_common import _dequant_swar, _num_sms, _rows_aligned, _split_nibbles, _tile_at
+from services.worker.kernels.host_int import cdiv
 from services.worker.kernels.launch_overlap import PDL_MAX_ROWS, _overlap_entry, _overlap_release, launch_kwargs
 from shared.formats.weights import GROUP_SIZE, W4G128ProgressiveWeight
 
@@ -113,7 +114,7 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 def _num_programs(variant, M: int, N: int, device: torch.device) -> int:
     """One program per SM (or per tile, if fewer); 4 on the CPU interpreter, so each walks several."""
-    return min(triton.cdiv(M, variant.block_m) * triton.cdiv(N, variant.block_n), _num_sms(device))
+    return min(cdiv(M, variant.block_m) * cdiv(N, variant.block_n), _num_sms(device))
 
 
 def dequantize_g128_to_int8(weight: W4G128ProgressiveWeight, w8: torch.Tensor, overlap: dict | None = None,
@@ -125,7 +126,7 @@ def dequantize_g128_to_int8(weight: W4G128ProgressiveWeight, w8: torch.Tensor, o
     N, K = qw.shape[0], qw.shape[1] * 2
     assert w8.dtype == torch.int8 and w8.numel() >= N * K and w8.is_contiguous(), "w8: a contiguous int8 buffer of N * K"
     w8 = w8.view(-1)[: N * K].view(N, K)
-    _g128_to_int8_kernel[(triton.cdiv(N, block_n), triton.cdiv(K // GROUP_SIZE, groups))](
+    _g128_to_int8_kernel[(cdiv(N, block_n), cdiv(K // GROUP_SIZE, groups))](
         qw, s2, zero, w8, N, K, qw.stride(0), s2.stride(0), s2.stride(1),
         BLOCK_N=block_n, GROUPS=groups, FAST_UNPACK=qw.is_cuda, num_warps=4, **(overlap or {}),
     )
