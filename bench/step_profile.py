@@ -7,8 +7,9 @@ The worker's engine on a Llama-2-7B-shaped random model (g128 by default): `--ba
 `--steps` steps (prompt chunks of `--prefill-tokens` tokens, with the decode tokens of requests
 that already have their first token) are timed one by one, and the next `--steps` profiled: GPU
 time by kernel group (bench/decode_profile.group_of) and by kernel, the host's torch ops. A step
-whose wall time is far above its GPU time waits on the host (prefill steps run eagerly; only
-decode-only steps replay CUDA graphs).
+whose wall time is far above its GPU time waits on the host (session 32 measured steps launched
+kernel by kernel; since session 33 prompt steps replay the runner's step graphs, with each layer's
+attention launched between the pieces, and `--no-step-graphs` times them kernel by kernel again).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def main() -> None:
     p.add_argument("--output", type=int, default=64)
     p.add_argument("--prefill-tokens", type=int, default=512, help="the engine's tokens per step")
     p.add_argument("--steps", type=int, default=10, help="steps timed, then steps profiled")
+    p.add_argument("--no-step-graphs", action="store_true", help="launch prompt steps kernel by kernel")
     p.add_argument("--cprofile", action="store_true",
                    help="also run --steps steps under cProfile: the host's Python functions by own time")
     p.add_argument("--out", type=Path, required=True)
@@ -72,7 +74,8 @@ def main() -> None:
     dev = torch.device("cuda")
     total = a.prompt + a.output
     runner = TritonRunner(llama2_7b_artifact(a.format, dev), "cuda", 16,
-                          TritonRunnerSettings(max_model_len=total, max_batch_tokens=a.prefill_tokens))
+                          TritonRunnerSettings(max_model_len=total, max_batch_tokens=a.prefill_tokens,
+                                                               step_graphs=not a.no_step_graphs))
     engine = make_engine(runner, a.batch, total, a.prefill_tokens)
     g = torch.Generator().manual_seed(0)
     options = SamplingOptions(max_new_tokens=a.output, ignore_eos=True)
@@ -81,7 +84,7 @@ def main() -> None:
         for i, prompt in enumerate(torch.randint(0, runner.config.vocab_size, (a.batch, a.prompt), generator=g).tolist()):
             engine.add_request(f"{tag}{i}", prompt, options, lambda out: None)
 
-    add("warm")  # compiles every kernel and captures the decode graphs
+    add("warm")  # compiles every kernel and captures the graphs it uses
     while engine.step():
         pass
     torch.cuda.synchronize()
