@@ -29,18 +29,6 @@ from services.worker.kernels import w4a8_gemm
 Forward = Callable[..., torch.Tensor]  # (StepTensors, logits_out=None) -> (rows, vocab) fp32 logits
 
 
-def warm_up(device: torch.device, fn: Callable[[], object]):
-    """fn() once on a side stream, waited for: compiles the kernels and sizes the W4A8 workspace
-    before a capture (neither may happen inside one). Returns what fn returned."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        out = fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    return out
-
-
 class BucketedGraphs:
     """What the decode graphs and the step graphs (step_graphs.py) share: size buckets, one memory
     pool, and the W4A8 workspace address their captures baked in."""
@@ -63,11 +51,23 @@ class BucketedGraphs:
         """Whether the shared W4A8 workspace was re-allocated since the captures (they point at the old one)."""
         return w4a8_gemm.WORKSPACE.pointer(self.device) != self.workspace_ptr
 
-    def after_warm_up(self) -> None:
-        """Drops every capture if the warm-up re-allocated the workspace, and records its address."""
+    def warm_up(self, fn: Callable[[], object]):
+        """Before a capture: fn() once on a side stream, waited for, which compiles the kernels and
+        sizes the W4A8 workspace (neither may happen inside a capture; without a GPU, where the CPU
+        tests' pieces replay eagerly, fn is not run); then every capture dropped if the workspace
+        moved, before or during the warm-up, and its address recorded. Returns what fn returned."""
+        out = None
+        if self.device.type == "cuda":
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                out = fn()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            torch.cuda.synchronize(self.device)
         if self.workspace_moved():
             self.clear()
             self.workspace_ptr = w4a8_gemm.WORKSPACE.pointer(self.device)
+        return out
 
 
 class DecodeGraphs(BucketedGraphs):
@@ -94,14 +94,11 @@ class DecodeGraphs(BucketedGraphs):
         )
 
     def capture(self, b: int) -> None:
-        if self.workspace_moved():
-            self.clear()  # captured graphs point at a freed workspace
         # Padding inputs: no cache writes, zero-length contexts.
         self.slots[:b].fill_(-1)
         self.context_lens[:b].zero_()
         inputs = self._inputs(b)
-        vocab = warm_up(self.device, lambda: self.forward(inputs)).shape[1]
-        self.after_warm_up()
+        vocab = self.warm_up(lambda: self.forward(inputs)).shape[1]
         if self.logits is None:
             self.logits = torch.empty((self.buckets[-1], vocab), dtype=torch.float32, device=self.device)
         graph = torch.cuda.CUDAGraph()

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from services.worker.engine.cuda_graphs import BucketedGraphs, warm_up
+from services.worker.engine.cuda_graphs import BucketedGraphs
 from services.worker.engine.step_inputs import StepTensors
 
 # Token counts a captured step is padded to. Steps of 1-2k tokens are GPU-bound enough that
@@ -104,14 +104,10 @@ class StepGraphs(BucketedGraphs):
                            logit_rows=None)
 
     def capture(self, b: int) -> None:
-        if self.workspace_moved():
-            self.clear()  # captured pieces point at a freed workspace
         self.positions[:b].zero_()
         self.slots[:b].fill_(-1)  # capture-time inputs: no cache writes
         inputs, buffers = self._inputs(b), self.buffers.rows(b)
-        if self.device.type == "cuda":
-            warm_up(self.device, lambda: [self.piece(k, inputs, buffers, True) for k in range(self.layers + 1)])
-        self.after_warm_up()
+        self.warm_up(lambda: [self.piece(k, inputs, buffers, True) for k in range(self.layers + 1)])
         pieces = []
         for k in range(self.layers + 1):
             # Prefill attention reads the rotated keys: a captured piece always rotates them.
