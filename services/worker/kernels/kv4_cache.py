@@ -33,6 +33,7 @@ import triton.language as tl
 from services.worker.kernels.attention_reference import build_rope_cache  # noqa: F401  (re-exported)
 from services.worker.kernels.host_int import cdiv, next_power_of_2
 from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
+from services.worker.kernels.prefill_attention import attention_output
 from shared.formats.kv4 import FULL_KV_RANGE, check_key_feedback, page_row_bytes, range_margin
 
 __all__ = ["build_rope_cache", "write_fp16_cache", "write_kv4_cache"]
@@ -258,12 +259,10 @@ def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, q
     _check_cache("v_cache", v_cache, kv_heads, row, dtype)
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError(f"v_cache {tuple(v_cache.shape)} must have k_cache's shape and strides {tuple(k_cache.shape)}")
-    if query_out is not None and (query is None or query_out.shape != query.shape or query_out.dtype != query.dtype
-                                  or query_out.stride(2) != 1 or query_out.device != query.device):
-        raise ValueError(f"query_out must be the query's shape {None if query is None else tuple(query.shape)}, dtype "
-                         f"and device with D contiguous; got {tuple(query_out.shape)} {query_out.dtype}")
-    if query is not None and query_out is None:
-        query_out = torch.empty_like(query)
+    if query is not None:
+        query_out = attention_output(query, query_out, "query_out")
+    elif query_out is not None:
+        raise ValueError("query_out is only written with a query to rotate")
     if t == 0:
         return query_out
     q_arg = query if query is not None else key  # unused when ROTATE_QUERY is off

@@ -119,14 +119,14 @@ def _prefill_kernel(
         tl.store(o_ptrs, out.to(tl.float16), mask=mask_m[:, None])
 
 
-def attention_output(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """The attention launchers' output: a new (T, heads, D) fp16 tensor, or the caller's `out` (a slice of a
-    larger step output, so the runner's mixed steps need no copy per part), checked to take the kernels'
-    (row, head) strides with D contiguous."""
+def attention_output(query: torch.Tensor, out: torch.Tensor | None, name: str = "out") -> torch.Tensor:
+    """A launcher's (T, heads, D) fp16 output beside `query`: a new tensor, or the caller's `out` (a slice
+    of a larger step buffer, so the runner needs no copy), checked to take the kernels' (row, head)
+    strides with D contiguous. Used by the attention launchers and the cache write's rotated query."""
     if out is None:
         return torch.empty_like(query)
     if out.shape != query.shape or out.dtype != torch.float16 or out.stride(-1) != 1 or out.device != query.device:
-        raise ValueError(f"out must be {tuple(query.shape)} fp16 on {query.device}, contiguous in D; "
+        raise ValueError(f"{name} must be {tuple(query.shape)} fp16 on {query.device}, contiguous in D; "
                          f"got {tuple(out.shape)} {out.dtype} on {out.device}")
     return out
 
