@@ -82,10 +82,16 @@ def generate_with_engine(runner, batch: int, prompt_len: int, out_len: int, max_
     vocab = runner.config.vocab_size
     # Warm-up outside the timing: one full prefill step's worth of requests compiles the prefill
     # kernels at the benchmark's step shape; then every decode graph up to the batch is captured.
+    # The two times are what a worker's start-up adds for the same work (compiles are cached per
+    # process, so only a format's first run pays them).
+    t0 = time.perf_counter()
     warm = min(batch, max(1, max_batch_tokens // prompt_len))
     _run(engine, torch.randint(0, vocab, (warm, prompt_len), generator=g).tolist(), 3, "warm")
+    t1 = time.perf_counter()
     if runner.graphs is not None:
         top = runner.graphs.bucket_for(batch) or runner.graphs.buckets[-1]
         runner.capture_graphs(tuple(b for b in runner.graphs.buckets if b <= top))
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
     prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
-    return _run(engine, prompts, out_len, "run")
+    return {**_run(engine, prompts, out_len, "run"), "warm_up_s": t1 - t0, "capture_graphs_s": t2 - t1}
