@@ -74,3 +74,18 @@ def test_the_worker_token_is_one_the_gateway_accepts_for_workers(compose):
     worker_tokens = {t.token for t in tokens.values() if t.scope == "worker"}
     for name in ("worker", "worker-baseline"):
         assert compose["services"][name]["environment"]["QSERVE_GATEWAY_TOKEN"] in worker_tokens
+
+
+@pytest.mark.parametrize("name", ["worker", "worker-baseline"])
+def test_worker_downloads_and_compiled_kernels_survive_a_restart(compose, name):
+    """Without a volume each restart downloads the artifact again and recompiles every kernel."""
+    service = compose["services"][name]
+    config = WorkerConfig.from_args(service["command"][3:], environ=service.get("environment") or {})
+    # docker-compose v1 prints "source:target:mode", v2 a mapping
+    mounts = {}
+    for v in service.get("volumes", []):
+        source, target = (v.split(":")[:2] if isinstance(v, str) else (v.get("source"), v["target"]))
+        mounts[target] = source
+    assert mounts.get("/data") in compose["volumes"], mounts  # a named volume, not the container's layer
+    assert str(config.cache_dir).startswith("/data/")
+    assert service["environment"]["TRITON_CACHE_DIR"].startswith("/data/")
