@@ -152,8 +152,13 @@ def host_tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.pin_memory() if device.type == "cuda" else t
 
 
+def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """a on `device`, copied without waiting for the stream's queued work (host_tensor)."""
+    return host_tensor(a, device).to(device, non_blocking=True)
+
+
 def to_device(host: HostStep, device: torch.device) -> StepTensors:
-    t = lambda a: host_tensor(a, device).to(device, non_blocking=True)  # noqa: E731
+    t = lambda a: upload(a, device)  # noqa: E731
     total = len(host.tokens)
     has_prefill, has_chunked = host.num_prefill > 0, host.num_chunked > 0
     has_paged = host.num_prefill + host.num_chunked < total

@@ -41,8 +41,7 @@ from services.worker.engine.gpu_weights import LayerWeights, load_weights
 from services.worker.engine.kernel_policy import GemmPolicy
 from services.worker.engine.runner import StepBatch, resolve_token_ids
 from services.worker.engine.step_graphs import DEFAULT_STEP_GRAPH_TOKENS, StepBuffers, StepGraphs
-from services.worker.engine.step_inputs import (HostStep, StepTensors, build_host_step, decode_rows, host_tensor,
-                                                 to_device)
+from services.worker.engine.step_inputs import HostStep, StepTensors, build_host_step, decode_rows, to_device, upload
 from services.worker.kernels import kv4_cache, paged_attention, paged_prefill_attention, prefill_attention, w4a8_gemm
 from services.worker.kernels.attention_reference import build_rope_cache
 from services.worker.kernels.host_int import cdiv
@@ -268,7 +267,7 @@ class TritonRunner:
         if self.graphs is not None and batch.is_decode_only:
             logits = self._decode_through_graphs(host, batch.previous_token_ids)
             if len(host.logit_rows) != len(host.tokens):
-                logits = logits[host_tensor(host.logit_rows, self.device).to(self.device, non_blocking=True)]
+                logits = logits[upload(host.logit_rows, self.device)]
             return logits
         if len(host.tokens) > self.settings.max_batch_tokens:
             raise ValueError(f"a step of {len(host.tokens)} tokens exceeds max_batch_tokens={self.settings.max_batch_tokens}")
