@@ -23,6 +23,17 @@ from shared.rpc.qserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 FORMATS = ("fp16", "w4a8kv4-g128")
 
 
+class EagerPiece:
+    """A step graph piece on the CPU (StepGraphs' capture_piece): each "replay" runs the captured
+    function again."""
+
+    def __init__(self, fn, pool):
+        self.fn, self.pool = fn, pool
+
+    def replay(self) -> None:
+        self.fn()
+
+
 @pytest.fixture(scope="session")
 def artifacts(tiny_llama: Path, calib_text: Path, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("worker-artifacts")

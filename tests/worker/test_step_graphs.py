@@ -9,19 +9,10 @@ import torch
 from services.worker.engine.step_graphs import StepBuffers, StepGraphs
 from services.worker.engine.step_inputs import StepTensors
 from services.worker.kernels import w4a8_gemm
+from tests.worker.conftest import EagerPiece
 
 LAYERS = 2
 CPU = torch.device("cpu")
-
-
-class _Piece:
-    """A captured piece that "replays" by running its function again."""
-
-    def __init__(self, fn, pool):
-        self.fn, self.pool = fn, pool
-
-    def replay(self) -> None:
-        self.fn()
 
 
 class _Model:
@@ -52,7 +43,7 @@ def graphs(monkeypatch):
     monkeypatch.setattr(w4a8_gemm, "WORKSPACE", w4a8_gemm._Workspace())  # this test's own
     model = _Model()
     buffers = StepBuffers.empty(8, hidden=4, heads=2, kv_heads=1, head_dim=16, device=CPU)
-    return model, StepGraphs(model.piece, model.attend, LAYERS, buffers, (8, 4), CPU, capture_piece=_Piece)
+    return model, StepGraphs(model.piece, model.attend, LAYERS, buffers, (8, 4), CPU, capture_piece=EagerPiece)
 
 
 def test_a_step_replays_its_bucket_padded_with_attention_on_its_own_rows(graphs):
@@ -87,4 +78,4 @@ def test_pieces_are_captured_again_when_the_workspace_moves(graphs):
 def test_buffers_must_hold_the_largest_bucket():
     buffers = StepBuffers.empty(4, hidden=4, heads=2, kv_heads=1, head_dim=16, device=CPU)
     with pytest.raises(ValueError, match="cannot hold the 8-token bucket"):
-        StepGraphs(lambda *a: None, lambda *a: None, LAYERS, buffers, (4, 8), CPU, capture_piece=_Piece)
+        StepGraphs(lambda *a: None, lambda *a: None, LAYERS, buffers, (4, 8), CPU, capture_piece=EagerPiece)

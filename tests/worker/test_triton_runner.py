@@ -35,6 +35,7 @@ from shared.model.load import artifact_model  # noqa: E402
 from shared.quant.options import QoQOptions  # noqa: E402
 from shared.quant.quantize_model import QuantizeSettings, quantize_checkpoint  # noqa: E402
 from tests.conftest import write_random_llama  # noqa: E402
+from tests.worker.conftest import EagerPiece  # noqa: E402
 
 BLOCK = 4
 # seq id -> (prompt length, first chunk length, physical blocks (scattered, never shared))
@@ -327,16 +328,6 @@ def test_int8_path_workspace_is_reserved_up_front_and_logits_match(tiny_artifact
             torch.testing.assert_close(got[s][pos], row, rtol=1e-5, atol=1e-5)
 
 
-class _EagerPiece:
-    """A step graph piece on the CPU: each "replay" runs the captured function again."""
-
-    def __init__(self, fn, pool):
-        self.fn, self.pool = fn, pool
-
-    def replay(self) -> None:
-        self.fn()
-
-
 @pytest.mark.parametrize("fmt", list(TOLERANCE))
 def test_prompt_steps_replay_padded_step_graphs_like_kernel_by_kernel_steps(tiny_artifacts, g128_steps, fmt):
     """Step graphs of 8 and 10 tokens (pieces replayed eagerly): the prompt steps of 9 and 6 tokens
@@ -348,7 +339,7 @@ def test_prompt_steps_replay_padded_step_graphs_like_kernel_by_kernel_steps(tiny
 
     def step_graphs(runner: TritonRunner) -> None:
         runner.settings = replace(runner.settings, step_graph_tokens=(8, 10))
-        runner.step_graphs = runner._make_step_graphs(capture_piece=_EagerPiece)
+        runner.step_graphs = runner._make_step_graphs(capture_piece=EagerPiece)
         runners.append(runner)
 
     _, padded = _run_steps(reader, install=step_graphs)
