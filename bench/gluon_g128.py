@@ -1,0 +1,213 @@
+"""Experiment: the W4A8 g128 GEMM written in Gluon, so its wgmma overlaps the next group's unpacking.
+
+Triton 3.6 waits for each wgmma whose A operand comes from registers before the next dequantization
+(services/worker/kernels/README.md, "Where the time goes"). Gluon (Triton's lower-level dialect, in
+3.6 and later) lets the loop issue the wgmma asynchronously and wait for it one group later, after the
+next group's loads and SWAR unpacking; bench/gluon_probe.py shows the SASS of such a loop.
+
+This file measures it on a GPU against the Triton kernel the policy table picks and cuBLAS fp16, on the
+Llama-2-7B shapes, every output checked bit for bit against the reference linear:
+
+    python3 bench/gluon_g128.py --out bench/results/<gpu>/gluon_g128.json [--m 16,64,128,256]
+
+Same arithmetic and layouts as services/worker/kernels/w4a8_gemm.py's g128 SWAR kernel (see its module
+doc); tiles are (BLOCK_N weight rows, BLOCK_M tokens), the weight the wgmma's register operand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
+                                                               warpgroup_mma_wait)
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from services.worker.kernels.gemm_common import _DEQUANT_SWAR_PTX as _SWAR  # noqa: E402
+
+_DEQUANT_SWAR_PTX = gl.constexpr(_SWAR.value)
+# Triton 3.6 spells the CTA barrier thread_barrier; later releases renamed it barrier.
+_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
+
+@gluon.jit
+def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_ptr,
+                 M, N, K, GROUPS_PER_SPLIT,
+                 stride_xm, stride_qn, stride_sn, stride_om,
+                 BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr, USE_SPLIT: gl.constexpr,
+                 num_warps: gl.constexpr):
+    HALF: gl.constexpr = 64
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                   instr_shape=[16, BLOCK_M, 32])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    rows: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])  # x rows, K contiguous
+    x_smem = gl.allocate_shared_memory(gl.int8, [4, BLOCK_M, HALF],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.int8))
+
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    # Packed bytes load straight into the wgmma A-operand layout: byte j of a row holds k = j (low
+    # nibble) and k = j + 64 (high), so both unpacked halves keep the bytes' layout.
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
+    rn = offs_n % N  # rows past N read a valid row and are dropped at the store
+    offs_j = gl.arange(0, HALF, layout=gl.SliceLayout(0, a_layout))
+    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows))
+    offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, rows))
+    g_start = pid_k * GROUPS_PER_SPLIT
+    g_end = gl.minimum(g_start + GROUPS_PER_SPLIT, K // (2 * HALF))
+    w_ptrs = qw_ptr + rn[:, None] * stride_qn + (g_start * HALF + offs_j)[None, :]
+    x_ptrs = x_ptr + (offs_m % M)[:, None] * stride_xm + (g_start * 2 * HALF + offs_h)[None, :]
+    s2_ptrs = s2_ptr + rn * stride_sn + g_start
+    z_ptrs = zero_ptr + rn * stride_sn + g_start
+
+    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.int32, layout=mma)
+    if OVERLAP:
+        acc = warpgroup_mma_init(acc)  # the loop carries the in-flight accumulator
+    for i in range(g_end - g_start):
+        packed = gl.load(w_ptrs + i * HALF)
+        x_lo = gl.load(x_ptrs + i * 2 * HALF)
+        x_hi = gl.load(x_ptrs + i * 2 * HALF + HALF)
+        s2 = gl.load(s2_ptrs + i)
+        z = gl.load(z_ptrs + i)
+        zs = (z.to(gl.int32) * s2.to(gl.int32)).to(gl.uint8)
+        w_lo, w_hi = gl.inline_asm_elementwise(
+            asm=_DEQUANT_SWAR_PTX, constraints="=r,=r,r,r,r", args=[packed, s2[:, None], zs[:, None]],
+            dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
+        # Two x buffers: the previous group's MMAs (maybe still running) read the other one.
+        slot = (i % 2) * 2
+        x_smem.index(slot).store(x_lo)
+        x_smem.index(slot + 1).store(x_hi)
+        fence_async_shared()
+        _cta_barrier()
+        if OVERLAP:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = warpgroup_mma(w_lo, x_smem.index(slot).permute((1, 0)), acc, is_async=OVERLAP)
+        acc = warpgroup_mma(w_hi, x_smem.index(slot + 1).permute((1, 0)), acc, is_async=OVERLAP)
+    if OVERLAP:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+    out_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    out_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    mask = (out_n < N)[:, None] & (out_m < M)[None, :]
+    if USE_SPLIT:
+        gl.store(ws_ptr + pid_k * M * N + out_m[None, :] * N + out_n[:, None], acc, mask=mask)
+    else:
+        sx = gl.load(sx_ptr + out_m % M)
+        s1 = gl.load(s1_ptr + out_n % N).to(gl.float32)
+        y = acc.to(gl.float32) * sx[None, :] * s1[:, None]
+        gl.store(out_ptr + out_m[None, :] * stride_om + out_n[:, None], y.to(gl.float16), mask=mask)
+
+
+_WORKSPACE: dict = {}
+
+
+def gluon_g128_gemm(x8, sx, weight, *, block_n=128, block_m=64, warps=8, overlap=True, split=1, out=None):
+    """x8 (M, K) int8, sx (M,) fp32, progressive g128 weight -> (M, N) fp16, as w4a8_g128_gemm."""
+    from services.worker.kernels.w4a8_gemm import _split_k_epilogue
+
+    qw, s2, zero, s1 = weight.qweight, weight.s2, weight.zero, weight.s1
+    M, K = x8.shape
+    N = qw.shape[0]
+    assert s2.stride(1) == 1 and zero.stride() == s2.stride() and qw.stride(1) == 1
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
+    groups = K // 128
+    per_split = triton.cdiv(groups, split)
+    split = triton.cdiv(groups, per_split)
+    ws = out
+    if split > 1:
+        need = split * M * N
+        if _WORKSPACE.get("ws") is None or _WORKSPACE["ws"].numel() < need:
+            _WORKSPACE["ws"] = torch.empty(need, dtype=torch.int32, device=x8.device)
+        ws = _WORKSPACE["ws"]
+    grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
+    _g128_kernel[grid](x8, sx, qw, s2, zero, s1, out, ws, M, N, K, per_split,
+                       x8.stride(0), qw.stride(0), s2.stride(0), out.stride(0),
+                       BLOCK_N=block_n, BLOCK_M=block_m, OVERLAP=overlap, USE_SPLIT=split > 1, num_warps=warps)
+    if split > 1:
+        _split_k_epilogue(ws, split, sx, s1, s1, None, out)
+    return out
+
+
+TILES = {16: (128, 16, 8), 32: (128, 32, 8), 64: (128, 64, 8), 128: (128, 128, 8), 256: (128, 128, 8)}
+SHAPES = ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))
+
+
+def main():
+    from bench.kernels import check_output, time_calls, w4a8_act_set, w4a8_weight_set, warm_gpu, x_sums
+    from services.worker.engine.kernel_policy import GemmPolicy
+    from services.worker.kernels.w4a8_gemm import w4a8_gemm
+    from shared.model.linear import reference_linear
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--m", default="16,64,128,256")
+    p.add_argument("--splits", default="1,2,4,8")
+    p.add_argument("--policy", default=str(REPO / "bench/results/h200/policy.json"))
+    p.add_argument("--warmup", type=int, default=25)
+    p.add_argument("--rep", type=int, default=100)
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    policy = GemmPolicy.from_manifest(json.loads(Path(a.policy).read_text()))
+    result = {"command": " ".join(["python3"] + sys.argv), "machine": {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "host": platform.node()}, "timing": "bench/kernels.py time_calls (CUDA graph of 4 weight sets, L2 read-flushed)",
+        "runs": []}
+    t0 = time.time()
+    warm_gpu(dev)
+    for n, k in SHAPES:
+        ws = [w4a8_weight_set(n, k, dev) for _ in range(4)]
+        ref_linear = reference_linear(ws[0]["w4g128p"])
+        w16 = [w["w"].half() for w in ws]
+        for m in (int(v) for v in a.m.split(",")):
+            acts = [w4a8_act_set(m, k, dev) for _ in range(4)]
+            ref = ref_linear(acts[0]["x"])
+            x16 = [x["x"].half() for x in acts]
+            row = {"N": n, "K": k, "M": m}
+            row["cublas_fp16_us"] = 1e3 * time_calls([lambda x=x, w=w: x @ w.T for x, w in zip(x16, w16)], a.warmup, a.rep)
+            name = policy.variant("w4g128p", n, k, m)
+            row["triton_policy"] = {"variant": name, "us": 1e3 * time_calls(
+                [lambda w=w, x=x: w4a8_gemm(x["x8"], x["sx"], w["w4g128p"], **x_sums(x), variant=name)
+                 for w, x in zip(ws, acts)], a.warmup, a.rep)}
+            bn, bm, warps = TILES[m]
+            for overlap in (False, True):
+                best = None
+                for split in (int(v) for v in a.splits.split(",")):
+                    kw = dict(block_n=bn, block_m=bm, warps=warps, overlap=overlap, split=split)
+                    out = torch.full((m, n), float("nan"), dtype=torch.float16, device=dev)
+                    gluon_g128_gemm(acts[0]["x8"], acts[0]["sx"], ws[0]["w4g128p"], out=out, **kw)
+                    torch.cuda.synchronize()
+                    entry = {"split": split, **check_output(out, ref, False)}
+                    outs = [torch.empty((m, n), dtype=torch.float16, device=dev) for _ in ws]
+                    entry["us"] = 1e3 * time_calls([lambda w=w, x=x, o=o: gluon_g128_gemm(
+                        x["x8"], x["sx"], w["w4g128p"], out=o, **kw) for w, x, o in zip(ws, acts, outs)], a.warmup, a.rep)
+                    row.setdefault(f"gluon_{'overlap' if overlap else 'sync'}_by_split", []).append(entry)
+                    if entry["correct"] and (best is None or entry["us"] < best["us"]):
+                        best = entry
+                row[f"gluon_{'overlap' if overlap else 'sync'}_best_us"] = best and best["us"]
+            tile = f"n{bn}m{bm}w{warps}"
+            row["tile"] = tile
+            g = row["gluon_overlap_best_us"]
+            row["overlap_over_triton_policy"] = g and row["triton_policy"]["us"] / g
+            row["overlap_vs_cublas_fp16"] = g and row["cublas_fp16_us"] / g
+            row["triton_policy_vs_cublas_fp16"] = row["cublas_fp16_us"] / row["triton_policy"]["us"]
+            print(json.dumps({k2: v for k2, v in row.items() if not k2.endswith("_by_split")}), flush=True)
+            result["runs"].append(row)
+            Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    result["seconds"] = time.time() - t0
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

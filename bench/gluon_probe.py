@@ -1,0 +1,80 @@
+"""SASS of bench/gluon_g128.py's Gluon kernel, compiled for sm_90 on a machine without a GPU.
+
+Shows whether the loop keeps its wgmma in flight while it loads and unpacks the next group: with
+OVERLAP the loop's `WARPGROUP.DEPBAR` should sit right before its MMAs, after the loads and the
+unpacking, instead of right after the MMAs (what Triton 3.6 emits for the Triton kernel, see
+services/worker/kernels/README.md, "Where the time goes"). Compare with
+`python3 bench/sass_count.py --loop-min 50 gemm g128.n128m64.sk.swar`.
+
+    python3 bench/gluon_probe.py [--block-n 128 --block-m 64 --warps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def compile_gluon(fn, pointer_types: dict[str, str], constexprs: dict, num_warps: int) -> dict:
+    """-> {"regs", "sass"} of a Gluon kernel compiled for sm_90 (integer arguments specialized as
+    divisible by 16, as real launches are)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from bench.sass_count import _run, _tools
+
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource as Source
+    except ImportError:  # Triton 3.6: ASTSource tells a Gluon function by itself
+        from triton.compiler import ASTSource as Source
+    names = fn.arg_names
+    consts = {**constexprs, "num_warps": num_warps}
+    signature = {n: "constexpr" if n in consts else pointer_types.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts}
+    src = Source(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = _run(_tools() / "cuobjdump", "-res-usage", cubin)
+        sass = _run(_tools() / "nvdisasm", "-c", cubin)
+    return {"regs": int(re.search(r"REG:(\d+)", usage).group(1)), "sass": sass}
+
+
+def summarize(sass: str) -> str:
+    """The main loop's length and where its loads, barriers and wgmma sit (instruction indices)."""
+    from bench.sass_count import loops
+
+    body = max(loops(sass), key=len)
+    marks = [f"{i}:{ins.split()[0]}" for i, ins in enumerate(body)
+             if re.match(r"(IGMMA|WARPGROUP|BAR\.|STS|LDS|LDG)", ins)]
+    return f"loop {len(body)} instructions\n  " + " ".join(marks)
+
+
+def main():
+    import triton
+
+    from bench.gluon_g128 import _g128_kernel
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--block-n", type=int, default=128)
+    p.add_argument("--block-m", type=int, default=64)
+    p.add_argument("--warps", type=int, default=8)
+    a = p.parse_args()
+    pointers = {"x_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*u8", "s2_ptr": "*u8", "zero_ptr": "*u8",
+                "s1_ptr": "*fp16", "out_ptr": "*fp16", "ws_ptr": "*i32"}
+    print("triton", triton.__version__)
+    for overlap in (False, True):
+        consts = {"BLOCK_N": a.block_n, "BLOCK_M": a.block_m, "OVERLAP": overlap, "USE_SPLIT": False}
+        r = compile_gluon(_g128_kernel, pointers, consts, a.warps)
+        print(f"--- OVERLAP={overlap}: {r['regs']} registers, {summarize(r['sass'])}")
+
+
+if __name__ == "__main__":
+    main()
