@@ -45,7 +45,7 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
                  M, N, K, GROUPS_PER_SPLIT,
                  stride_xm, stride_qn, stride_sn, stride_om,
                  BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr, USE_SPLIT: gl.constexpr,
-                 num_warps: gl.constexpr):
+                 W_SMEM: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = 64
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, BLOCK_M, 32])
@@ -53,6 +53,9 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
     rows: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])  # x rows, K contiguous
     x_smem = gl.allocate_shared_memory(gl.int8, [4, BLOCK_M, HALF],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.int8))
+    if W_SMEM:  # the unpacked weight goes through shared memory too: no register operand in flight
+        w_smem = gl.allocate_shared_memory(gl.int8, [4, BLOCK_N, HALF],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.int8))
 
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -88,12 +91,19 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
         slot = (i % 2) * 2
         x_smem.index(slot).store(x_lo)
         x_smem.index(slot + 1).store(x_hi)
+        if W_SMEM:
+            w_smem.index(slot).store(w_lo)
+            w_smem.index(slot + 1).store(w_hi)
         fence_async_shared()
         _cta_barrier()
         if OVERLAP:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        acc = warpgroup_mma(w_lo, x_smem.index(slot).permute((1, 0)), acc, is_async=OVERLAP)
-        acc = warpgroup_mma(w_hi, x_smem.index(slot + 1).permute((1, 0)), acc, is_async=OVERLAP)
+        if W_SMEM:
+            acc = warpgroup_mma(w_smem.index(slot), x_smem.index(slot).permute((1, 0)), acc, is_async=OVERLAP)
+            acc = warpgroup_mma(w_smem.index(slot + 1), x_smem.index(slot + 1).permute((1, 0)), acc, is_async=OVERLAP)
+        else:
+            acc = warpgroup_mma(w_lo, x_smem.index(slot).permute((1, 0)), acc, is_async=OVERLAP)
+            acc = warpgroup_mma(w_hi, x_smem.index(slot + 1).permute((1, 0)), acc, is_async=OVERLAP)
     if OVERLAP:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
@@ -112,7 +122,8 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
 _WORKSPACE: dict = {}
 
 
-def gluon_g128_gemm(x8, sx, weight, *, block_n=128, block_m=64, warps=8, overlap=True, split=1, out=None):
+def gluon_g128_gemm(x8, sx, weight, *, block_n=128, block_m=64, warps=8, overlap=True, w_smem=False, split=1,
+                    out=None):
     """x8 (M, K) int8, sx (M,) fp32, progressive g128 weight -> (M, N) fp16, as w4a8_g128_gemm."""
     from services.worker.kernels.w4a8_gemm import _split_k_epilogue
 
@@ -134,13 +145,16 @@ def gluon_g128_gemm(x8, sx, weight, *, block_n=128, block_m=64, warps=8, overlap
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
     _g128_kernel[grid](x8, sx, qw, s2, zero, s1, out, ws, M, N, K, per_split,
                        x8.stride(0), qw.stride(0), s2.stride(0), out.stride(0),
-                       BLOCK_N=block_n, BLOCK_M=block_m, OVERLAP=overlap, USE_SPLIT=split > 1, num_warps=warps)
+                       BLOCK_N=block_n, BLOCK_M=block_m, OVERLAP=overlap, USE_SPLIT=split > 1, W_SMEM=w_smem,
+                       num_warps=warps)
     if split > 1:
         _split_k_epilogue(ws, split, sx, s1, s1, None, out)
     return out
 
 
 TILES = {16: (128, 16, 8), 32: (128, 32, 8), 64: (128, 64, 8), 128: (128, 128, 8), 256: (128, 128, 8)}
+# (name, OVERLAP, W_SMEM): wgmma waited at once / one group later with the weight in registers / in shared memory
+MODES = (("sync", False, False), ("overlap", True, False), ("overlap_smem", True, True))
 SHAPES = ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))
 
 
@@ -181,10 +195,10 @@ def main():
                 [lambda w=w, x=x: w4a8_gemm(x["x8"], x["sx"], w["w4g128p"], **x_sums(x), variant=name)
                  for w, x in zip(ws, acts)], a.warmup, a.rep)}
             bn, bm, warps = TILES[m]
-            for overlap in (False, True):
+            for mode, overlap, w_smem in MODES:
                 best = None
                 for split in (int(v) for v in a.splits.split(",")):
-                    kw = dict(block_n=bn, block_m=bm, warps=warps, overlap=overlap, split=split)
+                    kw = dict(block_n=bn, block_m=bm, warps=warps, overlap=overlap, w_smem=w_smem, split=split)
                     out = torch.full((m, n), float("nan"), dtype=torch.float16, device=dev)
                     gluon_g128_gemm(acts[0]["x8"], acts[0]["sx"], ws[0]["w4g128p"], out=out, **kw)
                     torch.cuda.synchronize()
@@ -192,15 +206,16 @@ def main():
                     outs = [torch.empty((m, n), dtype=torch.float16, device=dev) for _ in ws]
                     entry["us"] = 1e3 * time_calls([lambda w=w, x=x, o=o: gluon_g128_gemm(
                         x["x8"], x["sx"], w["w4g128p"], out=o, **kw) for w, x, o in zip(ws, acts, outs)], a.warmup, a.rep)
-                    row.setdefault(f"gluon_{'overlap' if overlap else 'sync'}_by_split", []).append(entry)
+                    row.setdefault(f"gluon_{mode}_by_split", []).append(entry)
                     if entry["correct"] and (best is None or entry["us"] < best["us"]):
                         best = entry
-                row[f"gluon_{'overlap' if overlap else 'sync'}_best_us"] = best and best["us"]
+                row[f"gluon_{mode}_best_us"] = best and best["us"]
             tile = f"n{bn}m{bm}w{warps}"
             row["tile"] = tile
-            g = row["gluon_overlap_best_us"]
-            row["overlap_over_triton_policy"] = g and row["triton_policy"]["us"] / g
-            row["overlap_vs_cublas_fp16"] = g and row["cublas_fp16_us"] / g
+            for mode, _, _ in MODES:
+                g = row[f"gluon_{mode}_best_us"]
+                row[f"{mode}_over_triton_policy"] = g and row["triton_policy"]["us"] / g
+                row[f"{mode}_vs_cublas_fp16"] = g and row["cublas_fp16_us"] / g
             row["triton_policy_vs_cublas_fp16"] = row["cublas_fp16_us"] / row["triton_policy"]["us"]
             print(json.dumps({k2: v for k2, v in row.items() if not k2.endswith("_by_split")}), flush=True)
             result["runs"].append(row)

@@ -70,10 +70,10 @@ def main():
     pointers = {"x_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*u8", "s2_ptr": "*u8", "zero_ptr": "*u8",
                 "s1_ptr": "*fp16", "out_ptr": "*fp16", "ws_ptr": "*i32"}
     print("triton", triton.__version__)
-    for overlap in (False, True):
-        consts = {"BLOCK_N": a.block_n, "BLOCK_M": a.block_m, "OVERLAP": overlap, "USE_SPLIT": False}
+    for overlap, w_smem in ((False, False), (True, False), (True, True)):
+        consts = {"BLOCK_N": a.block_n, "BLOCK_M": a.block_m, "OVERLAP": overlap, "USE_SPLIT": False, "W_SMEM": w_smem}
         r = compile_gluon(_g128_kernel, pointers, consts, a.warps)
-        print(f"--- OVERLAP={overlap}: {r['regs']} registers, {summarize(r['sass'])}")
+        print(f"--- OVERLAP={overlap} W_SMEM={w_smem}: {r['regs']} registers, {summarize(r['sass'])}")
 
 
 if __name__ == "__main__":
