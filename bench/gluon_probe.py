@@ -57,6 +57,44 @@ def summarize(sass: str) -> str:
     return f"loop {len(body)} instructions\n  " + " ".join(marks)
 
 
+_NO_DEST = ("ST", "BAR", "WARPGROUP", "BRA", "MEMBAR", "FENCE", "RED", "EXIT", "NOP", "DEPBAR", "ARRIVES", "SYNCS")
+
+
+def _written(ins: str) -> set[int]:
+    """General registers an instruction writes (its first operand, widened by .64 / .128)."""
+    op = ins.split()[0]
+    if op.startswith(_NO_DEST) or "IGMMA" in op:
+        return set()
+    first = re.match(r"\S+\s+R(\d+)\b", ins)
+    if not first:
+        return set()
+    width = 4 if ".128" in op else 2 if (".64" in op or "WIDE" in op) else 1
+    return set(range(int(first.group(1)), int(first.group(1)) + width))
+
+
+def register_operand_hazards(sass: str) -> list[str]:
+    """Instructions that overwrite a wgmma's register A operand (4 registers from its second
+    operand) before the `WARPGROUP.DEPBAR` that waits for it, following the loop around: PTX calls
+    that undefined, so an overlapped loop is only safe where this list is empty."""
+    from bench.sass_count import loops
+
+    body = max(loops(sass), key=len)
+    hazards = []
+    for i, ins in enumerate(body):
+        a = re.match(r"IGMMA\S*\s+R\d+,\s+R(\d+),", ins)
+        if not a:
+            continue
+        regs = set(range(int(a.group(1)), int(a.group(1)) + 4))
+        for step in range(1, len(body)):
+            later = body[(i + step) % len(body)]
+            if later.startswith("WARPGROUP.DEPBAR"):
+                break
+            if _written(later) & regs:
+                hazards.append(f"{ins}  <- overwritten by  {later}")
+                break
+    return hazards
+
+
 def main():
     import triton
 
@@ -74,6 +112,8 @@ def main():
         consts = {"BLOCK_N": a.block_n, "BLOCK_M": a.block_m, "OVERLAP": overlap, "USE_SPLIT": False, "W_SMEM": w_smem}
         r = compile_gluon(_g128_kernel, pointers, consts, a.warps)
         print(f"--- OVERLAP={overlap} W_SMEM={w_smem}: {r['regs']} registers, {summarize(r['sass'])}")
+        hazards = register_operand_hazards(r["sass"])
+        print(f"  register-operand hazards: {len(hazards)}" + "".join(f"\n    {h}" for h in hazards[:8]))
 
 
 if __name__ == "__main__":
