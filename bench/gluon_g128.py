@@ -1,4 +1,4 @@
-"""Experiment: the W4A8 g128 GEMM written in Gluon, so its wgmma overlaps the next group's unpacking.
+"""Experiment: the W4A8 GEMMs (g128 and per-channel) written in Gluon, so its wgmma overlaps the next group's unpacking.
 
 Triton 3.6 waits for each wgmma whose A operand comes from registers before the next dequantization
 (services/worker/kernels/README.md, "Where the time goes"). Gluon (Triton's lower-level dialect, in
@@ -41,11 +41,13 @@ _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @gluon.jit
-def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_ptr,
+def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_ptr, rowsum_ptr,
                  M, N, K, GROUPS_PER_SPLIT,
                  stride_xm, stride_qn, stride_sn, stride_om,
                  BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr, USE_SPLIT: gl.constexpr,
-                 W_SMEM: gl.constexpr, num_warps: gl.constexpr):
+                 W_SMEM: gl.constexpr, CHN: gl.constexpr, num_warps: gl.constexpr):
+    """CHN: the per-channel format instead (s1_ptr / zero_ptr its fp16 scale / zero, s2_ptr unused): the
+    MMA runs on the raw codes and the epilogue (or the split-K one) subtracts rowsum * zero."""
     HALF: gl.constexpr = 64
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, BLOCK_M, 32])
@@ -81,12 +83,17 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
         packed = gl.load(w_ptrs + i * HALF)
         x_lo = gl.load(x_ptrs + i * 2 * HALF)
         x_hi = gl.load(x_ptrs + i * 2 * HALF + HALF)
-        s2 = gl.load(s2_ptrs + i)
-        z = gl.load(z_ptrs + i)
-        zs = (z.to(gl.int32) * s2.to(gl.int32)).to(gl.uint8)
-        w_lo, w_hi = gl.inline_asm_elementwise(
-            asm=_DEQUANT_SWAR_PTX, constraints="=r,=r,r,r,r", args=[packed, s2[:, None], zs[:, None]],
-            dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
+        if CHN:
+            w_lo, w_hi = gl.inline_asm_elementwise(
+                asm="and.b32 $0, $2, 0x0F0F0F0F;\n\tshr.u32 $1, $2, 4;\n\tand.b32 $1, $1, 0x0F0F0F0F;",
+                constraints="=r,=r,r", args=[packed], dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
+        else:
+            s2 = gl.load(s2_ptrs + i)
+            z = gl.load(z_ptrs + i)
+            zs = (z.to(gl.int32) * s2.to(gl.int32)).to(gl.uint8)
+            w_lo, w_hi = gl.inline_asm_elementwise(
+                asm=_DEQUANT_SWAR_PTX, constraints="=r,=r,r,r,r", args=[packed, s2[:, None], zs[:, None]],
+                dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
         # Two x buffers: the previous group's MMAs (maybe still running) read the other one.
         slot = (i % 2) * 2
         x_smem.index(slot).store(x_lo)
@@ -115,22 +122,33 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
     else:
         sx = gl.load(sx_ptr + out_m % M)
         s1 = gl.load(s1_ptr + out_n % N).to(gl.float32)
-        y = acc.to(gl.float32) * sx[None, :] * s1[:, None]
+        y = acc.to(gl.float32)
+        if CHN:
+            zero = gl.load(zero_ptr + out_n % N).to(gl.float32)
+            y = y - gl.load(rowsum_ptr + out_m % M).to(gl.float32)[None, :] * zero[:, None]
+        y = y * sx[None, :] * s1[:, None]
         gl.store(out_ptr + out_m[None, :] * stride_om + out_n[:, None], y.to(gl.float16), mask=mask)
 
 
 _WORKSPACE: dict = {}
 
 
-def gluon_g128_gemm(x8, sx, weight, *, block_n=128, block_m=64, warps=8, overlap=True, w_smem=False, split=1,
-                    out=None):
-    """x8 (M, K) int8, sx (M,) fp32, progressive g128 weight -> (M, N) fp16, as w4a8_g128_gemm."""
+def gluon_gemm(x8, sx, weight, rowsum=None, *, block_n=128, block_m=64, warps=8, overlap=True, w_smem=False, split=1,
+               out=None):
+    """x8 (M, K) int8, sx (M,) fp32, a g128 or per-channel weight (rowsum (M,) int32 for the latter) ->
+    (M, N) fp16, as w4a8_g128_gemm / w4a8_channel_gemm."""
     from services.worker.kernels.w4a8_gemm import _split_k_epilogue
 
-    qw, s2, zero, s1 = weight.qweight, weight.s2, weight.zero, weight.s1
+    chn = weight.kind == "w4chn"
+    if chn:
+        qw, s2, zero, s1 = weight.qweight, weight.zero, weight.zero, weight.scale
+        assert rowsum is not None and rowsum.dtype == torch.int32
+    else:
+        qw, s2, zero, s1 = weight.qweight, weight.s2, weight.zero, weight.s1
+        assert s2.stride(1) == 1 and zero.stride() == s2.stride()
     M, K = x8.shape
     N = qw.shape[0]
-    assert s2.stride(1) == 1 and zero.stride() == s2.stride() and qw.stride(1) == 1
+    assert qw.stride(1) == 1
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
     groups = K // 128
@@ -143,12 +161,12 @@ def gluon_g128_gemm(x8, sx, weight, *, block_n=128, block_m=64, warps=8, overlap
             _WORKSPACE["ws"] = torch.empty(need, dtype=torch.int32, device=x8.device)
         ws = _WORKSPACE["ws"]
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
-    _g128_kernel[grid](x8, sx, qw, s2, zero, s1, out, ws, M, N, K, per_split,
+    _g128_kernel[grid](x8, sx, qw, s2, zero, s1, out, ws, sx if rowsum is None else rowsum, M, N, K, per_split,
                        x8.stride(0), qw.stride(0), s2.stride(0), out.stride(0),
                        BLOCK_N=block_n, BLOCK_M=block_m, OVERLAP=overlap, USE_SPLIT=split > 1, W_SMEM=w_smem,
-                       num_warps=warps)
+                       CHN=chn, num_warps=warps)
     if split > 1:
-        _split_k_epilogue(ws, split, sx, s1, s1, None, out)
+        _split_k_epilogue(ws, split, sx, s1, zero if chn else s1, rowsum if chn else None, out)
     return out
 
 
@@ -171,6 +189,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--m", default="16,64,128,256")
+    p.add_argument("--kinds", default="w4g128p,w4chn")
     p.add_argument("--splits", default="1,2,4,8")
     p.add_argument("--policy", default=str(REPO / "bench/results/h200/policy.json"))
     p.add_argument("--warmup", type=int, default=25)
@@ -181,49 +200,48 @@ def main():
     result = {"command": " ".join(["python3"] + sys.argv), "machine": {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "host": platform.node()}, "timing": "bench/kernels.py time_calls (CUDA graph of 4 weight sets, L2 read-flushed)",
-        "runs": []}
+        "modes": {name: {"overlap": o, "weight_in_shared_memory": w} for name, o, w in MODES}, "runs": []}
     t0 = time.time()
     warm_gpu(dev)
     for n, k in SHAPES:
         ws = [w4a8_weight_set(n, k, dev) for _ in range(4)]
-        ref_linear = reference_linear(ws[0]["w4g128p"])
         w16 = [w["w"].half() for w in ws]
         for m in (int(v) for v in a.m.split(",")):
             acts = [w4a8_act_set(m, k, dev) for _ in range(4)]
-            ref = ref_linear(acts[0]["x"])
             x16 = [x["x"].half() for x in acts]
-            row = {"N": n, "K": k, "M": m}
-            row["cublas_fp16_us"] = 1e3 * time_calls([lambda x=x, w=w: x @ w.T for x, w in zip(x16, w16)], a.warmup, a.rep)
-            name = policy.variant("w4g128p", n, k, m)
-            row["triton_policy"] = {"variant": name, "us": 1e3 * time_calls(
-                [lambda w=w, x=x: w4a8_gemm(x["x8"], x["sx"], w["w4g128p"], **x_sums(x), variant=name)
-                 for w, x in zip(ws, acts)], a.warmup, a.rep)}
-            bn, bm, warps = TILES[m]
-            for mode, overlap, w_smem in MODES:
-                best = None
-                for split in (int(v) for v in a.splits.split(",")):
-                    kw = dict(block_n=bn, block_m=bm, warps=warps, overlap=overlap, w_smem=w_smem, split=split)
-                    out = torch.full((m, n), float("nan"), dtype=torch.float16, device=dev)
-                    gluon_g128_gemm(acts[0]["x8"], acts[0]["sx"], ws[0]["w4g128p"], out=out, **kw)
-                    torch.cuda.synchronize()
-                    entry = {"split": split, **check_output(out, ref, False)}
-                    outs = [torch.empty((m, n), dtype=torch.float16, device=dev) for _ in ws]
-                    entry["us"] = 1e3 * time_calls([lambda w=w, x=x, o=o: gluon_g128_gemm(
-                        x["x8"], x["sx"], w["w4g128p"], out=o, **kw) for w, x, o in zip(ws, acts, outs)], a.warmup, a.rep)
-                    row.setdefault(f"gluon_{mode}_by_split", []).append(entry)
-                    if entry["correct"] and (best is None or entry["us"] < best["us"]):
-                        best = entry
-                row[f"gluon_{mode}_best_us"] = best and best["us"]
-            tile = f"n{bn}m{bm}w{warps}"
-            row["tile"] = tile
-            for mode, _, _ in MODES:
-                g = row[f"gluon_{mode}_best_us"]
-                row[f"{mode}_over_triton_policy"] = g and row["triton_policy"]["us"] / g
-                row[f"{mode}_vs_cublas_fp16"] = g and row["cublas_fp16_us"] / g
-            row["triton_policy_vs_cublas_fp16"] = row["cublas_fp16_us"] / row["triton_policy"]["us"]
-            print(json.dumps({k2: v for k2, v in row.items() if not k2.endswith("_by_split")}), flush=True)
-            result["runs"].append(row)
-            Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+            cublas_us = 1e3 * time_calls([lambda x=x, w=w: x @ w.T for x, w in zip(x16, w16)], a.warmup, a.rep)
+            for kind in a.kinds.split(","):
+                ref = reference_linear(ws[0][kind])(acts[0]["x"])
+                row = {"kind": kind, "N": n, "K": k, "M": m, "cublas_fp16_us": cublas_us}
+                name = policy.variant(kind, n, k, m)
+                row["triton_policy"] = {"variant": name, "us": 1e3 * time_calls(
+                    [lambda w=w, x=x: w4a8_gemm(x["x8"], x["sx"], w[kind], **x_sums(x), variant=name)
+                     for w, x in zip(ws, acts)], a.warmup, a.rep)}
+                bn, bm, warps = TILES[m]
+                row["tile"] = f"n{bn}m{bm}w{warps}"
+                for mode, overlap, w_smem in MODES:
+                    best = None
+                    for split in (int(v) for v in a.splits.split(",")):
+                        kw = dict(block_n=bn, block_m=bm, warps=warps, overlap=overlap, w_smem=w_smem, split=split)
+                        out = torch.full((m, n), float("nan"), dtype=torch.float16, device=dev)
+                        gluon_gemm(acts[0]["x8"], acts[0]["sx"], ws[0][kind], acts[0]["rowsum"], out=out, **kw)
+                        torch.cuda.synchronize()
+                        entry = {"split": split, **check_output(out, ref, False)}
+                        outs = [torch.empty((m, n), dtype=torch.float16, device=dev) for _ in ws]
+                        entry["us"] = 1e3 * time_calls([lambda w=w, x=x, o=o: gluon_gemm(
+                            x["x8"], x["sx"], w[kind], x["rowsum"], out=o, **kw) for w, x, o in zip(ws, acts, outs)],
+                            a.warmup, a.rep)
+                        row.setdefault(f"gluon_{mode}_by_split", []).append(entry)
+                        if entry["correct"] and (best is None or entry["us"] < best["us"]):
+                            best = entry
+                    g = best and best["us"]
+                    row[f"gluon_{mode}_best_us"] = g
+                    row[f"{mode}_over_triton_policy"] = g and row["triton_policy"]["us"] / g
+                    row[f"{mode}_vs_cublas_fp16"] = g and cublas_us / g
+                row["triton_policy_vs_cublas_fp16"] = cublas_us / row["triton_policy"]["us"]
+                print(json.dumps({k2: v for k2, v in row.items() if not k2.endswith("_by_split")}), flush=True)
+                result["runs"].append(row)
+                Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     result["seconds"] = time.time() - t0
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
 

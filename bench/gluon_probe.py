@@ -104,12 +104,13 @@ def main():
     p.add_argument("--block-n", type=int, default=128)
     p.add_argument("--block-m", type=int, default=64)
     p.add_argument("--warps", type=int, default=8)
+    p.add_argument("--chn", action="store_true", help="the per-channel format's loop instead of g128's")
     a = p.parse_args()
     pointers = {"x_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*u8", "s2_ptr": "*u8", "zero_ptr": "*u8",
-                "s1_ptr": "*fp16", "out_ptr": "*fp16", "ws_ptr": "*i32"}
+                "s1_ptr": "*fp16", "out_ptr": "*fp16", "ws_ptr": "*i32", "rowsum_ptr": "*i32"}
     print("triton", triton.__version__)
     for overlap, w_smem in ((False, False), (True, False), (True, True)):
-        consts = {"BLOCK_N": a.block_n, "BLOCK_M": a.block_m, "OVERLAP": overlap, "USE_SPLIT": False, "W_SMEM": w_smem}
+        consts = {"BLOCK_N": a.block_n, "BLOCK_M": a.block_m, "OVERLAP": overlap, "USE_SPLIT": False, "W_SMEM": w_smem, "CHN": a.chn}
         r = compile_gluon(_g128_kernel, pointers, consts, a.warps)
         print(f"--- OVERLAP={overlap} W_SMEM={w_smem}: {r['regs']} registers, {summarize(r['sass'])}")
         hazards = register_operand_hazards(r["sass"])
