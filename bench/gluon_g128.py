@@ -27,6 +27,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                                warpgroup_mma_wait)
 
@@ -38,6 +39,8 @@ from services.worker.kernels.gemm_common import _DEQUANT_SWAR_PTX as _SWAR  # no
 _DEQUANT_SWAR_PTX = gl.constexpr(_SWAR.value)
 # Triton 3.6 spells the CTA barrier thread_barrier; later releases renamed it barrier.
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+# ... and cp.async async_copy_global_to_shared, later async_load.
+_copy_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -45,16 +48,24 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
                  M, N, K, GROUPS_PER_SPLIT,
                  stride_xm, stride_qn, stride_sn, stride_om,
                  BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr, USE_SPLIT: gl.constexpr,
-                 W_SMEM: gl.constexpr, CHN: gl.constexpr, num_warps: gl.constexpr):
-    """CHN: the per-channel format instead (s1_ptr / zero_ptr its fp16 scale / zero, s2_ptr unused): the
-    MMA runs on the raw codes and the epilogue (or the split-K one) subtracts rowsum * zero."""
+                 W_SMEM: gl.constexpr, CHN: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """acc (BLOCK_N, BLOCK_M) int32 = sum over 128-groups of W8 @ x8^T; fp16 out (or int32 split-K partials).
+
+    Each group's packed weight bytes and x rows are copied to shared memory STAGES - 1 groups ahead
+    (cp.async ring). A step: unpack the group's weight into registers (the wgmma A operand) while the
+    previous group's wgmma may still run (OVERLAP), wait for that wgmma, refill the slot it was reading,
+    issue this group's wgmma. CHN: the per-channel format instead (s1_ptr / zero_ptr its fp16 scale /
+    zero, s2_ptr unused): MMA on the raw codes, rowsum * zero subtracted in the epilogue."""
     HALF: gl.constexpr = 64
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, BLOCK_M, 32])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    rows: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])  # x rows, K contiguous
-    x_smem = gl.allocate_shared_memory(gl.int8, [4, BLOCK_M, HALF],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.int8))
+    rows: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])  # 16-byte copies along K
+    w_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HALF],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.uint8))
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.int8)
+    x_lo_ring = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_M, HALF], x_layout)
+    x_hi_ring = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_M, HALF], x_layout)
     if W_SMEM:  # the unpacked weight goes through shared memory too: no register operand in flight
         w_smem = gl.allocate_shared_memory(gl.int8, [4, BLOCK_N, HALF],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.int8))
@@ -62,57 +73,69 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     pid_m = gl.program_id(2)
-    # Packed bytes load straight into the wgmma A-operand layout: byte j of a row holds k = j (low
-    # nibble) and k = j + 64 (high), so both unpacked halves keep the bytes' layout.
-    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
-    rn = offs_n % N  # rows past N read a valid row and are dropped at the store
-    offs_j = gl.arange(0, HALF, layout=gl.SliceLayout(0, a_layout))
-    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows))
-    offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, rows))
     g_start = pid_k * GROUPS_PER_SPLIT
-    g_end = gl.minimum(g_start + GROUPS_PER_SPLIT, K // (2 * HALF))
-    w_ptrs = qw_ptr + rn[:, None] * stride_qn + (g_start * HALF + offs_j)[None, :]
-    x_ptrs = x_ptr + (offs_m % M)[:, None] * stride_xm + (g_start * 2 * HALF + offs_h)[None, :]
+    steps = gl.minimum(g_start + GROUPS_PER_SPLIT, K // (2 * HALF)) - g_start
+    # Rows past N or M read a valid row and are dropped at the store: no masks in the loop.
+    copy_n = (pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rows))) % N
+    copy_m = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows))) % M
+    offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, rows))
+    w_ptrs = qw_ptr + copy_n[:, None] * stride_qn + (g_start * HALF + offs_h)[None, :]
+    x_ptrs = x_ptr + copy_m[:, None] * stride_xm + (g_start * 2 * HALF + offs_h)[None, :]
+    rn = (pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))) % N
     s2_ptrs = s2_ptr + rn * stride_sn + g_start
     z_ptrs = zero_ptr + rn * stride_sn + g_start
+
+    for s in gl.static_range(STAGES - 1):
+        g = gl.minimum(s, steps - 1)  # past the slice's end: a harmless copy of its last group
+        _copy_to_shared(w_ring.index(s), w_ptrs + g * HALF)
+        _copy_to_shared(x_lo_ring.index(s), x_ptrs + g * 2 * HALF)
+        _copy_to_shared(x_hi_ring.index(s), x_ptrs + g * 2 * HALF + HALF)
+        async_copy.commit_group()
 
     acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.int32, layout=mma)
     if OVERLAP:
         acc = warpgroup_mma_init(acc)  # the loop carries the in-flight accumulator
-    for i in range(g_end - g_start):
-        packed = gl.load(w_ptrs + i * HALF)
-        x_lo = gl.load(x_ptrs + i * 2 * HALF)
-        x_hi = gl.load(x_ptrs + i * 2 * HALF + HALF)
+    for i in range(steps):
+        slot = i % STAGES
+        if not CHN:
+            s2 = gl.load(s2_ptrs + i)
+            z = gl.load(z_ptrs + i)
+        async_copy.wait_group(STAGES - 2)  # this thread's copies of group i have landed
+        _cta_barrier()  # ... and every thread's
+        packed = w_ring.index(slot).load(a_layout)
         if CHN:
             w_lo, w_hi = gl.inline_asm_elementwise(
                 asm="and.b32 $0, $2, 0x0F0F0F0F;\n\tshr.u32 $1, $2, 4;\n\tand.b32 $1, $1, 0x0F0F0F0F;",
                 constraints="=r,=r,r", args=[packed], dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
         else:
-            s2 = gl.load(s2_ptrs + i)
-            z = gl.load(z_ptrs + i)
             zs = (z.to(gl.int32) * s2.to(gl.int32)).to(gl.uint8)
             w_lo, w_hi = gl.inline_asm_elementwise(
                 asm=_DEQUANT_SWAR_PTX, constraints="=r,=r,r,r,r", args=[packed, s2[:, None], zs[:, None]],
                 dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
-        # Two x buffers: the previous group's MMAs (maybe still running) read the other one.
-        slot = (i % 2) * 2
-        x_smem.index(slot).store(x_lo)
-        x_smem.index(slot + 1).store(x_hi)
         if W_SMEM:
-            w_smem.index(slot).store(w_lo)
-            w_smem.index(slot + 1).store(w_hi)
-        fence_async_shared()
-        _cta_barrier()
+            w_smem.index((i % 2) * 2).store(w_lo)
+            w_smem.index((i % 2) * 2 + 1).store(w_hi)
         if OVERLAP:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        fence_async_shared()
+        _cta_barrier()  # every warpgroup's previous wgmma is done: its ring slot may be refilled
+        g = gl.minimum(i + STAGES - 1, steps - 1)
+        refill = (i + STAGES - 1) % STAGES
+        _copy_to_shared(w_ring.index(refill), w_ptrs + g * HALF)
+        _copy_to_shared(x_lo_ring.index(refill), x_ptrs + g * 2 * HALF)
+        _copy_to_shared(x_hi_ring.index(refill), x_ptrs + g * 2 * HALF + HALF)
+        async_copy.commit_group()
         if W_SMEM:
-            acc = warpgroup_mma(w_smem.index(slot), x_smem.index(slot).permute((1, 0)), acc, is_async=OVERLAP)
-            acc = warpgroup_mma(w_smem.index(slot + 1), x_smem.index(slot + 1).permute((1, 0)), acc, is_async=OVERLAP)
+            acc = warpgroup_mma(w_smem.index((i % 2) * 2), x_lo_ring.index(slot).permute((1, 0)), acc,
+                                is_async=OVERLAP)
+            acc = warpgroup_mma(w_smem.index((i % 2) * 2 + 1), x_hi_ring.index(slot).permute((1, 0)), acc,
+                                is_async=OVERLAP)
         else:
-            acc = warpgroup_mma(w_lo, x_smem.index(slot).permute((1, 0)), acc, is_async=OVERLAP)
-            acc = warpgroup_mma(w_hi, x_smem.index(slot + 1).permute((1, 0)), acc, is_async=OVERLAP)
+            acc = warpgroup_mma(w_lo, x_lo_ring.index(slot).permute((1, 0)), acc, is_async=OVERLAP)
+            acc = warpgroup_mma(w_hi, x_hi_ring.index(slot).permute((1, 0)), acc, is_async=OVERLAP)
     if OVERLAP:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    async_copy.wait_group(0)
 
     out_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     out_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
@@ -134,7 +157,7 @@ _WORKSPACE: dict = {}
 
 
 def gluon_gemm(x8, sx, weight, rowsum=None, *, block_n=128, block_m=64, warps=8, overlap=True, w_smem=False, split=1,
-               out=None):
+               stages=3, out=None):
     """x8 (M, K) int8, sx (M,) fp32, a g128 or per-channel weight (rowsum (M,) int32 for the latter) ->
     (M, N) fp16, as w4a8_g128_gemm / w4a8_channel_gemm."""
     from services.worker.kernels.w4a8_gemm import _split_k_epilogue
@@ -164,13 +187,14 @@ def gluon_gemm(x8, sx, weight, rowsum=None, *, block_n=128, block_m=64, warps=8,
     _g128_kernel[grid](x8, sx, qw, s2, zero, s1, out, ws, sx if rowsum is None else rowsum, M, N, K, per_split,
                        x8.stride(0), qw.stride(0), s2.stride(0), out.stride(0),
                        BLOCK_N=block_n, BLOCK_M=block_m, OVERLAP=overlap, USE_SPLIT=split > 1, W_SMEM=w_smem,
-                       CHN=chn, num_warps=warps)
+                       CHN=chn, STAGES=stages, num_warps=warps)
     if split > 1:
         _split_k_epilogue(ws, split, sx, s1, zero if chn else s1, rowsum if chn else None, out)
     return out
 
 
-TILES = {16: (128, 16, 8), 32: (128, 32, 8), 64: (128, 64, 8), 128: (128, 128, 8), 256: (128, 128, 8)}
+# (BLOCK_N, BLOCK_M, warps) by M. Not below 64 tokens: the x copies would repeat across the 8 warps.
+TILES = {64: (128, 64, 8), 128: (128, 128, 8), 256: (128, 128, 8)}
 # (name, OVERLAP, W_SMEM): wgmma waited at once / one group later with the weight in registers / in shared memory.
 # "overlap" is undefined behaviour under Triton 3.6: its PTX lets ptxas reuse the in-flight wgmma's A registers
 # for the next group's loads (bench/gluon_probe.py lists them; 3.9 keeps them live, and 3.6 cannot be told to:
@@ -188,7 +212,7 @@ def main():
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--m", default="16,64,128,256")
+    p.add_argument("--m", default="64,128,256")
     p.add_argument("--kinds", default="w4g128p,w4chn")
     p.add_argument("--splits", default="1,2,4,8")
     p.add_argument("--policy", default=str(REPO / "bench/results/h200/policy.json"))

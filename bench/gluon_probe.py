@@ -110,7 +110,7 @@ def main():
                 "s1_ptr": "*fp16", "out_ptr": "*fp16", "ws_ptr": "*i32", "rowsum_ptr": "*i32"}
     print("triton", triton.__version__)
     for overlap, w_smem in ((False, False), (True, False), (True, True)):
-        consts = {"BLOCK_N": a.block_n, "BLOCK_M": a.block_m, "OVERLAP": overlap, "USE_SPLIT": False, "W_SMEM": w_smem, "CHN": a.chn}
+        consts = {"BLOCK_N": a.block_n, "BLOCK_M": a.block_m, "OVERLAP": overlap, "USE_SPLIT": False, "W_SMEM": w_smem, "CHN": a.chn, "STAGES": 3}
         r = compile_gluon(_g128_kernel, pointers, consts, a.warps)
         print(f"--- OVERLAP={overlap} W_SMEM={w_smem}: {r['regs']} registers, {summarize(r['sass'])}")
         hazards = register_operand_hazards(r["sass"])
