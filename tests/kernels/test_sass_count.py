@@ -99,3 +99,48 @@ def test_int8_path_gemm_meets_wgmma_with_tma_loads():
     assert mma_loops and all("UTMALDG" in loop and "LDGSTS" not in loop for loop in mma_loops), out
     assert "0 bytes of stack" in out, out
     assert "0 bytes of stack" in _sass_count("gemm", "g128.i8.n256m128", "--dequant")
+
+
+def _overlapped_loop(first: str) -> str:
+    """A loop that waits for the previous wgmma only after its first instruction."""
+    return f"""
+.L_x_0:
+        /*0000*/                   {first} ;
+        /*0010*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0020*/                   WARPGROUP.ARRIVE ;
+        /*0030*/                   IGMMA.64x64x32.S8.S8 R24, R56, gdesc[UR8], R24, gsb0 ;
+        /*0040*/              @!P0 BRA `(.L_x_0) ;
+"""
+
+
+@pytest.mark.parametrize("first,hazard", [("LDG.E R8, desc[UR4][R2.64]", False),
+                                          ("LDG.E R57, desc[UR4][R2.64]", True),
+                                          ("LDG.E.128 R52, desc[UR4][R2.64]", False),  # R52..R55
+                                          ("LDG.E.64 R58, desc[UR4][R2.64]", True),  # R58..R59
+                                          ("STS.128 [R56], R8", False)])  # reads R56
+def test_register_operand_hazards_follow_the_loop_around(first, hazard):
+    """A write to a wgmma's A registers (R56..R59) before the wait that covers it, reached by going
+    around the loop, is what bench/gluon_probe.py must report; reads and other registers are not."""
+    from bench.gluon_probe import register_operand_hazards
+
+    found = register_operand_hazards(_overlapped_loop(first))
+    assert bool(found) == hazard, found
+
+
+def test_gluon_gemm_experiment_compiles_for_sm90():
+    """bench/gluon_g128.py's kernel (Gluon, GPU-only: the interpreter does not run Gluon) assembles for
+    sm_90 in its three modes under this Triton, and the safe one (weight through shared memory) leaves
+    no wgmma register operand that a later instruction overwrites before its wait."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tool = Path(__file__).resolve().parents[2] / "bench" / "gluon_probe.py"
+    out = subprocess.run([sys.executable, str(tool)], env=env, capture_output=True, text=True, check=True,
+                         timeout=300).stdout
+    modes = [line for line in out.splitlines() if line.startswith("--- ")]
+    assert len(modes) == 3 and all("IGMMA" in out for _ in modes), out
+    smem = out.split("W_SMEM=True")[1]
+    assert "register-operand hazards: 0" in smem.splitlines()[2], out
