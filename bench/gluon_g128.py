@@ -8,7 +8,7 @@ next group's loads and SWAR unpacking; bench/gluon_probe.py shows the SASS of su
 This file measures it on a GPU against the Triton kernel the policy table picks and cuBLAS fp16, on the
 Llama-2-7B shapes, every output checked bit for bit against the reference linear:
 
-    python3 bench/gluon_g128.py --out bench/results/<gpu>/gluon_g128.json [--m 16,64,128,256]
+    python3 bench/gluon_g128.py --out bench/results/<gpu>/gluon_g128.json [--m 64,128,256 --kinds w4g128p,w4chn]
 
 Same arithmetic and layouts as services/worker/kernels/w4a8_gemm.py's g128 SWAR kernel (see its module
 doc); tiles are (BLOCK_N weight rows, BLOCK_M tokens), the weight the wgmma's register operand.
