@@ -8,7 +8,7 @@ next group's loads and SWAR unpacking; bench/gluon_probe.py shows the SASS of su
 This file measures it on a GPU against the Triton kernel the policy table picks and cuBLAS fp16, on the
 Llama-2-7B shapes, every output checked bit for bit against the reference linear:
 
-    python3 bench/gluon_g128.py --out bench/results/<gpu>/gluon_g128.json [--m 64,128,256 --kinds w4g128p,w4chn]
+    python3 bench/gluon_g128.py --out bench/results/<gpu>/gluon_g128.json [--m 16,64,128,256 --kinds w4g128p,w4chn]
 
 Same arithmetic and layouts as services/worker/kernels/w4a8_gemm.py's g128 SWAR kernel (see its module
 doc); tiles are (BLOCK_N weight rows, BLOCK_M tokens), the weight the wgmma's register operand.
@@ -43,6 +43,15 @@ _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 _copy_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 
+@triton.constexpr_function
+def _copy_layout(rows, num_warps):
+    """A blocked layout for cp.async copies of a (rows, 64)-byte tile that no two threads repeat:
+    16 bytes a thread where the tile has that many, fewer for small tiles (16 x 64 over 4 warps: 8)."""
+    per_thread = max(4, min(16, rows * 64 // (32 * num_warps)))
+    lanes_k = 64 // per_thread
+    return gl.BlockedLayout([1, per_thread], [32 // lanes_k, lanes_k], [num_warps, 1], [1, 0])
+
+
 @gluon.jit
 def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_ptr, rowsum_ptr,
                  M, N, K, GROUPS_PER_SPLIT,
@@ -60,7 +69,8 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, BLOCK_M, 32])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    rows: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])  # 16-byte copies along K
+    w_rows: gl.constexpr = _copy_layout(BLOCK_N, num_warps)
+    x_rows: gl.constexpr = _copy_layout(BLOCK_M, num_warps)
     w_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HALF],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.uint8))
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.int8)
@@ -76,11 +86,12 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
     g_start = pid_k * GROUPS_PER_SPLIT
     steps = gl.minimum(g_start + GROUPS_PER_SPLIT, K // (2 * HALF)) - g_start
     # Rows past N or M read a valid row and are dropped at the store: no masks in the loop.
-    copy_n = (pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rows))) % N
-    copy_m = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows))) % M
-    offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, rows))
-    w_ptrs = qw_ptr + copy_n[:, None] * stride_qn + (g_start * HALF + offs_h)[None, :]
-    x_ptrs = x_ptr + copy_m[:, None] * stride_xm + (g_start * 2 * HALF + offs_h)[None, :]
+    copy_n = (pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_rows))) % N
+    copy_m = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_rows))) % M
+    w_k = g_start * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, w_rows))
+    x_k = g_start * 2 * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, x_rows))
+    w_ptrs = qw_ptr + copy_n[:, None] * stride_qn + w_k[None, :]
+    x_ptrs = x_ptr + copy_m[:, None] * stride_xm + x_k[None, :]
     rn = (pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))) % N
     s2_ptrs = s2_ptr + rn * stride_sn + g_start
     z_ptrs = zero_ptr + rn * stride_sn + g_start
@@ -193,8 +204,8 @@ def gluon_gemm(x8, sx, weight, rowsum=None, *, block_n=128, block_m=64, warps=8,
     return out
 
 
-# (BLOCK_N, BLOCK_M, warps) by M. Not below 64 tokens: the x copies would repeat across the 8 warps.
-TILES = {64: (128, 64, 8), 128: (128, 128, 8), 256: (128, 128, 8)}
+# (BLOCK_N, BLOCK_M, warps) by M.
+TILES = {16: (64, 16, 4), 32: (64, 32, 4), 64: (128, 64, 8), 128: (128, 128, 8), 256: (128, 128, 8)}
 # (name, OVERLAP, W_SMEM): wgmma waited at once / one group later with the weight in registers / in shared memory.
 # "overlap" is undefined behaviour under Triton 3.6: its PTX lets ptxas reuse the in-flight wgmma's A registers
 # for the next group's loads (bench/gluon_probe.py lists them; 3.9 keeps them live, and 3.6 cannot be told to:
@@ -212,7 +223,7 @@ def main():
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--m", default="64,128,256")
+    p.add_argument("--m", default="16,64,128,256")
     p.add_argument("--kinds", default="w4g128p,w4chn")
     p.add_argument("--splits", default="1,2,4,8")
     p.add_argument("--policy", default=str(REPO / "bench/results/h200/policy.json"))
