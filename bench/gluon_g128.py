@@ -207,10 +207,9 @@ def gluon_gemm(x8, sx, weight, rowsum=None, *, block_n=128, block_m=64, warps=8,
 # (BLOCK_N, BLOCK_M, warps) by M.
 TILES = {16: (64, 16, 4), 32: (64, 32, 4), 64: (128, 64, 8), 128: (128, 128, 8), 256: (128, 128, 8)}
 # (name, OVERLAP, W_SMEM): wgmma waited at once / one group later with the weight in registers / in shared memory.
-# "overlap" is undefined behaviour under Triton 3.6: its PTX lets ptxas reuse the in-flight wgmma's A registers
-# for the next group's loads (bench/gluon_probe.py lists them; 3.9 keeps them live, and 3.6 cannot be told to:
-# warpgroup_mma_wait takes no 8-bit deps). It is measured as the upper bound of the register-operand loop;
-# "overlap_smem" is the safe form.
+# "overlap" is not safe: nothing keeps ptxas from reusing the in-flight wgmma's A registers before its wait
+# (Gluon's wait lists only the accumulator), and under Triton 3.6 it does (bench/gluon_probe.py lists the
+# writes). It is measured as the upper bound of the register-operand loop; "overlap_smem" is the safe form.
 MODES = (("sync", False, False), ("overlap", True, False), ("overlap_smem", True, True))
 SHAPES = ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))
 

@@ -44,7 +44,7 @@ def compile_gluon(fn, pointer_types: dict[str, str], constexprs: dict, num_warps
         cubin.write_bytes(compiled.asm["cubin"])
         usage = _run(_tools() / "cuobjdump", "-res-usage", cubin)
         sass = _run(_tools() / "nvdisasm", "-c", cubin)
-    return {"regs": int(re.search(r"REG:(\d+)", usage).group(1)), "sass": sass}
+    return {"regs": int(re.search(r"REG:(\d+)", usage).group(1)), "sass": sass, "ptx": compiled.asm["ptx"]}
 
 
 def summarize(sass: str) -> str:
