@@ -1,17 +1,23 @@
-"""Experiment: the W4A8 GEMMs (g128 and per-channel) written in Gluon, so its wgmma overlaps the next group's unpacking.
+"""Experiment: the W4A8 GEMMs (g128 and per-channel) in Gluon, so the wgmma overlaps the next group's unpacking.
 
 Triton 3.6 waits for each wgmma whose A operand comes from registers before the next dequantization
 (services/worker/kernels/README.md, "Where the time goes"). Gluon (Triton's lower-level dialect, in
-3.6 and later) lets the loop issue the wgmma asynchronously and wait for it one group later, after the
-next group's loads and SWAR unpacking; bench/gluon_probe.py shows the SASS of such a loop.
+3.6 and later) lets a kernel place that wait itself. Two kernels:
+- _g128_kernel: a cp.async ring brings each 128-group's packed bytes and x rows into shared memory two
+  groups ahead; each wgmma is issued asynchronously and waited for one group later, after the next
+  group's unpacking (OVERLAP), with the unpacked weight in registers or in shared memory (W_SMEM).
+- _g128_ws_kernel: warp-specialized, producer warps unpacking into a shared-memory ring while one
+  warpgroup issues the wgmma, mbarriers between them (the producer/consumer pipeline the README names).
+bench/gluon_probe.py shows their SASS without a GPU.
 
-This file measures it on a GPU against the Triton kernel the policy table picks and cuBLAS fp16, on the
+On a GPU this measures them against the Triton kernel the policy table picks and cuBLAS fp16, on the
 Llama-2-7B shapes, every output checked bit for bit against the reference linear:
 
     python3 bench/gluon_g128.py --out bench/results/<gpu>/gluon_g128.json [--m 16,64,128,256 --kinds w4g128p,w4chn]
+    python3 bench/gluon_g128.py --out bench/results/<gpu>/gluon_g128_ws.json --modes ws4,ws8
 
-Same arithmetic and layouts as services/worker/kernels/w4a8_gemm.py's g128 SWAR kernel (see its module
-doc); tiles are (BLOCK_N weight rows, BLOCK_M tokens), the weight the wgmma's register operand.
+Same arithmetic as services/worker/kernels/w4a8_gemm.py's kernels (see its module doc); tiles are
+(BLOCK_N weight rows, BLOCK_M tokens), the weight the wgmma's A operand.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -148,8 +154,16 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)
 
-    out_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    out_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    _epilogue(acc, sx_ptr, zero_ptr, s1_ptr, rowsum_ptr, out_ptr, ws_ptr, M, N, stride_om, pid_n, pid_k, pid_m,
+              BLOCK_N, BLOCK_M, USE_SPLIT, CHN)
+
+
+@gluon.jit
+def _epilogue(acc, sx_ptr, zero_ptr, s1_ptr, rowsum_ptr, out_ptr, ws_ptr, M, N, stride_om, pid_n, pid_k, pid_m,
+              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, CHN: gl.constexpr):
+    """The int32 tile -> fp16 out (as the Triton kernels' epilogue, op for op), or to its split-K slice."""
+    out_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc.type.layout))
+    out_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc.type.layout))
     mask = (out_n < N)[:, None] & (out_m < M)[None, :]
     if USE_SPLIT:
         gl.store(ws_ptr + pid_k * M * N + out_m[None, :] * N + out_n[:, None], acc, mask=mask)
@@ -164,13 +178,117 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
         gl.store(out_ptr + out_m[None, :] * stride_om + out_n[:, None], y.to(gl.float16), mask=mask)
 
 
+@gluon.jit
+def _ws_unpack_partition(x_ptr, qw_ptr, s2_ptr, zero_ptr, w_lo_ring, w_hi_ring, x_lo_ring, x_hi_ring, ready, empty,
+                         M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn, stride_sn,
+                         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, CHN: gl.constexpr, STAGES: gl.constexpr,
+                         WARPS: gl.constexpr):
+    """Producer warps: each group's packed weight and x rows from global memory, the weight unpacked to int8,
+    both into the ring slot the MMA warps have released; ready[slot] tells them it is filled."""
+    HALF: gl.constexpr = 64
+    w_rows: gl.constexpr = _copy_layout(BLOCK_N, WARPS)
+    x_rows: gl.constexpr = _copy_layout(BLOCK_M, WARPS)
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    g_start = pid_k * GROUPS_PER_SPLIT
+    steps = gl.minimum(g_start + GROUPS_PER_SPLIT, K // (2 * HALF)) - g_start
+    rn = (pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_rows))) % N
+    rm = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_rows))) % M
+    w_k = g_start * HALF + gl.arange(0, HALF, gl.SliceLayout(0, w_rows))
+    x_k = g_start * 2 * HALF + gl.arange(0, HALF, gl.SliceLayout(0, x_rows))
+    w_ptrs = qw_ptr + rn[:, None] * stride_qn + w_k[None, :]
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + x_k[None, :]
+    s2_ptrs = s2_ptr + rn * stride_sn + g_start
+    z_ptrs = zero_ptr + rn * stride_sn + g_start
+    for i in range(steps):
+        slot = i % STAGES
+        # Loads first: they overlap the wait for the slot.
+        packed = gl.load(w_ptrs + i * HALF)
+        x_lo = gl.load(x_ptrs + i * 2 * HALF)
+        x_hi = gl.load(x_ptrs + i * 2 * HALF + HALF)
+        if CHN:
+            w_lo, w_hi = gl.inline_asm_elementwise(
+                asm="and.b32 $0, $2, 0x0F0F0F0F;\n\tshr.u32 $1, $2, 4;\n\tand.b32 $1, $1, 0x0F0F0F0F;",
+                constraints="=r,=r,r", args=[packed], dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
+        else:
+            s2 = gl.load(s2_ptrs + i)
+            z = gl.load(z_ptrs + i)
+            zs = (z.to(gl.int32) * s2.to(gl.int32)).to(gl.uint8)
+            w_lo, w_hi = gl.inline_asm_elementwise(
+                asm=_DEQUANT_SWAR_PTX, constraints="=r,=r,r,r,r", args=[packed, s2[:, None], zs[:, None]],
+                dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
+        # A fresh mbarrier counts as having completed the phase before 0: the first STAGES waits pass.
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        w_lo_ring.index(slot).store(w_lo)
+        w_hi_ring.index(slot).store(w_hi)
+        x_lo_ring.index(slot).store(x_lo)
+        x_hi_ring.index(slot).store(x_hi)
+        fence_async_shared()  # the wgmma reads through the async proxy
+        _cta_barrier()  # every producer warp has stored before its first thread arrives
+        mbarrier.arrive(ready.index(slot), count=1)
+
+
+@gluon.jit
+def _ws_mma_partition(w_lo_ring, w_hi_ring, x_lo_ring, x_hi_ring, ready, empty, K, GROUPS_PER_SPLIT,
+                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """Consumer warps (one warpgroup): a group's two wgmma issued as soon as its slot is ready, the
+    previous group's waited for right after, and its slot released to the producer."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                   instr_shape=[16, BLOCK_M, 32])
+    g_start = gl.program_id(1) * GROUPS_PER_SPLIT
+    steps = gl.minimum(g_start + GROUPS_PER_SPLIT, K // 128) - g_start
+    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.int32, layout=mma)
+    for i in range(steps):
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        acc = warpgroup_mma(w_lo_ring.index(slot), x_lo_ring.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(w_hi_ring.index(slot), x_hi_ring.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))  # the previous group's two are done
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+    return (warpgroup_mma_wait(num_outstanding=0, deps=(acc,)),)  # a tuple: Triton 3.6 flattens the results
+
+
+@gluon.jit
+def _g128_ws_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_ptr, rowsum_ptr,
+                    M, N, K, GROUPS_PER_SPLIT,
+                    stride_xm, stride_qn, stride_sn, stride_om,
+                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, CHN: gl.constexpr,
+                    STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                    num_warps: gl.constexpr):
+    """_g128_kernel's product, warp-specialized: PRODUCER_WARPS warps load and unpack into a ring of
+    STAGES shared-memory slots while num_warps (4: one warpgroup) issue the wgmma, mbarriers between."""
+    HALF: gl.constexpr = 64
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.int8)
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.int8)
+    w_lo_ring = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HALF], w_layout)
+    w_hi_ring = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HALF], w_layout)
+    x_lo_ring = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_M, HALF], x_layout)
+    x_hi_ring = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_M, HALF], x_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    results = gl.warp_specialize([
+        (_ws_mma_partition, (w_lo_ring, w_hi_ring, x_lo_ring, x_hi_ring, ready, empty, K, GROUPS_PER_SPLIT,
+                             BLOCK_N, BLOCK_M, STAGES, num_warps)),
+        (_ws_unpack_partition, (x_ptr, qw_ptr, s2_ptr, zero_ptr, w_lo_ring, w_hi_ring, x_lo_ring, x_hi_ring, ready,
+                                empty, M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn, stride_sn,
+                                BLOCK_N, BLOCK_M, CHN, STAGES, PRODUCER_WARPS)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    _epilogue(results[0], sx_ptr, zero_ptr, s1_ptr, rowsum_ptr, out_ptr, ws_ptr, M, N, stride_om, gl.program_id(0),
+              gl.program_id(1), gl.program_id(2), BLOCK_N, BLOCK_M, USE_SPLIT, CHN)
+
+
 _WORKSPACE: dict = {}
 
 
 def gluon_gemm(x8, sx, weight, rowsum=None, *, block_n=128, block_m=64, warps=8, overlap=True, w_smem=False, split=1,
-               stages=3, out=None):
+               stages=3, producer_warps=0, out=None):
     """x8 (M, K) int8, sx (M,) fp32, a g128 or per-channel weight (rowsum (M,) int32 for the latter) ->
-    (M, N) fp16, as w4a8_g128_gemm / w4a8_channel_gemm."""
+    (M, N) fp16, as w4a8_g128_gemm / w4a8_channel_gemm. producer_warps > 0: the warp-specialized kernel
+    (one consumer warpgroup; warps, overlap and w_smem do not apply)."""
     from services.worker.kernels.w4a8_gemm import _split_k_epilogue
 
     chn = weight.kind == "w4chn"
@@ -195,10 +313,15 @@ def gluon_gemm(x8, sx, weight, rowsum=None, *, block_n=128, block_m=64, warps=8,
             _WORKSPACE["ws"] = torch.empty(need, dtype=torch.int32, device=x8.device)
         ws = _WORKSPACE["ws"]
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
-    _g128_kernel[grid](x8, sx, qw, s2, zero, s1, out, ws, sx if rowsum is None else rowsum, M, N, K, per_split,
-                       x8.stride(0), qw.stride(0), s2.stride(0), out.stride(0),
-                       BLOCK_N=block_n, BLOCK_M=block_m, OVERLAP=overlap, USE_SPLIT=split > 1, W_SMEM=w_smem,
-                       CHN=chn, STAGES=stages, num_warps=warps)
+    args = (x8, sx, qw, s2, zero, s1, out, ws, sx if rowsum is None else rowsum, M, N, K, per_split,
+            x8.stride(0), qw.stride(0), s2.stride(0), out.stride(0))
+    if producer_warps:
+        _g128_ws_kernel[grid](*args, BLOCK_N=block_n, BLOCK_M=block_m, USE_SPLIT=split > 1, CHN=chn, STAGES=stages,
+                              PRODUCER_WARPS=producer_warps, PRODUCER_REGS=128 if producer_warps > 4 else 152,
+                              num_warps=4)
+    else:
+        _g128_kernel[grid](*args, BLOCK_N=block_n, BLOCK_M=block_m, OVERLAP=overlap, USE_SPLIT=split > 1,
+                           W_SMEM=w_smem, CHN=chn, STAGES=stages, num_warps=warps)
     if split > 1:
         _split_k_epilogue(ws, split, sx, s1, zero if chn else s1, rowsum if chn else None, out)
     return out
@@ -206,11 +329,14 @@ def gluon_gemm(x8, sx, weight, rowsum=None, *, block_n=128, block_m=64, warps=8,
 
 # (BLOCK_N, BLOCK_M, warps) by M.
 TILES = {16: (64, 16, 4), 32: (64, 32, 4), 64: (128, 64, 8), 128: (128, 128, 8), 256: (128, 128, 8)}
-# (name, OVERLAP, W_SMEM): wgmma waited at once / one group later with the weight in registers / in shared memory.
-# "overlap" is not safe: nothing keeps ptxas from reusing the in-flight wgmma's A registers before its wait
-# (Gluon's wait lists only the accumulator), and under Triton 3.6 it does (bench/gluon_probe.py lists the
-# writes). It is measured as the upper bound of the register-operand loop; "overlap_smem" is the safe form.
-MODES = (("sync", False, False), ("overlap", True, False), ("overlap_smem", True, True))
+# Each mode's gluon_gemm keywords. "overlap" is not safe: nothing keeps ptxas from reusing the in-flight wgmma's
+# A registers before its wait (Gluon's wait lists only the accumulator), and under Triton 3.6 it does
+# (bench/gluon_probe.py lists the writes); it is measured as the upper bound of the register-operand loop.
+# "overlap_smem" is the safe form. "ws4" / "ws8": warp-specialized, 4 or 8 producer warps unpacking into a
+# shared-memory ring for one wgmma warpgroup; not in the default --modes until a GPU has run them once
+# (a wrong mbarrier phase would hang the run, not just fail a check).
+MODES = {"sync": {"overlap": False}, "overlap": {"overlap": True}, "overlap_smem": {"overlap": True, "w_smem": True},
+         "ws4": {"producer_warps": 4}, "ws8": {"producer_warps": 8}}
 SHAPES = ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))
 
 
@@ -225,6 +351,7 @@ def main():
     p.add_argument("--m", default="16,64,128,256")
     p.add_argument("--kinds", default="w4g128p,w4chn")
     p.add_argument("--splits", default="1,2,4,8")
+    p.add_argument("--modes", default="sync,overlap,overlap_smem", help=f"of {','.join(MODES)}")
     p.add_argument("--policy", default=str(REPO / "bench/results/h200/policy.json"))
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
@@ -233,8 +360,9 @@ def main():
     policy = GemmPolicy.from_manifest(json.loads(Path(a.policy).read_text()))
     result = {"command": " ".join(["python3"] + sys.argv), "machine": {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "host": platform.node()}, "timing": "bench/kernels.py time_calls (CUDA graph of 4 weight sets, L2 read-flushed)",
-        "modes": {name: {"overlap": o, "weight_in_shared_memory": w} for name, o, w in MODES}, "runs": []}
+        "host": platform.node()},
+        "timing": "bench/kernels.py time_calls (CUDA graph of 4 weight sets, L2 read-flushed)",
+        "modes": {name: MODES[name] for name in a.modes.split(",")}, "runs": []}
     t0 = time.time()
     warm_gpu(dev)
     for n, k in SHAPES:
@@ -253,19 +381,19 @@ def main():
                      for w, x in zip(ws, acts)], a.warmup, a.rep)}
                 bn, bm, warps = TILES[m]
                 row["tile"] = f"n{bn}m{bm}w{warps}"
-                for mode, overlap, w_smem in MODES:
+                for mode in a.modes.split(","):
                     best = None
                     for split in (int(v) for v in a.splits.split(",")):
-                        kw = dict(block_n=bn, block_m=bm, warps=warps, overlap=overlap, w_smem=w_smem, split=split)
+                        kw = dict(block_n=bn, block_m=bm, warps=warps, split=split, **MODES[mode])
                         try:
                             out = torch.full((m, n), float("nan"), dtype=torch.float16, device=dev)
                             gluon_gemm(acts[0]["x8"], acts[0]["sx"], ws[0][kind], acts[0]["rowsum"], out=out, **kw)
                             torch.cuda.synchronize()
                             entry = {"split": split, **check_output(out, ref, False)}
                             outs = [torch.empty((m, n), dtype=torch.float16, device=dev) for _ in ws]
-                            entry["us"] = 1e3 * time_calls([lambda w=w, x=x, o=o: gluon_gemm(
-                                x["x8"], x["sx"], w[kind], x["rowsum"], out=o, **kw) for w, x, o in zip(ws, acts, outs)],
-                                a.warmup, a.rep)
+                            calls = [lambda w=w, x=x, o=o: gluon_gemm(x["x8"], x["sx"], w[kind], x["rowsum"], out=o,
+                                                                      **kw) for w, x, o in zip(ws, acts, outs)]
+                            entry["us"] = 1e3 * time_calls(calls, a.warmup, a.rep)
                         except Exception as e:  # a compile or launch failure: recorded, the other modes still run
                             entry = {"split": split, "correct": False, "error": f"{type(e).__name__}: {str(e)[-800:]}"}
                             print(entry["error"], flush=True)

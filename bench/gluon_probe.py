@@ -98,7 +98,8 @@ def register_operand_hazards(sass: str) -> list[str]:
 def main():
     import triton
 
-    from bench.gluon_g128 import _g128_kernel
+    from bench.sass_count import loops
+    from bench.gluon_g128 import _g128_kernel, _g128_ws_kernel
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--block-n", type=int, default=128)
@@ -110,11 +111,19 @@ def main():
                 "s1_ptr": "*fp16", "out_ptr": "*fp16", "ws_ptr": "*i32", "rowsum_ptr": "*i32"}
     print("triton", triton.__version__)
     for overlap, w_smem in ((False, False), (True, False), (True, True)):
-        consts = {"BLOCK_N": a.block_n, "BLOCK_M": a.block_m, "OVERLAP": overlap, "USE_SPLIT": False, "W_SMEM": w_smem, "CHN": a.chn, "STAGES": 3}
+        consts = {"BLOCK_N": a.block_n, "BLOCK_M": a.block_m, "OVERLAP": overlap, "USE_SPLIT": False, "W_SMEM": w_smem,
+                  "CHN": a.chn, "STAGES": 3}
         r = compile_gluon(_g128_kernel, pointers, consts, a.warps)
         print(f"--- OVERLAP={overlap} W_SMEM={w_smem}: {r['regs']} registers, {summarize(r['sass'])}")
         hazards = register_operand_hazards(r["sass"])
         print(f"  register-operand hazards: {len(hazards)}" + "".join(f"\n    {h}" for h in hazards[:8]))
+    for producers in (4, 8):  # warp-specialized: the consumer warpgroup's loop is the shortest one with wgmma
+        consts = {"BLOCK_N": a.block_n, "BLOCK_M": a.block_m, "USE_SPLIT": False, "CHN": a.chn, "STAGES": 3,
+                  "PRODUCER_WARPS": producers, "PRODUCER_REGS": 128 if producers > 4 else 152}
+        r = compile_gluon(_g128_ws_kernel, pointers, consts, 4)
+        mma_loops = [body for body in loops(r["sass"]) if any("IGMMA" in ins for ins in body)]
+        print(f"--- warp-specialized, {producers} producer warps: {r['regs']} registers; wgmma loop "
+              f"{min(map(len, mma_loops))} instructions")
 
 
 if __name__ == "__main__":
