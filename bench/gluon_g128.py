@@ -59,6 +59,22 @@ def _copy_layout(rows, num_warps):
 
 
 @gluon.jit
+def _slice_pointers(x_ptr, qw_ptr, M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn,
+                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, w_rows: gl.constexpr, x_rows: gl.constexpr):
+    """This program's K slice (first 128-group, group count) and the pointers of that group's packed
+    weight bytes (BLOCK_N, 64) and x rows (BLOCK_M, 64) in the copy layouts. Rows past N or M read a
+    valid row and are dropped at the store: no masks in the loops."""
+    g_start = gl.program_id(1) * GROUPS_PER_SPLIT
+    steps = gl.minimum(g_start + GROUPS_PER_SPLIT, K // 128) - g_start
+    rn = (gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_rows))) % N
+    rm = (gl.program_id(2) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_rows))) % M
+    w_k = g_start * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, w_rows))
+    x_k = g_start * 128 + gl.arange(0, 64, layout=gl.SliceLayout(0, x_rows))
+    w_ptrs = qw_ptr + rn[:, None] * stride_qn + w_k[None, :]
+    return g_start, steps, w_ptrs, x_ptr + rm[:, None] * stride_xm + x_k[None, :]
+
+
+@gluon.jit
 def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_ptr, rowsum_ptr,
                  M, N, K, GROUPS_PER_SPLIT,
                  stride_xm, stride_qn, stride_sn, stride_om,
@@ -86,19 +102,9 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
         w_smem = gl.allocate_shared_memory(gl.int8, [4, BLOCK_N, HALF],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.int8))
 
-    pid_n = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    pid_m = gl.program_id(2)
-    g_start = pid_k * GROUPS_PER_SPLIT
-    steps = gl.minimum(g_start + GROUPS_PER_SPLIT, K // (2 * HALF)) - g_start
-    # Rows past N or M read a valid row and are dropped at the store: no masks in the loop.
-    copy_n = (pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_rows))) % N
-    copy_m = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_rows))) % M
-    w_k = g_start * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, w_rows))
-    x_k = g_start * 2 * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, x_rows))
-    w_ptrs = qw_ptr + copy_n[:, None] * stride_qn + w_k[None, :]
-    x_ptrs = x_ptr + copy_m[:, None] * stride_xm + x_k[None, :]
-    rn = (pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))) % N
+    g_start, steps, w_ptrs, x_ptrs = _slice_pointers(x_ptr, qw_ptr, M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn,
+                                                     BLOCK_N, BLOCK_M, w_rows, x_rows)
+    rn = (gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))) % N
     s2_ptrs = s2_ptr + rn * stride_sn + g_start
     z_ptrs = zero_ptr + rn * stride_sn + g_start
 
@@ -154,19 +160,19 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)
 
-    _epilogue(acc, sx_ptr, zero_ptr, s1_ptr, rowsum_ptr, out_ptr, ws_ptr, M, N, stride_om, pid_n, pid_k, pid_m,
-              BLOCK_N, BLOCK_M, USE_SPLIT, CHN)
+    _epilogue(acc, sx_ptr, zero_ptr, s1_ptr, rowsum_ptr, out_ptr, ws_ptr, M, N, stride_om, BLOCK_N, BLOCK_M, USE_SPLIT,
+              CHN)
 
 
 @gluon.jit
-def _epilogue(acc, sx_ptr, zero_ptr, s1_ptr, rowsum_ptr, out_ptr, ws_ptr, M, N, stride_om, pid_n, pid_k, pid_m,
+def _epilogue(acc, sx_ptr, zero_ptr, s1_ptr, rowsum_ptr, out_ptr, ws_ptr, M, N, stride_om,
               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, CHN: gl.constexpr):
     """The int32 tile -> fp16 out (as the Triton kernels' epilogue, op for op), or to its split-K slice."""
-    out_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc.type.layout))
-    out_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc.type.layout))
+    out_n = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc.type.layout))
+    out_m = gl.program_id(2) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc.type.layout))
     mask = (out_n < N)[:, None] & (out_m < M)[None, :]
     if USE_SPLIT:
-        gl.store(ws_ptr + pid_k * M * N + out_m[None, :] * N + out_n[:, None], acc, mask=mask)
+        gl.store(ws_ptr + gl.program_id(1) * M * N + out_m[None, :] * N + out_n[:, None], acc, mask=mask)
     else:
         sx = gl.load(sx_ptr + out_m % M)
         s1 = gl.load(s1_ptr + out_n % N).to(gl.float32)
@@ -188,17 +194,9 @@ def _ws_unpack_partition(x_ptr, qw_ptr, s2_ptr, zero_ptr, w_lo_ring, w_hi_ring, 
     HALF: gl.constexpr = 64
     w_rows: gl.constexpr = _copy_layout(BLOCK_N, WARPS)
     x_rows: gl.constexpr = _copy_layout(BLOCK_M, WARPS)
-    pid_n = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    pid_m = gl.program_id(2)
-    g_start = pid_k * GROUPS_PER_SPLIT
-    steps = gl.minimum(g_start + GROUPS_PER_SPLIT, K // (2 * HALF)) - g_start
-    rn = (pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_rows))) % N
-    rm = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_rows))) % M
-    w_k = g_start * HALF + gl.arange(0, HALF, gl.SliceLayout(0, w_rows))
-    x_k = g_start * 2 * HALF + gl.arange(0, HALF, gl.SliceLayout(0, x_rows))
-    w_ptrs = qw_ptr + rn[:, None] * stride_qn + w_k[None, :]
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + x_k[None, :]
+    g_start, steps, w_ptrs, x_ptrs = _slice_pointers(x_ptr, qw_ptr, M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn,
+                                                     BLOCK_N, BLOCK_M, w_rows, x_rows)
+    rn = (gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_rows))) % N
     s2_ptrs = s2_ptr + rn * stride_sn + g_start
     z_ptrs = zero_ptr + rn * stride_sn + g_start
     for i in range(steps):
@@ -277,8 +275,8 @@ def _g128_ws_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws
                                 empty, M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn, stride_sn,
                                 BLOCK_N, BLOCK_M, CHN, STAGES, PRODUCER_WARPS)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
-    _epilogue(results[0], sx_ptr, zero_ptr, s1_ptr, rowsum_ptr, out_ptr, ws_ptr, M, N, stride_om, gl.program_id(0),
-              gl.program_id(1), gl.program_id(2), BLOCK_N, BLOCK_M, USE_SPLIT, CHN)
+    _epilogue(results[0], sx_ptr, zero_ptr, s1_ptr, rowsum_ptr, out_ptr, ws_ptr, M, N, stride_om, BLOCK_N, BLOCK_M,
+              USE_SPLIT, CHN)
 
 
 _WORKSPACE: dict = {}
