@@ -40,9 +40,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from services.worker.kernels.gemm_common import _DEQUANT_SWAR_PTX as _SWAR  # noqa: E402
+from services.worker.kernels import gemm_common  # noqa: E402
 
-_DEQUANT_SWAR_PTX = gl.constexpr(_SWAR.value)
+# The product kernels' unpacking PTX (services/worker/kernels/gemm_common.py), as Gluon constexprs.
+_DEQUANT_SWAR_PTX = gl.constexpr(gemm_common._DEQUANT_SWAR_PTX.value)
+_SPLIT_NIBBLES_PTX = gl.constexpr(gemm_common._SPLIT_NIBBLES_PTX.value)
 # Triton 3.6 spells the CTA barrier thread_barrier; later releases renamed it barrier.
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 # ... and cp.async async_copy_global_to_shared, later async_load.
@@ -59,13 +61,42 @@ def _copy_layout(rows, num_warps):
 
 
 @gluon.jit
+def _slice_steps(K, GROUPS_PER_SPLIT):
+    """This program's K slice: its first 128-group and how many it has."""
+    g_start = gl.program_id(1) * GROUPS_PER_SPLIT
+    return g_start, gl.minimum(g_start + GROUPS_PER_SPLIT, K // 128) - g_start
+
+
+@gluon.jit
+def _scale_pointers(s2_ptr, zero_ptr, stride_sn, N, g_start, BLOCK_N: gl.constexpr, rows: gl.constexpr):
+    """g128: the pointers of the slice's first group's s2 and zero bytes for this tile's rows, in `rows`'s
+    row slice (a row past N reads a valid row)."""
+    rn = (gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rows))) % N
+    return s2_ptr + rn * stride_sn + g_start, zero_ptr + rn * stride_sn + g_start
+
+
+@gluon.jit
+def _unpack(packed, s2, z, CHN: gl.constexpr):
+    """Packed bytes -> the int8 wgmma operands of a group's low and high halves: the raw codes (CHN), or
+    g128's (q - z) * s2 by SWAR (s2 / z: the rows' bytes, ignored for CHN)."""
+    if CHN:
+        w_lo, w_hi = gl.inline_asm_elementwise(asm=_SPLIT_NIBBLES_PTX, constraints="=r,=r,r", args=[packed],
+                                               dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
+    else:
+        zs = (z.to(gl.int32) * s2.to(gl.int32)).to(gl.uint8)
+        w_lo, w_hi = gl.inline_asm_elementwise(
+            asm=_DEQUANT_SWAR_PTX, constraints="=r,=r,r,r,r", args=[packed, s2[:, None], zs[:, None]],
+            dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
+    return w_lo, w_hi
+
+
+@gluon.jit
 def _slice_pointers(x_ptr, qw_ptr, M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn,
                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, w_rows: gl.constexpr, x_rows: gl.constexpr):
     """This program's K slice (first 128-group, group count) and the pointers of that group's packed
     weight bytes (BLOCK_N, 64) and x rows (BLOCK_M, 64) in the copy layouts. Rows past N or M read a
     valid row and are dropped at the store: no masks in the loops."""
-    g_start = gl.program_id(1) * GROUPS_PER_SPLIT
-    steps = gl.minimum(g_start + GROUPS_PER_SPLIT, K // 128) - g_start
+    g_start, steps = _slice_steps(K, GROUPS_PER_SPLIT)
     rn = (gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_rows))) % N
     rm = (gl.program_id(2) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_rows))) % M
     w_k = g_start * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, w_rows))
@@ -104,9 +135,7 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
 
     g_start, steps, w_ptrs, x_ptrs = _slice_pointers(x_ptr, qw_ptr, M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn,
                                                      BLOCK_N, BLOCK_M, w_rows, x_rows)
-    rn = (gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))) % N
-    s2_ptrs = s2_ptr + rn * stride_sn + g_start
-    z_ptrs = zero_ptr + rn * stride_sn + g_start
+    s2_ptrs, z_ptrs = _scale_pointers(s2_ptr, zero_ptr, stride_sn, N, g_start, BLOCK_N, a_layout)
 
     for s in gl.static_range(STAGES - 1):
         g = gl.minimum(s, steps - 1)  # past the slice's end: a harmless copy of its last group
@@ -120,21 +149,14 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
         acc = warpgroup_mma_init(acc)  # the loop carries the in-flight accumulator
     for i in range(steps):
         slot = i % STAGES
-        if not CHN:
+        s2 = None
+        z = None
+        if not CHN:  # issued before the wait below, so their latency hides behind it
             s2 = gl.load(s2_ptrs + i)
             z = gl.load(z_ptrs + i)
         async_copy.wait_group(STAGES - 2)  # this thread's copies of group i have landed
         _cta_barrier()  # ... and every thread's
-        packed = w_ring.index(slot).load(a_layout)
-        if CHN:
-            w_lo, w_hi = gl.inline_asm_elementwise(
-                asm="and.b32 $0, $2, 0x0F0F0F0F;\n\tshr.u32 $1, $2, 4;\n\tand.b32 $1, $1, 0x0F0F0F0F;",
-                constraints="=r,=r,r", args=[packed], dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
-        else:
-            zs = (z.to(gl.int32) * s2.to(gl.int32)).to(gl.uint8)
-            w_lo, w_hi = gl.inline_asm_elementwise(
-                asm=_DEQUANT_SWAR_PTX, constraints="=r,=r,r,r,r", args=[packed, s2[:, None], zs[:, None]],
-                dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
+        w_lo, w_hi = _unpack(w_ring.index(slot).load(a_layout), s2, z, CHN)
         if W_SMEM:
             w_smem.index((i % 2) * 2).store(w_lo)
             w_smem.index((i % 2) * 2 + 1).store(w_hi)
@@ -196,26 +218,19 @@ def _ws_unpack_partition(x_ptr, qw_ptr, s2_ptr, zero_ptr, w_lo_ring, w_hi_ring, 
     x_rows: gl.constexpr = _copy_layout(BLOCK_M, WARPS)
     g_start, steps, w_ptrs, x_ptrs = _slice_pointers(x_ptr, qw_ptr, M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn,
                                                      BLOCK_N, BLOCK_M, w_rows, x_rows)
-    rn = (gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_rows))) % N
-    s2_ptrs = s2_ptr + rn * stride_sn + g_start
-    z_ptrs = zero_ptr + rn * stride_sn + g_start
+    s2_ptrs, z_ptrs = _scale_pointers(s2_ptr, zero_ptr, stride_sn, N, g_start, BLOCK_N, w_rows)
     for i in range(steps):
         slot = i % STAGES
         # Loads first: they overlap the wait for the slot.
         packed = gl.load(w_ptrs + i * HALF)
         x_lo = gl.load(x_ptrs + i * 2 * HALF)
         x_hi = gl.load(x_ptrs + i * 2 * HALF + HALF)
-        if CHN:
-            w_lo, w_hi = gl.inline_asm_elementwise(
-                asm="and.b32 $0, $2, 0x0F0F0F0F;\n\tshr.u32 $1, $2, 4;\n\tand.b32 $1, $1, 0x0F0F0F0F;",
-                constraints="=r,=r,r", args=[packed], dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
-        else:
+        s2 = None
+        z = None
+        if not CHN:
             s2 = gl.load(s2_ptrs + i)
             z = gl.load(z_ptrs + i)
-            zs = (z.to(gl.int32) * s2.to(gl.int32)).to(gl.uint8)
-            w_lo, w_hi = gl.inline_asm_elementwise(
-                asm=_DEQUANT_SWAR_PTX, constraints="=r,=r,r,r,r", args=[packed, s2[:, None], zs[:, None]],
-                dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
+        w_lo, w_hi = _unpack(packed, s2, z, CHN)
         # A fresh mbarrier counts as having completed the phase before 0: the first STAGES waits pass.
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
         w_lo_ring.index(slot).store(w_lo)
@@ -234,8 +249,7 @@ def _ws_mma_partition(w_lo_ring, w_hi_ring, x_lo_ring, x_hi_ring, ready, empty, 
     previous group's waited for right after, and its slot released to the producer."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, BLOCK_M, 32])
-    g_start = gl.program_id(1) * GROUPS_PER_SPLIT
-    steps = gl.minimum(g_start + GROUPS_PER_SPLIT, K // 128) - g_start
+    _, steps = _slice_steps(K, GROUPS_PER_SPLIT)
     acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.int32, layout=mma)
     for i in range(steps):
         slot = i % STAGES
@@ -279,15 +293,12 @@ def _g128_ws_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws
               USE_SPLIT, CHN)
 
 
-_WORKSPACE: dict = {}
-
-
 def gluon_gemm(x8, sx, weight, rowsum=None, *, block_n=128, block_m=64, warps=8, overlap=True, w_smem=False, split=1,
                stages=3, producer_warps=0, out=None):
     """x8 (M, K) int8, sx (M,) fp32, a g128 or per-channel weight (rowsum (M,) int32 for the latter) ->
     (M, N) fp16, as w4a8_g128_gemm / w4a8_channel_gemm. producer_warps > 0: the warp-specialized kernel
     (one consumer warpgroup; warps, overlap and w_smem do not apply)."""
-    from services.worker.kernels.w4a8_gemm import _split_k_epilogue
+    from services.worker.kernels.w4a8_gemm import WORKSPACE, _split_k_epilogue, _split_workspace_elements, k_slices
 
     chn = weight.kind == "w4chn"
     if chn:
@@ -301,15 +312,8 @@ def gluon_gemm(x8, sx, weight, rowsum=None, *, block_n=128, block_m=64, warps=8,
     assert qw.stride(1) == 1
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
-    groups = K // 128
-    per_split = triton.cdiv(groups, split)
-    split = triton.cdiv(groups, per_split)
-    ws = out
-    if split > 1:
-        need = split * M * N
-        if _WORKSPACE.get("ws") is None or _WORKSPACE["ws"].numel() < need:
-            _WORKSPACE["ws"] = torch.empty(need, dtype=torch.int32, device=x8.device)
-        ws = _WORKSPACE["ws"]
+    per_split, split = k_slices(K, split)
+    ws = WORKSPACE.get(x8.device, _split_workspace_elements(split, M, N))  # the product kernels' split-K scratch
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
     args = (x8, sx, qw, s2, zero, s1, out, ws, sx if rowsum is None else rowsum, M, N, K, per_split,
             x8.stride(0), qw.stride(0), s2.stride(0), out.stride(0))

@@ -45,14 +45,18 @@ def _tile_at(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: t
     return pid_n, pid_m
 
 
+# $0 / $1: the low / high nibble planes of packed word $2 (four bytes at once).
+_SPLIT_NIBBLES_PTX = tl.constexpr("and.b32 $0, $2, 0x0F0F0F0F;\n\tshr.u32 $1, $2, 4;\n\tand.b32 $1, $1, 0x0F0F0F0F;")
+
+
 @triton.jit
 def _split_nibbles(packed, OP_DTYPE: tl.constexpr, FAST_UNPACK: tl.constexpr):
     """(BLOCK_N, 64) uint8 -> the codes of k .. k+63 (low nibbles) and k+64 .. k+127 (high nibbles)."""
     if FAST_UNPACK:
         # Four bytes per 32-bit register, split with two masks and a shift (no per-byte unpacking).
         lo, hi = tl.inline_asm_elementwise(
-            asm="and.b32 $0, $2, 0x0F0F0F0F;\n\tshr.u32 $1, $2, 4;\n\tand.b32 $1, $1, 0x0F0F0F0F;",
-            constraints="=r,=r,r", args=[packed], dtype=(tl.int8, tl.int8), is_pure=True, pack=4,
+            asm=_SPLIT_NIBBLES_PTX, constraints="=r,=r,r", args=[packed], dtype=(tl.int8, tl.int8), is_pure=True,
+            pack=4,
         )
     else:
         lo = (packed & 0xF).to(tl.int8)

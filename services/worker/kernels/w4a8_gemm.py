@@ -475,7 +475,11 @@ def _split_workspace_elements(split: int, M: int, N: int) -> int:
 
 def _k_slices(variant: GemmVariant, M: int, N: int, K: int, split_k: int | None, device: torch.device) -> tuple[int, int]:
     """-> groups per K slice, slices (split_k, or the variant's rule where None; no empty slices)."""
-    split = split_factor(variant, M, N, K, device) if split_k is None else split_k
+    return k_slices(K, split_factor(variant, M, N, K, device) if split_k is None else split_k)
+
+
+def k_slices(K: int, split: int) -> tuple[int, int]:
+    """-> 128-groups per K slice, slices: K cut at most `split` ways in whole groups, no empty slice."""
     groups = K // GROUP_SIZE
     assert 1 <= split <= groups, f"split_k={split} must be in [1, {groups}]"
     per_split = cdiv(groups, split)
