@@ -1,4 +1,4 @@
-"""SASS of bench/gluon_g128.py's Gluon kernel, compiled for sm_90 on a machine without a GPU.
+"""SASS of bench/gluon_g128.py's Gluon kernels, compiled for sm_90 on a machine without a GPU.
 
 Shows whether the loop keeps its wgmma in flight while it loads and unpacks the next group: with
 OVERLAP the loop's `WARPGROUP.DEPBAR` should sit right before its MMAs, after the loads and the
@@ -14,37 +14,10 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-
-def compile_gluon(fn, pointer_types: dict[str, str], constexprs: dict, num_warps: int) -> dict:
-    """-> {"regs", "sass"} of a Gluon kernel compiled for sm_90 (integer arguments specialized as
-    divisible by 16, as real launches are)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    from bench.sass_count import _run, _tools
-
-    try:
-        from triton.experimental.gluon._runtime import GluonASTSource as Source
-    except ImportError:  # Triton 3.6: ASTSource tells a Gluon function by itself
-        from triton.compiler import ASTSource as Source
-    names = fn.arg_names
-    consts = {**constexprs, "num_warps": num_warps}
-    signature = {n: "constexpr" if n in consts else pointer_types.get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts}
-    src = Source(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = _run(_tools() / "cuobjdump", "-res-usage", cubin)
-        sass = _run(_tools() / "nvdisasm", "-c", cubin)
-    return {"regs": int(re.search(r"REG:(\d+)", usage).group(1)), "sass": sass, "ptx": compiled.asm["ptx"]}
 
 
 def summarize(sass: str) -> str:
@@ -98,8 +71,8 @@ def register_operand_hazards(sass: str) -> list[str]:
 def main():
     import triton
 
-    from bench.sass_count import loops
     from bench.gluon_g128 import _g128_kernel, _g128_ws_kernel
+    from bench.sass_count import compile_sass, loops
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--block-n", type=int, default=128)
@@ -113,14 +86,14 @@ def main():
     for overlap, w_smem in ((False, False), (True, False), (True, True)):
         consts = {"BLOCK_N": a.block_n, "BLOCK_M": a.block_m, "OVERLAP": overlap, "USE_SPLIT": False, "W_SMEM": w_smem,
                   "CHN": a.chn, "STAGES": 3}
-        r = compile_gluon(_g128_kernel, pointers, consts, a.warps)
+        r = compile_sass(_g128_kernel, pointers, consts, num_warps=a.warps, gluon=True)
         print(f"--- OVERLAP={overlap} W_SMEM={w_smem}: {r['regs']} registers, {summarize(r['sass'])}")
         hazards = register_operand_hazards(r["sass"])
         print(f"  register-operand hazards: {len(hazards)}" + "".join(f"\n    {h}" for h in hazards[:8]))
     for producers in (4, 8):  # warp-specialized: the consumer warpgroup's loop is the shortest one with wgmma
         consts = {"BLOCK_N": a.block_n, "BLOCK_M": a.block_m, "USE_SPLIT": False, "CHN": a.chn, "STAGES": 3,
                   "PRODUCER_WARPS": producers, "PRODUCER_REGS": 128 if producers > 4 else 152}
-        r = compile_gluon(_g128_ws_kernel, pointers, consts, 4)
+        r = compile_sass(_g128_ws_kernel, pointers, consts, num_warps=4, gluon=True)
         mma_loops = [body for body in loops(r["sass"]) if any("IGMMA" in ins for ins in body)]
         print(f"--- warp-specialized, {producers} producer warps: {r['regs']} registers; wgmma loop "
               f"{min(map(len, mma_loops))} instructions")

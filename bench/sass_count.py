@@ -41,14 +41,21 @@ def _tools() -> Path:
 
 
 def compile_sass(fn, pointer_types: dict[str, str], constexprs: dict, floats=(), num_warps=4, num_stages=1,
-                 maxnreg=None, fp_fusion=True) -> dict:
-    """-> {"regs", "stack", "sass", "layouts"} of fn compiled for sm_90 (pointer_types: arg -> "*fp16"
-    etc.; layouts: the distinct register layouts of its Triton GPU IR)."""
+                 maxnreg=None, fp_fusion=True, gluon=False) -> dict:
+    """-> {"regs", "stack", "sass", "ptx", "layouts"} of fn compiled for sm_90 (pointer_types: arg -> "*fp16"
+    etc.; layouts: the distinct register layouts of its Triton GPU IR). gluon: fn is a Gluon kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if gluon:
+        try:
+            from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+        except ImportError:  # Triton 3.6: ASTSource tells a Gluon function by itself
+            pass
     names = fn.arg_names
+    if "num_warps" in names:  # a Gluon kernel's own parameter
+        constexprs = {**constexprs, "num_warps": num_warps}
     signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "fp32" if n in floats else "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in constexprs and n not in floats and not signature[n].startswith("tensordesc")}
@@ -63,7 +70,7 @@ def compile_sass(fn, pointer_types: dict[str, str], constexprs: dict, floats=(),
         sass = _run(_tools() / "nvdisasm", "-c", cubin)
     regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
     layouts = sorted(set(re.findall(r"#ttg\.blocked<\{[^}]*\}>", compiled.asm["ttgir"])))
-    return {"regs": regs, "stack": stack, "sass": sass, "layouts": layouts}
+    return {"regs": regs, "stack": stack, "sass": sass, "ptx": compiled.asm["ptx"], "layouts": layouts}
 
 
 def _run(tool: Path, *args) -> str:
