@@ -27,17 +27,17 @@ def test_loops_are_backward_branches_with_their_bodies():
 
 
 
-def _sass_count(*args: str) -> str:
-    """bench/sass_count.py's report, in a process without the interpreter that this directory's
-    conftest turns on (ptxas from the triton wheel assembles for sm_90; no GPU needed)."""
+def _sass_count(*args: str, tool: str = "sass_count.py") -> str:
+    """bench/sass_count.py's report (or another bench tool's), in a process without the interpreter that
+    this directory's conftest turns on (ptxas from the triton wheel assembles for sm_90; no GPU needed)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    tool = Path(__file__).resolve().parents[2] / "bench" / "sass_count.py"
-    return subprocess.run([sys.executable, str(tool), *args], env=env, capture_output=True, text=True, check=True,
+    path = Path(__file__).resolve().parents[2] / "bench" / tool
+    return subprocess.run([sys.executable, str(path), *args], env=env, capture_output=True, text=True, check=True,
                           timeout=300).stdout
 
 
@@ -132,15 +132,7 @@ def test_gluon_gemm_experiment_compiles_for_sm90():
     sm_90 under this Triton, the loop kernel in its three modes and the warp-specialized one, and the
     safe loop mode (weight through shared memory) leaves no wgmma register operand that a later
     instruction overwrites before its wait."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    tool = Path(__file__).resolve().parents[2] / "bench" / "gluon_probe.py"
-    out = subprocess.run([sys.executable, str(tool)], env=env, capture_output=True, text=True, check=True,
-                         timeout=300).stdout
+    out = _sass_count(tool="gluon_probe.py")
     modes = [line for line in out.splitlines() if line.startswith("--- ")]
     assert len(modes) == 5 and "IGMMA" in out, out  # three loop modes, two warp-specialized kernels
     smem = out.split("W_SMEM=True")[1]
