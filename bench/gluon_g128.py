@@ -23,6 +23,7 @@ Same arithmetic as services/worker/kernels/w4a8_gemm.py's kernels (see its modul
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import sys
@@ -353,6 +354,7 @@ def main():
     p.add_argument("--m", default="16,64,128,256")
     p.add_argument("--kinds", default="w4g128p,w4chn")
     p.add_argument("--splits", default="1,2,4,8")
+    p.add_argument("--stages", default="3", help="ring depths to sweep with the splits (groups in flight + 1)")
     p.add_argument("--modes", default="sync,overlap,overlap_smem", help=f"of {','.join(MODES)}")
     p.add_argument("--policy", default=str(REPO / "bench/results/h200/policy.json"))
     p.add_argument("--warmup", type=int, default=25)
@@ -385,19 +387,20 @@ def main():
                 row["tile"] = f"n{bn}m{bm}w{warps}"
                 for mode in a.modes.split(","):
                     best = None
-                    for split in (int(v) for v in a.splits.split(",")):
-                        kw = dict(block_n=bn, block_m=bm, warps=warps, split=split, **MODES[mode])
+                    for split, stages in itertools.product(*(map(int, v.split(",")) for v in (a.splits, a.stages))):
+                        kw = dict(block_n=bn, block_m=bm, warps=warps, split=split, stages=stages, **MODES[mode])
                         try:
                             out = torch.full((m, n), float("nan"), dtype=torch.float16, device=dev)
                             gluon_gemm(acts[0]["x8"], acts[0]["sx"], ws[0][kind], acts[0]["rowsum"], out=out, **kw)
                             torch.cuda.synchronize()
-                            entry = {"split": split, **check_output(out, ref, False)}
+                            entry = {"split": split, "stages": stages, **check_output(out, ref, False)}
                             outs = [torch.empty((m, n), dtype=torch.float16, device=dev) for _ in ws]
                             calls = [lambda w=w, x=x, o=o: gluon_gemm(x["x8"], x["sx"], w[kind], x["rowsum"], out=o,
                                                                       **kw) for w, x, o in zip(ws, acts, outs)]
                             entry["us"] = 1e3 * time_calls(calls, a.warmup, a.rep)
                         except Exception as e:  # a compile or launch failure: recorded, the other modes still run
-                            entry = {"split": split, "correct": False, "error": f"{type(e).__name__}: {str(e)[-800:]}"}
+                            entry = {"split": split, "stages": stages, "correct": False,
+                                     "error": f"{type(e).__name__}: {str(e)[-800:]}"}
                             print(entry["error"], flush=True)
                         row.setdefault(f"gluon_{mode}_by_split", []).append(entry)
                         if entry["correct"] and (best is None or entry["us"] < best["us"]):
