@@ -208,39 +208,54 @@ def _epilogue(acc, sx_ptr, zero_ptr, s1_ptr, rowsum_ptr, out_ptr, ws_ptr, M, N, 
 
 
 @gluon.jit
-def _ws_unpack_partition(x_ptr, qw_ptr, s2_ptr, zero_ptr, w_lo_ring, w_hi_ring, x_lo_ring, x_hi_ring, ready, empty,
-                         M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn, stride_sn,
+def _ws_copy_group(w_raw_ring, x_lo_ring, x_hi_ring, empty, w_ptrs, x_ptrs, j, steps, STAGES: gl.constexpr):
+    """Producer: group j's packed weight bytes and x rows copied (cp.async) into ring slot j % STAGES once the
+    MMA warps have released it; past the slice's end an empty commit group keeps the count uniform."""
+    HALF: gl.constexpr = 64
+    if j < steps:
+        slot = j % STAGES
+        # A fresh mbarrier counts as having completed the phase before 0: the first STAGES waits pass.
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+        _copy_to_shared(w_raw_ring.index(slot), w_ptrs + j * HALF)
+        _copy_to_shared(x_lo_ring.index(slot), x_ptrs + j * 2 * HALF)
+        _copy_to_shared(x_hi_ring.index(slot), x_ptrs + j * 2 * HALF + HALF)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _ws_unpack_partition(x_ptr, qw_ptr, s2_ptr, zero_ptr, w_raw_ring, w_lo_ring, w_hi_ring, x_lo_ring, x_hi_ring,
+                         ready, empty, M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn, stride_sn,
                          BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, CHN: gl.constexpr, STAGES: gl.constexpr,
                          WARPS: gl.constexpr):
-    """Producer warps: each group's packed weight and x rows from global memory, the weight unpacked to int8,
-    both into the ring slot the MMA warps have released; ready[slot] tells them it is filled."""
-    HALF: gl.constexpr = 64
+    """Producer warps: each group's packed weight and x rows copied (cp.async) into its ring slot STAGES - 2
+    groups ahead, then the weight unpacked from there into the slot's int8 operands; ready[slot] tells the
+    MMA warps it is filled. Ahead by STAGES - 2, not - 1: the slot a copy waits for is the one the MMA
+    warps release after issuing the group being unpacked now's predecessor, so they never wait on each other."""
+    AHEAD: gl.constexpr = STAGES - 2
     w_rows: gl.constexpr = _copy_layout(BLOCK_N, WARPS)
     x_rows: gl.constexpr = _copy_layout(BLOCK_M, WARPS)
     g_start, steps, w_ptrs, x_ptrs = _slice_pointers(x_ptr, qw_ptr, M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn,
                                                      BLOCK_N, BLOCK_M, w_rows, x_rows)
     s2_ptrs, z_ptrs = _scale_pointers(s2_ptr, zero_ptr, stride_sn, N, g_start, BLOCK_N, w_rows)
+    for j in gl.static_range(AHEAD):
+        _ws_copy_group(w_raw_ring, x_lo_ring, x_hi_ring, empty, w_ptrs, x_ptrs, j, steps, STAGES)
     for i in range(steps):
         slot = i % STAGES
-        # Loads first: they overlap the wait for the slot.
-        packed = gl.load(w_ptrs + i * HALF)
-        x_lo = gl.load(x_ptrs + i * 2 * HALF)
-        x_hi = gl.load(x_ptrs + i * 2 * HALF + HALF)
         s2 = None
         z = None
-        if not CHN:
+        if not CHN:  # issued before the waits below, so their latency hides behind them
             s2 = gl.load(s2_ptrs + i)
             z = gl.load(z_ptrs + i)
-        w_lo, w_hi = _unpack(packed, s2, z, CHN)
-        # A fresh mbarrier counts as having completed the phase before 0: the first STAGES waits pass.
-        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        _ws_copy_group(w_raw_ring, x_lo_ring, x_hi_ring, empty, w_ptrs, x_ptrs, i + AHEAD, steps, STAGES)
+        async_copy.wait_group(AHEAD)  # this thread's copies of group i have landed
+        _cta_barrier()  # ... and every producer thread's
+        w_lo, w_hi = _unpack(w_raw_ring.index(slot).load(w_rows), s2, z, CHN)
         w_lo_ring.index(slot).store(w_lo)
         w_hi_ring.index(slot).store(w_hi)
-        x_lo_ring.index(slot).store(x_lo)
-        x_hi_ring.index(slot).store(x_hi)
         fence_async_shared()  # the wgmma reads through the async proxy
         _cta_barrier()  # every producer warp has stored before its first thread arrives
         mbarrier.arrive(ready.index(slot), count=1)
+    async_copy.wait_group(0)
 
 
 @gluon.jit
@@ -274,6 +289,8 @@ def _g128_ws_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws
     HALF: gl.constexpr = 64
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.int8)
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.int8)
+    w_raw_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HALF],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.uint8))
     w_lo_ring = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HALF], w_layout)
     w_hi_ring = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HALF], w_layout)
     x_lo_ring = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_M, HALF], x_layout)
@@ -286,8 +303,8 @@ def _g128_ws_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws
     results = gl.warp_specialize([
         (_ws_mma_partition, (w_lo_ring, w_hi_ring, x_lo_ring, x_hi_ring, ready, empty, K, GROUPS_PER_SPLIT,
                              BLOCK_N, BLOCK_M, STAGES, num_warps)),
-        (_ws_unpack_partition, (x_ptr, qw_ptr, s2_ptr, zero_ptr, w_lo_ring, w_hi_ring, x_lo_ring, x_hi_ring, ready,
-                                empty, M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn, stride_sn,
+        (_ws_unpack_partition, (x_ptr, qw_ptr, s2_ptr, zero_ptr, w_raw_ring, w_lo_ring, w_hi_ring, x_lo_ring,
+                                x_hi_ring, ready, empty, M, N, K, GROUPS_PER_SPLIT, stride_xm, stride_qn, stride_sn,
                                 BLOCK_N, BLOCK_M, CHN, STAGES, PRODUCER_WARPS)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
     _epilogue(results[0], sx_ptr, zero_ptr, s1_ptr, rowsum_ptr, out_ptr, ws_ptr, M, N, stride_om, BLOCK_N, BLOCK_M,
@@ -319,6 +336,7 @@ def gluon_gemm(x8, sx, weight, rowsum=None, *, block_n=128, block_m=64, warps=8,
     args = (x8, sx, qw, s2, zero, s1, out, ws, sx if rowsum is None else rowsum, M, N, K, per_split,
             x8.stride(0), qw.stride(0), s2.stride(0), out.stride(0))
     if producer_warps:
+        assert stages >= 3, "the warp-specialized ring copies stages - 2 groups ahead"
         _g128_ws_kernel[grid](*args, BLOCK_N=block_n, BLOCK_M=block_m, USE_SPLIT=split > 1, CHN=chn, STAGES=stages,
                               PRODUCER_WARPS=producer_warps, PRODUCER_REGS=128 if producer_warps > 4 else 152,
                               num_warps=4)

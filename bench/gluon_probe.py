@@ -91,7 +91,7 @@ def main():
         hazards = register_operand_hazards(r["sass"])
         print(f"  register-operand hazards: {len(hazards)}" + "".join(f"\n    {h}" for h in hazards[:8]))
     for producers in (4, 8):  # warp-specialized: the consumer warpgroup's loop is the shortest one with wgmma
-        consts = {"BLOCK_N": a.block_n, "BLOCK_M": a.block_m, "USE_SPLIT": False, "CHN": a.chn, "STAGES": 3,
+        consts = {"BLOCK_N": a.block_n, "BLOCK_M": a.block_m, "USE_SPLIT": False, "CHN": a.chn, "STAGES": 4,
                   "PRODUCER_WARPS": producers, "PRODUCER_REGS": 128 if producers > 4 else 152}
         r = compile_sass(_g128_ws_kernel, pointers, consts, num_warps=4, gluon=True)
         mma_loops = [body for body in loops(r["sass"]) if any("IGMMA" in ins for ins in body)]
