@@ -14,7 +14,7 @@ On a GPU this measures them against the Triton kernel the policy table picks and
 Llama-2-7B shapes, every output checked bit for bit against the reference linear:
 
     python3 bench/gluon_g128.py --out bench/results/<gpu>/gluon_g128.json [--m 16,64,128,256 --kinds w4g128p,w4chn]
-    python3 bench/gluon_g128.py --out bench/results/<gpu>/gluon_g128_ws.json --modes ws4,ws8
+    python3 bench/gluon_g128.py --out bench/results/<gpu>/gluon_g128_ws.json --modes ws4,ws8 --stages 4,5
 
 Same arithmetic as services/worker/kernels/w4a8_gemm.py's kernels (see its module doc); tiles are
 (BLOCK_N weight rows, BLOCK_M tokens), the weight the wgmma's A operand.
@@ -354,8 +354,8 @@ TILES = {16: (64, 16, 4), 32: (64, 32, 4), 64: (128, 64, 8), 128: (128, 128, 8),
 # A registers before its wait (Gluon's wait lists only the accumulator), and under Triton 3.6 it does
 # (bench/gluon_probe.py lists the writes); it is measured as the upper bound of the register-operand loop.
 # "overlap_smem" is the safe form. "ws4" / "ws8": warp-specialized, 4 or 8 producer warps unpacking into a
-# shared-memory ring for one wgmma warpgroup; not in the default --modes until a GPU has run them once
-# (a wrong mbarrier phase would hang the run, not just fail a check).
+# shared-memory ring for one wgmma warpgroup; not in the default --modes until a GPU has run the
+# cp.async producer once (a wrong mbarrier phase would hang the run, not just fail a check); they need --stages >= 3.
 MODES = {"sync": {"overlap": False}, "overlap": {"overlap": True}, "overlap_smem": {"overlap": True, "w_smem": True},
          "ws4": {"producer_warps": 4}, "ws8": {"producer_warps": 8}}
 SHAPES = ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))
