@@ -361,6 +361,23 @@ MODES = {"sync": {"overlap": False}, "overlap": {"overlap": True}, "overlap_smem
 SHAPES = ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))
 
 
+def checks(runs: list[dict]) -> list[dict]:
+    """The issue's W4A8-vs-cuBLAS-fp16 targets at each row's M, from the faster of the policy's Triton variant and
+    the correct Gluon modes of this run."""
+    from bench.kernels import TARGETS_FP16
+
+    out = []
+    for row in runs:
+        target = next((t for (lo, hi), t in TARGETS_FP16 if lo <= row["M"] <= hi), None)
+        if target is None:
+            continue
+        best = min([row["triton_policy"]["us"]] + [v for k, v in row.items() if k.endswith("_best_us") and v])
+        ratio = row["cublas_fp16_us"] / best
+        name = f"{row['kind']} {row['N']}x{row['K']} M={row['M']} best W4A8 (Triton or Gluon) vs cuBLAS fp16"
+        out.append({"name": name, "value": ratio, "target": target, "op": ">=", "met": ratio >= target})
+    return out
+
+
 def main():
     from bench.kernels import check_output, time_calls, w4a8_act_set, w4a8_weight_set, warm_gpu, x_sums
     from services.worker.engine.kernel_policy import GemmPolicy
@@ -430,6 +447,7 @@ def main():
                 row["triton_policy_vs_cublas_fp16"] = cublas_us / row["triton_policy"]["us"]
                 print(json.dumps({k2: v for k2, v in row.items() if not k2.endswith("_by_split")}), flush=True)
                 result["runs"].append(row)
+                result["checks"] = checks(result["runs"])
                 Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     result["seconds"] = time.time() - t0
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
