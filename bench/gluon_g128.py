@@ -352,7 +352,8 @@ def gluon_gemm(x8, sx, weight, rowsum=None, *, block_n=128, block_m=64, warps=8,
 TILES = {16: (64, 16, 4), 32: (64, 32, 4), 64: (128, 64, 8), 128: (128, 128, 8), 256: (128, 128, 8)}
 # Each mode's gluon_gemm keywords. "overlap" is not safe: nothing keeps ptxas from reusing the in-flight wgmma's
 # A registers before its wait (Gluon's wait lists only the accumulator), and under Triton 3.6 it does
-# (bench/gluon_probe.py lists the writes; on an H100 its outputs were wrong, bench/results/h100/gluon_g128.json).
+# (bench/gluon_probe.py lists the writes; on an H100 its outputs were wrong, bench/results/h100/gluon_g128.json): opt-in
+# only (--modes overlap).
 # "overlap_smem" is the safe form. "ws4" / "ws8": warp-specialized, 4 or 8 producer warps unpacking into a
 # shared-memory ring for one wgmma warpgroup; not in the default --modes until a GPU has run the
 # cp.async producer once (a wrong mbarrier phase would hang the run, not just fail a check); they need --stages >= 3.
@@ -390,7 +391,7 @@ def main():
     p.add_argument("--kinds", default="w4g128p,w4chn")
     p.add_argument("--splits", default="1,2,4,8")
     p.add_argument("--stages", default="3", help="ring depths to sweep with the splits (groups in flight + 1)")
-    p.add_argument("--modes", default="sync,overlap,overlap_smem", help=f"of {','.join(MODES)}")
+    p.add_argument("--modes", default="sync,overlap_smem", help=f"of {','.join(MODES)}")
     p.add_argument("--policy", default=str(REPO / "bench/results/h200/policy.json"))
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
