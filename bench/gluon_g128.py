@@ -77,6 +77,15 @@ def _scale_pointers(s2_ptr, zero_ptr, stride_sn, N, g_start, BLOCK_N: gl.constex
 
 
 @gluon.jit
+def _copy_group(w_ring, x_lo_ring, x_hi_ring, slot, w_ptrs, x_ptrs, g):
+    """cp.async of group g's packed weight bytes and its x rows' two 64-byte halves into ring slot `slot`."""
+    HALF: gl.constexpr = 64
+    _copy_to_shared(w_ring.index(slot), w_ptrs + g * HALF)
+    _copy_to_shared(x_lo_ring.index(slot), x_ptrs + g * 2 * HALF)
+    _copy_to_shared(x_hi_ring.index(slot), x_ptrs + g * 2 * HALF + HALF)
+
+
+@gluon.jit
 def _unpack(packed, s2, z, CHN: gl.constexpr):
     """Packed bytes -> the int8 wgmma operands of a group's low and high halves: the raw codes (CHN), or
     g128's (q - z) * s2 by SWAR (s2 / z: the rows' bytes, ignored for CHN)."""
@@ -139,10 +148,8 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
     s2_ptrs, z_ptrs = _scale_pointers(s2_ptr, zero_ptr, stride_sn, N, g_start, BLOCK_N, a_layout)
 
     for s in gl.static_range(STAGES - 1):
-        g = gl.minimum(s, steps - 1)  # past the slice's end: a harmless copy of its last group
-        _copy_to_shared(w_ring.index(s), w_ptrs + g * HALF)
-        _copy_to_shared(x_lo_ring.index(s), x_ptrs + g * 2 * HALF)
-        _copy_to_shared(x_hi_ring.index(s), x_ptrs + g * 2 * HALF + HALF)
+        # Past the slice's end: a harmless copy of its last group.
+        _copy_group(w_ring, x_lo_ring, x_hi_ring, s, w_ptrs, x_ptrs, gl.minimum(s, steps - 1))
         async_copy.commit_group()
 
     acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.int32, layout=mma)
@@ -165,11 +172,8 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         fence_async_shared()
         _cta_barrier()  # every warpgroup's previous wgmma is done: its ring slot may be refilled
-        g = gl.minimum(i + STAGES - 1, steps - 1)
-        refill = (i + STAGES - 1) % STAGES
-        _copy_to_shared(w_ring.index(refill), w_ptrs + g * HALF)
-        _copy_to_shared(x_lo_ring.index(refill), x_ptrs + g * 2 * HALF)
-        _copy_to_shared(x_hi_ring.index(refill), x_ptrs + g * 2 * HALF + HALF)
+        _copy_group(w_ring, x_lo_ring, x_hi_ring, (i + STAGES - 1) % STAGES, w_ptrs, x_ptrs,
+                    gl.minimum(i + STAGES - 1, steps - 1))
         async_copy.commit_group()
         if W_SMEM:
             acc = warpgroup_mma(w_smem.index((i % 2) * 2), x_lo_ring.index(slot).permute((1, 0)), acc,
@@ -211,14 +215,10 @@ def _epilogue(acc, sx_ptr, zero_ptr, s1_ptr, rowsum_ptr, out_ptr, ws_ptr, M, N, 
 def _ws_copy_group(w_raw_ring, x_lo_ring, x_hi_ring, empty, w_ptrs, x_ptrs, j, steps, STAGES: gl.constexpr):
     """Producer: group j's packed weight bytes and x rows copied (cp.async) into ring slot j % STAGES once the
     MMA warps have released it; past the slice's end an empty commit group keeps the count uniform."""
-    HALF: gl.constexpr = 64
     if j < steps:
-        slot = j % STAGES
         # A fresh mbarrier counts as having completed the phase before 0: the first STAGES waits pass.
-        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
-        _copy_to_shared(w_raw_ring.index(slot), w_ptrs + j * HALF)
-        _copy_to_shared(x_lo_ring.index(slot), x_ptrs + j * 2 * HALF)
-        _copy_to_shared(x_hi_ring.index(slot), x_ptrs + j * 2 * HALF + HALF)
+        mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
+        _copy_group(w_raw_ring, x_lo_ring, x_hi_ring, j % STAGES, w_ptrs, x_ptrs, j)
     async_copy.commit_group()
 
 
