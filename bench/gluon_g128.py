@@ -86,6 +86,19 @@ def _copy_group(w_ring, x_lo_ring, x_hi_ring, slot, w_ptrs, x_ptrs, g):
 
 
 @gluon.jit
+def _group_scales(s2_ptrs, z_ptrs, i, CHN: gl.constexpr):
+    """g128: group i's s2 and zero bytes of the tile's rows. CHN: the pointers themselves, as
+    placeholders _unpack ignores (a None here does not compile under Triton 3.6)."""
+    if CHN:
+        s2 = s2_ptrs
+        z = z_ptrs
+    else:
+        s2 = gl.load(s2_ptrs + i)
+        z = gl.load(z_ptrs + i)
+    return s2, z
+
+
+@gluon.jit
 def _unpack(packed, s2, z, CHN: gl.constexpr):
     """Packed bytes -> the int8 wgmma operands of a group's low and high halves: the raw codes (CHN), or
     g128's (q - z) * s2 by SWAR (s2 / z: the rows' bytes, ignored for CHN)."""
@@ -157,11 +170,7 @@ def _g128_kernel(x_ptr, sx_ptr, qw_ptr, s2_ptr, zero_ptr, s1_ptr, out_ptr, ws_pt
         acc = warpgroup_mma_init(acc)  # the loop carries the in-flight accumulator
     for i in range(steps):
         slot = i % STAGES
-        s2 = None
-        z = None
-        if not CHN:  # issued before the wait below, so their latency hides behind it
-            s2 = gl.load(s2_ptrs + i)
-            z = gl.load(z_ptrs + i)
+        s2, z = _group_scales(s2_ptrs, z_ptrs, i, CHN)  # before the wait: its latency hides behind it
         async_copy.wait_group(STAGES - 2)  # this thread's copies of group i have landed
         _cta_barrier()  # ... and every thread's
         w_lo, w_hi = _unpack(w_ring.index(slot).load(a_layout), s2, z, CHN)
@@ -241,11 +250,7 @@ def _ws_unpack_partition(x_ptr, qw_ptr, s2_ptr, zero_ptr, w_raw_ring, w_lo_ring,
         _ws_copy_group(w_raw_ring, x_lo_ring, x_hi_ring, empty, w_ptrs, x_ptrs, j, steps, STAGES)
     for i in range(steps):
         slot = i % STAGES
-        s2 = None
-        z = None
-        if not CHN:  # issued before the waits below, so their latency hides behind them
-            s2 = gl.load(s2_ptrs + i)
-            z = gl.load(z_ptrs + i)
+        s2, z = _group_scales(s2_ptrs, z_ptrs, i, CHN)  # before the wait: its latency hides behind it
         _ws_copy_group(w_raw_ring, x_lo_ring, x_hi_ring, empty, w_ptrs, x_ptrs, i + AHEAD, steps, STAGES)
         async_copy.wait_group(AHEAD)  # this thread's copies of group i have landed
         _cta_barrier()  # ... and every producer thread's
