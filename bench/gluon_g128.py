@@ -360,8 +360,8 @@ TILES = {16: (64, 16, 4), 32: (64, 32, 4), 64: (128, 64, 8), 128: (128, 128, 8),
 # (bench/gluon_probe.py lists the writes; on an H100 its outputs were wrong, bench/results/h100/gluon_g128.json): opt-in
 # only (--modes overlap).
 # "overlap_smem" is the safe form. "ws4" / "ws8": warp-specialized, 4 or 8 producer warps unpacking into a
-# shared-memory ring for one wgmma warpgroup; not in the default --modes until a GPU has run the
-# cp.async producer once (a wrong mbarrier phase would hang the run, not just fail a check); they need --stages >= 3.
+# shared-memory ring for one wgmma warpgroup; they need --stages >= 3. Right and hang-free on an H100, but slower
+# than the Triton variants at 22 of 24 points (bench/results/h100/gluon_g128_ws_cpasync.json), so opt-in only.
 MODES = {"sync": {"overlap": False}, "overlap": {"overlap": True}, "overlap_smem": {"overlap": True, "w_smem": True},
          "ws4": {"producer_warps": 4}, "ws8": {"producer_warps": 8}}
 SHAPES = ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))
