@@ -370,11 +370,11 @@ SHAPES = ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))
 def checks(runs: list[dict]) -> list[dict]:
     """The issue's W4A8-vs-cuBLAS-fp16 targets at each row's M, from the faster of the policy's Triton variant and
     the correct Gluon modes of this run."""
-    from bench.kernels import TARGETS_FP16
+    from bench.kernels import fp16_target
 
     out = []
     for row in runs:
-        target = next((t for (lo, hi), t in TARGETS_FP16 if lo <= row["M"] <= hi), None)
+        target = fp16_target(row["M"])
         if target is None:
             continue
         best = min([row["triton_policy"]["us"]] + [v for k, v in row.items() if k.endswith("_best_us") and v])

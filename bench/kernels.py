@@ -39,6 +39,11 @@ TARGETS_FP16 = [((1, 16), 3.0), ((64, 64), 2.5), ((256, 256), 1.5), ((4096, 4096
 TARGET_INT4PACK = ((1, 16), 1.5)
 
 
+def fp16_target(m: int) -> float | None:
+    """The issue's minimum cuBLAS-fp16-over-W4A8 time ratio at M, or None where it sets none."""
+    return next((target for (lo, hi), target in TARGETS_FP16 if lo <= m <= hi), None)
+
+
 def gemm_bytes(kind: str, m: int, n: int, k: int) -> int:
     """Fewest bytes a GEMM moves: weights (with scales) + activations (with scales) + fp16 output."""
     out = 2 * m * n
@@ -485,9 +490,9 @@ class Bench:
                                    ("cublas_fp16", "torch_int_mm", "torch_scaled_mm_fp8", "torch_int4pack_mm")
                                    if "us" in impl.get(b, {})}
             ratios = row["ratios"][kind]
-            for (lo, hi), target in TARGETS_FP16:
-                if lo <= m <= hi and "cublas_fp16" in ratios:
-                    self.check(f"{kind} {n}x{k} M={m} best W4A8 vs cuBLAS fp16", ratios["cublas_fp16"], target)
+            target = fp16_target(m)
+            if target is not None and "cublas_fp16" in ratios:
+                self.check(f"{kind} {n}x{k} M={m} best W4A8 vs cuBLAS fp16", ratios["cublas_fp16"], target)
             (lo, hi), target = TARGET_INT4PACK
             if lo <= m <= hi and "torch_int4pack_mm" in ratios:
                 self.check(f"{kind} {n}x{k} M={m} best W4A8 vs torch._weight_int4pack_mm",
