@@ -154,6 +154,9 @@ class DeploymentCache:
             now = time.monotonic()
             for name in [n for n, used in self._used.items() if now - used > self.IDLE_S]:
                 del self._used[name]
+                entry = self._entries.get(name)
+                if entry is not None and entry[0] is None:  # an unknown name nobody asks for any more
+                    del self._entries[name]
             if self._used:
                 try:
                     await self._read(list(self._used))

@@ -86,14 +86,23 @@ class AutoFallback:
             if verdict is None:
                 continue
             action, reason = verdict
+            changed = await asyncio.to_thread(self._act, name, action, reason, view.revision)
+            if changed is None:  # changed since the snapshot was read: judged again on the next pass
+                log.info("deployment %s changed since revision %d; automatic %s not taken", name, view.revision,
+                         action.value)
+                continue
             log.warning("deployment %s: automatic %s: %s", name, action.value, reason)
-            self.deployments.put(await asyncio.to_thread(self._act, name, action, reason))
+            self.deployments.put(changed)
             acted.append(name)
         return acted
 
-    def _act(self, name: str, action: GuardAction, reason: str) -> DeploymentView:
+    def _act(self, name: str, action: GuardAction, reason: str, revision: int) -> DeploymentView | None:
+        """Takes the action, unless the deployment is no longer at the revision that was judged (a
+        change made meanwhile, e.g. through another gateway: a new canary must not pay for the old one)."""
         with self.registry.transaction() as session:
-            deployment = reg.get_deployment(session, name)
+            deployment = reg.get_deployment(session, name, for_update=True)
+            if deployment.revision != revision:
+                return None
             if deployment.canary_artifact_id is not None:
                 deployment = reg.abort_rollout(session, name, actor=ACTOR, reason=reason)
             if action is GuardAction.FALLBACK:

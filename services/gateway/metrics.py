@@ -52,7 +52,8 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()  # one per gateway, so that gateways in one process do not clash
         labels = ("deployment", "arm", "artifact")
-        self.requests = Counter("qserve_gateway_requests", "Finished Generate requests", labels, registry=self.registry)
+        self.requests = Counter("qserve_gateway_requests", "Finished Generate requests, and attempts that failed "
+                                "before the request moved to another worker (counted as errors of their arm)", labels, registry=self.registry)
         self.errors = Counter("qserve_gateway_errors", "Requests that failed on the serving side", labels,
                               registry=self.registry)
         self.ttft = Histogram("qserve_gateway_time_to_first_token_seconds", "Arrival to first token sent", labels,

@@ -4,6 +4,10 @@ stream and rewrites the final timings as the gateway saw them.
 Failure rules: a worker that fails before any token reached the client is marked unhealthy and the
 request moves to another worker (same artifact, else the baseline); once tokens were delivered the
 stream ends UNAVAILABLE with the count, because replaying on another worker would repeat them. A
+failed attempt that another attempt follows is counted as an error of its own arm and artifact (the
+request's final outcome is counted where it ended): otherwise a canary whose workers fail every request
+before the first token would show no errors, only traffic moved to the baseline, and the automatic
+guard would never take it out. A
 client that cancels has its worker call cancelled and an explicit Worker.Abort sent, so the worker
 frees the KV blocks even if the cancellation is lost on the way."""
 
@@ -116,10 +120,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _generate(self, request: gateway_pb2.GatewayGenerateRequest, arrival: float
                         ) -> AsyncIterator[gateway_pb2.GatewayGenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
+        # The worker-side id must be unique even when clients reuse request ids: a worker refuses a
+        # duplicate (ALREADY_EXISTS), and Worker.Abort by id would stop another client's generation.
+        worker_key = f"{request_id[:128]}.{uuid.uuid4().hex[:16]}"
         deployment = await self.deployments.get(request.deployment)
         trace = Trace(arrival=arrival, route=router.choose(deployment, request.session_key))
         tried: set[str] = set()
         failures: list[str] = []
+        failed_route: Route | None = None  # the route of a failed attempt, counted once another one starts
         counted = True  # a request turned away by admission (load shedding, not a failure) is not counted
         try:
             while True:
@@ -130,13 +138,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         raise AdmissionFull(f"every worker tried is at its admission limit; retry later "
                                             f"({'; '.join(f.removeprefix(_FULL) for f in failures)})") from exc
                     raise
+                if failed_route is not None:
+                    self.metrics.record(deployment.name, failed_route.arm.label, failed_route.artifact.artifact_id,
+                                        Outcome(at=time.time(), server_error=True, ttft_s=None, tpot_s=None, tokens=0))
+                    failed_route = None
                 tried.add(attempt.worker.worker_id)
-                worker_request = _worker_request(request, f"{request_id}.{len(tried)}")
+                worker_request = _worker_request(request, f"{worker_key}.{len(tried)}")
                 async for reply in self._relay(attempt, worker_request, request_id, trace):
                     yield reply
                 if attempt.finished:
                     return
                 failures.append(attempt.failure)
+                if not attempt.failure.startswith(_FULL):  # a full worker is busy, not failing
+                    failed_route = trace.route
                 if trace.delivered:
                     raise NoWorker(
                         f"worker {attempt.worker.address} failed after {trace.delivered} tokens were delivered "

@@ -38,7 +38,11 @@ def create_deployment(
     return deployment
 
 
-def get_deployment(session: Session, name: str) -> Deployment:
+def get_deployment(session: Session, name: str, for_update: bool = False) -> Deployment:
+    """The deployment; with for_update its row stays locked until the transaction ends (a decision
+    taken on what was read cannot race a change made through another gateway)."""
+    if for_update:
+        return _lock(session, name)
     deployment = _find(session, name)
     if deployment is None:
         raise NotFound(f"deployment {name!r} does not exist; existing deployments: {_names(session)}")

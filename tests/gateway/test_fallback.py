@@ -7,10 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 
 import grpc
 
 from services.gateway.config import FallbackBudget
+from services.gateway.fallback import AutoFallback
+from services.gateway.metrics import Outcome
+from shared import registry as reg
 from shared.rpc.qserve.v1 import gateway_pb2
 from tests.gateway.conftest import ADMIN, DEPLOYMENT, arm_of, gateway_stack, run
 
@@ -116,6 +120,32 @@ def test_a_canary_breaking_the_error_budget_is_aborted_and_the_stable_keeps_serv
     run(scenario())
 
 
+def test_a_canary_failing_before_the_first_token_is_aborted_though_its_requests_succeed_elsewhere(artifacts):
+    """Every canary request fails before any token and is served by the baseline instead: the client sees
+    no error, but each failed attempt counts against the canary, so the guard still takes it out."""
+    budget = FallbackBudget(max_error_rate=0.2, max_tpot_p95_s=10.0, window_s=30.0, min_requests=10)
+
+    async def scenario():
+        async with gateway_stack(artifacts, budget=budget, fallback_check_s=0.05) as stack:
+            await stack.add_worker(artifacts.stable, tokens=2, max_running=64)
+            await stack.add_worker(artifacts.baseline, tokens=2, max_running=64)
+            broken = await stack.add_worker(artifacts.canary, tokens=2, max_running=64)
+            broken.worker.fail_before_first = True
+            await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=100), metadata=ADMIN)
+            for i in range(12):
+                await stack.admin.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=broken.worker_id), metadata=ADMIN)
+                assert arm_of(await stack.generate(f"p{i}")) == gateway_pb2.ARM_BASELINE
+            assert len(broken.worker.started) >= 10
+            deployment = await _until(stack, lambda d: not d.HasField("canary"))
+            assert not deployment.HasField("canary") and not deployment.fallback
+            newest = await events(stack)
+            assert (newest[0].kind, newest[0].actor) == ("abort", "auto")
+            assert arm_of(await stack.generate()) == gateway_pb2.ARM_STABLE
+
+    run(scenario())
+
+
 # A stable worker that answers at 50 ms per token breaks this 20 ms TPOT budget.
 SLOW_STABLE_BUDGET = FallbackBudget(max_error_rate=0.5, max_tpot_p95_s=0.02, window_s=30.0, min_requests=5)
 
@@ -172,5 +202,40 @@ def test_healthy_traffic_within_budget_never_falls_back(artifacts):
             await asyncio.gather(*(stack.generate(f"p{i}") for i in range(20)))
             await asyncio.sleep(0.3)
             assert not (await stack.deployment()).fallback
+
+    run(scenario())
+
+
+def test_the_guard_does_not_act_on_a_deployment_changed_since_its_verdict(artifacts):
+    """The guard judges a cached snapshot (up to deployment_cache_s old, changes made through another
+    gateway arrive late). A canary breached its budget; the operator aborted it and started another
+    canary meanwhile. The guard must not abort the new canary for the old one's figures."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            with stack.gateway.registry.transaction() as session:
+                version = reg.register_model_version(session, "tiny", "e" * 64, label="v3")
+                other = reg.reserve_artifact(session, version.id, "w4a8kv4-g128", "cpu").artifact
+                other_canary = reg.mark_artifact_ready(session, other.id, manifest_sha256="b" * 64,
+                                                       content_digest=uuid.uuid4().hex, actor="test").id
+            await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=50), metadata=ADMIN)
+            await asyncio.sleep(0.01)
+            for _ in range(5):  # the canary fails every request
+                stack.gateway.metrics.record(DEPLOYMENT, "canary", artifacts.canary, Outcome(
+                    at=time.time(), server_error=True, ttft_s=None, tpot_s=None, tokens=0))
+            cache = stack.gateway.deployments
+            stale = await cache.get(DEPLOYMENT)
+            assert stale.canary.artifact_id == artifacts.canary
+            # through another gateway: abort the bad canary, start another one
+            with stack.gateway.registry.transaction() as session:
+                reg.abort_rollout(session, DEPLOYMENT, actor="ops", reason="bad")
+                reg.start_rollout(session, DEPLOYMENT, canary_artifact_id=other_canary, percent=5, actor="ops")
+            cache.put(stale)  # this gateway has not seen that change yet
+            guard = AutoFallback(stack.gateway.registry, cache, stack.gateway.metrics,
+                                 FallbackBudget(max_error_rate=0.1, max_tpot_p95_s=10.0, window_s=30.0, min_requests=3))
+            await guard.check()
+            deployment = await stack.deployment()
+            assert deployment.canary.artifact_id == other_canary and deployment.canary_percent == 5, \
+                "the guard aborted a canary it never measured"
 
     run(scenario())

@@ -8,8 +8,10 @@ import asyncio
 import grpc
 import pytest
 
+from services.gateway.deployments import DeploymentCache
+from shared.registry import NotFound, create_registry
 from shared.rpc.qserve.v1 import gateway_pb2
-from tests.gateway.conftest import ADMIN, WORKER, arm_of, gateway_stack, run, tokens_of
+from tests.gateway.conftest import ADMIN, DEPLOYMENT, WORKER, arm_of, gateway_stack, run, tokens_of
 from tests.gateway.fake_worker import FakeWorker, FakeWorkerServer, expected_tokens
 
 
@@ -182,5 +184,49 @@ def test_generate_rejects_bad_requests(artifacts):
                     pass
             assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in raised.value.details()
             assert len(stack.workers[0].worker.started) == 1
+
+    run(scenario())
+
+
+def test_clients_reusing_a_request_id_get_distinct_worker_request_ids(artifacts):
+    """request_id is the caller's id for logs: two clients may both send "1". The worker refuses a
+    duplicate in-flight id, and the gateway's Worker.Abort (on a cancel) names the request by id, so
+    the id the gateway gives the worker must be unique per gateway request."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            worker = (await stack.add_worker(artifacts.stable, tokens=3, delay_s=0.1)).worker
+            request = gateway_pb2.GatewayGenerateRequest(deployment=DEPLOYMENT, text="hi", request_id="1")
+
+            async def generate():
+                return [reply async for reply in stack.gw.Generate(request)]
+
+            first, second = await asyncio.gather(generate(), generate())
+            assert len(worker.started) == 2
+            assert len(set(worker.started)) == 2, f"one worker request id for two client requests: {worker.started}"
+            # the client still sees its own id
+            assert {r.request_id for r in first + second} == {"1"}
+
+    run(scenario())
+
+
+def test_the_deployment_cache_forgets_unknown_names_once_idle(artifacts):
+    """Every Generate for a name that does not exist put an entry in the cache that was never removed:
+    a client sending random deployment names grew the gateway's memory without bound."""
+    async def scenario():
+        registry = create_registry(artifacts.url)
+        try:
+            cache = DeploymentCache(registry, max_age_s=0.02)
+            cache.IDLE_S = 0.05
+            for i in range(20):
+                with pytest.raises(NotFound):
+                    await cache.get(f"nope-{i}")
+            refresh = asyncio.create_task(cache.refresh())
+            await asyncio.sleep(0.3)
+            refresh.cancel()
+            await asyncio.gather(refresh, return_exceptions=True)
+            left = [name for name in cache._entries if name.startswith("nope-")]
+            assert left == [], f"{len(left)} unknown names still cached long after their last use"
+        finally:
+            registry.close()
 
     run(scenario())
