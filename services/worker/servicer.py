@@ -38,10 +38,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if self.draining:
                 raise Draining("this worker is draining and takes no new requests; send it to another worker")
             gen = generation_from_pb(request, self.limits, self.served.tokenizer.encode)
-            self.engine.add_request(
-                gen.request_id, gen.prompt_ids, gen.sampling,
-                lambda out: loop.call_soon_threadsafe(queue.put_nowait, out),
-            )
+
+            def sink(out: RequestOutput) -> None:
+                # Counted here, on the engine's thread: the finish of a request whose caller
+                # cancelled never reaches the stream, and must be counted all the same.
+                if out.finish is not None:
+                    self.metrics.observe_finish(out.finish)
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+
+            self.engine.add_request(gen.request_id, gen.prompt_ids, gen.sampling, sink)
         except WorkerError as exc:
             self.metrics.rejected.labels(exc.code.name).inc()
             await context.abort(exc.code, str(exc))
@@ -53,8 +58,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     done = True
                     await context.abort(grpc.StatusCode.INTERNAL, out.error)
                 done = out.finish is not None
-                if done:
-                    self.metrics.observe_finish(out.finish)
                 yield _response_pb(out)
         finally:
             if not done:  # the caller cancelled (or the stream broke): free the blocks now

@@ -195,3 +195,53 @@ def test_a_finish_found_on_read_back_drops_the_step_already_launched():
     # Overlapped, the step after the EOS had been launched already: it ran, its token was dropped.
     assert len(engine.runner.steps) == (5 if OVERLAP["value"] else 4)
     assert engine.stats().kv_blocks_used == 0
+
+
+class CheckingRunner(ScriptedRunner):
+    """Refuses (as both real runners do) a chunk whose block table does not cover its positions."""
+
+    def step(self, batch: StepBatch) -> torch.Tensor:
+        for c in batch.chunks:
+            if len(c.block_table) * self.block_size < c.start_position + len(c.token_ids):
+                raise RuntimeError(f"sequence {c.seq_id}: block table {c.block_table} too short")
+        return super().step(batch)
+
+
+def test_an_abort_between_schedule_and_launch_does_not_fail_the_other_requests():
+    """abort() (from the event loop's thread) can run after a step was scheduled but before the
+    engine thread builds the step's chunks: the aborted sequence must not be handed to the runner
+    with its new, empty block table, which fails the step for every request in the batch."""
+    limits = EngineLimits(num_blocks=32, max_running=4, max_waiting=4, max_batch_tokens=16, max_context=64)
+    engine = Engine(CheckingRunner([3]), Text(), limits, eos_token_ids=(EOS,), overlap=OVERLAP["value"])
+    outs = {"a": [], "b": []}
+    for rid in outs:
+        engine.add_request(rid, [1, 2, 5], SamplingOptions(max_new_tokens=4), outs[rid].append)
+    engine.step()
+    plain_launch = engine._launch
+
+    def launch_after_an_abort(*args, **kwargs):
+        engine._launch = plain_launch
+        assert engine.abort("a")  # the lock is free here: the event loop's thread may take it
+        return plain_launch(*args, **kwargs)
+
+    engine._launch = launch_after_an_abort
+    while engine.step():
+        pass
+    assert outs["a"][-1].finish.reason is FinishReason.ABORT
+    assert all(o.error is None for o in outs["b"]), outs["b"][-1].error
+    assert outs["b"][-1].finish.reason is FinishReason.LENGTH and outs["b"][-1].finish.generated_tokens == 4
+    assert engine.stats().kv_blocks_used == 0 and engine.num_in_flight == 0
+
+
+def test_an_abort_counts_only_the_tokens_generated_so_far():
+    """Overlapped, the step in flight has appended a placeholder for its not-yet-known token: an
+    abort then must not count it in generated_tokens (nor in the time per output token)."""
+    engine = _engine([3, 4, 5])
+    outs = []
+    engine.add_request("r", [1, 2], SamplingOptions(ignore_eos=True), outs.append)
+    engine.step()
+    engine.step()
+    streamed = [t for o in outs for t in o.token_ids]
+    assert engine.abort("r")
+    finish = outs[-1].finish
+    assert finish.reason is FinishReason.ABORT and finish.generated_tokens == len(streamed)

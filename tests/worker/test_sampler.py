@@ -60,3 +60,13 @@ def test_a_seed_reproduces_the_same_tokens_whatever_the_batch():
     assert batched == alone
     unseeded = {tuple(_draws(SamplingOptions(temperature=1.0), torch.zeros(4096), 4)) for _ in range(3)}
     assert len(unseeded) > 1  # no seed: fresh randomness per request
+
+
+def test_a_tiny_temperature_samples_the_argmax_instead_of_failing_the_step():
+    """A valid (finite, > 0) but tiny fp32 temperature overflows logits / temperature to inf; the
+    softmax then gives NaN and multinomial raises, which failed the whole step (every request
+    batched with it). It must behave as the limit it approaches: the most likely token."""
+    logits = torch.tensor([[1.0, 5.0, 3.0, -2.0]])
+    for temperature in (1e-38, 1e-45, 1e-20):
+        opt = SamplingOptions(temperature=temperature, top_k=3, top_p=0.9, seed=0)
+        assert _draws(opt, logits[0], 3) == [1, 1, 1]

@@ -235,3 +235,22 @@ def test_stop_string_across_tokens_and_stop_token_ids(client, worker):
     got = [t for m in messages for t in m.token_ids]
     assert got == full[: full.index(full[3]) + 1]
     assert messages[-1].finish.reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_a_cancelled_stream_is_counted_in_the_metrics(client, worker):
+    """The finish of a request whose caller cancelled never reaches the (closed) stream: it must
+    still be counted (finished requests by reason abort, generated tokens), as an Abort rpc's is."""
+    registry = worker.server._metrics.registry
+
+    def aborted():
+        return registry.get_sample_value("qserve_worker_requests_total", {"reason": "abort"}) or 0.0
+
+    before = aborted()
+    generated_before = registry.get_sample_value("qserve_worker_generated_tokens_total") or 0.0
+    call = client.Generate(_request(ignore_eos=True), timeout=60)
+    stream = iter(call)
+    next(stream), next(stream)
+    call.cancel()
+    _wait_for(lambda: _idle(client), 5.0, "the cancelled request's blocks to be freed")
+    _wait_for(lambda: aborted() == before + 1, 5.0, "the cancelled request to be counted")
+    assert registry.get_sample_value("qserve_worker_generated_tokens_total") >= generated_before + 2

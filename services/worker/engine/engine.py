@@ -207,8 +207,11 @@ class Engine:
     def _iterate(self) -> bool:
         with self._cond:
             schedule = self._schedule()
+            # Under the same lock as the schedule: an abort right after it gives the sequence a new,
+            # empty block table, and the step must still get the table it was scheduled with.
+            chunks = self._chunks(schedule)
         previous = self._in_flight
-        launched = self._launch(schedule, previous) if schedule.chunks else None
+        launched = self._launch(schedule, chunks, previous) if schedule.chunks else None
         self._in_flight = launched if self.overlap else None
         if previous is not None:
             self._read_back(previous)
@@ -216,23 +219,25 @@ class Engine:
             self._read_back(launched)
         return launched is not None or previous is not None
 
-    def _launch(self, schedule: Schedule, previous: _InFlight | None) -> _InFlight | None:
-        """Queues one model step and its sampling on the device, then books its effect as if done:
-        the chunks count as computed and each due sequence gets a placeholder token, so the next
-        schedule can be made (and the next step launched) before this one's tokens are known."""
+    def _chunks(self, schedule: Schedule) -> list[SequenceChunk]:
+        """The runner's chunks of a schedule (with the lock held)."""
         now = time.monotonic()
-        due = []
         chunks = []
         for c in schedule.chunks:
             seq = c.seq
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
-            if c.completes:
-                due.append(c)
             # The block table is passed as is: an abort during the step gives the sequence a new
             # table (Scheduler._release), and growth happens only in schedule(), on this thread.
             chunks.append(SequenceChunk(seq.seq_id, seq.token_at(c.start, c.num_tokens), c.start, seq.block_table,
                                         c.completes))
+        return chunks
+
+    def _launch(self, schedule: Schedule, chunks: list[SequenceChunk], previous: _InFlight | None) -> _InFlight | None:
+        """Queues one model step and its sampling on the device, then books its effect as if done:
+        the chunks count as computed and each due sequence gets a placeholder token, so the next
+        schedule can be made (and the next step launched) before this one's tokens are known."""
+        due = [c for c, chunk in zip(schedule.chunks, chunks) if chunk.want_logits]
         batch = StepBatch(chunks, previous.token_ids if previous is not None else None)
         try:
             logits = self.runner.step(batch)  # (len(due), V) fp32 on the runner's device
@@ -327,7 +332,7 @@ def _finish_info(seq: Sequence, reason: FinishReason) -> FinishInfo:
     end = time.monotonic()
     total = end - seq.arrival
     ttft = seq.first_token - seq.arrival if seq.first_token is not None else 0.0
-    generated = len(seq.output_ids)
+    generated = sum(1 for t in seq.output_ids if t >= 0)  # not the placeholder of a step in flight (abort)
     tpot = (total - ttft) / (generated - 1) if generated >= 2 else 0.0
     queue = (seq.first_scheduled if seq.first_scheduled is not None else end) - seq.arrival
     return FinishInfo(reason, len(seq.prompt_ids), generated, queue, ttft, tpot, total)

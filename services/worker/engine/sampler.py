@@ -24,7 +24,9 @@ def new_generator(options: SamplingOptions, device: torch.device) -> torch.Gener
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """logits (V,) fp32 -> (V,) fp32 scaled by 1/temperature, -inf outside the top-k / top-p set."""
-    scaled = logits / temperature
+    # Shifted by the max first (the softmax is the same): a tiny temperature then sends the others
+    # to -inf, never the max to +inf (inf - inf is NaN, and multinomial fails the whole step).
+    scaled = (logits - logits.max()) / temperature
     vocab = scaled.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(scaled, top_k).values[-1]
