@@ -22,7 +22,8 @@ class WorkerMetrics:
                               buckets=_TOKEN_BUCKETS, registry=r)
         self.queue = Histogram("qserve_worker_queue_time_seconds", "Arrival to the first scheduling step.",
                                buckets=_LATENCY_BUCKETS, registry=r)
-        self.finished = Counter("qserve_worker_requests", "Finished requests by finish reason.", ["reason"], registry=r)
+        self.finished = Counter("qserve_worker_requests", "Finished requests by finish reason (error: ended by an "
+                                "engine error).", ["reason"], registry=r)
         self.rejected = Counter("qserve_worker_rejected_requests", "Generate calls refused, by status code.",
                                 ["code"], registry=r)
         self.generated = Counter("qserve_worker_generated_tokens", "Tokens generated.", registry=r)
@@ -37,6 +38,9 @@ class WorkerMetrics:
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda read=read: read(stats()))
         self._server = None
+
+    def observe_error(self) -> None:
+        self.finished.labels("error").inc()
 
     def observe_finish(self, finish: FinishInfo) -> None:
         self.finished.labels(finish.reason.name.lower()).inc()

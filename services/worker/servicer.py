@@ -44,6 +44,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 # cancelled never reaches the stream, and must be counted all the same.
                 if out.finish is not None:
                     self.metrics.observe_finish(out.finish)
+                elif out.error is not None:
+                    self.metrics.observe_error()
                 loop.call_soon_threadsafe(queue.put_nowait, out)
 
             self.engine.add_request(gen.request_id, gen.prompt_ids, gen.sampling, sink)

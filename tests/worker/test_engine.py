@@ -245,3 +245,24 @@ def test_an_abort_counts_only_the_tokens_generated_so_far():
     assert engine.abort("r")
     finish = outs[-1].finish
     assert finish.reason is FinishReason.ABORT and finish.generated_tokens == len(streamed)
+
+
+class HalfCharacterText(Text):
+    """Token 9 decodes to "j" and the first byte of a multi-byte character: its text is held back
+    until the character completes, or until the end of the generation."""
+
+    def decode(self, ids):
+        return "".join("j\ufffd" if i == 9 else chr(ord("a") + i) for i in ids)
+
+
+def test_a_stop_string_completed_only_by_the_final_flush_finishes_with_stop():
+    limits = EngineLimits(num_blocks=32, max_running=4, max_waiting=4, max_batch_tokens=16, max_context=64)
+    engine = Engine(ScriptedRunner([9, 3]), HalfCharacterText(), limits, eos_token_ids=(EOS,),
+                    overlap=OVERLAP["value"])
+    outs = []
+    engine.add_request("r", [1, 2], SamplingOptions(max_new_tokens=2, stop=("dj",)), outs.append)
+    while engine.step():
+        pass
+    assert "".join(o.text for o in outs) == ""  # the text before the stop string: none
+    assert outs[-1].finish.reason is FinishReason.STOP
+

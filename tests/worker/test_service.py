@@ -254,3 +254,25 @@ def test_a_cancelled_stream_is_counted_in_the_metrics(client, worker):
     _wait_for(lambda: _idle(client), 5.0, "the cancelled request's blocks to be freed")
     _wait_for(lambda: aborted() == before + 1, 5.0, "the cancelled request to be counted")
     assert registry.get_sample_value("qserve_worker_generated_tokens_total") >= generated_before + 2
+
+
+def test_a_request_ended_by_an_engine_error_is_counted_in_the_metrics(client, worker):
+    """A step that raises ends its requests INTERNAL; they are counted as finished with reason error."""
+    registry = worker.server._metrics.registry
+    engine = worker.server.served.engine
+    before = registry.get_sample_value("qserve_worker_requests_total", {"reason": "error"}) or 0.0
+    step = engine.runner.step
+
+    def failing_once(batch):
+        engine.runner.step = step
+        raise RuntimeError("device lost")
+
+    engine.runner.step = failing_once
+    try:
+        with pytest.raises(grpc.RpcError) as raised:
+            list(client.Generate(_request(max_new_tokens=4), timeout=60))
+    finally:
+        engine.runner.step = step
+    assert raised.value.code() == grpc.StatusCode.INTERNAL
+    assert registry.get_sample_value("qserve_worker_requests_total", {"reason": "error"}) == before + 1
+    _wait_for(lambda: _idle(client), 5.0, "the failed request's blocks to be freed")

@@ -308,7 +308,12 @@ class Engine:
             live.sink(RequestOutput(seq.request_id, [token], text))
         else:
             del seq.output_ids[generated:]  # a step in flight may have appended a placeholder after it
-            self._finish(live, reason, [token], text + live.detok.flush())
+            text += live.detok.flush()
+            if live.detok.stopped and reason in (FinishReason.LENGTH, FinishReason.EOS):
+                # The held-back tail (text before an incomplete character) completed a stop string,
+                # which came before the length limit or the EOS in the text.
+                reason = FinishReason.STOP
+            self._finish(live, reason, [token], text)
 
     def _finish(self, live: _Live, reason: FinishReason, token_ids: list[int], text: str) -> None:
         seq = live.seq
