@@ -49,6 +49,10 @@ def choose(deployment: DeploymentView, session_key: str, rng: random.Random | No
     return Route(Arm.STABLE, deployment.stable)
 
 
-def baseline_route(deployment: DeploymentView) -> Route | None:
-    """Where a request goes when its arm has no healthy worker: the fp16 baseline, if there is one."""
-    return None if deployment.baseline is None else Route(Arm.BASELINE, deployment.baseline)
+def fallback_routes(deployment: DeploymentView, chosen: Route) -> list[Route]:
+    """Where a request goes, in order, when its arm has no healthy worker: a canary's to the vetted
+    stable (what the session would get without the rollout), then the fp16 baseline if there is one."""
+    routes = [Route(Arm.STABLE, deployment.stable)] if chosen.arm is Arm.CANARY else []
+    if deployment.baseline is not None and chosen.arm is not Arm.BASELINE:
+        routes.append(Route(Arm.BASELINE, deployment.baseline))
+    return routes

@@ -2,14 +2,14 @@
 stream and rewrites the final timings as the gateway saw them.
 
 Failure rules: a worker that fails before any token reached the client is marked unhealthy and the
-request moves to another worker (same artifact, else the baseline); once tokens were delivered the
-stream ends UNAVAILABLE with the count, because replaying on another worker would repeat them. A
-failed attempt that another attempt follows is counted as an error of its own arm and artifact (the
-request's final outcome is counted where it ended): otherwise a canary whose workers fail every request
-before the first token would show no errors, only traffic moved to the baseline, and the automatic
-guard would never take it out. A
-client that cancels has its worker call cancelled and an explicit Worker.Abort sent, so the worker
-frees the KV blocks even if the cancellation is lost on the way."""
+request moves to another worker (same artifact, else a canary's request to the stable, else the
+baseline); once tokens were delivered the stream ends UNAVAILABLE with the count, because replaying on
+another worker would repeat them. A failed attempt that another attempt follows is counted as an error
+of its own arm and artifact (the request's final outcome is counted where it ended): otherwise a canary
+whose workers fail every request before the first token would show no errors, only traffic moved
+elsewhere, and the automatic guard would never take it out. A client that cancels has its worker call
+cancelled and an explicit Worker.Abort sent, so the worker frees the KV blocks even if the cancellation
+is lost on the way."""
 
 from __future__ import annotations
 
@@ -169,22 +169,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                     trace.outcome())
 
     def _pick(self, deployment: DeploymentView, trace: Trace, tried: set[str], failures: list[str]) -> PooledWorker:
-        """A worker for the request's arm, or for the baseline when the arm has none left."""
+        """A worker for the request's arm, else for the next of its fallback routes (router.fallback_routes)."""
         chosen = trace.route
         try:
             return self.pool.pick(chosen.artifact.artifact_id, exclude=tried)
         except NoWorker:
-            baseline = router.baseline_route(deployment)
-            if baseline is None or chosen.arm is Arm.BASELINE:
-                raise NoWorker(_unavailable(deployment, chosen, None, failures)) from None
+            pass
+        fallbacks = router.fallback_routes(deployment, chosen)
+        for route in fallbacks:
             try:
-                worker = self.pool.pick(baseline.artifact.artifact_id, exclude=tried)
-            except NoWorker:  # counted against the arm that was chosen: it is the one without workers
-                raise NoWorker(_unavailable(deployment, chosen, baseline, failures)) from None
-            trace.route = baseline
-            log.warning("deployment %s: no healthy worker for the %s arm (%s), sending to the baseline",
-                        deployment.name, chosen.arm.label, chosen.artifact.artifact_id)
+                worker = self.pool.pick(route.artifact.artifact_id, exclude=tried)
+            except NoWorker:
+                continue
+            trace.route = route
+            log.warning("deployment %s: no healthy worker for the %s arm (%s), sending to the %s arm (%s)",
+                        deployment.name, chosen.arm.label, chosen.artifact.artifact_id, route.arm.label,
+                        route.artifact.artifact_id)
             return worker
+        # counted against the arm that was chosen: it is the one without workers
+        raise NoWorker(_unavailable(deployment, chosen, fallbacks, failures))
 
     async def _relay(self, attempt: Attempt, worker_request: worker_pb2.GenerateRequest, request_id: str,
                      trace: Trace) -> AsyncIterator[gateway_pb2.GatewayGenerateResponse]:
@@ -255,10 +258,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
 
 
-def _unavailable(deployment: DeploymentView, chosen: Route, baseline: Route | None, failures: list[str]) -> str:
+def _unavailable(deployment: DeploymentView, chosen: Route, fallbacks: list[Route], failures: list[str]) -> str:
     where = f"artifact {chosen.artifact.artifact_id} ({chosen.arm.label} arm)"
-    if baseline is not None:
-        where += f" nor its baseline {baseline.artifact.artifact_id}"
+    for route in fallbacks:
+        where += f" nor its {route.arm.label} {route.artifact.artifact_id}"
     tried = f"; tried: {'; '.join(failures)}" if failures else ""
     return f"deployment {deployment.name!r}: no healthy worker serves {where}{tried}; retry later"
 

@@ -121,7 +121,7 @@ def test_a_canary_breaking_the_error_budget_is_aborted_and_the_stable_keeps_serv
 
 
 def test_a_canary_failing_before_the_first_token_is_aborted_though_its_requests_succeed_elsewhere(artifacts):
-    """Every canary request fails before any token and is served by the baseline instead: the client sees
+    """Every canary request fails before any token and is served by the stable instead: the client sees
     no error, but each failed attempt counts against the canary, so the guard still takes it out."""
     budget = FallbackBudget(max_error_rate=0.2, max_tpot_p95_s=10.0, window_s=30.0, min_requests=10)
 
@@ -135,7 +135,7 @@ def test_a_canary_failing_before_the_first_token_is_aborted_though_its_requests_
                 deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=100), metadata=ADMIN)
             for i in range(12):
                 await stack.admin.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=broken.worker_id), metadata=ADMIN)
-                assert arm_of(await stack.generate(f"p{i}")) == gateway_pb2.ARM_BASELINE
+                assert arm_of(await stack.generate(f"p{i}")) == gateway_pb2.ARM_STABLE
             assert len(broken.worker.started) >= 10
             deployment = await _until(stack, lambda d: not d.HasField("canary"))
             assert not deployment.HasField("canary") and not deployment.fallback

@@ -167,6 +167,23 @@ def test_an_arm_without_workers_goes_to_the_baseline_and_none_at_all_is_unavaila
     run(scenario())
 
 
+def test_a_canary_without_workers_goes_to_the_stable_then_the_baseline(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=100), metadata=ADMIN)
+            baseline = await stack.add_worker(artifacts.baseline)
+            assert arm_of(await stack.generate()) == gateway_pb2.ARM_BASELINE  # neither canary nor stable workers
+            await stack.add_worker(artifacts.stable)
+            replies = await stack.generate()
+            assert arm_of(replies) == gateway_pb2.ARM_STABLE and replies[0].artifact_id == artifacts.stable
+            await stack.add_worker(artifacts.canary)
+            assert arm_of(await stack.generate()) == gateway_pb2.ARM_CANARY
+            assert len(baseline.worker.started) == 1
+
+    run(scenario())
+
+
 def test_generate_rejects_bad_requests(artifacts):
     async def scenario():
         async with gateway_stack(artifacts) as stack:
