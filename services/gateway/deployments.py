@@ -5,6 +5,7 @@ within deployment_cache_s, while Generate does not query the database per reques
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -13,6 +14,7 @@ from datetime import datetime
 
 import sqlalchemy as sa
 from google.protobuf.timestamp_pb2 import Timestamp
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from shared.registry import Artifact, Deployment, Event, EventKind, NotFound, Registry, get_artifact
@@ -116,6 +118,7 @@ class DeploymentCache:
     seen within max_age_s. A change made through this gateway is put in at once."""
 
     IDLE_S = 60.0  # a deployment nobody asked for this long is no longer refreshed
+    OUTAGE_LOG_S = 30.0  # while the registry is down, how often each deployment's stale routing is logged
 
     def __init__(self, registry: Registry, max_age_s: float):
         self.registry = registry
@@ -123,6 +126,7 @@ class DeploymentCache:
         self._entries: dict[str, tuple[DeploymentView | None, float]] = {}
         self._used: dict[str, float] = {}  # name -> when a request last asked for it
         self._reads: dict[str, asyncio.Task] = {}
+        self._outage_logged: dict[str, float] = {}  # name -> when routing on a stale view was last logged
 
     async def get(self, name: str) -> DeploymentView:
         now = time.monotonic()
@@ -140,6 +144,24 @@ class DeploymentCache:
         if view is None:
             raise NotFound(f"deployment {name!r} does not exist; `qctl deploy create` creates one")
         return view
+
+    async def for_routing(self, name: str) -> DeploymentView:
+        """get(), except through a registry outage: the last view read, without its canary. Traffic keeps
+        flowing on what was vetted, while the guard could not abort a bad canary (nor a change made
+        elsewhere be seen); a name never read still fails UNAVAILABLE."""
+        try:
+            return await self.get(name)
+        except OperationalError:
+            entry = self._entries.get(name)
+            if entry is None or entry[0] is None:
+                raise
+            view, read_at = entry
+            now = time.monotonic()
+            if now - self._outage_logged.get(name, -self.OUTAGE_LOG_S) >= self.OUTAGE_LOG_S:
+                self._outage_logged[name] = now
+                log.warning("registry unreachable: routing deployment %s on its view of %.0f s ago, without its "
+                            "canary", name, now - read_at, exc_info=True)
+            return dataclasses.replace(view, canary=None, canary_percent=0) if view.canary is not None else view
 
     def put(self, view: DeploymentView) -> None:
         self._entries[view.name] = (view, time.monotonic())
@@ -160,7 +182,7 @@ class DeploymentCache:
             if self._used:
                 try:
                     await self._read(list(self._used))
-                except Exception:  # a registry outage: requests read (and report) it themselves
+                except Exception:  # a registry outage: requests read it themselves (for_routing)
                     log.warning("refreshing deployments from the registry failed", exc_info=True)
 
     async def _read(self, names: list[str]) -> dict[str, DeploymentView | None]:

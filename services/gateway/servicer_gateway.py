@@ -123,7 +123,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # The worker-side id must be unique even when clients reuse request ids: a worker refuses a
         # duplicate (ALREADY_EXISTS), and Worker.Abort by id would stop another client's generation.
         worker_key = f"{request_id[:128]}.{uuid.uuid4().hex[:16]}"
-        deployment = await self.deployments.get(request.deployment)
+        deployment = await self.deployments.for_routing(request.deployment)
         trace = Trace(arrival=arrival, route=router.choose(deployment, request.session_key))
         tried: set[str] = set()
         failures: list[str] = []

@@ -7,7 +7,9 @@ import asyncio
 
 import grpc
 import pytest
+from sqlalchemy.exc import OperationalError
 
+from services.gateway import deployments as deployments_module
 from services.gateway.deployments import DeploymentCache
 from shared.registry import NotFound, create_registry
 from shared.rpc.qserve.v1 import gateway_pb2
@@ -180,6 +182,35 @@ def test_a_canary_without_workers_goes_to_the_stable_then_the_baseline(artifacts
             await stack.add_worker(artifacts.canary)
             assert arm_of(await stack.generate()) == gateway_pb2.ARM_CANARY
             assert len(baseline.worker.started) == 1
+
+    run(scenario())
+
+
+def test_a_registry_outage_keeps_routing_on_the_last_view_without_its_canary(artifacts, monkeypatch):
+    """A deployment read before the outage keeps serving, its canary's sessions on the stable (the guard
+    cannot abort a canary while the registry is down); a deployment never read fails UNAVAILABLE."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            await stack.add_worker(artifacts.stable)
+            await stack.add_worker(artifacts.canary)
+            await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=100), metadata=ADMIN)
+            assert arm_of(await stack.generate()) == gateway_pb2.ARM_CANARY
+
+            def down(*_):
+                raise OperationalError("SELECT deployments", {}, ConnectionRefusedError("registry down"))
+
+            monkeypatch.setattr(deployments_module, "read_deployments", down)
+            await asyncio.sleep(2 * stack.gateway.deployments.max_age_s)  # every cached view is now stale
+            for _ in range(3):
+                replies = await stack.generate()
+                assert arm_of(replies) == gateway_pb2.ARM_STABLE and replies[0].artifact_id == artifacts.stable
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.generate(deployment="never-read")
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+            monkeypatch.undo()
+            await asyncio.sleep(2 * stack.gateway.deployments.max_age_s)
+            assert arm_of(await stack.generate()) == gateway_pb2.ARM_CANARY  # back once the registry is
 
     run(scenario())
 
