@@ -23,6 +23,7 @@ QUANTIZER_OPTION = typer.Option(DEFAULT_QUANTIZER, "--quantizer", envvar="QSERVE
 FormatName = Enum("FormatName", {name: name for name in FORMATS}, type=str)
 GpuTarget = Enum("GpuTarget", {name: name for name in GPU_TARGETS}, type=str)
 Q = quantizer_pb2
+UINT32_MAX = 2**32 - 1  # the request's counts are uint32 fields
 
 
 def quantizer_stub(address: str) -> tuple[grpc.Channel, quantizer_pb2_grpc.QuantizerStub]:
@@ -46,13 +47,13 @@ def publish(
     quantizer: str = QUANTIZER_OPTION,
     version_label: str = typer.Option("", "--version-label", help="human label of the model version"),
     calib: str = typer.Option(None, "--calib", help="calibration text file or s3:// URI [default: the quantizer's]"),
-    calib_samples: int = typer.Option(0, help="calibration windows (0: the quantizer's default)"),
-    calib_seq_len: int = typer.Option(0, help="tokens per calibration window (0: the quantizer's default)"),
+    calib_samples: int = typer.Option(0, min=0, max=UINT32_MAX, help="calibration windows (0: the quantizer's default)"),
+    calib_seq_len: int = typer.Option(0, min=0, max=UINT32_MAX, help="tokens per calibration window (0: the quantizer's default)"),
     budget: float = typer.Option(None, "--budget",
                                  help="largest accepted relative perplexity increase, e.g. 0.05 [default: the quantizer's]"),
     eval_data: str = typer.Option(None, "--eval-data", help="eval text file or s3:// URI [default: the quantizer's]"),
-    eval_seq_len: int = typer.Option(0, help="eval window length (0: 512)"),
-    eval_max_windows: int = typer.Option(0, help="score at most this many eval windows (0: all)"),
+    eval_seq_len: int = typer.Option(0, min=0, max=UINT32_MAX, help="eval window length (0: 512)"),
+    eval_max_windows: int = typer.Option(0, min=0, max=UINT32_MAX, help="score at most this many eval windows (0: all)"),
     smooth_attention: bool = typer.Option(None, "--smooth-attention/--no-smooth-attention", help="SmoothAttention"),
     rotation: bool = typer.Option(None, "--rotation/--no-rotation", help="Hadamard rotation of block inputs"),
     smoothing: bool = typer.Option(None, "--smoothing/--no-smoothing", help="smoothing of block outputs"),

@@ -100,11 +100,13 @@ class JobRunner:
                 )
             with self.services.registry.transaction() as session:
                 job = create_job(session, owner=self.config.owner)
-                self._live[job.id] = _Live(spec)
-                self._requests[job.id] = spec
-                while len(self._requests) > KEEP_REQUESTS:
-                    self._requests.popitem(last=False)
-                view = self._view(session, job)
+                job_id = job.id
+            # Only a committed job takes a queue slot: a failed commit must not leave a slot taken forever.
+            self._live[job_id] = _Live(spec)
+            self._requests[job_id] = spec
+            while len(self._requests) > KEEP_REQUESTS:
+                self._requests.popitem(last=False)
+            view = JobView.from_row(job, None, spec)  # a new job: no artifact yet, nothing left to estimate
             self.board.post(Update(view, "queued"))
             self._pool.submit(self._execute, job.id)
         return view

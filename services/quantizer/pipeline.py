@@ -292,7 +292,9 @@ class Pipeline:
                 )
                 finish(session, artifact_id)
         except Exception:
-            if reuse_of is None:  # never leave objects behind an artifact that is not READY
+            # Never leave objects behind an artifact that is not READY, but never delete those of one that is:
+            # the commit may have gone through before its error (a connection lost after COMMIT was sent).
+            if reuse_of is None and not self._ready_after_all(artifact_id):
                 try:
                     self.services.store.delete_prefix(self.claim.object_prefix)
                 except Exception as exc:  # the original error matters more; purge later
@@ -301,3 +303,13 @@ class Pipeline:
         if reuse_of is not None:
             size = sum(f.size for f in Manifest.read(artifact_dir).files)
             self.details = ArtifactDetails(size, self.evaluation)
+
+    def _ready_after_all(self, artifact_id: str) -> bool:
+        """Whether the registry holds the artifact READY despite the error; True when it cannot be read
+        (keeping objects is safe: a retry of the binding replaces them before publishing)."""
+        try:
+            with self.services.registry.sessions() as session:
+                return get_artifact(session, artifact_id).state == ArtifactState.READY
+        except Exception as exc:
+            log.warning("could not read the state of artifact %s after a failed register: %s", artifact_id, exc)
+            return True

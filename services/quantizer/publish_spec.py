@@ -25,6 +25,7 @@ QOQ_STEPS = ("smooth_attention", "rotation", "smoothing", "reorder", "clipping",
 DEFAULT_EVAL_SEQ_LEN = 512
 MAX_SEQ_LEN = 32768
 MAX_CALIB_SAMPLES = 4096
+MAX_EVAL_NAME = 256  # the registry records the eval data name with the artifact (1 to 256 characters)
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,6 +90,12 @@ class PublishSpec:
                 "or start the quantizer with --eval-data)"
             )
         _check_text_file("eval.data", eval_data, config)
+        eval_name = req.eval.name or _stem(eval_data)
+        if not eval_name.strip() or len(eval_name) > MAX_EVAL_NAME:
+            raise InvalidRequest(
+                f"eval.name {eval_name!r} is not accepted: use a non-blank name of at most {MAX_EVAL_NAME} "
+                "characters (or leave it empty for the eval file's name)"
+            )
         return cls(
             source=source,
             model_name=req.model_name,
@@ -102,7 +109,7 @@ class PublishSpec:
             qoq=qoq,
             budget=float(budget),
             eval_data=eval_data,
-            eval_name=req.eval.name or _stem(eval_data),
+            eval_name=eval_name,
             eval_seq_len=_count("eval.seq_len", req.eval.seq_len, DEFAULT_EVAL_SEQ_LEN, 2, MAX_SEQ_LEN),
             eval_max_windows=req.eval.max_windows,
         )

@@ -15,6 +15,8 @@ from shared.registry.errors import Conflict, InvalidState, InvalidValue, NotFoun
 from shared.registry.events import EventKind, append_event
 from shared.registry.models import Artifact, ArtifactState, Deployment, utcnow
 
+BASELINE_FORMAT = "fp16"  # what the fallback switch serves: the unquantized model
+
 
 def create_deployment(
     session: Session, name: str, *, stable_artifact_id: str, baseline_artifact_id: str | None = None, actor: str
@@ -153,6 +155,11 @@ def _ready(session: Session, artifact_id: str, role: str) -> Artifact:
         raise InvalidState(
             f"artifact {artifact_id} is {artifact.state.value} and cannot be a deployment's {role}: "
             f"only a READY artifact can be served"
+        )
+    if role == "baseline" and artifact.format != BASELINE_FORMAT:
+        raise InvalidState(
+            f"artifact {artifact_id} has format {artifact.format!r} and cannot be a deployment's baseline: "
+            f"the baseline is the unquantized fallback, a READY {BASELINE_FORMAT!r} artifact"
         )
     return artifact
 

@@ -159,3 +159,14 @@ def test_the_server_process_names_a_missing_bucket(moto, tmp_path, registry_url)
     assert "error: bucket 'no-such-bucket' does not exist at endpoint" in process.stdout.read()
 
 
+
+
+@pytest.mark.parametrize("name", ["x" * 257, "   "])
+def test_an_eval_name_the_registry_cannot_record_is_refused_at_publish(quantizer, small_model, request_for, name):
+    # The registry records the eval data name (1 to 256 characters, not blank) when the artifact turns READY:
+    # a name it refuses must fail Publish at once, not the job after quantizing, evaluating and uploading.
+    request = request_for(small_model)
+    request.eval.name = name
+    error = _error(quantizer.stub.Publish, request)
+    assert error.code() == INVALID
+    assert "eval.name" in error.details()

@@ -79,3 +79,13 @@ def test_publish_rtn_switches_every_qoq_step_off(quantizer, bucket_store, small_
     for step in ("smooth_attention", "rotation", "rotate_values", "kv_range_search", "smoothing", "reorder", "gptq",
                  "compensate_inputs", "key_feedback"):
         assert options[step] is False, step
+
+
+@pytest.mark.parametrize("option", ["--calib-samples", "--calib-seq-len", "--eval-seq-len", "--eval-max-windows"])
+def test_publish_refuses_a_negative_count_with_one_line(small_texts, tmp_path, option):
+    # These are uint32 fields of the request: a negative value must be a usage error, not a traceback.
+    result = runner.invoke(app, ["publish", "--source", str(tmp_path), "--model-name", "rand", "--format", "fp16",
+                                 "--gpu-target", "cpu", "--quantizer", "127.0.0.1:1", option, "-1"])
+    assert result.exit_code == 2, result.exception
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert option in result.stderr

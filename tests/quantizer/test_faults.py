@@ -161,3 +161,34 @@ def test_stopping_the_quantizer_fails_its_jobs(bucket_store, start_quantizer, re
         job = get_job(session, queued.job_id)
         assert job.state == JobState.FAILED and "the quantizer stopped before the job ran" in job.error
         assert all(a.state != ArtifactState.PENDING for a in list_artifacts(session))
+
+
+def test_a_publish_whose_job_row_did_not_commit_takes_no_queue_slot(bucket_store, start_quantizer, registry_url,
+                                                                    small_model, request_for, monkeypatch):
+    import grpc
+    from contextlib import contextmanager
+
+    from sqlalchemy.exc import OperationalError
+
+    quantizer = start_quantizer(bucket_store, registry_url, workers=1, max_queued=1)
+    registry = quantizer.server.running.runner.services.registry
+
+    @contextmanager
+    def commit_fails():  # the database goes away as the transaction commits: nothing was written
+        session = registry.sessions()
+        try:
+            with session.begin():
+                yield session
+                raise OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"))
+        finally:
+            session.close()
+
+    monkeypatch.setattr(registry, "transaction", commit_fails)
+    for _ in range(2):  # as many as the queue limit (1 running + 1 queued)
+        with pytest.raises(grpc.RpcError) as raised:
+            quantizer.stub.Publish(request_for(small_model))
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    monkeypatch.undo()
+
+    job = quantizer.stub.Publish(request_for(small_model))  # the database is back: the queue is empty
+    assert job.state in (Q.JOB_STATE_QUEUED, Q.JOB_STATE_RUNNING)

@@ -212,3 +212,44 @@ def test_a_calibration_text_too_short_fails_the_job(bucket_store, start_quantize
     assert job.error.startswith("calibrate failed: calibration text short.txt has ")
     assert "fewer than one window of seq_len=64" in job.error
     assert job.artifact.state == common_pb2.ARTIFACT_STATE_FAILED
+
+
+def test_a_register_error_after_the_commit_keeps_the_ready_artifacts_objects(tmp_path, start_quantizer, registry_url,
+                                                                            open_registry, small_model, request_for,
+                                                                            monkeypatch):
+    # The database committed the READY record but the client saw an error (the connection dropped after
+    # COMMIT was sent): the artifact is READY in the registry, so its objects must not be deleted.
+    from contextlib import contextmanager
+
+    from sqlalchemy.exc import OperationalError
+
+    from services.quantizer import pipeline as pipeline_module
+
+    quantizer = start_quantizer(StorageConfig(kind="local", root=tmp_path / "objects"), registry_url, create_bucket=True)
+    registry = quantizer.server.running.runner.services.registry
+    real_transaction, real_ready = registry.transaction, pipeline_module.mark_artifact_ready
+    state = {"armed": False, "fired": False}
+
+    def ready(*args, **kwargs):
+        state["armed"] = True
+        return real_ready(*args, **kwargs)
+
+    @contextmanager
+    def acknowledgement_lost():
+        with real_transaction() as session:
+            yield session
+        if state["armed"] and not state["fired"]:
+            state["fired"] = True
+            raise OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"))
+
+    monkeypatch.setattr(pipeline_module, "mark_artifact_ready", ready)
+    monkeypatch.setattr(registry, "transaction", acknowledgement_lost)
+    job, _ = quantizer.publish(request_for(small_model))
+    monkeypatch.undo()
+
+    assert state["fired"]
+    with open_registry(registry_url).sessions() as session:
+        artifact = get_artifact(session, job.artifact.artifact_id)
+        assert artifact.state == ArtifactState.READY
+        assert get_job(session, job.job_id).state == JobState.SUCCEEDED
+    ArtifactReader(tmp_path / "objects" / artifact.object_prefix)  # every file there, every sha256 right

@@ -106,3 +106,16 @@ def test_only_ready_artifacts_are_served_and_names_are_unique(
         start_rollout(session, "chat", canary_artifact_id=stable.id, percent=5, actor="alice")
     with pytest.raises(NotFound, match="deployment 'code' does not exist; existing deployments: chat"):
         promote(session, "code", actor="alice")
+
+
+def test_a_baseline_must_be_an_fp16_artifact(session: Session, make_ready: Callable) -> None:
+    # The baseline is the unquantized fallback: a quantized artifact there would make the fallback switch
+    # send every request to another quantized model.
+    stable, other = make_ready(session, "w4a8kv4-g128"), make_ready(session, "w4a8kv4-chn")
+    with pytest.raises(InvalidState, match=f"artifact {other.id} has format 'w4a8kv4-chn'.*baseline.*fp16"):
+        create_deployment(session, "chat", stable_artifact_id=stable.id, baseline_artifact_id=other.id, actor="alice")
+    create_deployment(session, "chat", stable_artifact_id=stable.id, actor="alice")
+    with pytest.raises(InvalidState, match=f"artifact {other.id} has format 'w4a8kv4-chn'.*baseline.*fp16"):
+        set_baseline(session, "chat", other.id, actor="alice")
+    assert get_deployment(session, "chat").baseline_artifact_id is None
+    assert [e.kind for e in list_events(session, deployment="chat")] == [EventKind.DEPLOYMENT_CREATE]
