@@ -13,6 +13,8 @@ from services.worker.config import CPU_DEFAULT_BUDGET, GPU_DEFAULT_FRACTION, Wor
 from services.worker.engine.capacity import plan_kv_blocks
 from services.worker.engine.engine import Engine, EngineLimits
 from services.worker.engine.loading import LoadedArtifact, load_runner, open_artifact, runner_formats, worker_gpu_target
+from services.worker.errors import ArtifactCorrupt
+from shared.formats.artifact import ArtifactError
 from shared.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -44,8 +46,11 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
     )
     reader = artifact.reader
     budget = _budget(config, device)  # before loading: the default is a share of what is free now
-    runner = load_runner(reader, device, config.block_size, max_batch_tokens=config.max_batch_tokens,
-                         max_model_len=config.max_context_tokens, max_decode_batch=config.max_running_sequences)
+    try:
+        runner = load_runner(reader, device, config.block_size, max_batch_tokens=config.max_batch_tokens,
+                             max_model_len=config.max_context_tokens, max_decode_batch=config.max_running_sequences)
+    except ArtifactError as exc:  # tensors missing, or not the shapes the manifest's model_config says
+        raise ArtifactCorrupt(f"artifact {reader.manifest.artifact_id} cannot be loaded: {exc}") from exc
     model_config = runner.config
     num_blocks = config.kv_blocks or plan_kv_blocks(
         budget, runner.weight_bytes(), runner.activation_bytes(config.max_batch_tokens), runner.kv_block_bytes(),

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from shared.formats.kv4 import FULL_KV_RANGE, check_key_feedback, range_margin
 from shared.formats.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError
 from shared.formats.spec import FormatSpec, format_spec
-from shared.formats.weights import WEIGHT_KINDS, Fp16Weight, PackedWeight
+from shared.formats.weights import WEIGHT_KINDS, FormatError, Fp16Weight, PackedWeight
 
 EMBED_FILE = "weights/embed.safetensors"
 HEAD_FILE = "weights/head.safetensors"
@@ -137,6 +137,7 @@ class ArtifactReader:
             self.verify()
 
     def verify(self) -> None:
+        self._check_file_list()
         for entry in self.manifest.files:
             path = self.folder / entry.path
             if not path.is_file():
@@ -148,25 +149,112 @@ class ArtifactReader:
             if sha256_file(path) != entry.sha256:
                 raise ArtifactError(f"artifact {self.folder} is corrupt: sha256 of {entry.path} does not match the manifest")
 
+    def _check_file_list(self) -> None:
+        """The manifest's file list must cover exactly the folder's files (every byte a worker reads
+        has a sha256 to check), stay inside the folder, and name the weights of every layer of its
+        model_config and no others."""
+        listed: set[str] = set()
+        for entry in self.manifest.files:
+            path = entry.path
+            parts = path.split("/") if isinstance(path, str) else [""]
+            if (not isinstance(path, str) or path.startswith("/") or "\\" in path
+                    or any(seg in ("", ".", "..") for seg in parts)):
+                raise ArtifactError(f"artifact {self.folder}: manifest file path {path!r} is not a relative path inside the folder")
+            if path == MANIFEST_NAME or path in listed:
+                raise ArtifactError(f"artifact {self.folder}: manifest lists {path!r} twice or lists itself")
+            listed.add(path)
+        num_layers = self.manifest.model_config.get("num_layers")
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ArtifactError(f"artifact {self.folder}: model_config.num_layers {num_layers!r} is not a positive integer")
+        weights = {EMBED_FILE, HEAD_FILE} | {block_file(i) for i in range(num_layers)}
+        missing = sorted(weights - listed)
+        if missing:
+            raise ArtifactError(
+                f"artifact {self.folder} is corrupt: the manifest has no sha256 for {', '.join(missing)} "
+                f"(model_config.num_layers={num_layers})"
+            )
+        extra = sorted(p for p in listed - weights if p.startswith("weights/"))
+        if extra:
+            raise ArtifactError(
+                f"artifact {self.folder} is corrupt: {', '.join(extra)} do not belong to a model of "
+                f"{num_layers} layers (model_config.num_layers)"
+            )
+        on_disk = {
+            p.relative_to(self.folder).as_posix() for p in self.folder.rglob("*") if p.is_file() or p.is_symlink()
+        } - {MANIFEST_NAME}
+        unlisted = sorted(on_disk - listed)
+        if unlisted:
+            raise ArtifactError(
+                f"artifact {self.folder} is corrupt: {', '.join(unlisted)} not in the manifest's file list "
+                "(no sha256 to check it against)"
+            )
+
     def _load(self, relpath: str) -> dict[str, torch.Tensor]:
         path = self.folder / relpath
         if not path.is_file():
             raise ArtifactError(f"artifact {self.folder} lacks {relpath}")
         return load_file(str(path))
 
+    def _shape(self, relpath: str, name: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
+        if tuple(got) != tuple(expected):
+            raise ArtifactError(
+                f"artifact {self.folder}: {relpath}: {name} is {tuple(got)}, but the manifest's model_config "
+                f"needs {tuple(expected)}"
+            )
+
+    def _config(self, *names: str) -> tuple[int, ...]:
+        config = self.manifest.model_config
+        try:
+            return tuple(int(config[n]) for n in names)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ArtifactError(f"artifact {self.folder}: model_config lacks a usable {e}") from None
+
+    def _tensor(self, relpath: str, t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        try:
+            return t[name]
+        except KeyError:
+            raise ArtifactError(f"artifact {self.folder}: {relpath} lacks tensor {name!r}") from None
+
     def embed(self) -> torch.Tensor:
-        return self._load(EMBED_FILE)["embed"]
+        vocab, hidden = self._config("vocab_size", "hidden_size")
+        embed = self._tensor(EMBED_FILE, self._load(EMBED_FILE), "embed")
+        self._shape(EMBED_FILE, "embed", embed.shape, (vocab, hidden))
+        return embed
 
     def head(self) -> tuple[torch.Tensor, Fp16Weight]:
+        vocab, hidden = self._config("vocab_size", "hidden_size")
         t = self._load(HEAD_FILE)
-        return t["final_norm"], Fp16Weight.from_tensors("lm_head", t)
+        final_norm = self._tensor(HEAD_FILE, t, "final_norm")
+        try:
+            lm_head = Fp16Weight.from_tensors("lm_head", t)
+        except FormatError as e:
+            raise ArtifactError(f"artifact {self.folder}: {HEAD_FILE}: {e}") from None
+        self._shape(HEAD_FILE, "final_norm", final_norm.shape, (hidden,))
+        self._shape(HEAD_FILE, "lm_head.weight", lm_head.weight.shape, (vocab, hidden))
+        return final_norm, lm_head
 
     def block(self, i: int) -> tuple[dict[str, torch.Tensor], dict[str, PackedWeight]]:
-        """-> norms {attn_norm, mlp_norm}, linears {qkv, o, gate_up, down}."""
-        t = self._load(block_file(i))
+        """-> norms {attn_norm, mlp_norm}, linears {qkv, o, gate_up, down}, their shapes checked
+        against the manifest's model_config."""
+        hidden, inter, heads, kv_heads, head_dim, layers = self._config(
+            "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "num_layers")
+        relpath = block_file(i)
+        if not 0 <= i < layers:
+            raise ArtifactError(f"artifact {self.folder}: block {i} is outside the model's {layers} layers")
+        t = self._load(relpath)
         kind = WEIGHT_KINDS[self.spec.weight_kind]
-        norms = {"attn_norm": t["attn_norm"], "mlp_norm": t["mlp_norm"]}
-        return norms, {name: kind.from_tensors(name, t) for name in BLOCK_LINEARS}
+        norms = {name: self._tensor(relpath, t, name) for name in ("attn_norm", "mlp_norm")}
+        try:
+            linears = {name: kind.from_tensors(name, t) for name in BLOCK_LINEARS}
+        except FormatError as e:
+            raise ArtifactError(f"artifact {self.folder}: {relpath}: {e}") from None
+        q, kv = heads * head_dim, kv_heads * head_dim
+        expected = {"qkv": (q + 2 * kv, hidden), "o": (hidden, q), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+        for name, norm in norms.items():
+            self._shape(relpath, name, norm.shape, (hidden,))
+        for name, w in linears.items():
+            self._shape(relpath, f"{name} (out, in features)", (w.out_features, w.in_features), expected[name])
+        return norms, linears
 
     def _optional_block_tensor(self, i: int, name: str, check) -> torch.Tensor | None:
         """Block i's tensor `name` after check(tensor) (a ValueError becomes an ArtifactError), or

@@ -74,15 +74,23 @@ class Manifest:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise ManifestError(f"manifest is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise ManifestError(f"manifest must be a JSON object, got {type(d).__name__}")
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ManifestError(f"manifest schema_version {version!r} is not supported (this build reads {SCHEMA_VERSION})")
         try:
             d["files"] = [FileEntry(**f) for f in d.get("files", [])]
             d["evaluation"] = Evaluation(**d["evaluation"]) if d.get("evaluation") else None
-            return cls(**d)
+            manifest = cls(**d)
         except TypeError as e:
             raise ManifestError(f"manifest has missing or unknown fields: {e}") from e
+        if not isinstance(manifest.model_config, dict):
+            raise ManifestError(f"manifest model_config must be an object, got {type(manifest.model_config).__name__}")
+        for f in manifest.files:
+            if not (isinstance(f.path, str) and isinstance(f.sha256, str) and type(f.size) is int and f.size >= 0):
+                raise ManifestError(f"manifest file entry {f!r} needs a path, a sha256 string and a size in bytes")
+        return manifest
 
     def write(self, folder: Path) -> Path:
         path = Path(folder) / MANIFEST_NAME

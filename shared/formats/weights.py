@@ -30,9 +30,16 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtyp
         raise FormatError(f"{name}: expected {tuple(shape)} {dtype}, got {tuple(t.shape)} {t.dtype}")
 
 
+def _check_groups(half_k: int) -> None:
+    """4-bit kinds pack K in chunks of WEIGHT_PACK_CHUNK (= GROUP_SIZE): K must be a multiple of it."""
+    if (half_k * 2) % WEIGHT_PACK_CHUNK:
+        raise FormatError(f"qweight: K = {half_k * 2} is not a multiple of the group / pack size {WEIGHT_PACK_CHUNK}")
+
+
 @dataclass(slots=True)
 class PackedWeight:
     kind: ClassVar[str]
+    codes_per_byte: ClassVar[int] = 1  # along K in the first tensor: 2 for the 4-bit kinds' (N, K // 2) qweight
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         return {f"{prefix}.{f.name}": getattr(self, f.name).contiguous() for f in fields(self)}
@@ -47,6 +54,10 @@ class PackedWeight:
     @property
     def out_features(self) -> int:
         return getattr(self, fields(self)[0].name).shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return getattr(self, fields(self)[0].name).shape[1] * self.codes_per_byte
 
     def dequantize(self) -> torch.Tensor:
         raise NotImplementedError
@@ -91,6 +102,7 @@ class W4G128ProgressiveWeight(PackedWeight):
     """
 
     kind: ClassVar[str] = "w4g128p"
+    codes_per_byte: ClassVar[int] = 2
     qweight: torch.Tensor  # (N, K // 2) uint8, nibbles packed by nibbles.pack_halves in chunks of 128
     s1: torch.Tensor  # (N,) fp16, level-1 per-channel scale
     s2: torch.Tensor  # (N, G) uint8 in [1, 16], level-2 group scale (an integer on the int8 grid)
@@ -99,6 +111,7 @@ class W4G128ProgressiveWeight(PackedWeight):
     def __post_init__(self):
         n, half_k = self.qweight.shape
         g = half_k * 2 // GROUP_SIZE
+        _check_groups(half_k)
         _check("qweight", self.qweight, (n, half_k), torch.uint8)
         _check("s1", self.s1, (n,), torch.float16)
         _check("s2", self.s2, (n, g), torch.uint8)
@@ -126,12 +139,14 @@ class W4ChannelWeight(PackedWeight):
     """
 
     kind: ClassVar[str] = "w4chn"
+    codes_per_byte: ClassVar[int] = 2
     qweight: torch.Tensor  # (N, K // 2) uint8, nibbles packed by nibbles.pack_halves in chunks of 128
     scale: torch.Tensor  # (N,) fp16
     zero: torch.Tensor  # (N,) fp16, an integer in [0, 15]
 
     def __post_init__(self):
         n, half_k = self.qweight.shape
+        _check_groups(half_k)
         _check("qweight", self.qweight, (n, half_k), torch.uint8)
         _check("scale", self.scale, (n,), torch.float16)
         _check("zero", self.zero, (n,), torch.float16)
@@ -148,6 +163,7 @@ class W4G128Weight(PackedWeight):
     """Per-group asymmetric uint4 with fp16 scales (w4a16-g128, weight-only): w = (q - zero) * scale."""
 
     kind: ClassVar[str] = "w4g128"
+    codes_per_byte: ClassVar[int] = 2
     qweight: torch.Tensor  # (N, K // 2) uint8, nibbles packed by nibbles.pack_halves in chunks of 128
     scale: torch.Tensor  # (N, G) fp16
     zero: torch.Tensor  # (N, G) uint8 in [0, 15]
@@ -155,6 +171,7 @@ class W4G128Weight(PackedWeight):
     def __post_init__(self):
         n, half_k = self.qweight.shape
         g = half_k * 2 // GROUP_SIZE
+        _check_groups(half_k)
         _check("qweight", self.qweight, (n, half_k), torch.uint8)
         _check("scale", self.scale, (n, g), torch.float16)
         _check("zero", self.zero, (n, g), torch.uint8)

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InvalidKey, ObjectNotFound, StorageError
+from .hashing import sha256_file
 from .keys import STAGING_ROOT, check_key, check_prefix, folder_prefix
+
+MANIFEST_NAME = "manifest.json"  # shared.formats.manifest.MANIFEST_NAME (storage does not import formats)
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +143,14 @@ class ObjectStore(abc.ABC):
             for info in staged:
                 self._verify(info)
             published = []
-            for (rel, _path), info in zip(files, staged):
+            # The manifest goes last: its presence marks the prefix as an artifact (a worker finds
+            # an artifact id by it), so it must not appear before every file it lists is in place.
+            order = sorted(zip(files, staged), key=lambda pair: pair[0][0] == MANIFEST_NAME)
+            for (rel, _path), info in order:
                 written.append(final + rel)
                 self.move(info.key, final + rel)
                 published.append(ObjectInfo(final + rel, info.size, info.sha256))
+            published.sort(key=lambda info: info.key)
         except BaseException as exc:
             leftover = self._discard(written, staging, final)
             if not isinstance(exc, Exception):
@@ -196,9 +203,18 @@ class ObjectStore(abc.ABC):
                 downloaded.append(got)
                 if progress is not None:
                     progress(got)
-            if local_dir.exists():
-                local_dir.rmdir()
-            os.replace(tmp_dir, local_dir)
+            try:
+                if local_dir.exists():
+                    local_dir.rmdir()
+                os.replace(tmp_dir, local_dir)
+            except OSError:
+                # Another download of the same objects (a second worker sharing this cache) may have
+                # put its complete, verified copy there first: that copy is as good as this one.
+                if not _holds(local_dir, downloaded, src):
+                    raise
+                log.info("%s was downloaded into %s meanwhile by another process; using that copy",
+                         self.uri(src), local_dir)
+                shutil.rmtree(tmp_dir, ignore_errors=True)
         except OSError as exc:
             shutil.rmtree(tmp_dir, ignore_errors=True)
             raise StorageError(f"download of {self.uri(src)} into {local_dir} failed: {exc}") from exc
@@ -253,6 +269,19 @@ def _check_same(where: str, stored: ObjectInfo, reference: ObjectInfo, *, what: 
             f"verification of {where} failed: the object's sha256 is {stored.sha256}, "
             f"the {what}'s {reference.sha256}"
         )
+
+
+def _holds(folder: Path, objects: list[ObjectInfo], src: str) -> bool:
+    """Whether folder holds exactly these downloaded objects (keys under src), byte for byte."""
+    try:
+        if not folder.is_dir():
+            return False
+        expected = {info.key[len(src) :]: info for info in objects}
+        if {rel for rel, _path in _files_under(folder)} != set(expected):
+            return False
+        return all(sha256_file(folder / rel) == (info.size, info.sha256) for rel, info in expected.items())
+    except (OSError, StorageError):
+        return False
 
 
 def _files_under(folder: Path) -> list[tuple[str, Path]]:

@@ -47,3 +47,16 @@ def test_other_schema_versions_are_refused(tmp_path):
 def test_missing_manifest_says_not_an_artifact(tmp_path):
     with pytest.raises(ManifestError, match="not an artifact folder"):
         Manifest.read(tmp_path)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: [d],  # not an object at all
+    lambda d: {**d, "model_config": ["hidden_size", 8]},
+    lambda d: {**d, "files": [{"path": "weights/embed.safetensors", "sha256": "2" * 64, "size": "10"}]},
+    lambda d: {**d, "files": [{"path": None, "sha256": "2" * 64, "size": 10}]},
+])
+def test_a_manifest_of_the_wrong_shape_is_a_manifest_error(edit):
+    """A worker refuses these with a clear error (ManifestError -> ArtifactCorrupt), not a crash."""
+    d = json.loads(_manifest(files=[FileEntry("weights/embed.safetensors", "2" * 64, 10)]).to_json())
+    with pytest.raises(ManifestError):
+        Manifest.from_json(json.dumps(edit(d)))

@@ -40,3 +40,21 @@ def test_clip_ratio_shrinks_the_range():
     full = WEIGHT_QUANTIZERS["w4chn"][0](w)
     clipped = WEIGHT_QUANTIZERS["w4chn"][0](w, torch.full((4,), 0.5))
     assert (clipped.scale.float() < full.scale.float()).all()
+
+
+@pytest.mark.parametrize("kind", ["w4g128p", "w4chn", "w4g128"])
+def test_a_4bit_weight_whose_k_is_not_a_multiple_of_the_group_is_refused(kind):
+    """K = 192: one group of 128 and 64 columns that no group scale covers; the kernels would read
+    past the codes. Refused when built (from an artifact's tensors), not at the first GEMM."""
+    n, k = 4, 192
+    cls = WEIGHT_KINDS[kind]
+    tensors = {
+        "w4g128p": dict(qweight=torch.zeros(n, k // 2, dtype=torch.uint8), s1=torch.ones(n, dtype=torch.float16),
+                        s2=torch.ones(n, 1, dtype=torch.uint8), zero=torch.zeros(n, 1, dtype=torch.uint8)),
+        "w4chn": dict(qweight=torch.zeros(n, k // 2, dtype=torch.uint8), scale=torch.ones(n, dtype=torch.float16),
+                      zero=torch.zeros(n, dtype=torch.float16)),
+        "w4g128": dict(qweight=torch.zeros(n, k // 2, dtype=torch.uint8), scale=torch.ones(n, 1, dtype=torch.float16),
+                       zero=torch.zeros(n, 1, dtype=torch.uint8)),
+    }[kind]
+    with pytest.raises(FormatError, match="multiple of"):
+        cls(**tensors)
