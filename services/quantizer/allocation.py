@@ -17,7 +17,6 @@ from sqlalchemy.orm import Session
 from shared.registry import (
     Artifact,
     ArtifactState,
-    InvalidState,
     JobState,
     Model,
     ModelVersion,
@@ -106,15 +105,14 @@ def _try_claim(session: Session, job_id: str, binding: Binding, actor: str) -> t
     artifact = reservation.artifact
     if reservation.created:
         return _own(session, job_id, artifact), None
+    # Locked before its state and its job are read: a job claiming it at the same time (PostgreSQL)
+    # commits first, and this one then sees that job as the holder instead of taking it over too.
+    artifact = get_artifact(session, artifact.id, for_update=True)
     if artifact.state == ArtifactState.READY:
         return Claim(artifact.id, artifact.object_prefix, owned=False), None
     if artifact.state == ArtifactState.FAILED:
-        try:
-            retry_artifact(session, artifact.id, actor=actor)
-        except InvalidState:  # another job retried it first (PostgreSQL: after its commit)
-            session.refresh(artifact)
-        else:
-            return _own(session, job_id, artifact), None
+        retry_artifact(session, artifact.id, actor=actor)
+        return _own(session, job_id, artifact), None
     holder = _holder(session, artifact.id, job_id)
     if holder is None:  # PENDING with no live job: its job failed without settling it
         mark_artifact_failed(session, artifact.id, "left PENDING by a job that no longer runs", actor=actor)

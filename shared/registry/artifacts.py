@@ -65,7 +65,11 @@ def reserve_artifact(
     return Reservation(artifact=artifact, created=created)
 
 
-def get_artifact(session: Session, artifact_id: str) -> Artifact:
+def get_artifact(session: Session, artifact_id: str, for_update: bool = False) -> Artifact:
+    """The artifact; with for_update its row stays locked until the transaction ends (and is read
+    after the commit of any transaction that held it)."""
+    if for_update:
+        return _lock(session, artifact_id)
     artifact = session.get(Artifact, artifact_id)
     if artifact is None:
         raise NotFound(f"artifact {artifact_id!r} does not exist; `qctl ls` lists the registered artifacts")
