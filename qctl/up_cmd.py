@@ -102,8 +102,7 @@ def up(
             stack.start_worker(artifact_id, budget)
         with admin_client(gateway, stack.admin_token) as admin:
             _wait_for_workers(admin, {baseline_id, quantized_id})
-            admin.CreateDeployment(G.CreateDeploymentRequest(
-                name=name, stable_artifact_id=baseline_id, baseline_artifact_id=baseline_id))
+            _deploy_baseline(admin, name, baseline_id, workdir, console)
             console.print(f"deployment [bold]{name}[/]: stable = fp16 {baseline_id[:12]}")
             admin.StartRollout(G.StartRolloutRequest(
                 deployment=name, canary_artifact_id=quantized_id, canary_percent=canary_percent))
@@ -191,6 +190,32 @@ def _wait_for_workers(admin, artifact_ids: set[str]) -> None:
             return
         time.sleep(0.2)
     raise StackError(f"workers for {sorted(artifact_ids)} did not register with the gateway in {WORKER_WAIT_S:.0f} s")
+
+
+def _deploy_baseline(admin, name: str, baseline_id: str, workdir: Path, console: Console) -> None:
+    """The deployment with the fp16 baseline as its stable, no rollout and fallback off: created, or, on a
+    run in a --workdir used before, the one the last run left (its canary promoted) brought back to that."""
+    try:
+        admin.CreateDeployment(G.CreateDeploymentRequest(
+            name=name, stable_artifact_id=baseline_id, baseline_artifact_id=baseline_id))
+        return
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+            raise
+    d = admin.GetDeployment(G.GetDeploymentRequest(deployment=name))
+    if d.baseline.artifact_id != baseline_id:
+        raise StackError(f"deployment {name!r} in {workdir} has baseline {d.baseline.artifact_id[:12]}, not this "
+                         f"run's fp16 artifact {baseline_id[:12]} (another checkpoint of that name): use another "
+                         f"--workdir")
+    console.print(f"deployment {name} exists from an earlier run in {workdir}: resetting it to the fp16 baseline")
+    reason = "qctl up: restarting the demo"
+    if d.HasField("canary"):
+        admin.AbortRollout(G.AbortRolloutRequest(deployment=name, reason=reason))
+    if d.fallback:
+        admin.SetFallback(G.SetFallbackRequest(deployment=name, enabled=False, reason=reason))
+    if d.stable.artifact_id != baseline_id:
+        admin.StartRollout(G.StartRolloutRequest(deployment=name, canary_artifact_id=baseline_id, canary_percent=100))
+        admin.PromoteRollout(G.PromoteRolloutRequest(deployment=name))
 
 
 def _show_canary_split(gateway: str, name: str, console: Console) -> None:

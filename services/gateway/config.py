@@ -127,7 +127,8 @@ def parse_admin_tokens(text: str) -> dict[str, AdminToken]:
         name, eq, rest = entry.partition("=")
         token, colon, scope = rest.rpartition(":")
         if not eq or not colon or not name or not token:
-            shown = f"{name}=...:{scope}" if eq else "(no '=')"
+            # Never the token: without a ':' what rpartition calls the scope is the token itself.
+            shown = (f"{name}=...:{scope}" if colon else f"{name}=...") if eq else "(no '=')"
             raise ConfigError(f"admin token entry {shown} is not name=token:scope (scope one of {', '.join(SCOPES)})")
         if name in tokens:
             raise ConfigError(f"admin token name {name!r} appears twice")

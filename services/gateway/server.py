@@ -78,11 +78,19 @@ class GatewayServer:
         reflection.enable_server_reflection((GATEWAY_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME,
                                              reflection.SERVICE_NAME), server)
         try:
-            self.port = server.add_insecure_port(config.listen)
+            try:
+                self.port = server.add_insecure_port(config.listen)
+            except RuntimeError:  # grpc's "Failed to bind": taken, or not an address of this host
+                raise ConfigError(f"cannot listen on {config.listen} (--listen): the port is in use or the "
+                                  f"address is not one of this host's") from None
             await server.start()
             if config.metrics_port is not None:
-                self._metrics_http, _ = start_http_server(config.metrics_port, addr=config.metrics_host,
-                                                          registry=self.metrics.registry)
+                try:
+                    self._metrics_http, _ = start_http_server(config.metrics_port, addr=config.metrics_host,
+                                                              registry=self.metrics.registry)
+                except OSError as exc:
+                    raise ConfigError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port} "
+                                      f"(--metrics-port): {exc.strerror or exc}") from None
                 self.metrics_port = self._metrics_http.server_port
         except BaseException:  # e.g. a port is taken
             await server.stop(None)

@@ -32,3 +32,22 @@ def test_up_names_a_model_folder_that_is_not_a_checkpoint(tmp_path):
     result = CliRunner().invoke(app, ["up", "--workdir", str(tmp_path / "s"), "--model", str(tmp_path), "--once"])
     assert result.exit_code == 2
     assert f"--model {tmp_path} has no config.json" in result.stderr
+
+
+def test_up_runs_again_in_the_same_workdir(tmp_path):
+    """`qctl up --once`, then `qctl up` again in the same --workdir (the default .qserve-up/): the second
+    run finds the deployment the first left (quantized stable) and must still roll out and promote."""
+    workdir = tmp_path / "stack"
+    args = ["up", "--workdir", str(workdir), "--once", "--new-tokens", "4", "--eval-windows", "1"]
+    first = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert first.exit_code == 0, first.stderr
+    second = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert second.exit_code == 0, second.stderr
+    assert "takes 20% as the canary" in second.stderr and "is now stable" in second.stderr
+    assert "tokens from stable" in second.stderr
+
+    registry = create_registry(sqlite_url(workdir / "registry.db"))
+    with registry.sessions() as session:
+        kinds = [e.kind.value for e in list_events(session, deployment="demo")]
+    registry.close()
+    assert kinds.count("deployment_create") == 1 and kinds.count("promote") >= 2, kinds

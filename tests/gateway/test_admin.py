@@ -144,3 +144,15 @@ def test_config_names_the_bad_value():
          "--no-auto-fallback"], environ={"QSERVE_ADMIN_TOKENS": "ops=t:admin", "QSERVE_API_KEYS": "k1,k2"})
     assert config.budget.max_tpot_p95_s == pytest.approx(0.08) and not config.budget.enabled
     assert config.api_keys == {"k1", "k2"} and config.admin_tokens["ops"].scope == "admin"
+
+
+def test_a_malformed_token_entry_is_named_without_echoing_the_secret():
+    # A forgotten ":scope" must not print the secret itself into the gateway's stderr / logs.
+    for text in ("ops=s3cret-token-value", "ops=s3cret-token-value,w=abc:worker", "=s3cret-token-value:admin"):
+        with pytest.raises(ConfigError) as raised:
+            parse_admin_tokens(text)
+        message = str(raised.value)
+        assert "s3cret-token-value" not in message, message
+        assert "name=token:scope" in message
+    with pytest.raises(ConfigError, match="entry ops=\\.\\.\\. is not"):  # still says which entry
+        parse_admin_tokens("ops=s3cret-token-value")

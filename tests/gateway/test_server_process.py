@@ -53,3 +53,18 @@ def test_a_bad_setting_exits_2_with_one_line_naming_it(artifacts):
     assert result.returncode == 2
     assert result.stderr.strip() == ("error: listen address 'nowhere' is not host:port "
                                      "(e.g. 127.0.0.1:50051, or port 0)")
+
+
+def test_a_port_in_use_exits_2_with_one_line_naming_it(artifacts):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flag, args in (("--listen", ["--listen", f"127.0.0.1:{port}"]),
+                           ("--metrics-port", ["--listen", "127.0.0.1:0", "--metrics-port", str(port)])):
+            result = subprocess.run([sys.executable, "-m", "services.gateway.server", "--registry-url", artifacts.url,
+                                     *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+            assert result.returncode == 2, (flag, result.stderr)
+            assert "Traceback" not in result.stderr, result.stderr
+            last = result.stderr.strip().splitlines()[-1]
+            assert last.startswith("error: ") and str(port) in last and flag in last, last
