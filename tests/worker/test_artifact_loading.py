@@ -196,3 +196,71 @@ def test_the_worker_captures_graphs_once_the_cache_exists_unless_told_not_to(art
     served = serving.load_served_model(config)
     assert captured == ([served.engine.runner.config.num_layers] if capture else [])
     assert WorkerConfig.from_args(["--artifact", "x", "--no-capture-graphs"]).capture_graphs is False
+
+
+def _cached_store(artifacts, tmp_path):
+    """(artifact id, store config, cache folder) with a damaged cached copy of the artifact."""
+    manifest = ArtifactReader(artifacts["w4a8kv4-g128"], verify=False).manifest
+    store_root = tmp_path / "store"
+    prefix = f"{manifest.model_name}/{manifest.model_version}/{manifest.format}/cpu/{manifest.artifact_id}/"
+    LocalStore(store_root, create=True).publish_folder(artifacts["w4a8kv4-g128"], prefix)
+    store = StorageConfig(kind="local", root=store_root)
+    cache = tmp_path / "cache"
+    open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
+    block = cache / manifest.artifact_id / "weights" / "block_001.safetensors"
+    block.write_bytes(b"x" + block.read_bytes()[1:])
+    return manifest.artifact_id, store, cache
+
+
+def test_a_damaged_cache_another_worker_already_removed_is_downloaded_again(artifacts, tmp_path, monkeypatch):
+    """Two workers sharing the cache find the same damaged copy; the other one removes it first."""
+    from services.worker.engine import loading
+
+    artifact_id, store, cache = _cached_store(artifacts, tmp_path)
+    real_read = loading._read
+
+    def read(folder, *args):
+        try:
+            return real_read(folder, *args)
+        except ArtifactCorrupt:
+            shutil.rmtree(folder)  # the other worker's clean-up, between our read and ours
+            raise
+
+    monkeypatch.setattr(loading, "_read", read)
+    loaded = open_artifact(artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
+    loaded.reader.verify()
+    assert [p.name for p in cache.iterdir()] == [artifact_id]
+
+
+def test_a_damaged_cache_does_not_delete_the_fresh_copy_another_worker_loads(artifacts, tmp_path, monkeypatch):
+    """Two workers find the same damaged copy; the other one replaces it with a fresh download (and
+    loads it) before this one gets to discard it: that fresh copy is used, not deleted."""
+    from services.worker.engine import loading
+
+    artifact_id, store, cache = _cached_store(artifacts, tmp_path)
+    real_read, real_download = loading._read, LocalStore.download_folder
+    downloads, other = [], []
+
+    def read(folder, *args):
+        try:
+            return real_read(folder, *args)
+        except ArtifactCorrupt:
+            if not other:  # the other worker does it all in between
+                monkeypatch.setattr(loading, "_read", real_read)
+                other.append(open_artifact(artifact_id, gpu_target="cpu", store=store, cache_dir=cache))
+                monkeypatch.setattr(loading, "_read", read)
+            raise
+
+    def download(self, prefix, local_dir, **kw):
+        downloads.append(local_dir)
+        return real_download(self, prefix, local_dir, **kw)
+
+    monkeypatch.setattr(loading, "_read", read)
+    monkeypatch.setattr(LocalStore, "download_folder", download)
+    loaded = open_artifact(artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
+    assert len(other) == 1 and len(downloads) == 1  # only the other worker downloaded
+    fresh = other[0].folder.stat().st_ino
+    assert loaded.folder.stat().st_ino == fresh  # the other worker's copy, still there
+    other[0].reader.verify()
+    loaded.reader.verify()
+    assert [p.name for p in cache.iterdir()] == [artifact_id]

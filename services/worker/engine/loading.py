@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import re
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,16 +164,28 @@ def open_artifact(
     try:
         object_store = open_store(store)
         prefix = record.object_prefix if record else _find_prefix(object_store, ref)
-        if folder.exists():
+        # Held open while the cached copy is read: what is discarded must be the copy found damaged
+        # (an open folder's inode number cannot be reused by another worker's fresh copy).
+        pin = _open_folder(folder)
+        if pin is not None:
             try:
                 reader = _read(folder, gpu_target, formats, expected_format)
                 _check_identity(reader, ref, record, folder)
                 return _loaded(reader, folder, ref, prefix, record)
             except ArtifactCorrupt as exc:
                 log.warning("cached copy of %s is unusable (%s); downloading it again", ref, exc)
-                shutil.rmtree(folder)
-        log.info("downloading artifact %s from %s", ref, object_store.uri(prefix))
-        object_store.download_folder(prefix, folder)
+                _discard_damaged(folder, os.fstat(pin))
+            finally:
+                os.close(pin)
+        if not folder.exists():  # else another worker put a complete, verified copy there meanwhile
+            log.info("downloading artifact %s from %s", ref, object_store.uri(prefix))
+            try:
+                object_store.download_folder(prefix, folder)
+            except StorageError:
+                # Another worker's download may have landed between the check and ours (the store
+                # renames only complete, verified copies into place); it is read and verified below.
+                if not folder.exists():
+                    raise
     except ObjectNotFound as exc:
         raise ArtifactNotFound(f"artifact {ref}: {exc}") from exc
     except StorageError as exc:
@@ -179,6 +193,34 @@ def open_artifact(
     reader = _read(folder, gpu_target, formats, expected_format)
     _check_identity(reader, ref, record, folder)
     return _loaded(reader, folder, ref, prefix, record)
+
+
+def _open_folder(folder: Path) -> int | None:
+    """A file descriptor of the folder, None when there is none (or another worker just moved it)."""
+    try:
+        return os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _discard_damaged(folder: Path, damaged: os.stat_result) -> None:
+    """Removes the damaged cached copy `damaged` (the stat of `folder`, held open, when it was read).
+    Workers sharing the cache folder may find the same damaged copy: it is first renamed aside to a
+    name of this worker's own (atomic), so a copy that is already gone is left alone, and a fresh
+    copy another worker put there meanwhile (and may be loading) is put back rather than deleted."""
+    aside = folder.with_name(f".{folder.name}.damaged-{uuid.uuid4().hex}")
+    try:
+        os.rename(folder, aside)
+    except FileNotFoundError:
+        return  # another worker moved it aside first
+    moved = aside.stat()
+    if (moved.st_dev, moved.st_ino) != (damaged.st_dev, damaged.st_ino):
+        try:
+            os.rename(aside, folder)  # not the damaged copy: another worker's fresh one
+            return
+        except OSError:
+            pass  # yet another complete copy is there now; this one is redundant
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _loaded(reader: ArtifactReader, folder: Path, ref: str, prefix: str, record: RegistryRecord | None) -> LoadedArtifact:
