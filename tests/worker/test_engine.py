@@ -266,3 +266,20 @@ def test_a_stop_string_completed_only_by_the_final_flush_finishes_with_stop():
     assert "".join(o.text for o in outs) == ""  # the text before the stop string: none
     assert outs[-1].finish.reason is FinishReason.STOP
 
+
+
+def test_a_sink_that_raises_loses_its_own_output_only():
+    """A request whose caller is gone (its sink raises) must not fail the other requests of the step."""
+    engine = _engine([3, 4, 5])
+    outs = []
+
+    def broken(out):
+        raise RuntimeError("event loop is closed")
+
+    engine.add_request("gone", [1, 2], SamplingOptions(max_new_tokens=3), broken)
+    engine.add_request("r", [1, 2], SamplingOptions(max_new_tokens=3), outs.append)
+    while engine.step():
+        pass
+    assert all(o.error is None for o in outs)
+    assert outs[-1].finish.reason is FinishReason.LENGTH and outs[-1].finish.generated_tokens == 3
+    assert engine.stats().kv_blocks_used == 0

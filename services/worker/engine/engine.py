@@ -305,7 +305,7 @@ class Engine:
         elif reason is None and len(seq.prompt_ids) + generated >= seq.max_tokens:  # max_new_tokens or the context
             reason = FinishReason.LENGTH
         if reason is None:
-            live.sink(RequestOutput(seq.request_id, [token], text))
+            _deliver(live, RequestOutput(seq.request_id, [token], text))
         else:
             del seq.output_ids[generated:]  # a step in flight may have appended a placeholder after it
             text += live.detok.flush()
@@ -320,7 +320,7 @@ class Engine:
         self._live.pop(seq.request_id, None)
         self.scheduler.finish(seq)
         seq.finish_reason = reason
-        live.sink(RequestOutput(seq.request_id, token_ids, text, _finish_info(seq, reason)))
+        _deliver(live, RequestOutput(seq.request_id, token_ids, text, _finish_info(seq, reason)))
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         with self._cond:
@@ -330,7 +330,16 @@ class Engine:
                     continue
                 self._live.pop(seq.request_id)
                 self.scheduler.finish(seq)
-                live.sink(RequestOutput(seq.request_id, error=message))
+                _deliver(live, RequestOutput(seq.request_id, error=message))
+
+
+def _deliver(live: _Live, out: RequestOutput) -> None:
+    """Hands one output to its request's sink. A sink that raises (its caller's event loop closed) loses
+    that output only: it must not fail the other requests of the step, nor end the engine's thread."""
+    try:
+        live.sink(out)
+    except Exception:
+        log.exception("request %s: its output could not be delivered", out.request_id)
 
 
 def _finish_info(seq: Sequence, reason: FinishReason) -> FinishInfo:
