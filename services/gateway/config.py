@@ -47,6 +47,7 @@ class GatewayConfig:
     max_concurrent_streams: int = 256
     heartbeat_interval_s: float = 2.0  # told to workers at registration
     heartbeat_timeout_s: float = 6.0  # a worker silent this long is marked unhealthy
+    worker_forget_s: float = 300.0  # a worker silent this long is removed from the pool (its channel closed)
     deployment_cache_s: float = 0.25  # how stale a deployment read from the registry may be
     worker_info_timeout_s: float = 5.0  # RegisterWorker's call to the worker's Info
     budget: FallbackBudget = field(default_factory=FallbackBudget)
@@ -74,13 +75,16 @@ class GatewayConfig:
             raise ConfigError("an API key is empty; give non-empty keys or none (no key needed)")
         if self.max_concurrent_streams < 1:
             raise ConfigError(f"max_concurrent_streams={self.max_concurrent_streams} must be at least 1")
-        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "worker_info_timeout_s", "fallback_check_s",
-                     "grace_s"):
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "worker_forget_s", "worker_info_timeout_s",
+                     "fallback_check_s", "grace_s"):
             if not _positive(getattr(self, name)):
                 raise ConfigError(f"{name}={getattr(self, name)} must be a positive number of seconds")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed heartbeat_interval_s="
                               f"{self.heartbeat_interval_s}, or every worker would be marked unhealthy between beats")
+        if self.worker_forget_s <= self.heartbeat_timeout_s:
+            raise ConfigError(f"worker_forget_s={self.worker_forget_s} must exceed heartbeat_timeout_s="
+                              f"{self.heartbeat_timeout_s}: a worker is marked unhealthy before it is forgotten")
         if not (_positive(self.deployment_cache_s) or self.deployment_cache_s == 0) or self.deployment_cache_s > 1.0:
             raise ConfigError(f"deployment_cache_s={self.deployment_cache_s} must be 0..1 s: a fallback switch "
                               f"must take effect within a second")
@@ -111,6 +115,7 @@ class GatewayConfig:
             max_concurrent_streams=args.max_concurrent_streams,
             heartbeat_interval_s=args.heartbeat_interval_s,
             heartbeat_timeout_s=args.heartbeat_timeout_s,
+            worker_forget_s=args.worker_forget_s,
             budget=FallbackBudget(
                 max_error_rate=args.max_error_rate, max_tpot_p95_s=args.max_tpot_p95_ms / 1000.0,
                 window_s=args.fallback_window_s, min_requests=args.fallback_min_requests,
@@ -154,6 +159,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval-s", type=float, default=2.0)
     p.add_argument("--heartbeat-timeout-s", type=float, default=6.0,
                    help="a worker with no heartbeat for this long gets no new requests")
+    p.add_argument("--worker-forget-s", type=float, default=300.0,
+                   help="a worker with no heartbeat for this long is removed from the pool (it registers again "
+                        "when it comes back)")
     p.add_argument("--auto-fallback", action=argparse.BooleanOptionalAction, default=True,
                    help="abort a canary that breaks its budget; turn fallback on when the quantized stable does")
     p.add_argument("--max-error-rate", type=float, default=0.05, help="error-rate budget of the stable and canary arms")

@@ -53,6 +53,9 @@ class PooledWorker:
 @dataclass(slots=True)
 class WorkerPool:
     heartbeat_timeout_s: float
+    # Silent this long, a worker is removed: workers that went away for good (replaced at new addresses)
+    # must not pile up in ListWorkers with their channels open. One that comes back registers again.
+    forget_after_s: float = 300.0
     workers: dict[str, PooledWorker] = field(default_factory=dict)  # by worker_id
 
     async def add(self, address: str, artifact: ArtifactRefView, capacity: int) -> PooledWorker:
@@ -120,6 +123,14 @@ class WorkerPool:
             worker.health = Health.UNHEALTHY
             worker.failed_reason = f"no heartbeat for {now - worker.last_heartbeat_mono:.1f} s"
         return expired
+
+    async def forget(self) -> list[PooledWorker]:
+        """Removes every worker whose last heartbeat is older than forget_after_s; returns them."""
+        now = time.monotonic()
+        gone = [w for w in self.workers.values() if now - w.last_heartbeat_mono > self.forget_after_s]
+        for worker in gone:
+            await self.remove(worker.worker_id)
+        return gone
 
     def healthy(self, artifact_id: str) -> list[PooledWorker]:
         return [w for w in self.workers.values() if w.artifact.artifact_id == artifact_id and w.health is Health.HEALTHY]

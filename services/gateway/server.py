@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
@@ -46,7 +47,7 @@ class GatewayServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.metrics = GatewayMetrics()
-        self.pool = WorkerPool(heartbeat_timeout_s=config.heartbeat_timeout_s)
+        self.pool = WorkerPool(heartbeat_timeout_s=config.heartbeat_timeout_s, forget_after_s=config.worker_forget_s)
         self.registry: Registry | None = None
         self.deployments: DeploymentCache | None = None
         self.fallback: AutoFallback | None = None
@@ -131,6 +132,9 @@ class GatewayServer:
             for worker in self.pool.expire():
                 log.warning("worker %s (%s) marked unhealthy: %s", worker.worker_id, worker.address,
                             worker.failed_reason)
+            for worker in await self.pool.forget():
+                log.warning("worker %s (%s) removed from the pool: no heartbeat for %.0f s", worker.worker_id,
+                            worker.address, time.monotonic() - worker.last_heartbeat_mono)
 
 
 class BackgroundGateway:

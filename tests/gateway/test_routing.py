@@ -169,6 +169,27 @@ def test_an_arm_without_workers_goes_to_the_baseline_and_none_at_all_is_unavaila
     run(scenario())
 
 
+def test_a_worker_silent_past_the_forget_time_is_removed_and_must_register_again(artifacts):
+    """Workers that went away for good (replaced at new addresses) must not pile up in the pool with their
+    channels open: silent past worker_forget_s, a worker is removed; its late heartbeat gets NOT_FOUND,
+    which tells it to register again."""
+    async def scenario():
+        async with gateway_stack(artifacts, heartbeat_interval_s=0.05, heartbeat_timeout_s=0.15,
+                                 worker_forget_s=0.4) as stack:
+            gone = await stack.add_worker(artifacts.stable)
+            beating = await stack.add_worker(artifacts.stable)
+            for _ in range(12):
+                await stack.admin.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=beating.worker_id), metadata=WORKER)
+                await asyncio.sleep(0.05)
+            listed = await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)
+            assert [w.worker_id for w in listed.workers] == [beating.worker_id]
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.admin.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=gone.worker_id), metadata=WORKER)
+            assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+
+    run(scenario())
+
+
 def test_a_canary_without_workers_goes_to_the_stable_then_the_baseline(artifacts):
     async def scenario():
         async with gateway_stack(artifacts) as stack:
