@@ -31,6 +31,8 @@ def evaluate(
     as_json: bool = typer.Option(False, "--json", help='print {"ppl": ..., "tokens": ...} only'),
 ):
     """Perplexity over the whole file in non-overlapping windows."""
+    if batch_size < 1:  # before the (long) model load; perplexity() checks it too
+        raise ValueError(f"batch size must be at least 1, got {batch_size}")
     dev = resolve_device(device)
     if not data.is_file():
         raise FileNotFoundError(f"data file {data} does not exist")

@@ -57,8 +57,14 @@ class HfCheckpoint:
     def _index_tensors(self) -> dict[str, Path]:
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: self.folder / fname for name, fname in weight_map.items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                return {name: self.folder / fname for name, fname in weight_map.items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(
+                    f"{index} is not a valid shard index (a JSON object whose weight_map maps tensor names "
+                    f"to files): {type(e).__name__}: {e}"
+                ) from e
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             found = sorted(p.name for p in self.folder.iterdir())

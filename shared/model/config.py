@@ -117,6 +117,8 @@ class LlamaConfig:
             hf = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(hf, dict):
+            raise CheckpointError(f"{path} is not a JSON object; expected a Hugging Face model configuration")
         try:
             return cls.from_hf(hf)
         except KeyError as e:

@@ -39,6 +39,8 @@ def perplexity(
     progress: Callable[[int, int], None] | None = None,
 ) -> PerplexityResult:
     """exp(mean next-token NLL) over every window; each window predicts its tokens 1..T-1."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be at least 1, got {batch_size}")
     total_nll, total_count = 0.0, 0
     for start in range(0, windows.shape[0], batch_size):
         batch = windows[start : start + batch_size].to(device)

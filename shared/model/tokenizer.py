@@ -17,7 +17,10 @@ class Tokenizer:
         if (folder / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as FastTokenizer
 
-            self._fast = FastTokenizer.from_file(str(folder / "tokenizer.json"))
+            try:
+                self._fast = FastTokenizer.from_file(str(folder / "tokenizer.json"))
+            except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
+                raise CheckpointError(f"{folder / 'tokenizer.json'} is not a readable tokenizer: {e}") from e
             self._hf = None
         elif (folder / "tokenizer.model").is_file() or (folder / "tokenizer_config.json").is_file():
             from transformers import AutoTokenizer

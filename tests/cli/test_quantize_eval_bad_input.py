@@ -1,0 +1,67 @@
+"""qctl quantize / eval: malformed inputs a user can hand them give one clear line, never a traceback."""
+
+import json
+
+from typer.testing import CliRunner
+
+from qctl.main import app
+from tests.conftest import write_random_llama
+
+runner = CliRunner()
+
+
+def _run(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+def _error_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, output
+    return lines[0]
+
+
+def _eval(model, data, *extra):
+    return _run("eval", "--model", model, "--data", data, "--seq-len", "64", "--device", "cpu", *extra)
+
+
+def _small_model(tmp_path):
+    model = write_random_llama(tmp_path / "m", layers=1)
+    data = tmp_path / "eval.txt"
+    data.write_text("def f(x):\n    return x + 1\n" * 200)
+    return model, data
+
+
+def test_eval_refuses_a_batch_size_below_one(tmp_path, tiny_llama):
+    model, data = _small_model(tmp_path)
+    for bad in ("0", "-1"):  # -1 was a ZeroDivisionError traceback, 0 "range() arg 3 must not be zero"
+        code, output = _eval(model, data, "--batch-size", bad)
+        assert code == 2 and "batch size" in _error_line(output), output
+
+
+def test_malformed_shard_index_is_a_checkpoint_error(tmp_path, tiny_llama):
+    model, data = _small_model(tmp_path)
+    index = model / "model.safetensors.index.json"
+    index.write_text("{}")  # no weight_map: was a KeyError traceback
+    code, output = _eval(model, data)
+    assert code == 2 and "model.safetensors.index.json" in _error_line(output), output
+    index.write_text("not json")  # was "error: Expecting value: line 1 column 1 (char 0)", naming no file
+    code, output = _eval(model, data)
+    assert code == 2 and "model.safetensors.index.json" in _error_line(output), output
+
+
+def test_unreadable_tokenizer_is_a_checkpoint_error(tmp_path, tiny_llama):
+    model, data = _small_model(tmp_path)
+    (model / "tokenizer.json").write_text("garbage")  # was a traceback from the tokenizers library
+    code, output = _eval(model, data)
+    assert code == 2 and "tokenizer.json" in _error_line(output), output
+    code, output = _run("quantize", "--model", model, "--format", "w4a8kv4-g128", "--out", tmp_path / "out",
+                        "--device", "cpu", "--gpu-target", "cpu", "--calib", data)
+    assert code == 2 and "tokenizer.json" in _error_line(output), output
+
+
+def test_config_that_is_not_a_json_object_is_a_checkpoint_error(tmp_path, tiny_llama):
+    model, data = _small_model(tmp_path)
+    (model / "config.json").write_text(json.dumps([1, 2]))  # was an AttributeError traceback
+    code, output = _eval(model, data)
+    assert code == 2 and "config.json" in _error_line(output), output
