@@ -57,7 +57,7 @@ class ArtifactWriter:
     """Writes into a hidden staging folder beside `out_dir`; `finish` moves it into place.
 
     A crash or error leaves `out_dir` as it was. `identity` (model version, format, GPU target,
-    options) decides whether an existing artifact in `out_dir` may be replaced: the same
+    options, calibration) decides whether an existing artifact in `out_dir` may be replaced: the same
     artifact re-made is fine, a different one is refused.
     """
 

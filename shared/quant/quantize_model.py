@@ -99,8 +99,10 @@ def quantize_checkpoint(settings: QuantizeSettings, progress: Progress | None = 
     model_version = ckpt.content_hash()
     report("load", 1, 1)
 
+    # What makes two artifacts the same (an existing --out is replaced only by the same one): the
+    # calibration data too, since other data gives other weights.
     identity = {"model_version": model_version, "format": spec.name, "gpu_target": settings.gpu_target,
-                "options": options.to_dict()}
+                "options": options.to_dict(), "calibration": calibration.to_dict() if calibration else None}
     with ArtifactWriter(settings.out_dir, identity) as writer:
         rotation = rotation_matrix(config.hidden_size, options.seed).float().to(device) if options.rotation else None
         value_rotation = (

@@ -108,6 +108,18 @@ def test_output_folder_with_a_different_artifact_is_kept(random_llama, tmp_path,
     assert _quantize(random_llama, out, "w8a8", "--calib", calib, "--rtn")[0] == 0
 
 
+def test_output_folder_quantized_with_other_calibration_data_is_kept(random_llama, tmp_path, calib):
+    """Other calibration data gives other weights: a different artifact, not one to replace silently."""
+    out = tmp_path / "art"
+    assert _quantize(random_llama, out, "w4a8kv4-chn", "--calib", calib)[0] == 0
+    before = (out / "manifest.json").read_text()
+    other = tmp_path / "other.txt"
+    other.write_text(calib.read_text()[::-1])
+    code, output = _quantize(random_llama, out, "w4a8kv4-chn", "--calib", other)
+    assert code == 2 and "already holds a different artifact" in _error_line(output) and "calibration" in output
+    assert (out / "manifest.json").read_text() == before
+
+
 def test_output_folder_with_other_files_is_refused(random_llama, tmp_path):
     out = tmp_path / "notes"
     out.mkdir()
