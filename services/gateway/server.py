@@ -20,7 +20,6 @@ from datetime import datetime, timezone
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 from sqlalchemy.exc import SQLAlchemyError
 
 from services.gateway.auth import AdminAuth, ApiKeys
@@ -32,7 +31,7 @@ from services.gateway.pool import WorkerPool
 from services.gateway.servicer_admin import AdminServicer
 from services.gateway.servicer_gateway import GatewayServicer
 from shared.registry import Registry, RegistryError, create_registry
-from shared.rpc.serving import BackgroundLoop, wait_for_stop_signal
+from shared.rpc.serving import BackgroundLoop, listen, serve_metrics, wait_for_stop_signal
 from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -79,19 +78,11 @@ class GatewayServer:
         reflection.enable_server_reflection((GATEWAY_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME,
                                              reflection.SERVICE_NAME), server)
         try:
-            try:
-                self.port = server.add_insecure_port(config.listen)
-            except RuntimeError:  # grpc's "Failed to bind": taken, or not an address of this host
-                raise ConfigError(f"cannot listen on {config.listen} (--listen): the port is in use or the "
-                                  f"address is not one of this host's") from None
+            self.port = listen(server, config.listen, "--listen", ConfigError)
             await server.start()
             if config.metrics_port is not None:
-                try:
-                    self._metrics_http, _ = start_http_server(config.metrics_port, addr=config.metrics_host,
-                                                              registry=self.metrics.registry)
-                except OSError as exc:
-                    raise ConfigError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port} "
-                                      f"(--metrics-port): {exc.strerror or exc}") from None
+                self._metrics_http = serve_metrics(self.metrics.registry, config.metrics_host, config.metrics_port,
+                                                   "--metrics-port", ConfigError)
                 self.metrics_port = self._metrics_http.server_port
         except BaseException:  # e.g. a port is taken
             await server.stop(None)

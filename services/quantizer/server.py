@@ -27,7 +27,7 @@ from services.quantizer.jobs import JobRunner
 from services.quantizer.pipeline import Services
 from services.quantizer.servicer import QuantizerServicer
 from shared.registry import Registry, RegistryError, create_registry
-from shared.rpc.serving import BackgroundLoop, wait_for_stop_signal
+from shared.rpc.serving import BackgroundLoop, listen, wait_for_stop_signal
 from shared.rpc.qserve.v1 import quantizer_pb2, quantizer_pb2_grpc
 from shared.storage import StorageError, open_store
 
@@ -83,7 +83,7 @@ async def start(config: QuantizerConfig) -> RunningQuantizer:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
-        port = server.add_insecure_port(config.listen)
+        port = listen(server, config.listen, "--listen", ConfigError)
         await server.start()
     except BaseException:  # e.g. the port is taken
         await asyncio.to_thread(runner.stop)

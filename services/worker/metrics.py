@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.worker.config import ConfigError
 from services.worker.engine.outputs import EngineStats, FinishInfo
+from shared.rpc.serving import serve_metrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -52,8 +54,9 @@ class WorkerMetrics:
             self.tpot.observe(finish.time_per_output_token_s)
 
     def serve(self, host: str, port: int) -> int:
-        """Starts the /metrics HTTP server (a daemon thread); returns its port."""
-        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        """Starts the /metrics HTTP server (a daemon thread); returns its port (ConfigError when it
+        cannot be opened)."""
+        self._server = serve_metrics(self.registry, host, port, "--metrics-port", ConfigError)
         return self._server.server_port
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.servicer import WorkerServicer
 from services.worker.serving import ServedModel, load_served_model
 from shared.rpc.qserve.v1 import worker_pb2, worker_pb2_grpc
-from shared.rpc.serving import BackgroundLoop, wait_for_stop_signal
+from shared.rpc.serving import BackgroundLoop, listen, wait_for_stop_signal
 from shared.storage import StorageError
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class WorkerServer:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         try:
-            port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+            port = listen(server, f"{self.config.host}:{self.config.port}", "--host / --port", ConfigError)
             if self.config.metrics_port is not None:
                 self.metrics_port = metrics.serve(self.config.host, self.config.metrics_port)
             await server.start()

@@ -1,5 +1,6 @@
-"""What every one of our grpc.aio servers needs around it: waiting for SIGTERM/SIGINT in a process,
-and its own event loop on a thread when synchronous code embeds it (`qctl up`, tests)."""
+"""What every one of our grpc.aio servers needs around it: its ports opened with an error that names
+the setting, waiting for SIGTERM/SIGINT in a process, and its own event loop on a thread when
+synchronous code embeds it (`qctl up`, tests)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,33 @@ import asyncio
 import signal
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
+from http.server import HTTPServer
 from typing import Any, TypeVar
 
+import grpc
+from prometheus_client import CollectorRegistry, start_http_server
+
 T = TypeVar("T")
+
+
+def listen(server: grpc.aio.Server, address: str, setting: str, error: type[Exception]) -> int:
+    """server.add_insecure_port(address); a port that cannot be opened raises `error` naming the setting
+    (grpc's own RuntimeError says only "Failed to bind", and would reach the user as a traceback)."""
+    try:
+        return server.add_insecure_port(address)
+    except RuntimeError:
+        raise error(f"cannot listen on {address} ({setting}): the port is in use or the address is not one "
+                    f"of this host's") from None
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int, setting: str,
+                  error: type[Exception]) -> HTTPServer:
+    """Prometheus /metrics over HTTP on a daemon thread; a port that cannot be opened raises `error`."""
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise error(f"cannot serve metrics on {host}:{port} ({setting}): {exc.strerror or exc}") from None
+    return server
 
 
 async def wait_for_stop_signal() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 
 import grpc
 import pytest
@@ -159,6 +160,16 @@ def test_the_server_process_names_a_missing_bucket(moto, tmp_path, registry_url)
     assert "error: bucket 'no-such-bucket' does not exist at endpoint" in process.stdout.read()
 
 
+def test_the_server_process_names_a_port_in_use(tmp_path, registry_url):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process = quantizer_process("--registry-url", registry_url, "--store", tmp_path / "objects", "--create-bucket",
+                                    "--work-dir", tmp_path / "work", "--listen", f"127.0.0.1:{port}")
+        assert process.wait(timeout=60) == 2
+    output = process.stdout.read()
+    assert "Traceback" not in output and f"error: cannot listen on 127.0.0.1:{port} (--listen)" in output, output
 
 
 @pytest.mark.parametrize("name", ["x" * 257, "   "])

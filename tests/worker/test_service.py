@@ -3,6 +3,7 @@ requests, admission limits, Info, health, metrics, and the graceful drain."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import urllib.request
@@ -276,3 +277,19 @@ def test_a_request_ended_by_an_engine_error_is_counted_in_the_metrics(client, wo
     assert raised.value.code() == grpc.StatusCode.INTERNAL
     assert registry.get_sample_value("qserve_worker_requests_total", {"reason": "error"}) == before + 1
     _wait_for(lambda: _idle(client), 5.0, "the failed request's blocks to be freed")
+
+
+@pytest.mark.parametrize("setting", ["port", "metrics_port"])
+def test_a_port_in_use_is_a_config_error_naming_the_setting(artifacts, setting):
+    from services.worker.config import ConfigError, WorkerConfig
+    from services.worker.server import BackgroundWorker
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = {"port": 0, "metrics_port": 0, setting: port}
+        config = WorkerConfig(artifact=str(artifacts["fp16"]), host="127.0.0.1", kv_blocks=16, block_size=4, **ports)
+        with pytest.raises(ConfigError, match=f"{port}.*--{'metrics-port' if setting == 'metrics_port' else 'host / --port'}"):
+            BackgroundWorker(config)
+
