@@ -67,6 +67,9 @@ class QuantizerConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} must be a positive number of seconds")
         if self.orphan_after_s < 0:
             raise ConfigError(f"orphan_after_s={self.orphan_after_s} must be >= 0 seconds")
+        if 0 < self.orphan_after_s <= self.heartbeat_s:
+            raise ConfigError(f"orphan_after_s={self.orphan_after_s} must exceed heartbeat_s={self.heartbeat_s} (or be 0 "
+                              f"with a single quantizer): other quantizers' live jobs would be failed between beats")
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> QuantizerConfig:

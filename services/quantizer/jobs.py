@@ -64,6 +64,9 @@ class JobRunner:
         self._unsettled: dict[str, tuple[Pipeline | None, str]] = {}  # failures the registry did not take yet
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        # Set once no job runs any more: until then heartbeats go on (also while stopping), or another
+        # quantizer could take a job still winding down for an orphan and retry its artifact meanwhile.
+        self._jobs_over = threading.Event()
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="quantize")
         self._heartbeats = threading.Thread(target=self._heartbeat_loop, name="quantizer-heartbeat", daemon=True)
 
@@ -84,6 +87,7 @@ class JobRunner:
             left = [job_id for job_id in self._live]
         for job_id in left:  # cancelled before they started
             self._fail(job_id, None, "the quantizer stopped before the job ran; publish again")
+        self._jobs_over.set()
         if self._heartbeats.is_alive():
             self._heartbeats.join(timeout=self.config.heartbeat_s + 5)
 
@@ -191,7 +195,7 @@ class JobRunner:
     # ---- heartbeats and orphans ----
 
     def _heartbeat_loop(self) -> None:
-        while not self._stopping.wait(self.config.heartbeat_s):
+        while not self._jobs_over.wait(self.config.heartbeat_s):
             try:
                 with self.services.registry.transaction() as session:
                     heartbeat(session, self.config.owner)

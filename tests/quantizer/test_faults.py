@@ -192,3 +192,53 @@ def test_a_publish_whose_job_row_did_not_commit_takes_no_queue_slot(bucket_store
 
     job = quantizer.stub.Publish(request_for(small_model))  # the database is back: the queue is empty
     assert job.state in (Q.JOB_STATE_QUEUED, Q.JOB_STATE_RUNNING)
+
+
+def test_a_stopping_quantizer_heartbeats_its_jobs_until_they_have_ended(bucket_store, start_quantizer, registry_url,
+                                                                       open_registry, small_model, request_for,
+                                                                       monkeypatch):
+    """A job winding down after stop() still belongs to this quantizer: were its heartbeats to end first,
+    another quantizer could fail it as an orphan and retry its artifact while it still runs."""
+    import threading
+    import time
+
+    from services.quantizer.pipeline import Pipeline
+
+    release = threading.Event()
+
+    def slow_to_stop(self, finish):  # a job in a long step that reaches its next cancellation check late
+        release.wait(10)
+        self.reporter.check()
+
+    monkeypatch.setattr(Pipeline, "run", slow_to_stop)
+    quantizer = start_quantizer(bucket_store, registry_url, heartbeat_s=0.05, orphan_after_s=0.5)
+    job_id = quantizer.stub.Publish(request_for(small_model)).job_id
+    registry = open_registry(registry_url)
+
+    def beat():
+        with registry.sessions() as session:
+            job = get_job(session, job_id)
+            return job.state, job.heartbeat_at
+
+    deadline = time.monotonic() + 10
+    while beat()[0] != JobState.RUNNING:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    stopping = threading.Thread(target=quantizer.stop)
+    stopping.start()
+    time.sleep(0.2)
+    _, first = beat()
+    time.sleep(0.3)
+    state, later = beat()
+    release.set()
+    stopping.join(30)
+    assert state == JobState.RUNNING and later > first, "no heartbeat while the job was winding down"
+    assert beat()[0] == JobState.FAILED
+
+
+def test_an_orphan_time_within_one_heartbeat_is_refused(registry_url, tmp_path):
+    from services.quantizer.config import ConfigError, QuantizerConfig
+
+    with pytest.raises(ConfigError, match="orphan_after_s"):
+        QuantizerConfig(registry_url=registry_url, store=s3_config("http://127.0.0.1:1", "any-bucket"), work_dir=tmp_path,
+                        heartbeat_s=10.0, orphan_after_s=5.0)
