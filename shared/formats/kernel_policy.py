@@ -43,6 +43,8 @@ def parse_policy(table: dict | None) -> dict[tuple[str, int, int], Rows]:
     Raises KernelPolicyError naming the first entry that does not follow the schema."""
     if not table:
         return {}
+    if not isinstance(table, dict):
+        raise KernelPolicyError(f"kernel_policy must be a mapping, got {type(table).__name__}")
     gemm = table.get("gemm", {})
     if not isinstance(gemm, dict):
         raise KernelPolicyError(f"kernel_policy.gemm must be a mapping kind -> shapes, got {type(gemm).__name__}")
@@ -50,15 +52,22 @@ def parse_policy(table: dict | None) -> dict[tuple[str, int, int], Rows]:
     for kind, shapes in gemm.items():
         if kind not in POLICY_KINDS:
             raise KernelPolicyError(f"kernel_policy.gemm: unknown weight kind {kind!r}; expected one of {POLICY_KINDS}")
+        if not isinstance(shapes, dict):
+            raise KernelPolicyError(f"kernel_policy.gemm.{kind} must be a mapping '<N>x<K>' -> rows, "
+                                    f"got {type(shapes).__name__}")
         for shape, entries in shapes.items():
             try:
                 n, k = (int(v) for v in shape.split("x"))
-            except ValueError:
+            except (ValueError, AttributeError):
                 raise KernelPolicyError(f"kernel_policy.gemm.{kind}: shape key {shape!r} is not '<N>x<K>'") from None
+            if not isinstance(entries, list):
+                raise KernelPolicyError(f"kernel_policy.gemm.{kind}.{shape} must be a list of [max_M or null, variant], "
+                                        f"got {type(entries).__name__}")
             rows: Rows = []
             for entry in entries:
+                # bool is an int: [true, "..."] would silently mean max_M = 1.
                 if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str)
-                        and (entry[0] is None or isinstance(entry[0], int))):
+                        and (entry[0] is None or (isinstance(entry[0], int) and not isinstance(entry[0], bool)))):
                     raise KernelPolicyError(
                         f"kernel_policy.gemm.{kind}.{shape}: entry {entry!r} is not [max_M or null, variant]")
                 rows.append((entry[0], entry[1]))

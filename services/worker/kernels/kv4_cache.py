@@ -220,6 +220,15 @@ def _check_inputs(key, value, positions, slot_mapping, rope_cache, query) -> tup
         raise ValueError(f"rope_cache must be (max_positions, {d}) fp32, got {tuple(rope_cache.shape)} {rope_cache.dtype}")
     if rope_cache.stride(1) != 1:
         raise ValueError("rope_cache must be contiguous in its last dimension")
+    # The kernel reads positions[tok] and slot_mapping[tok] at base + tok: a strided view would
+    # send tokens to other tokens' slots.
+    for name, x in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if t > 1 and x.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous, got stride {x.stride(0)}")
+    for name, x in (("value", value), ("positions", positions), ("slot_mapping", slot_mapping),
+                    ("rope_cache", rope_cache), ("query", query)):
+        if x is not None and x.device != key.device:
+            raise ValueError(f"{name} is on {x.device}, the key on {key.device}: all on one device")
     group = 1
     if query is not None:
         if query.dim() != 3 or query.shape[0] != t or query.shape[2] != d or query.dtype != torch.float16:
@@ -259,6 +268,8 @@ def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, q
     _check_cache("v_cache", v_cache, kv_heads, row, dtype)
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError(f"v_cache {tuple(v_cache.shape)} must have k_cache's shape and strides {tuple(k_cache.shape)}")
+    if k_cache.device != key.device or v_cache.device != key.device:
+        raise ValueError(f"k_cache / v_cache are on {k_cache.device} / {v_cache.device}, the key on {key.device}")
     if query is not None:
         query_out = attention_output(query, query_out, "query_out")
     elif query_out is not None:

@@ -892,6 +892,12 @@ def _check(query, k_cache, v_cache, block_tables, context_lens) -> tuple[bool, i
         raise ValueError("block_tables must be contiguous in its last dimension")
     if context_lens.shape != (b,) or context_lens.dtype != torch.int32:
         raise ValueError(f"context_lens must be ({b},) int32, got {tuple(context_lens.shape)} {context_lens.dtype}")
+    if b > 1 and context_lens.stride(0) != 1:  # the kernels read context_lens[b] at base + b
+        raise ValueError(f"context_lens must be contiguous, got stride {context_lens.stride(0)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+                    ("context_lens", context_lens)):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, the query on {query.device}: all on one device")
     return kv4, kv_heads, heads // kv_heads
 
 
@@ -925,6 +931,10 @@ def paged_decode_attention(
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if max_context_len is None:
         max_context_len = int(context_lens.max().item()) if b else 0
+    if max_context_len > block_tables.shape[1] * k_cache.shape[2]:
+        # Tokens past the table's last entry would read the next row's entries (or past the table).
+        raise ValueError(f"max_context_len {max_context_len} exceeds what block_tables of {block_tables.shape[1]} "
+                         f"blocks of {k_cache.shape[2]} tokens address ({block_tables.shape[1] * k_cache.shape[2]})")
     out = attention_output(query, out)
     if b == 0:
         return out

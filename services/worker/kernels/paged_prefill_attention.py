@@ -162,6 +162,19 @@ def paged_prefill_attention(
             raise ValueError(f"{name} must be {shape} int32, got {tuple(t.shape)} {t.dtype}")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise ValueError(f"block_tables must be ({batch}, max_blocks) int32, got {tuple(block_tables.shape)}")
+    # The kernel reads cu_seqlens[b], starts[b], block_tables[b, j] and a cache row's values at unit
+    # strides (base + index): anything strided there would be read as other entries.
+    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be contiguous in its last dimension, got strides {block_tables.stride()}")
+    for name, t in (("cu_seqlens", cu_seqlens), ("starts", starts)):
+        if t.numel() > 1 and t.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
+    if row > 1 and k_cache.stride(3) != 1:
+        raise ValueError(f"cache rows must be contiguous, got strides {k_cache.stride()}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cu_seqlens", cu_seqlens), ("starts", starts),
+                    ("block_tables", block_tables)):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, the query on {query.device}: all on one device")
     cfg = config or default_prefill_config(d)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     out = attention_output(query, out)

@@ -164,6 +164,11 @@ def prefill_attention(
         raise ValueError(f"head_dim {d} is not supported: a power of two >= 16 (64 and 128 are tuned)")
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be (B + 1,) int32, got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
+    if cu_seqlens.stride(0) != 1:  # the kernel reads cu_seqlens[b] at base + b
+        raise ValueError(f"cu_seqlens must be contiguous, got stride {cu_seqlens.stride(0)}")
+    for name, t in (("key", key), ("value", value), ("cu_seqlens", cu_seqlens)):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, the query on {query.device}: all on one device")
     cfg = config or default_prefill_config(d)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if max_seqlen is None:

@@ -571,7 +571,8 @@ def w4a8_g128_gemm(
     assert qw.dtype == torch.uint8 and qw.stride(1) == 1, "qweight: (N, K // 2) uint8 contiguous along K"
     assert s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride(), "s2 / zero: (N, G) alike"
     assert s1.shape == (N,) and s1.dtype == torch.float16 and s1.stride(0) == 1, "s1: (N,) fp16 contiguous"
-    assert all(t.device == x8.device for t in (sx, qw, s2, zero, s1)), "all tensors on one device"
+    assert all(t.device == x8.device for t in (sx, qw, s2, zero, s1) + ((group_sums,) if group_sums is not None else ())), (
+        "all tensors on one device")
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
     group_sums = _group_sums_read_by(variant, group_sums, M, K)
@@ -621,7 +622,8 @@ def w4a8_channel_gemm(
         assert rowsum.dtype == torch.int32 and rowsum.numel() == M, f"rowsum: expected ({M},) int32"
         rowsum = rowsum.reshape(M)
         assert rowsum.stride(0) == 1 or M == 1, "rowsum must be contiguous"
-    assert all(t.device == x8.device for t in (sx, qw, scale, zero)), "all tensors on one device"
+    assert all(t.device == x8.device for t in (sx, qw, scale, zero) + ((rowsum,) if rowsum is not None else ())), (
+        "all tensors on one device")
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
     grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
@@ -693,6 +695,10 @@ def w4a8_word_gemm(
         if rowsum is not None:
             assert rowsum.dtype == torch.int32 and rowsum.numel() == M, f"rowsum: expected ({M},) int32"
             x_sums = rowsum.reshape(M)
+            assert x_sums.stride(0) == 1 or M == 1, "rowsum must be contiguous"  # read at base + m
+    assert col_scale.stride(0) == 1 and (g128 or zero.stride(0) == 1), "column scale / zero must be contiguous"
+    assert all(t.device == x8.device for t in (sx, qw, s2, zero, col_scale) + ((x_sums,) if x_sums is not None else ())), (
+        "all tensors on one device")
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
     x32, qw32 = _as_words(x8, "x8"), _as_words(qw, "qweight")
