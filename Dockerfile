@@ -11,7 +11,13 @@ RUN apt-get update \
 WORKDIR /app
 ARG TORCH_SPEC="torch>=2.11"
 RUN pip install --no-cache-dir "${TORCH_SPEC}"
-COPY . .
+# Only what the install needs: not `COPY . .`, which would take ./models (the checkpoints the
+# quantizer mounts, see docker-compose.yml) and `qctl up`'s .qserve-up/ into the image.
+COPY pyproject.toml setup.py README.md ./
+COPY protos/ protos/
+COPY shared/ shared/
+COPY services/ services/
+COPY qctl/ qctl/
 RUN pip install --no-cache-dir . \
  && python -c "import shared.rpc.qserve.v1.worker_pb2"
 

@@ -89,3 +89,36 @@ def test_worker_downloads_and_compiled_kernels_survive_a_restart(compose, name):
     assert mounts.get("/data") in compose["volumes"], mounts  # a named volume, not the container's layer
     assert str(config.cache_dir).startswith("/data/")
     assert service["environment"]["TRITON_CACHE_DIR"].startswith("/data/")
+
+
+def _copied_into_the_image(relative: str) -> bool:
+    """Whether the Dockerfile's COPY instructions take `relative` (a path in the build context) into the image."""
+    ignored = [line.strip().strip("/") for line in (REPO / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    if any(relative == pattern or relative.startswith(pattern + "/") for pattern in ignored):
+        return False
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if words[:1] != ["COPY"]:
+            continue
+        sources = [w.rstrip("/") for w in words[1:-1] if not w.startswith("--")]
+        if any(s == "." or relative == s or relative.startswith(s + "/") for s in sources):
+            return True
+    return False
+
+
+def test_checkpoints_and_local_state_stay_out_of_the_image(compose):
+    """The quantizer mounts ./models (checkpoints, gigabytes) from the build context, and `qctl up` writes
+    .qserve-up/ (registry, artifacts) there: an image that copies them carries them to every host."""
+    mounted = set()
+    for service in compose["services"].values():
+        for v in service.get("volumes", []):
+            source = v.split(":")[0] if isinstance(v, str) else (v.get("source") if v.get("type") == "bind" else None)
+            if source and source.startswith(str(REPO) + "/"):
+                mounted.add(source[len(str(REPO)) + 1:])
+    assert "models" in mounted, mounted
+    for path in sorted(mounted | {".qserve-up"}):
+        assert not _copied_into_the_image(f"{path}/llama/model.safetensors"), f"the image would contain {path}/"
+    for needed in ("pyproject.toml", "setup.py", "README.md", "protos/qserve/v1/worker.proto",
+                   "shared/registry/migrations/env.py", "services/worker/server.py", "qctl/main.py"):
+        assert _copied_into_the_image(needed), f"the image needs {needed} to install the project"

@@ -170,7 +170,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default=None, help=f"refuse artifacts of any other format ({', '.join(FORMATS)})")
     p.add_argument("--gpu-memory-budget", default=None,
                    help=f"memory for weights, activations and the KV cache, e.g. 48GiB "
-                        f"[default: {GPU_DEFAULT_FRACTION:.0%} of the GPU memory free at start-up; 2GiB on cpu]")
+                        f"[default: {GPU_DEFAULT_FRACTION * 100:.0f}%% of the GPU memory free at start-up; 2GiB on cpu]")
     p.add_argument("--kv-blocks", type=int, default=None, help="a fixed number of KV blocks instead of the budget's")
     p.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
     p.add_argument("--max-running-sequences", type=int, default=32, help="most sequences in one step")

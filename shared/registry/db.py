@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import sqlalchemy as sa
+from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy.orm import Session, sessionmaker
 
 from shared.registry import migrate
@@ -83,14 +85,27 @@ def create_registry(url: str, *, migrate_to_head: bool = True) -> Registry:
     """Opens the registry at `url`. By default migrates it to head first (creating it when empty);
     with migrate_to_head=False it refuses a database that is not already at head."""
     engine = make_engine(url)
+    current, head = migrate.current_revision(engine), migrate.head_revision()
+    if current is not None and not _known_revision(current):
+        engine.dispose()
+        raise InvalidState(
+            f"registry at {engine.url.render_as_string(hide_password=True)!r} is at schema revision {current!r}, "
+            f"which this code (head {head!r}) does not know: a newer version of qserve-stack migrated it; "
+            f"run that version"
+        )
     if migrate_to_head:
         migrate.upgrade(engine)
-    else:
-        current, head = migrate.current_revision(engine), migrate.head_revision()
-        if current != head:
-            engine.dispose()
-            raise InvalidState(
-                f"registry at {engine.url.render_as_string(hide_password=True)!r} is at schema revision "
-                f"{current!r}, this code needs {head!r}: open it once with migrate_to_head=True"
-            )
+    elif current != head:
+        engine.dispose()
+        raise InvalidState(
+            f"registry at {engine.url.render_as_string(hide_password=True)!r} is at schema revision "
+            f"{current!r}, this code needs {head!r}: open it once with migrate_to_head=True"
+        )
     return Registry(engine=engine, sessions=sessionmaker(engine, expire_on_commit=False))
+
+
+def _known_revision(revision: str) -> bool:
+    try:
+        return ScriptDirectory.from_config(migrate.alembic_config()).get_revision(revision) is not None
+    except CommandError:
+        return False

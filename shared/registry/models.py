@@ -69,6 +69,13 @@ def _in_check(column: str, enum_cls: type[enum.Enum]) -> str:
     return f"{column} IN ({', '.join(repr(m.value) for m in enum_cls)})"
 
 
+def _ck_name(table: str, name: str) -> sa.sql.elements.conv:
+    # The name migration 0001 gave the CHECK: it passed the full "ck_<table>_<name>" through the
+    # "ck" convention above, which prefixed it again. Databases carry this name, so the models do too
+    # (a later migration that swaps a CHECK must address it by it).
+    return sa.sql.elements.conv(f"ck_{table}_ck_{table}_{name}")
+
+
 class Base(DeclarativeBase):
     metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
 
@@ -107,7 +114,7 @@ class Artifact(Base):
     __tablename__ = "artifacts"
     __table_args__ = (
         sa.UniqueConstraint("model_version_id", "format", "gpu", name="uq_artifacts_binding"),
-        sa.CheckConstraint(_in_check("state", ArtifactState), name="state"),
+        sa.CheckConstraint(_in_check("state", ArtifactState), name=_ck_name("artifacts", "state")),
     )
 
     id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)  # uuid4 hex, known before insert
@@ -135,8 +142,10 @@ class QuantJob(Base):
 
     __tablename__ = "quant_jobs"
     __table_args__ = (
-        sa.CheckConstraint(_in_check("state", JobState), name="state"),
-        sa.CheckConstraint("block_index >= 0 AND block_index <= block_count", name="block_progress"),
+        sa.CheckConstraint(_in_check("state", JobState), name=_ck_name("quant_jobs", "state")),
+        sa.CheckConstraint(
+            "block_index >= 0 AND block_index <= block_count", name=_ck_name("quant_jobs", "block_progress")
+        ),
         sa.Index("ix_quant_jobs_state_owner", "state", "owner"),
     )
 
@@ -161,8 +170,13 @@ class Deployment(Base):
 
     __tablename__ = "deployments"
     __table_args__ = (
-        sa.CheckConstraint("canary_percent >= 0 AND canary_percent <= 100", name="canary_percent"),
-        sa.CheckConstraint("canary_artifact_id IS NOT NULL OR canary_percent = 0", name="canary_needs_artifact"),
+        sa.CheckConstraint(
+            "canary_percent >= 0 AND canary_percent <= 100", name=_ck_name("deployments", "canary_percent")
+        ),
+        sa.CheckConstraint(
+            "canary_artifact_id IS NOT NULL OR canary_percent = 0",
+            name=_ck_name("deployments", "canary_needs_artifact"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)

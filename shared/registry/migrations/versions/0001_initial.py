@@ -37,6 +37,8 @@ def _state(name: str, values: tuple[str, ...]) -> sa.Column:
     return sa.Column(name, sa.Enum(*values, native_enum=False, create_constraint=False, length=16), nullable=False)
 
 
+# The "ck" naming convention of models.Base (the target metadata) prefixes these names again: the
+# CHECKs below are created as ck_<table>_ck_<table>_<name>, which is what models.py declares.
 def _in(column: str, values: tuple[str, ...]) -> str:
     return f"{column} IN ({', '.join(repr(v) for v in values)})"
 
