@@ -233,6 +233,13 @@ def test_bad_requests_name_the_problem():
         gemm.w4a8_gemm(x8[:, :256], sx, weight, variant="g128.n64m16.sk")
 
 
+def test_no_variant_takes_a_problem_past_int32_offsets():
+    """The kernels index with int32 offsets: a problem whose M x N or M x K reaches 2^31 is refused by name."""
+    for variant in gemm.VARIANTS:
+        ok, why = variant.can_implement(2**17, 2**14, 4096, variant.kind)  # M x N = 2^31
+        assert not ok and "2^31" in why, (variant.name, why)
+
+
 def test_workspace_is_one_buffer_per_device_whatever_the_spelling(monkeypatch):
     # A runner built with "cuda" and a GEMM launched on tensors of "cuda:0" once kept two
     # workspaces; the decode graphs watched the one the GEMMs never used, and replayed over a

@@ -313,6 +313,8 @@ class GemmVariant:
             return False, f"K={K} is not a positive multiple of {GROUP_SIZE} (the group and pack chunk)"
         if K > MAX_K:
             return False, f"K={K} exceeds {MAX_K}: the int32 accumulator could overflow"
+        if max(M * N, M * K) >= 2**31:
+            return False, f"M={M} x N={N} / K={K}: element offsets past 2^31 overflow the kernels' int32 indexing"
         if self.max_m is not None and M > self.max_m:
             return False, f"M={M} exceeds {self.max_m}, the largest M of {self.name}"
         return True, "ok"
