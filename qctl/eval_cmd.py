@@ -16,7 +16,7 @@ from shared.model.checkpoint import HfCheckpoint
 from shared.model.config import LlamaConfig
 from shared.model.load import artifact_model, fp_model
 from shared.model.perplexity import perplexity, windows_of
-from shared.model.tokenizer import Tokenizer
+from shared.model.tokenizer import Tokenizer, check_token_ids
 
 
 @user_errors
@@ -47,6 +47,7 @@ def evaluate(
     else:
         net = fp_model(HfCheckpoint(model), dev)
     windows = windows_of(Tokenizer(model).encode(text), seq_len)
+    check_token_ids(windows, LlamaConfig.from_folder(model).vocab_size, f"the data file {data}")
     if max_windows > 0:
         windows = windows[:max_windows]
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as bar:

@@ -20,7 +20,7 @@ from shared.formats.artifact import ArtifactReader
 from shared.model.checkpoint import HfCheckpoint
 from shared.model.load import artifact_model, fp_model
 from shared.model.perplexity import perplexity, windows_of
-from shared.model.tokenizer import Tokenizer
+from shared.model.tokenizer import Tokenizer, check_token_ids
 
 WindowProgress = Callable[[int, int], None]  # (windows done, windows total)
 
@@ -59,6 +59,7 @@ def eval_windows(text_file: Path, name: str, tokenizer_dir: Path, seq_len: int, 
 
 def checkpoint_perplexity(checkpoint: HfCheckpoint, windows: EvalWindows, device: str,
                           progress: WindowProgress | None = None) -> float:
+    check_token_ids(windows.tokens, checkpoint.config.vocab_size, f"the eval text {windows.name!r}")
     model = fp_model(checkpoint, device)
     return perplexity(model.forward, windows.tokens, device=device, progress=progress).ppl
 

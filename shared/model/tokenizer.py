@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from shared.model.config import CheckpointError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "generation_config.json")
@@ -39,3 +41,13 @@ class Tokenizer:
         if self._fast is not None:
             return self._fast.decode(ids, skip_special_tokens=False)
         return self._hf.decode(ids)
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int, source: str) -> None:
+    """A tokenizer of another model gives ids past the model's embedding table: say so instead of an
+    IndexError deep inside the forward."""
+    top = int(ids.max()) if ids.numel() else -1
+    if top >= vocab_size:
+        raise CheckpointError(f"the tokenizer gives token id {top} for {source}, beyond the model's vocabulary of "
+                              f"{vocab_size} (config.json vocab_size): is the tokenizer another model's?")
+

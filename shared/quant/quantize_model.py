@@ -30,7 +30,7 @@ from shared.formats.weights import GROUP_SIZE, Fp16Weight
 from shared.model.checkpoint import HfCheckpoint
 from shared.model.config import CheckpointError, LlamaConfig
 from shared.model.rope import cos_sin, inverse_frequencies
-from shared.model.tokenizer import TOKENIZER_FILES, Tokenizer
+from shared.model.tokenizer import TOKENIZER_FILES, Tokenizer, check_token_ids
 from shared.quant.block import WorkBlock
 from shared.quant.calibration import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, load_calibration
 from shared.quant.options import QoQOptions
@@ -96,6 +96,7 @@ def quantize_checkpoint(settings: QuantizeSettings, progress: Progress | None = 
         tokens, calibration = load_calibration(
             settings.calib_path, Tokenizer(settings.model_dir), settings.calib_samples, settings.calib_seq_len
         )
+        check_token_ids(tokens, config.vocab_size, f"the calibration text {calibration.data_name}")
     model_version = ckpt.content_hash()
     report("load", 1, 1)
 

@@ -65,3 +65,17 @@ def test_config_that_is_not_a_json_object_is_a_checkpoint_error(tmp_path, tiny_l
     (model / "config.json").write_text(json.dumps([1, 2]))  # was an AttributeError traceback
     code, output = _eval(model, data)
     assert code == 2 and "config.json" in _error_line(output), output
+
+
+def test_a_tokenizer_beyond_the_models_vocabulary_is_named(tmp_path, tiny_llama):
+    """The fixture's tokenizer over a model of 64 tokens: ids past the embedding table were an IndexError."""
+    model = write_random_llama(tmp_path / "m", layers=1, vocab=64)
+    data = tmp_path / "eval.txt"
+    data.write_text("def f(x):\n    return x + 1\n" * 200)
+    code, output = _eval(model, data)
+    assert code == 2 and "vocabulary of 64" in _error_line(output), output
+    code, output = _run("quantize", "--model", model, "--format", "w4a8kv4-g128", "--out", tmp_path / "out",
+                        "--calib", data, "--calib-samples", "2", "--calib-seq-len", "64", "--device", "cpu",
+                        "--gpu-target", "cpu")
+    assert code == 2 and "vocabulary of 64" in _error_line(output), output
+
