@@ -29,9 +29,12 @@ from qctl.errors import user_errors
 from qctl.gateway_client import admin_client, gateway_client
 from qctl.publish_cmd import FormatName, follow_job, quantizer_stub
 from qctl.stack import LocalStack
+from services.worker.errors import WorkerError
 from shared.model.demo import write_demo_checkpoint
 from shared.quant.calibration import default_calibration_text
+from shared.registry import RegistryError
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2, quantizer_pb2
+from shared.storage import StorageError
 
 Q, G = quantizer_pb2, gateway_pb2
 SESSIONS = 20  # session keys sent during the canary, to show the split and its stickiness
@@ -41,7 +44,7 @@ WORKER_GPU_SHARE = 0.45
 
 def stack_errors(fn):
     """A service refusing a step of the demo path (a gRPC error) or a step failing (a job, a worker
-    that never registers) ends `qctl up` with one line instead of a traceback."""
+    that cannot start or never registers) ends `qctl up` with one line instead of a traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -53,6 +56,9 @@ def stack_errors(fn):
         except StackError as exc:
             print(f"error: {exc}", file=sys.stderr)
             raise typer.Exit(code=1) from None
+        except (WorkerError, StorageError, RegistryError) as exc:  # a worker that cannot load or serve its artifact
+            print(f"error: {exc}", file=sys.stderr)
+            raise typer.Exit(code=2) from None
 
     return wrapper
 

@@ -51,3 +51,17 @@ def test_up_runs_again_in_the_same_workdir(tmp_path):
         kinds = [e.kind.value for e in list_events(session, deployment="demo")]
     registry.close()
     assert kinds.count("deployment_create") == 1 and kinds.count("promote") >= 2, kinds
+
+
+def test_a_worker_that_cannot_start_ends_up_with_one_line(tmp_path, monkeypatch):
+    from qctl.stack import LocalStack
+    from services.worker.errors import ArtifactCorrupt
+
+    def refuse(self, artifact_id, memory_budget=None):
+        raise ArtifactCorrupt(f"artifact {artifact_id} is corrupt: sha256 of weights/block_000.safetensors differs")
+
+    monkeypatch.setattr(LocalStack, "start_worker", refuse)
+    result = CliRunner().invoke(app, ["up", "--workdir", str(tmp_path / "s"), "--once", "--eval-windows", "1"])
+    assert result.exit_code == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.strip().splitlines()[-1].startswith("error: artifact ")
+
