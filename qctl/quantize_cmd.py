@@ -11,10 +11,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from qctl.devices import resolve_device, resolve_gpu_target
 from qctl.errors import user_errors
-from shared.formats.spec import FORMATS
-from shared.quant.calibration import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
+from shared.formats.spec import FORMATS, format_spec
+from shared.quant.calibration import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, CalibrationError
 from shared.quant.options import QoQOptions
-from shared.quant.quantize_model import QuantizeSettings, quantize_checkpoint
+from shared.quant.quantize_model import QuantizeSettings, needs_calibration, quantize_checkpoint
 
 FormatName = Enum("FormatName", {name: name for name in FORMATS}, type=str)
 
@@ -62,6 +62,11 @@ def quantize(
         model_name=name, device=resolve_device(device),
     )
     console = Console(stderr=True)
+    if calib is not None and not needs_calibration(format_spec(settings.format), settings.options):
+        if not calib.is_file():
+            raise CalibrationError(f"calibration file {calib} does not exist")
+        console.print(f"note: --calib {calib} is not used: {settings.format} with these options needs no calibration",
+                      soft_wrap=True)
     columns = (TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:
         tasks: dict[str, int] = {}

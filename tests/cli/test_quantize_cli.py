@@ -120,6 +120,13 @@ def test_output_folder_quantized_with_other_calibration_data_is_kept(random_llam
     assert (out / "manifest.json").read_text() == before
 
 
+def test_a_calibration_file_the_format_does_not_use_is_noted_and_a_missing_one_refused(random_llama, tmp_path, calib):
+    code, output = _quantize(random_llama, tmp_path / "a", "w8a8", "--calib", calib, "--rtn")
+    assert code == 0 and "is not used" in output, output
+    code, output = _quantize(random_llama, tmp_path / "b", "fp16", "--calib", tmp_path / "nope.txt")
+    assert code == 2 and "nope.txt does not exist" in _error_line(output), output
+
+
 def test_output_folder_with_other_files_is_refused(random_llama, tmp_path):
     out = tmp_path / "notes"
     out.mkdir()
