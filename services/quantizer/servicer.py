@@ -32,6 +32,13 @@ _CODES = (
 )
 
 
+_MAPPED = tuple(error for error, _ in _CODES)
+
+
+def _code_of(exc: Exception) -> grpc.StatusCode:
+    return next(code for error, code in _CODES if isinstance(exc, error))
+
+
 def _statuses(method):
     """Turns the domain's errors into the status codes the proto promises."""
 
@@ -39,9 +46,8 @@ def _statuses(method):
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
         try:
             return await method(self, request, context)
-        except tuple(error for error, _ in _CODES) as exc:
-            code = next(code for error, code in _CODES if isinstance(exc, error))
-            await context.abort(code, str(exc))
+        except _MAPPED as exc:
+            await context.abort(_code_of(exc), str(exc))
 
     return wrapper
 
@@ -69,11 +75,7 @@ class QuantizerServicer(quantizer_pb2_grpc.QuantizerServicer):
         latest, queue = self.runner.board.watch(job_id)
         try:
             if latest is None:  # not a job of this process (or before its first snapshot): the registry's row
-                try:
-                    latest = Update(await asyncio.to_thread(self.runner.view, _required("job_id", job_id)))
-                except (NotFound, InvalidRequest) as exc:
-                    code = grpc.StatusCode.NOT_FOUND if isinstance(exc, NotFound) else grpc.StatusCode.INVALID_ARGUMENT
-                    await context.abort(code, str(exc))
+                latest = Update(await asyncio.to_thread(self.runner.view, _required("job_id", job_id)))
             yield _progress(latest)
             while not latest.job.done:
                 try:
@@ -86,6 +88,8 @@ class QuantizerServicer(quantizer_pb2_grpc.QuantizerServicer):
                         continue
                     latest = current
                 yield _progress(latest)
+        except _MAPPED as exc:  # (a stream: the decorator's rules, applied here)
+            await context.abort(_code_of(exc), str(exc))
         finally:
             self.runner.board.unwatch(job_id, queue)
 

@@ -93,6 +93,17 @@ def test_unknown_ids_are_not_found(quantizer):
         assert error.code() == NOT_FOUND and "'nope'" in error.details()
 
 
+def test_watching_a_job_while_the_registry_is_down_is_unavailable(quantizer, monkeypatch):
+    from sqlalchemy.exc import OperationalError
+
+    def down(job_id):
+        raise OperationalError("SELECT quant_jobs", {}, ConnectionRefusedError("registry down"))
+
+    monkeypatch.setattr(quantizer.server.running.runner, "view", down)
+    error = _error(lambda r: list(quantizer.stub.WatchJob(r)), Q.WatchJobRequest(job_id="a" * 32))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, error  # was UNKNOWN
+
+
 def test_list_filters_check_their_values(quantizer):
     error = _error(quantizer.stub.ListArtifacts, Q.ListArtifactsRequest(format="int3"))
     assert error.code() == INVALID and "accepted: w4a8kv4-g128" in error.details()
