@@ -78,19 +78,27 @@ def test_neither_a_folder_nor_an_id(tmp_path):
         open_artifact(str(tmp_path / "nope"), gpu_target="cpu")
 
 
-def test_an_artifact_id_is_fetched_from_the_store_and_cached(artifacts, tmp_path):
+def _in_store(artifacts, tmp_path):
+    """(manifest, object prefix, store config, empty cache folder) of the g128 artifact published to a local store."""
     manifest = ArtifactReader(artifacts["w4a8kv4-g128"], verify=False).manifest
     store_root = tmp_path / "store"
     prefix = f"{manifest.model_name}/{manifest.model_version}/{manifest.format}/cpu/{manifest.artifact_id}/"
     LocalStore(store_root, create=True).publish_folder(artifacts["w4a8kv4-g128"], prefix)
-    store = StorageConfig(kind="local", root=store_root)
-    cache = tmp_path / "cache"
+    return manifest, prefix, StorageConfig(kind="local", root=store_root), tmp_path / "cache"
+
+
+def _damage(cache, artifact_id):
+    block = cache / artifact_id / "weights" / "block_001.safetensors"
+    block.write_bytes(b"x" + block.read_bytes()[1:])
+
+
+def test_an_artifact_id_is_fetched_from_the_store_and_cached(artifacts, tmp_path):
+    manifest, prefix, store, cache = _in_store(artifacts, tmp_path)
     loaded = open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
     assert loaded.object_prefix == prefix and loaded.folder == cache / manifest.artifact_id
     assert loaded.reader.manifest.artifact_id == manifest.artifact_id
     # A damaged cached copy is fetched again rather than served.
-    block = cache / manifest.artifact_id / "weights" / "block_001.safetensors"
-    block.write_bytes(b"x" + block.read_bytes()[1:])
+    _damage(cache, manifest.artifact_id)
     again = open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
     again.reader.verify()
     with pytest.raises(ArtifactNotFound, match="not in the store"):
@@ -200,15 +208,9 @@ def test_the_worker_captures_graphs_once_the_cache_exists_unless_told_not_to(art
 
 def _cached_store(artifacts, tmp_path):
     """(artifact id, store config, cache folder) with a damaged cached copy of the artifact."""
-    manifest = ArtifactReader(artifacts["w4a8kv4-g128"], verify=False).manifest
-    store_root = tmp_path / "store"
-    prefix = f"{manifest.model_name}/{manifest.model_version}/{manifest.format}/cpu/{manifest.artifact_id}/"
-    LocalStore(store_root, create=True).publish_folder(artifacts["w4a8kv4-g128"], prefix)
-    store = StorageConfig(kind="local", root=store_root)
-    cache = tmp_path / "cache"
+    manifest, _prefix, store, cache = _in_store(artifacts, tmp_path)
     open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
-    block = cache / manifest.artifact_id / "weights" / "block_001.safetensors"
-    block.write_bytes(b"x" + block.read_bytes()[1:])
+    _damage(cache, manifest.artifact_id)
     return manifest.artifact_id, store, cache
 
 
