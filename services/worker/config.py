@@ -94,6 +94,8 @@ class WorkerConfig:
         for name in ("block_size", "max_running_sequences", "max_waiting_requests", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.device != "cpu" and self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size={self.block_size} must be a power of two on {self.device} (the GPU kernels' pages)")
         if self.max_context_tokens is not None and self.max_context_tokens < 2:
             raise ConfigError(f"max_context_tokens={self.max_context_tokens} must be at least 2")
         for name in ("port", "metrics_port"):
@@ -127,7 +129,7 @@ class WorkerConfig:
             cache_dir=args.cache_dir,
             device=args.device,
             format=args.format,
-            gpu_memory_budget=parse_bytes(args.gpu_memory_budget) if args.gpu_memory_budget else None,
+            gpu_memory_budget=parse_bytes(args.gpu_memory_budget) if args.gpu_memory_budget is not None else None,
             kv_blocks=args.kv_blocks,
             block_size=args.block_size,
             max_running_sequences=args.max_running_sequences,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.config import CPU_DEFAULT_BUDGET, GPU_DEFAULT_FRACTION, WorkerConfig
+from services.worker.config import CPU_DEFAULT_BUDGET, GPU_DEFAULT_FRACTION, ConfigError, WorkerConfig
 from services.worker.engine.capacity import plan_kv_blocks
 from services.worker.engine.engine import Engine, EngineLimits
 from services.worker.engine.loading import LoadedArtifact, load_runner, open_artifact, runner_formats, worker_gpu_target
@@ -59,6 +59,10 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
     # One sequence must always fit in the cache on its own, or preemption could never make room.
     max_context = min(model_config.max_position_embeddings, num_blocks * config.block_size,
                       config.max_context_tokens or model_config.max_position_embeddings)
+    if config.max_context_tokens is not None and max_context < config.max_context_tokens:
+        log.warning("--max-context-tokens %d lowered to %d: the model's context window is %d and the KV cache "
+                    "holds %d tokens", config.max_context_tokens, max_context,
+                    model_config.max_position_embeddings, num_blocks * config.block_size)
     limits = EngineLimits(
         num_blocks=num_blocks,
         max_running=config.max_running_sequences,
@@ -94,12 +98,20 @@ def _capture_graphs(runner) -> None:
 
 
 def _budget(config: WorkerConfig, device: torch.device) -> int:
-    if config.gpu_memory_budget is not None:
-        return config.gpu_memory_budget
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)  # other processes and workers on this GPU keep theirs
+    if device.type != "cuda":
+        return CPU_DEFAULT_BUDGET if config.gpu_memory_budget is None else config.gpu_memory_budget
+    free, total = torch.cuda.mem_get_info(device)  # other processes and workers on this GPU keep theirs
+    if config.gpu_memory_budget is None:
         return int(free * GPU_DEFAULT_FRACTION)
-    return CPU_DEFAULT_BUDGET
+    budget = config.gpu_memory_budget
+    if budget > total:
+        raise ConfigError(f"--gpu-memory-budget {budget / 2**30:.3f} GiB is more than {device}'s "
+                          f"{total / 2**30:.3f} GiB; lower it")
+    if budget > free:  # a cache planned past what is free would fail to allocate
+        log.warning("--gpu-memory-budget %.3f GiB is more than the %.3f GiB free on %s: using %.3f GiB",
+                    budget / 2**30, free / 2**30, device, free / 2**30)
+        return int(free)
+    return budget
 
 
 def _max_useful_blocks(config: WorkerConfig, model_context: int) -> int:

@@ -48,3 +48,18 @@ def test_the_worker_sizes_its_cache_from_the_budget(artifacts):
         channel.close()
     finally:
         worker.stop(grace_s=0)
+
+
+def test_a_context_the_cache_cannot_hold_is_lowered_with_a_warning(artifacts, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="services.worker.serving"):
+        worker = BackgroundWorker(WorkerConfig(artifact=str(artifacts["w4a8kv4-g128"]), port=0, metrics_port=None,
+                                               kv_blocks=4, block_size=8, max_context_tokens=64))
+        try:
+            channel, client = stub(worker)
+            assert client.Info(worker_pb2.InfoRequest(), timeout=10).max_context_tokens == 32
+            channel.close()
+        finally:
+            worker.stop(grace_s=0)
+    assert "--max-context-tokens 64 lowered to 32" in caplog.text
