@@ -167,6 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix = f"error ({code.name}): " if isinstance(code, grpc.StatusCode) else "error: "
         print(prefix + str(exc), file=sys.stderr)
         return 2
+    except torch.OutOfMemoryError as exc:  # the plan did not fit what the device really had (e.g. --kv-blocks)
+        print(f"error: out of device memory while starting: {str(exc).splitlines()[0]}; lower --gpu-memory-budget "
+              f"or --kv-blocks", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -42,3 +42,15 @@ def test_a_budget_beyond_the_free_memory_is_capped_with_a_warning(monkeypatch, c
     assert serving._budget(within, torch.device("cuda")) == 48 * 2**30
     default = WorkerConfig(artifact="a", device="cuda")
     assert serving._budget(default, torch.device("cuda")) == int(70 * 2**30 * 0.9)
+
+
+def test_running_out_of_device_memory_at_start_is_one_line(monkeypatch, capsys):
+    from services.worker import server
+
+    async def out_of_memory(config):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.setattr(server, "serve", out_of_memory)
+    assert server.main(["--artifact", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: out of device memory while starting: CUDA out of memory") and "--kv-blocks" in err[-1]
