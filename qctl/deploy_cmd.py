@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, rpc_errors, short
@@ -25,7 +26,7 @@ def show_deployment(d: gateway_pb2.Deployment, console: Console | None = None) -
     if d.HasField("baseline"):
         lines.append(f"  baseline  {ref(d.baseline)}")
     switch = "[red]ON[/] (all traffic to the baseline)" if d.fallback else "off"
-    reason = f" - {d.fallback_reason}" if d.fallback_reason else ""
+    reason = f" - {escape(d.fallback_reason)}" if d.fallback_reason else ""
     lines.append(f"  fallback  {switch}{reason}")
     console.print("\n".join(lines))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, rpc_errors, short
@@ -28,7 +29,7 @@ def workers(
                   "waiting", "kv blocks free", "last heartbeat")
     for w in listed:
         health = gateway_pb2.WorkerHealth.Name(w.health).removeprefix("WORKER_HEALTH_")
-        table.add_row(w.worker_id, w.address, short(w.artifact.artifact_id), w.artifact.format,
+        table.add_row(escape(w.worker_id), escape(w.address), short(w.artifact.artifact_id), w.artifact.format,
                       f"[{HEALTH_STYLE.get(health, 'white')}]{health}[/]", f"{w.in_flight} / {w.capacity}",
                       str(w.running_requests), str(w.waiting_requests), str(w.kv_blocks_free),
                       w.last_heartbeat.ToDatetime().strftime("%H:%M:%S"))
@@ -47,6 +48,6 @@ def events(
         listed = admin.ListEvents(gateway_pb2.ListEventsRequest(deployment=deployment, limit=limit)).events
     table = Table("id", "time (UTC)", "deployment", "kind", "actor", "artifact", "detail")
     for e in listed:
-        table.add_row(str(e.event_id), e.time.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"), e.deployment, e.kind,
-                      e.actor, short(e.artifact_id), e.detail)
+        table.add_row(str(e.event_id), e.time.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"), escape(e.deployment),
+                      escape(e.kind), escape(e.actor), short(e.artifact_id), escape(e.detail))
     Console().print(table if listed else "no events")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from qctl.errors import rpc_errors
@@ -31,7 +32,7 @@ def ls(
     table = Table("model", "version", "artifact", "state", "format", "gpu", "ppl fp16 -> quantized", "note")
     for m in models:
         for version in m.versions:
-            label = version.version_label
+            label = escape(version.version_label)
             shown_version = f"{label} ({version.model_version[:12]})" if label != version.model_version[:12] else label
             if not version.artifacts:
                 table.add_row(m.model_name, shown_version, "-", "", "", "", "", "")
@@ -40,7 +41,7 @@ def ls(
                 state = common_pb2.ArtifactState.Name(info.state).removeprefix("ARTIFACT_STATE_") if info else "?"
                 table.add_row(m.model_name, shown_version, ref.artifact_id,
                               f"[{STATE_STYLE.get(state, 'white')}]{state}[/]", ref.format, ref.gpu_target,
-                              _perplexities(info), info.failure_reason if info else "")
+                              _perplexities(info), escape(info.failure_reason) if info else "")
     console.print(table)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from qctl.errors import rpc_errors
@@ -98,8 +99,8 @@ def publish(
     e = job.artifact.evaluation
     console.print(
         f"artifact {job.artifact.artifact_id} READY: {job.artifact.format} for {job.artifact.gpu_target}, "
-        f"perplexity {e.perplexity_quantized:.4f} vs fp16 {e.perplexity_fp16:.4f} on {e.data_name} "
-        f"({e.perplexity_quantized / e.perplexity_fp16 - 1:+.2%}); objects at {job.artifact.object_key_prefix}"
+        f"perplexity {e.perplexity_quantized:.4f} vs fp16 {e.perplexity_fp16:.4f} on {escape(e.data_name)} "
+        f"({e.perplexity_quantized / e.perplexity_fp16 - 1:+.2%}); objects at {escape(job.artifact.object_key_prefix)}"
     )
     print(job.artifact.artifact_id)
 
@@ -117,10 +118,10 @@ def follow_job(stub: quantizer_pb2_grpc.QuantizerStub, job_id: str, console: Con
             if job.block_count:
                 description = f"{stage} block {job.block_index}/{job.block_count}"
                 bar.update(task, description=description, completed=job.block_index - 1, total=job.block_count,
-                           note=update.message)
+                           note=escape(update.message))
             else:
                 description = stage
-                bar.update(task, description=stage, completed=0, total=None, note=update.message)
+                bar.update(task, description=stage, completed=0, total=None, note=escape(update.message))
             if description != shown:  # one line per stage and block, also in logs where no bar is drawn
                 bar.console.print(description, style="dim")
                 shown = description
