@@ -8,6 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from qctl.errors import rpc_errors
+from qctl.gateway_client import RPC_TIMEOUT_S
 from qctl.publish_cmd import QUANTIZER_OPTION, quantizer_stub
 from shared.rpc.qserve.v1 import common_pb2, quantizer_pb2
 
@@ -23,8 +24,9 @@ def ls(
     """List models, versions and artifacts (state, format, GPU, perplexity fp16 -> quantized)."""
     channel, stub = quantizer_stub(quantizer)
     with channel:
-        models = stub.ListModels(Q.ListModelsRequest(model_name=model)).models
-        artifacts = {a.artifact_id: a for a in stub.ListArtifacts(Q.ListArtifactsRequest(model_name=model)).artifacts}
+        models = stub.ListModels(Q.ListModelsRequest(model_name=model), timeout=RPC_TIMEOUT_S).models
+        listed = stub.ListArtifacts(Q.ListArtifactsRequest(model_name=model), timeout=RPC_TIMEOUT_S).artifacts
+        artifacts = {a.artifact_id: a for a in listed}
     console = Console()
     if not models:
         console.print("no models registered" + (f" under the name {model!r}" if model else ""))

@@ -92,7 +92,12 @@ def publish(
     with channel:
         job = stub.Publish(request)
         console.print(f"job {job.job_id} queued at {quantizer}")
-        job = follow_job(stub, job.job_id, console)
+        job_id = job.job_id
+        job = follow_job(stub, job_id, console)
+    if job is None:  # the stream ended before its first snapshot
+        print(f"error: the quantizer ended the progress stream of job {job_id} without its state; "
+              f"it may still run: see `qctl ls`", file=sys.stderr)
+        raise typer.Exit(code=1)
     if job.state != Q.JOB_STATE_SUCCEEDED:
         print(f"error: job {job.job_id} failed: {job.error}", file=sys.stderr)
         raise typer.Exit(code=1)
@@ -105,8 +110,8 @@ def publish(
     print(job.artifact.artifact_id)
 
 
-def follow_job(stub: quantizer_pb2_grpc.QuantizerStub, job_id: str, console: Console) -> Q.Job:
-    """Shows stage and block i of n until the job ends; returns its last snapshot."""
+def follow_job(stub: quantizer_pb2_grpc.QuantizerStub, job_id: str, console: Console) -> Q.Job | None:
+    """Shows stage and block i of n until the job ends; returns its last snapshot (None if none came)."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[note]}", style="dim"))
     job, shown = None, ""

@@ -179,8 +179,8 @@ def _publish(quantizer: str, model: Path, name: str, fmt: str, gpu_target: str, 
     channel, stub = quantizer_stub(quantizer)
     with channel:
         job = follow_job(stub, stub.Publish(request).job_id, console)
-    if job.state != Q.JOB_STATE_SUCCEEDED:
-        raise StackError(f"publishing {fmt} failed: {job.error}")
+    if job is None or job.state != Q.JOB_STATE_SUCCEEDED:
+        raise StackError(f"publishing {fmt} failed: {job.error if job else 'the progress stream ended empty'}")
     e = job.artifact.evaluation
     console.print(f"  {fmt} artifact {job.artifact.artifact_id[:12]} READY: perplexity {e.perplexity_quantized:.3f} "
                   f"vs fp16 {e.perplexity_fp16:.3f} ({e.perplexity_quantized / e.perplexity_fp16 - 1:+.2%})")

@@ -102,3 +102,11 @@ def test_publish_failed_job_exits_1(monkeypatch, tmp_path):
     _fake_quantizer(monkeypatch, [Q.JobProgress(job=Q.Job(job_id="j1", state=Q.JOB_STATE_FAILED, error="budget"))])
     result = runner.invoke(app, _publish_args(tmp_path))
     assert result.exit_code == 1 and "budget" in result.stderr and result.stdout == ""
+
+
+def test_publish_whose_progress_stream_ends_empty_is_one_line(monkeypatch, tmp_path):
+    _fake_quantizer(monkeypatch, [])  # was an AttributeError traceback on job.state
+    result = runner.invoke(app, _publish_args(tmp_path))
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.strip().splitlines()[-1].startswith("error: the quantizer ended the progress stream")
+
