@@ -19,17 +19,23 @@ def test_plan_kv_blocks():
     assert plan_kv_blocks(1000, 300, 200, 50, max_useful_blocks=7) == 7
 
 
-def test_a_small_model_takes_only_the_cache_its_sequences_can_use(artifacts):
-    # 2 sequences of at most 64 tokens in blocks of 8: 2 x (8 + 1 spare) blocks, whatever the budget.
-    worker = BackgroundWorker(WorkerConfig(artifact=str(artifacts["w4a8kv4-g128"]), port=0, metrics_port=None,
-                                           gpu_memory_budget=2**30, block_size=8, max_running_sequences=2,
-                                           max_context_tokens=64))
+def _started_info(artifacts, **config) -> worker_pb2.WorkerInfo:
+    """Info of a g128 worker started (and stopped) with these settings."""
+    worker = BackgroundWorker(WorkerConfig(artifact=str(artifacts["w4a8kv4-g128"]), port=0, metrics_port=None, **config))
     try:
         channel, client = stub(worker)
-        assert client.Info(worker_pb2.InfoRequest(), timeout=10).kv_blocks_total == 18
+        info = client.Info(worker_pb2.InfoRequest(), timeout=10)
         channel.close()
+        return info
     finally:
         worker.stop(grace_s=0)
+
+
+def test_a_small_model_takes_only_the_cache_its_sequences_can_use(artifacts):
+    # 2 sequences of at most 64 tokens in blocks of 8: 2 x (8 + 1 spare) blocks, whatever the budget.
+    info = _started_info(artifacts, gpu_memory_budget=2**30, block_size=8, max_running_sequences=2,
+                         max_context_tokens=64)
+    assert info.kv_blocks_total == 18
 
 
 def test_the_worker_sizes_its_cache_from_the_budget(artifacts):
@@ -38,28 +44,15 @@ def test_the_worker_sizes_its_cache_from_the_budget(artifacts):
     # KV4 pages: 6 layers x K and V x 2 heads x 8 tokens x (64 code bytes + fp16 scale and zero).
     assert runner.kv_block_bytes() == 6 * 2 * 2 * 8 * (128 // 2 + 4)
     budget = runner.weight_bytes() + runner.activation_bytes(64) + 37 * runner.kv_block_bytes() + 5
-    worker = BackgroundWorker(WorkerConfig(artifact=str(artifacts["w4a8kv4-g128"]), port=0, metrics_port=None,
-                                           gpu_memory_budget=budget, block_size=8, max_batch_tokens=64))
-    try:
-        channel, client = stub(worker)
-        info = client.Info(worker_pb2.InfoRequest(), timeout=10)
-        assert (info.kv_blocks_total, info.kv_blocks_free, info.kv_block_size) == (37, 37, 8)
-        assert info.max_context_tokens == 37 * 8  # one sequence must fit in the cache alone
-        channel.close()
-    finally:
-        worker.stop(grace_s=0)
+    info = _started_info(artifacts, gpu_memory_budget=budget, block_size=8, max_batch_tokens=64)
+    assert (info.kv_blocks_total, info.kv_blocks_free, info.kv_block_size) == (37, 37, 8)
+    assert info.max_context_tokens == 37 * 8  # one sequence must fit in the cache alone
 
 
 def test_a_context_the_cache_cannot_hold_is_lowered_with_a_warning(artifacts, caplog):
     import logging
 
     with caplog.at_level(logging.WARNING, logger="services.worker.serving"):
-        worker = BackgroundWorker(WorkerConfig(artifact=str(artifacts["w4a8kv4-g128"]), port=0, metrics_port=None,
-                                               kv_blocks=4, block_size=8, max_context_tokens=64))
-        try:
-            channel, client = stub(worker)
-            assert client.Info(worker_pb2.InfoRequest(), timeout=10).max_context_tokens == 32
-            channel.close()
-        finally:
-            worker.stop(grace_s=0)
+        info = _started_info(artifacts, kv_blocks=4, block_size=8, max_context_tokens=64)
+    assert info.max_context_tokens == 32
     assert "--max-context-tokens 64 lowered to 32" in caplog.text

@@ -33,7 +33,7 @@ import triton.language as tl
 from services.worker.kernels.attention_reference import build_rope_cache  # noqa: F401  (re-exported)
 from services.worker.kernels.host_int import cdiv, next_power_of_2
 from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
-from services.worker.kernels.prefill_attention import attention_output
+from services.worker.kernels.prefill_attention import attention_output, check_index_vectors, check_one_device
 from shared.formats.kv4 import FULL_KV_RANGE, check_key_feedback, page_row_bytes, range_margin
 
 __all__ = ["build_rope_cache", "write_fp16_cache", "write_kv4_cache"]
@@ -220,15 +220,10 @@ def _check_inputs(key, value, positions, slot_mapping, rope_cache, query) -> tup
         raise ValueError(f"rope_cache must be (max_positions, {d}) fp32, got {tuple(rope_cache.shape)} {rope_cache.dtype}")
     if rope_cache.stride(1) != 1:
         raise ValueError("rope_cache must be contiguous in its last dimension")
-    # The kernel reads positions[tok] and slot_mapping[tok] at base + tok: a strided view would
-    # send tokens to other tokens' slots.
-    for name, x in (("positions", positions), ("slot_mapping", slot_mapping)):
-        if t > 1 and x.stride(0) != 1:
-            raise ValueError(f"{name} must be contiguous, got stride {x.stride(0)}")
-    for name, x in (("value", value), ("positions", positions), ("slot_mapping", slot_mapping),
-                    ("rope_cache", rope_cache), ("query", query)):
-        if x is not None and x.device != key.device:
-            raise ValueError(f"{name} is on {x.device}, the key on {key.device}: all on one device")
+    # A strided positions or slot_mapping would send tokens to other tokens' slots.
+    check_index_vectors(positions=positions, slot_mapping=slot_mapping)
+    check_one_device("key", key, value=value, positions=positions, slot_mapping=slot_mapping, rope_cache=rope_cache,
+                     query=query)
     group = 1
     if query is not None:
         if query.dim() != 3 or query.shape[0] != t or query.shape[2] != d or query.dtype != torch.float16:

@@ -54,7 +54,7 @@ from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_rele
 from services.worker.kernels.paged_attention_head_rows import _kv4_decode_head_rows_kernel
 from services.worker.kernels.paged_attention_mma import _kv4_decode_mma_kernel
 from services.worker.kernels.paged_decode_parts import _bytes_at_15, _nibble, _program_span, _scale_zero
-from services.worker.kernels.prefill_attention import attention_output
+from services.worker.kernels.prefill_attention import attention_output, check_index_vectors, check_one_device
 from services.worker.kernels.w4a8_gemv import _dot_chn
 
 LOG2E = 1.4426950408889634
@@ -892,12 +892,9 @@ def _check(query, k_cache, v_cache, block_tables, context_lens) -> tuple[bool, i
         raise ValueError("block_tables must be contiguous in its last dimension")
     if context_lens.shape != (b,) or context_lens.dtype != torch.int32:
         raise ValueError(f"context_lens must be ({b},) int32, got {tuple(context_lens.shape)} {context_lens.dtype}")
-    if b > 1 and context_lens.stride(0) != 1:  # the kernels read context_lens[b] at base + b
-        raise ValueError(f"context_lens must be contiguous, got stride {context_lens.stride(0)}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
-                    ("context_lens", context_lens)):
-        if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device}, the query on {query.device}: all on one device")
+    check_index_vectors(context_lens=context_lens)
+    check_one_device("query", query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                     context_lens=context_lens)
     return kv4, kv_heads, heads // kv_heads
 
 

@@ -33,7 +33,14 @@ import triton.language as tl
 from services.worker.kernels.host_int import cdiv
 from services.worker.kernels.launch_overlap import _overlap_entry, launch_kwargs
 from services.worker.kernels.paged_decode_parts import _scale_zero
-from services.worker.kernels.prefill_attention import LOG2E, PrefillConfig, attention_output, default_prefill_config
+from services.worker.kernels.prefill_attention import (
+    LOG2E,
+    PrefillConfig,
+    attention_output,
+    check_index_vectors,
+    check_one_device,
+    default_prefill_config,
+)
 
 
 @triton.jit
@@ -166,15 +173,11 @@ def paged_prefill_attention(
     # strides (base + index): anything strided there would be read as other entries.
     if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
         raise ValueError(f"block_tables must be contiguous in its last dimension, got strides {block_tables.stride()}")
-    for name, t in (("cu_seqlens", cu_seqlens), ("starts", starts)):
-        if t.numel() > 1 and t.stride(0) != 1:
-            raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
+    check_index_vectors(cu_seqlens=cu_seqlens, starts=starts)
     if row > 1 and k_cache.stride(3) != 1:
         raise ValueError(f"cache rows must be contiguous, got strides {k_cache.stride()}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cu_seqlens", cu_seqlens), ("starts", starts),
-                    ("block_tables", block_tables)):
-        if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device}, the query on {query.device}: all on one device")
+    check_one_device("query", query, k_cache=k_cache, v_cache=v_cache, cu_seqlens=cu_seqlens, starts=starts,
+                     block_tables=block_tables)
     cfg = config or default_prefill_config(d)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     out = attention_output(query, out)

@@ -131,6 +131,20 @@ def attention_output(query: torch.Tensor, out: torch.Tensor | None, name: str = 
     return out
 
 
+def check_index_vectors(**vectors: torch.Tensor) -> None:
+    """1-D index tensors the kernels read at base + i: a strided view would be read as other entries."""
+    for name, t in vectors.items():
+        if t.numel() > 1 and t.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
+
+
+def check_one_device(reference_name: str, reference: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    """Every given tensor (None skipped) on the reference tensor's device."""
+    for name, t in tensors.items():
+        if t is not None and t.device != reference.device:
+            raise ValueError(f"{name} is on {t.device}, the {reference_name} on {reference.device}: all on one device")
+
+
 def prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -164,11 +178,8 @@ def prefill_attention(
         raise ValueError(f"head_dim {d} is not supported: a power of two >= 16 (64 and 128 are tuned)")
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be (B + 1,) int32, got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
-    if cu_seqlens.stride(0) != 1:  # the kernel reads cu_seqlens[b] at base + b
-        raise ValueError(f"cu_seqlens must be contiguous, got stride {cu_seqlens.stride(0)}")
-    for name, t in (("key", key), ("value", value), ("cu_seqlens", cu_seqlens)):
-        if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device}, the query on {query.device}: all on one device")
+    check_index_vectors(cu_seqlens=cu_seqlens)
+    check_one_device("query", query, key=key, value=value, cu_seqlens=cu_seqlens)
     cfg = config or default_prefill_config(d)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if max_seqlen is None:
