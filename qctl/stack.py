@@ -59,14 +59,15 @@ class LocalStack:
         ))
         return self.gateway.address
 
-    def start_worker(self, artifact_id: str, memory_budget: int | None = None) -> str:
-        """A worker for one artifact (fetched from the store), announcing itself to the gateway."""
+    def start_worker(self, artifact_id: str, memory_budget: int | None = None, timeout_s: float = 300.0) -> str:
+        """A worker for one artifact (fetched from the store), announcing itself to the gateway; waits
+        up to timeout_s for it to load (concurrent.futures.TimeoutError after that)."""
         worker = BackgroundWorker(WorkerConfig(
             artifact=artifact_id, store=self.store, registry_url=self.registry_url,
             cache_dir=self.workdir / "worker-cache", device=self.device, gpu_memory_budget=memory_budget,
             host=LOOPBACK, port=0, metrics_port=None,
             gateway_address=self.gateway.address, gateway_token=self.worker_token,
-        ))
+        ), timeout_s=timeout_s)
         self.workers.append(worker)
         return worker.address
 

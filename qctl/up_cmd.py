@@ -9,6 +9,7 @@ generation through the gateway. Then it keeps serving (Ctrl-C stops it) unless -
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import re
 import signal
@@ -39,6 +40,9 @@ from shared.storage import StorageError
 Q, G = quantizer_pb2, gateway_pb2
 SESSIONS = 20  # session keys sent during the canary, to show the split and its stickiness
 WORKER_WAIT_S = 60.0
+# How long a worker may take to load: on a GPU its first start on a machine compiles every Triton kernel
+# its artifact uses and captures the CUDA graphs (2 min for the demo model on a fresh H100, longer for a 7B).
+WORKER_START_S = {"cpu": 300.0, "cuda": 1200.0}
 WORKER_GPU_SHARE = 0.45
 
 
@@ -105,7 +109,7 @@ def up(
         budget = _worker_budget(device)
         for artifact_id in (baseline_id, quantized_id):
             console.print(f"starting a worker for {artifact_id[:12]}")
-            stack.start_worker(artifact_id, budget)
+            _start_worker(stack, artifact_id, budget, device, console)
         with admin_client(gateway, stack.admin_token) as admin:
             _wait_for_workers(admin, {baseline_id, quantized_id})
             _deploy_baseline(admin, name, baseline_id, workdir, console)
@@ -185,6 +189,17 @@ def _publish(quantizer: str, model: Path, name: str, fmt: str, gpu_target: str, 
     console.print(f"  {fmt} artifact {job.artifact.artifact_id[:12]} READY: perplexity {e.perplexity_quantized:.3f} "
                   f"vs fp16 {e.perplexity_fp16:.3f} ({e.perplexity_quantized / e.perplexity_fp16 - 1:+.2%})")
     return job.artifact.artifact_id
+
+
+def _start_worker(stack: LocalStack, artifact_id: str, budget: int | None, device: str, console: Console) -> None:
+    """Starts a worker with a spinner: a GPU worker's first start compiles kernels for minutes, silently."""
+    timeout_s = WORKER_START_S[device]
+    doing = "loading" if device == "cpu" else "loading, compiling kernels and capturing CUDA graphs (minutes the first time)"
+    try:
+        with console.status(f"worker {artifact_id[:12]}: {doing}"):
+            stack.start_worker(artifact_id, budget, timeout_s=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise StackError(f"the worker for {artifact_id[:12]} did not start in {timeout_s:.0f} s") from None
 
 
 def _wait_for_workers(admin, artifact_ids: set[str]) -> None:

@@ -57,7 +57,7 @@ def test_a_worker_that_cannot_start_ends_up_with_one_line(tmp_path, monkeypatch)
     from qctl.stack import LocalStack
     from services.worker.errors import ArtifactCorrupt
 
-    def refuse(self, artifact_id, memory_budget=None):
+    def refuse(self, artifact_id, memory_budget=None, timeout_s=300.0):
         raise ArtifactCorrupt(f"artifact {artifact_id} is corrupt: sha256 of weights/block_000.safetensors differs")
 
     monkeypatch.setattr(LocalStack, "start_worker", refuse)
@@ -65,3 +65,21 @@ def test_a_worker_that_cannot_start_ends_up_with_one_line(tmp_path, monkeypatch)
     assert result.exit_code == 2, result.stderr
     assert "Traceback" not in result.stderr and result.stderr.strip().splitlines()[-1].startswith("error: artifact ")
 
+
+
+def test_a_worker_that_does_not_start_in_time_ends_up_with_one_line(tmp_path, monkeypatch):
+    """A worker still loading at the deadline (a first GPU start compiles kernels for minutes; up waits 20 min
+    there) is named in one line, not a concurrent.futures.TimeoutError traceback."""
+    import concurrent.futures
+
+    from qctl.stack import LocalStack
+
+    def too_slow(self, artifact_id, memory_budget=None, timeout_s=300.0):
+        assert timeout_s == 300.0  # the CPU's deadline
+        raise concurrent.futures.TimeoutError()
+
+    monkeypatch.setattr(LocalStack, "start_worker", too_slow)
+    result = CliRunner().invoke(app, ["up", "--workdir", str(tmp_path / "s"), "--once", "--eval-windows", "1"])
+    assert result.exit_code == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr and last.startswith("error: the worker for ") and "did not start in 300 s" in last
