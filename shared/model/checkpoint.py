@@ -12,6 +12,9 @@ from safetensors import safe_open
 
 from shared.model.config import CheckpointError, LlamaConfig
 
+# safetensors dtype codes of weights the loader takes as they are (cast to fp32 or fp16 later).
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
 HF_BLOCK_NAMES = {
     "input_norm": "input_layernorm.weight",
     "post_attn_norm": "post_attention_layernorm.weight",
@@ -94,6 +97,27 @@ class HfCheckpoint:
         for f in set(self._file_of.values()):
             if not f.is_file():
                 raise CheckpointError(f"{self.folder}: shard {f.name} named by the index is missing")
+        self._check_dtypes(required)
+
+    def _check_dtypes(self, names: list[str]) -> None:
+        """Refuses integer or float8 weights from the headers, before a tensor is read: they are codes
+        of a pre-quantized checkpoint whose scales live elsewhere, and a cast to float would take
+        them for weights."""
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._file_of[name], []).append(name)
+        for path, in_file in sorted(by_file.items()):
+            try:
+                with safe_open(path, "pt") as st:
+                    dtypes = {name: st.get_slice(name).get_dtype() for name in in_file}
+            except Exception as e:  # a damaged header, or an index naming a tensor its shard lacks
+                raise CheckpointError(f"cannot read the tensor headers of {path}: {e}") from e
+            for name, dtype in dtypes.items():
+                if dtype not in FLOAT_DTYPES:
+                    raise CheckpointError(
+                        f"{name} is stored as {dtype}; only {', '.join(FLOAT_DTYPES)} weights are supported "
+                        "(a pre-quantized checkpoint?)"
+                    )
 
     def tensor(self, name: str) -> torch.Tensor:
         try:

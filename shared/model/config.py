@@ -79,12 +79,8 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaConfig":
-        archs = hf.get("architectures") or []
-        if hf.get("model_type") != "llama" and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise CheckpointError(
-                f"model_type={hf.get('model_type')!r} architectures={archs} is not a Llama-family "
-                f"checkpoint; supported: model_type 'llama' ({', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        _check_llama_family(hf)
+        _check_not_prequantized(hf)
         if hf.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"hidden_act={hf['hidden_act']!r} is not supported; expected 'silu'")
         if hf.get("attention_bias") or hf.get("mlp_bias"):
@@ -125,6 +121,32 @@ class LlamaConfig:
             raise CheckpointError(f"{path} lacks required key {e.args[0]!r}") from e
 
 
+def _check_llama_family(hf: dict) -> None:
+    """transformers builds the class that model_type names, whatever `architectures` says (a
+    model_type 'mistral' folder listing LlamaForCausalLM runs as Mistral, sliding window and all):
+    model_type must be 'llama'; only a config without one is judged by its architectures."""
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    if model_type == "llama" or (model_type is None and any(a in SUPPORTED_ARCHITECTURES for a in archs)):
+        return
+    raise CheckpointError(
+        f"model_type={model_type!r} architectures={archs} is not a Llama-family "
+        f"checkpoint; supported: model_type 'llama' ({', '.join(SUPPORTED_ARCHITECTURES)})"
+    )
+
+
+def _check_not_prequantized(hf: dict) -> None:
+    """An FP8/GPTQ/AWQ/bitsandbytes checkpoint stores codes whose meaning is in scales beside them
+    (or in other tensor names): read as plain weights they would be quantized and served as garbage."""
+    qc = hf.get("quantization_config")
+    if qc:
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        raise CheckpointError(
+            f"config.json has a quantization_config (quant_method={method!r}): this is a pre-quantized checkpoint; "
+            "give the original fp16/bf16/fp32 weights"
+        )
+
+
 def _rope_from_hf(hf: dict) -> RopeConfig:
     # transformers >= 5 nests everything under rope_parameters; older configs use rope_theta + rope_scaling.
     params = dict(hf.get("rope_parameters") or {})
@@ -132,11 +154,31 @@ def _rope_from_hf(hf: dict) -> RopeConfig:
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default"))
+    _check_full_rotary(hf, merged)
     return RopeConfig(
         theta=float(theta),
         type=rope_type,
         factor=float(merged.get("factor", 1.0)),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=_original_length(hf, merged),
     )
+
+
+def _original_length(hf: dict, rope: dict) -> int:
+    """The pre-training context length of llama3 RoPE, as transformers' standardize_rope_params
+    resolves it: a top-level original_max_position_embeddings wins over the RoPE parameters' own,
+    and with neither it is max_position_embeddings (not Llama-3.1's 8192)."""
+    for value in (hf.get("original_max_position_embeddings"), rope.get("original_max_position_embeddings")):
+        if value is not None:
+            return int(value)
+    return int(hf.get("max_position_embeddings", 2048))
+
+
+def _check_full_rotary(hf: dict, rope: dict) -> None:
+    """Llama rotates whole heads. transformers ignores partial_rotary_factor for default RoPE and
+    fails on it for scaled RoPE, so a checkpoint carrying one was trained by other code: refuse it
+    rather than rotate dimensions it never rotated."""
+    for value in (rope.get("partial_rotary_factor"), hf.get("partial_rotary_factor")):
+        if value is not None and float(value) != 1.0:
+            raise CheckpointError(f"partial_rotary_factor={value} is not supported; Llama applies RoPE to the whole head")

@@ -101,6 +101,15 @@ def _buckets_up_to(sizes: tuple[int, ...], most: int | None) -> tuple[int, ...]:
     return tuple(b for b in sizes if b < most) + tuple(covering)
 
 
+def check_head_dim(head_dim: int) -> None:
+    """Refuses at start a head_dim some attention kernel cannot take: each kernel checks its own only
+    when first launched, so a worker would start and then fail requests (head_dim 16 serves first
+    prompts and fails at the first cached-prefix chunk). The cache write and the decode and prefill
+    kernels take powers of two >= 16; the cached-prefix chunk kernel (paged_prefill_attention) >= 32."""
+    if head_dim < 32 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim {head_dim} is not supported by the GPU attention kernels: a power of two >= 32")
+
+
 class TritonRunner:
     def __init__(
         self,
@@ -126,6 +135,7 @@ class TritonRunner:
         if reader.spec.weight_kind != "fp16" and (reader.spec.activation_bits != 8 or not self.kv4):
             raise ValueError(f"the Triton runner serves w4a8kv4-g128, w4a8kv4-chn and fp16, not {self.format}")
         self.config = LlamaConfig.from_dict(reader.manifest.model_config)
+        check_head_dim(self.config.head_dim)
         self.block_size = self.settings.block_size
         self.max_model_len = self.settings.max_model_len or self.config.max_position_embeddings
         self.max_blocks = cdiv(self.max_model_len, self.block_size)
