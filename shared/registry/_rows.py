@@ -17,20 +17,32 @@ from shared.registry.errors import InvalidValue
 T = TypeVar("T")
 
 # Names that become object-store key segments (`<model>/<model_version>/<format>/<gpu>/...`).
-_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# The largest value of an INTEGER column on PostgreSQL (SQLite would store more, PostgreSQL refuses it).
+MAX_INT = 2**31 - 1
 
 
 def new_id() -> str:
     return uuid.uuid4().hex
 
 
-def check_segment(what: str, value: object) -> str:
-    if not isinstance(value, str) or not _SEGMENT.fullmatch(value):
+def check_segment(what: str, value: object, max_len: int = 128) -> str:
+    """`max_len` is the length of the column the value goes to: checked here, because PostgreSQL
+    refuses a longer value with a DataError while SQLite stores it."""
+    if not isinstance(value, str) or len(value) > max_len or not _SEGMENT.fullmatch(value):
         raise InvalidValue(
-            f"{what} {value!r} is not accepted: use 1 to 128 characters from letters, digits, '.', '_' "
+            f"{what} {value!r} is not accepted: use 1 to {max_len} characters from letters, digits, '.', '_' "
             f"and '-', starting with a letter or digit (it becomes a segment of the object-store key)"
         )
+    return value
+
+
+def check_key(what: str, value: object, of: type = str) -> object:
+    """An id or name to look a row up by. A value of another type would reach SQL and fail there on
+    PostgreSQL (`character varying = integer`), or be read as a missing row."""
+    if isinstance(value, bool) or not isinstance(value, of):
+        raise InvalidValue(f"{what} {value!r} is not accepted: use a {of.__name__}")
     return value
 
 
@@ -52,9 +64,11 @@ def check_perplexity(what: str, value: object) -> float:
     return float(value)
 
 
-def check_percent(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100:
-        raise InvalidValue(f"canary percent {value!r} is not accepted: use an integer from 0 to 100")
+def check_canary_percent(value: object) -> int:
+    # 0 is what a deployment without a canary carries; a canary at 0 % would be a rollout that
+    # serves nothing yet blocks another one (gateway.proto: canary_percent 1..100).
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
+        raise InvalidValue(f"canary percent {value!r} is not accepted: use an integer from 1 to 100")
     return value
 
 

@@ -9,6 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from shared.registry._rows import (
+    check_key,
     check_perplexity,
     check_segment,
     check_sha256,
@@ -44,8 +45,8 @@ def reserve_artifact(
 ) -> Reservation:
     """The artifact of this binding, created PENDING if there is none. Two concurrent calls for the
     same binding (two processes, two connections) end with one row, which both get back."""
-    check_segment("artifact format", format)
-    check_segment("GPU target", gpu)
+    check_segment("artifact format", format, 64)
+    check_segment("GPU target", gpu, 64)
     version = _version(session, model_version)
     artifact_id = new_id()
     row = Artifact(
@@ -70,7 +71,7 @@ def get_artifact(session: Session, artifact_id: str, for_update: bool = False) -
     after the commit of any transaction that held it)."""
     if for_update:
         return _lock(session, artifact_id)
-    artifact = session.get(Artifact, artifact_id)
+    artifact = session.get(Artifact, check_key("artifact id", artifact_id))
     if artifact is None:
         raise NotFound(f"artifact {artifact_id!r} does not exist; `qctl ls` lists the registered artifacts")
     return artifact
@@ -191,6 +192,7 @@ def _move(artifact: Artifact, to: ArtifactState) -> None:
 
 
 def _lock(session: Session, artifact_id: str) -> Artifact:
+    check_key("artifact id", artifact_id)
     artifact = locked(session, sa.select(Artifact).where(Artifact.id == artifact_id), Artifact)
     if artifact is None:
         raise NotFound(f"artifact {artifact_id!r} does not exist; `qctl ls` lists the registered artifacts")

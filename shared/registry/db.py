@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import sqlalchemy as sa
-from alembic.script import ScriptDirectory
-from alembic.util import CommandError
 from sqlalchemy.orm import Session, sessionmaker
 
 from shared.registry import migrate
@@ -85,27 +83,23 @@ def create_registry(url: str, *, migrate_to_head: bool = True) -> Registry:
     """Opens the registry at `url`. By default migrates it to head first (creating it when empty);
     with migrate_to_head=False it refuses a database that is not already at head."""
     engine = make_engine(url)
-    current, head = migrate.current_revision(engine), migrate.head_revision()
-    if current is not None and not _known_revision(current):
+    try:
+        _migrate_or_check(engine, migrate_to_head)
+    except BaseException:
         engine.dispose()
-        raise InvalidState(
-            f"registry at {engine.url.render_as_string(hide_password=True)!r} is at schema revision {current!r}, "
-            f"which this code (head {head!r}) does not know: a newer version of qserve-stack migrated it; "
-            f"run that version"
-        )
+        raise
+    return Registry(engine=engine, sessions=sessionmaker(engine, expire_on_commit=False))
+
+
+def _migrate_or_check(engine: sa.Engine, migrate_to_head: bool) -> None:
     if migrate_to_head:
-        migrate.upgrade(engine)
-    elif current != head:
-        engine.dispose()
+        migrate.upgrade(engine)  # refuses a newer or unversioned schema itself
+        return
+    with engine.connect() as conn:
+        migrate.refuse_unknown_schema(conn)
+    current, head = migrate.current_revision(engine), migrate.head_revision()
+    if current != head:
         raise InvalidState(
             f"registry at {engine.url.render_as_string(hide_password=True)!r} is at schema revision "
             f"{current!r}, this code needs {head!r}: open it once with migrate_to_head=True"
         )
-    return Registry(engine=engine, sessions=sessionmaker(engine, expire_on_commit=False))
-
-
-def _known_revision(revision: str) -> bool:
-    try:
-        return ScriptDirectory.from_config(migrate.alembic_config()).get_revision(revision) is not None
-    except CommandError:
-        return False

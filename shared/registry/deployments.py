@@ -9,7 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from shared.registry._rows import check_percent, check_segment, check_text, insert_or_get, locked
+from shared.registry._rows import check_canary_percent, check_key, check_segment, check_text, insert_or_get, locked
 from shared.registry.artifacts import get_artifact
 from shared.registry.errors import Conflict, InvalidState, InvalidValue, NotFound
 from shared.registry.events import EventKind, append_event
@@ -23,9 +23,9 @@ def create_deployment(
 ) -> Deployment:
     check_text("actor", actor, 128)
     check_segment("deployment name", name)
-    _ready(session, stable_artifact_id, "stable")
+    stable = _ready(session, stable_artifact_id, "stable")
     if baseline_artifact_id is not None:
-        _ready(session, baseline_artifact_id, "baseline")
+        _same_model(_ready(session, baseline_artifact_id, "baseline"), stable, "baseline", name)
     now = utcnow()
     row = Deployment(
         name=name, stable_artifact_id=stable_artifact_id, baseline_artifact_id=baseline_artifact_id,
@@ -58,7 +58,8 @@ def list_deployments(session: Session) -> list[Deployment]:
 def start_rollout(session: Session, name: str, *, canary_artifact_id: str, percent: int, actor: str) -> Deployment:
     """Sends `percent` of traffic (sticky per session key, decided by the gateway) to the canary."""
     check_text("actor", actor, 128)
-    check_percent(percent)
+    check_key("artifact id", canary_artifact_id)
+    check_canary_percent(percent)
     deployment = _lock(session, name)
     if deployment.canary_artifact_id is not None:
         raise InvalidState(
@@ -68,7 +69,7 @@ def start_rollout(session: Session, name: str, *, canary_artifact_id: str, perce
     if canary_artifact_id == deployment.stable_artifact_id:
         raise InvalidState(f"artifact {canary_artifact_id} is already the stable of deployment {name!r}; "
                            f"a canary must be a different artifact")
-    _ready(session, canary_artifact_id, "canary")
+    _same_model(_ready(session, canary_artifact_id, "canary"), _stable(session, deployment), "canary", name)
     deployment.canary_artifact_id, deployment.canary_percent = canary_artifact_id, percent
     _record(session, deployment, EventKind.ROLLOUT_START, actor,
             {"canary": canary_artifact_id, "percent": percent, "stable": deployment.stable_artifact_id})
@@ -77,7 +78,7 @@ def start_rollout(session: Session, name: str, *, canary_artifact_id: str, perce
 
 def set_canary_percent(session: Session, name: str, percent: int, *, actor: str) -> Deployment:
     check_text("actor", actor, 128)
-    check_percent(percent)
+    check_canary_percent(percent)
     deployment = _lock(session, name)
     _require_rollout(deployment, "set_canary_percent")
     previous = deployment.canary_percent
@@ -113,8 +114,9 @@ def abort_rollout(session: Session, name: str, *, actor: str, reason: str = "") 
 
 def set_baseline(session: Session, name: str, baseline_artifact_id: str, *, actor: str) -> Deployment:
     check_text("actor", actor, 128)
-    _ready(session, baseline_artifact_id, "baseline")
+    baseline = _ready(session, baseline_artifact_id, "baseline")
     deployment = _lock(session, name)
+    _same_model(baseline, _stable(session, deployment), "baseline", name)
     previous = deployment.baseline_artifact_id
     if previous == baseline_artifact_id:
         return deployment
@@ -164,6 +166,22 @@ def _ready(session: Session, artifact_id: str, role: str) -> Artifact:
     return artifact
 
 
+def _stable(session: Session, deployment: Deployment) -> Artifact:
+    return get_artifact(session, deployment.stable_artifact_id)
+
+
+def _same_model(artifact: Artifact, stable: Artifact, role: str, deployment: str) -> None:
+    """A deployment serves one model: its canary and baseline are of the stable's model (any version
+    of it: a new checkpoint version is what a rollout is for). The stable of another model would be
+    promoted from such a canary, and the fallback would answer with another model."""
+    if artifact.model_version.model_id != stable.model_version.model_id:
+        raise InvalidState(
+            f"artifact {artifact.id} is of model {artifact.model_version.model.name!r} and cannot be the {role} "
+            f"of deployment {deployment!r}, whose stable {stable.id} is of model "
+            f"{stable.model_version.model.name!r}: a deployment serves one model"
+        )
+
+
 def _require_rollout(deployment: Deployment, action: str) -> None:
     if deployment.canary_artifact_id is None:
         raise InvalidState(
@@ -173,10 +191,12 @@ def _require_rollout(deployment: Deployment, action: str) -> None:
 
 
 def _find(session: Session, name: str) -> Deployment | None:
+    check_key("deployment name", name)
     return session.scalars(sa.select(Deployment).where(Deployment.name == name)).one_or_none()
 
 
 def _lock(session: Session, name: str) -> Deployment:
+    check_key("deployment name", name)
     deployment = locked(session, sa.select(Deployment).where(Deployment.name == name), Deployment)
     if deployment is None:
         raise NotFound(f"deployment {name!r} does not exist; existing deployments: {_names(session)}")

@@ -14,7 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from shared.registry._rows import check_text
+from shared.registry._rows import check_key, check_text
 from shared.registry.errors import InvalidValue
 from shared.registry.models import Deployment, Event
 
@@ -94,6 +94,10 @@ def list_events(
     """Events in the order they were appended; pass the last seen id as `after_id` to tail the log."""
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
         raise InvalidValue(f"event limit {limit!r} is not accepted: use an integer from 1 to 10000")
+    check_key("event id to list after", after_id, int)
+    for what, key in (("deployment name", deployment), ("artifact id", artifact_id), ("job id", job_id)):
+        if key is not None:
+            check_key(what, key)
     stmt = (
         sa.select(Event, Deployment.name)
         .outerjoin(Deployment, Event.deployment_id == Deployment.id)

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from shared.registry._rows import check_segment, check_text, locked, new_id
+from shared.registry._rows import MAX_INT, check_key, check_segment, check_text, locked, new_id
 from shared.registry.artifacts import get_artifact, mark_artifact_failed
 from shared.registry.errors import InvalidState, InvalidValue, NotFound
 from shared.registry.events import EventKind, append_event
@@ -37,7 +37,7 @@ def create_job(session: Session, *, owner: str, artifact_id: str | None = None) 
 
 
 def get_job(session: Session, job_id: str) -> QuantJob:
-    job = session.get(QuantJob, job_id)
+    job = session.get(QuantJob, check_key("quantization job id", job_id))
     if job is None:
         raise NotFound(f"quantization job {job_id!r} does not exist")
     return job
@@ -68,15 +68,15 @@ def start_job(session: Session, job_id: str, *, owner: str) -> QuantJob:
 
 def report_progress(session: Session, job_id: str, *, stage: str, block_index: int, block_count: int) -> QuantJob:
     """Records `stage` and "block i of n" of a RUNNING job; counts as a heartbeat. Not an event."""
-    check_segment("job stage", stage)
+    check_segment("job stage", stage, 64)
     if (
         isinstance(block_index, bool) or isinstance(block_count, bool)
         or not isinstance(block_index, int) or not isinstance(block_count, int)
-        or not 0 <= block_index <= block_count
+        or not 0 <= block_index <= block_count <= MAX_INT
     ):
         raise InvalidValue(
             f"job progress block {block_index!r} of {block_count!r} is not accepted: "
-            f"use integers with 0 <= block_index <= block_count"
+            f"use integers with 0 <= block_index <= block_count <= {MAX_INT}"
         )
     job = _lock(session, job_id)
     _require(job, (JobState.RUNNING,), "report_progress")
@@ -170,6 +170,7 @@ def _require(job: QuantJob, states: tuple[JobState, ...], action: str) -> None:
 
 
 def _lock(session: Session, job_id: str) -> QuantJob:
+    check_key("quantization job id", job_id)
     job = locked(session, sa.select(QuantJob).where(QuantJob.id == job_id), QuantJob)
     if job is None:
         raise NotFound(f"quantization job {job_id!r} does not exist")

@@ -14,6 +14,10 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
+
+from shared.registry.errors import InvalidState
+from shared.registry.models import Base
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 # Any constant: serializes concurrent upgrades of one PostgreSQL database (two services starting).
@@ -39,6 +43,35 @@ def current_revision(engine: sa.Engine) -> str | None:
         return MigrationContext.configure(conn).get_current_revision()
 
 
+def _known_revision(revision: str) -> bool:
+    try:
+        return ScriptDirectory.from_config(alembic_config()).get_revision(revision) is not None
+    except CommandError:
+        return False
+
+
+def refuse_unknown_schema(conn: sa.Connection) -> None:
+    """Refuses a database these migrations cannot take further: one a newer version migrated (alembic
+    would fail on the revision it cannot locate) and one holding registry tables without a revision
+    (made some other way: creating the tables again fails half-way, and its constraints and triggers
+    are not the migrations')."""
+    where = f"registry at {conn.engine.url.render_as_string(hide_password=True)!r}"
+    current = MigrationContext.configure(conn).get_current_revision()
+    if current is not None and not _known_revision(current):
+        raise InvalidState(
+            f"{where} is at schema revision {current!r}, which this code (head {head_revision()!r}) does not "
+            f"know: a newer version of qserve-stack migrated it; run that version"
+        )
+    if current is None:
+        stray = sorted(set(Base.metadata.tables) & set(sa.inspect(conn).get_table_names()))
+        if stray:
+            raise InvalidState(
+                f"{where} has registry tables ({', '.join(stray)}) but no schema revision (no alembic_version "
+                f"row): these migrations did not create it; point the registry URL at an empty database or "
+                f"one qserve-stack created"
+            )
+
+
 def upgrade(url_or_engine: str | sa.Engine, target: str = "head") -> None:
     """Migrates the database to `target` (default head), creating the schema on an empty database."""
     from shared.registry.db import make_engine  # db imports this module
@@ -49,6 +82,7 @@ def upgrade(url_or_engine: str | sa.Engine, target: str = "head") -> None:
         with engine.begin() as conn:
             if conn.dialect.name == "postgresql":
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
+            refuse_unknown_schema(conn)  # under the lock: what another process migrated meanwhile counts
             command.upgrade(alembic_config(conn), target)
     finally:
         if owned:

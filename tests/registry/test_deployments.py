@@ -84,11 +84,11 @@ def test_a_change_and_its_event_commit_or_roll_back_together(registry: Registry,
         assert [e.kind for e in list_events(session, deployment="chat")] == [EventKind.DEPLOYMENT_CREATE]
 
 
-@pytest.mark.parametrize("percent", [-1, 101, 12.5, True])
-def test_canary_percent_must_be_0_to_100(session: Session, make_ready: Callable, percent: object) -> None:
+@pytest.mark.parametrize("percent", [-1, 0, 101, 12.5, True])
+def test_canary_percent_must_be_1_to_100(session: Session, make_ready: Callable, percent: object) -> None:
     stable, canary = make_ready(session, "w4a8kv4-g128"), make_ready(session, "w4a8kv4-chn")
     create_deployment(session, "chat", stable_artifact_id=stable.id, actor="alice")
-    with pytest.raises(InvalidValue, match=f"canary percent {percent!r} is not accepted: use an integer from 0 to 100"):
+    with pytest.raises(InvalidValue, match=f"canary percent {percent!r} is not accepted: use an integer from 1 to 100"):
         start_rollout(session, "chat", canary_artifact_id=canary.id, percent=percent, actor="alice")
 
 

@@ -1,0 +1,192 @@
+"""Upgrading a registry that holds rows: from every revision, written at that revision's schema, to
+head, keeping every row and ending in the schema models.py declares; and refusing, with the
+registry's own error, a database these migrations did not make (a newer revision, stray tables)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+
+from shared.registry import (
+    ArtifactState,
+    EventKind,
+    InvalidState,
+    create_registry,
+    current_revision,
+    get_artifact,
+    get_deployment,
+    head_revision,
+    list_events,
+    promote,
+    upgrade,
+)
+from shared.registry.db import make_engine
+from shared.registry.migrate import alembic_config
+from shared.registry.models import Base
+
+T0 = datetime(2025, 12, 1, 12, 0, tzinfo=timezone.utc)
+STABLE, CANARY, BASELINE, FAILED, PENDING, JOB = (c * 32 for c in "scbfpj")
+
+
+def _insert(conn: sa.Connection, table: str, **row: object) -> int | None:
+    """Inserts through the table as the database has it at this revision; returns the new id."""
+    reflected = sa.Table(table, sa.MetaData(), autoload_with=conn)
+    result = conn.execute(reflected.insert().values(**row))
+    return result.inserted_primary_key[0] if result.inserted_primary_key else None
+
+
+def _artifact(conn: sa.Connection, artifact_id: str, version_id: int, format: str, state: str, **extra) -> None:
+    _insert(conn, "artifacts", id=artifact_id, model_version_id=version_id, format=format, gpu="sm90", state=state,
+            object_prefix=f"tiny-llama/{'a' * 64}/{format}/sm90/{artifact_id}/", created_at=T0, updated_at=T0,
+            **extra)
+
+
+def _seed_0001(conn: sa.Connection) -> None:
+    """A registry in use: a rollout at 10 %, a failed and a running publish, the events of it all."""
+    model = _insert(conn, "models", name="tiny-llama", created_at=T0)
+    version = _insert(conn, "model_versions", model_id=model, content_hash="a" * 64, label="v1", created_at=T0)
+    ready = {"manifest_sha256": "e" * 64, "ppl_fp16": 5.012, "ppl_quant": 5.2, "eval_data": "pystdlib-eval"}
+    _artifact(conn, STABLE, version, "w4a8kv4-g128", "READY", content_digest="d1", **ready)
+    _artifact(conn, CANARY, version, "w4a8kv4-chn", "READY", content_digest="d2", **ready)
+    _artifact(conn, BASELINE, version, "fp16", "READY", content_digest="d3", manifest_sha256="e" * 64)
+    _artifact(conn, FAILED, version, "w4a8kv4-g64", "FAILED", failure_reason="CUDA out of memory")
+    _artifact(conn, PENDING, version, "w4a8kv4-g32", "PENDING")
+    _insert(conn, "quant_jobs", id=JOB, state="RUNNING", stage="calibrate", block_index=2, block_count=6,
+            artifact_id=PENDING, owner="host-a:101:boot1", heartbeat_at=T0, created_at=T0, started_at=T0,
+            updated_at=T0)
+    deployment = _insert(conn, "deployments", name="chat", stable_artifact_id=STABLE, canary_artifact_id=CANARY,
+                         canary_percent=10, baseline_artifact_id=BASELINE, fallback=False, revision=2,
+                         created_at=T0, updated_at=T0)
+    _insert(conn, "events", at=T0, kind="deployment_create", deployment_id=deployment, actor="alice",
+            detail=f'{{"baseline": "{BASELINE}", "revision": 1, "stable": "{STABLE}"}}')
+    _insert(conn, "events", at=T0, kind="rollout_start", deployment_id=deployment, actor="alice",
+            detail=f'{{"canary": "{CANARY}", "percent": 10, "revision": 2, "stable": "{STABLE}"}}')
+    _insert(conn, "events", at=T0, kind="artifact_failed", artifact_id=FAILED, actor="quantizer",
+            detail='{"reason": "CUDA out of memory"}')
+    _insert(conn, "events", at=T0, kind="job_started", job_id=JOB, artifact_id=PENDING, actor="host-a:101:boot1",
+            detail="{}")
+
+
+# Rows written at each revision with that revision's schema. A new migration adds its own entry
+# (test_every_revision_has_seed_rows says so), so that an upgrade from it is tested with data too.
+SEEDS: dict[str, Callable[[sa.Connection], None]] = {"0001": _seed_0001}
+
+
+def _revisions() -> list[str]:
+    script = ScriptDirectory.from_config(alembic_config())
+    return [r.revision for r in reversed(list(script.walk_revisions()))]
+
+
+def _rows(engine: sa.Engine) -> dict[str, list[dict]]:
+    with engine.connect() as conn:
+        tables = sa.MetaData()
+        tables.reflect(conn, only=[t.name for t in Base.metadata.sorted_tables])
+        return {
+            name: [dict(r._mapping) for r in conn.execute(sa.select(t).order_by(*t.primary_key.columns))]
+            for name, t in tables.tables.items()
+        }
+
+
+def test_every_revision_has_seed_rows() -> None:
+    assert list(SEEDS) == _revisions()
+
+
+@pytest.mark.parametrize("revision", _revisions())
+def test_an_upgrade_from_a_revision_holding_rows_keeps_them_and_reaches_the_models_schema(
+    db_url: str, revision: str
+) -> None:
+    engine = make_engine(db_url)
+    try:
+        upgrade(engine, revision)
+        with engine.begin() as conn:
+            SEEDS[revision](conn)
+        before = _rows(engine)
+        upgrade(engine)
+        assert current_revision(engine) == head_revision()
+        after = _rows(engine)
+        for table, rows in before.items():  # a later migration may add columns, never lose a value
+            assert [{c: row[c] for c in rows[0]} for row in after[table]] == rows, table
+        with engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+        assert diff == [], f"after upgrading from {revision}, models.py and the schema disagree: {diff}"
+        with pytest.raises(sa.exc.DatabaseError, match="events are append-only"), engine.begin() as conn:
+            conn.execute(sa.text("UPDATE events SET actor = 'mallory'"))
+    finally:
+        engine.dispose()
+    _assert_the_repository_carries_on(db_url)
+
+
+def _assert_the_repository_carries_on(db_url: str) -> None:
+    registry = create_registry(db_url, migrate_to_head=False)
+    try:
+        with registry.transaction() as session:
+            assert get_artifact(session, PENDING).state == ArtifactState.PENDING
+            assert get_deployment(session, "chat").canary_percent == 10
+            promoted = promote(session, "chat", actor="bob")  # new ids come after the seeded ones
+        with registry.sessions() as session:
+            events = list_events(session, deployment="chat")
+            assert [e.kind for e in events] == [EventKind.DEPLOYMENT_CREATE, EventKind.ROLLOUT_START, EventKind.PROMOTE]
+            assert [e.detail["revision"] for e in events] == [1, 2, 3] and promoted.stable_artifact_id == CANARY
+    finally:
+        registry.close()
+
+
+def _set_revision(db_url: str, revision: str) -> None:
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE alembic_version SET version_num = :r"), {"r": revision})
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_refuses_a_database_of_a_newer_revision(db_url: str) -> None:
+    create_registry(db_url).close()
+    _set_revision(db_url, "9999_from_the_future")
+    with pytest.raises(InvalidState, match="'9999_from_the_future'.*newer version"):
+        upgrade(db_url)
+
+
+def test_a_database_with_registry_tables_but_no_revision_is_refused(db_url: str) -> None:
+    # e.g. made by metadata.create_all: migrating it would fail half-way on "table already exists",
+    # and stamping it would trust a schema without triggers or named constraints.
+    engine = make_engine(db_url)
+    try:
+        Base.metadata.create_all(engine)
+    finally:
+        engine.dispose()
+    with pytest.raises(InvalidState, match="has registry tables .* but no schema revision"):
+        create_registry(db_url)
+    with pytest.raises(InvalidState, match="has registry tables .* but no schema revision"):
+        upgrade(db_url)
+
+
+def test_services_starting_together_migrate_an_empty_database_once(db_url: str) -> None:
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            barrier.wait(timeout=10)
+            create_registry(db_url).close()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    engine = make_engine(db_url)
+    try:
+        assert current_revision(engine) == head_revision()
+    finally:
+        engine.dispose()
