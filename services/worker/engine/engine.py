@@ -122,7 +122,13 @@ class Engine:
         with self._cond:
             if request_id in self._live:
                 raise DuplicateRequest(f"request_id {request_id!r} is already in flight on this worker")
-            if len(self.scheduler.waiting) >= self.limits.max_waiting:
+            # Requests that arrived since the last step sit in the waiting list until the next schedule
+            # moves them into the batch's free slots: as many as there are free slots do not count
+            # against the queue. So a burst that fits the free slots plus the queue is taken (the
+            # gateway routes up to max_running + max_waiting requests to a worker), not refused for
+            # arriving within one step.
+            free_slots = max(0, self.limits.max_running - len(self.scheduler.running))
+            if len(self.scheduler.waiting) >= self.limits.max_waiting + free_slots:
                 raise QueueFull(
                     f"the waiting queue is full ({self.limits.max_waiting} requests); retry later or use another worker"
                 )
