@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -15,7 +14,8 @@ from services.worker.engine.engine import Engine, EngineLimits
 from services.worker.engine.loading import LoadedArtifact, load_runner, open_artifact, runner_formats, worker_gpu_target
 from services.worker.errors import ArtifactCorrupt
 from shared.formats.artifact import ArtifactError
-from shared.model.tokenizer import Tokenizer
+from shared.model.config import CheckpointError
+from shared.model.tokenizer import Tokenizer, generation_eos_ids, prompt_adds_bos
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class ServedModel:
     artifact: LoadedArtifact
     engine: Engine
     tokenizer: Tokenizer
-    add_bos: bool  # prepend bos_token_id to text prompts (the tokenizer config's add_bos_token)
+    add_bos: bool  # prepend bos_token_id to text prompts (as transformers' tokenizer(prompt) would: prompt_adds_bos)
     bos_token_id: int | None
     vocab_size: int
     gpu_target: str
@@ -70,18 +70,31 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
         max_batch_tokens=config.max_batch_tokens,
         max_context=max_context,
     )
-    tokenizer = Tokenizer(reader.tokenizer_dir)
-    engine = Engine(runner, tokenizer, limits, model_config.eos_token_ids, overlap=config.overlap_steps)
+    tokenizer, eos_token_ids, add_bos = _text_conventions(reader, model_config)
+    engine = Engine(runner, tokenizer, limits, eos_token_ids, overlap=config.overlap_steps)
     if config.capture_graphs:
         _capture_graphs(runner)
     log.info("artifact %s (%s, %s) on %s: %d KV blocks of %d tokens, context %d",
              reader.manifest.artifact_id, reader.manifest.format, reader.manifest.gpu_target, gpu_name,
              num_blocks, config.block_size, max_context)
     return ServedModel(
-        artifact=artifact, engine=engine, tokenizer=tokenizer, add_bos=_adds_bos(reader.tokenizer_dir),
+        artifact=artifact, engine=engine, tokenizer=tokenizer,
+        add_bos=add_bos,
         bos_token_id=model_config.bos_token_id, vocab_size=model_config.vocab_size,
         gpu_target=gpu_target, gpu_name=gpu_name,
     )
+
+
+def _text_conventions(reader, model_config) -> tuple[Tokenizer, tuple[int, ...], bool]:
+    """The artifact's tokenizer, the ids that end a generation (config.json's and generation_config.json's,
+    as transformers' generate stops on both: Llama-3 Instruct's <|eot_id|> may be only in the latter) and
+    whether text prompts get BOS first (as transformers' tokenizer(prompt) gives them)."""
+    try:
+        tokenizer = Tokenizer(reader.tokenizer_dir)
+        eos_token_ids = tuple(dict.fromkeys(model_config.eos_token_ids + generation_eos_ids(reader.tokenizer_dir)))
+        return tokenizer, eos_token_ids, prompt_adds_bos(reader.tokenizer_dir, tokenizer, model_config.bos_token_id)
+    except CheckpointError as exc:
+        raise ArtifactCorrupt(f"artifact {reader.manifest.artifact_id}: {exc}") from exc
 
 
 def _capture_graphs(runner) -> None:
@@ -122,8 +135,3 @@ def _max_useful_blocks(config: WorkerConfig, model_context: int) -> int:
     return config.max_running_sequences * per_sequence
 
 
-def _adds_bos(tokenizer_dir) -> bool:
-    path = tokenizer_dir / "tokenizer_config.json"
-    if not path.is_file():
-        return False
-    return bool(json.loads(path.read_text()).get("add_bos_token", False))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -32,10 +33,17 @@ class Tokenizer:
         else:
             raise CheckpointError(f"{folder} has no tokenizer.json or tokenizer.model")
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if self._fast is not None:
-            return self._fast.encode(text, add_special_tokens=False).ids
-        return self._hf.encode(text, add_special_tokens=False)
+            return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def template_adds_bos(self, bos_token_id: int) -> bool:
+        """Whether encoding with special tokens (what transformers' tokenizer(prompt) does) starts the
+        ids with BOS: Llama-3's tokenizer.json adds <|begin_of_text|> in its post-processor, and its
+        tokenizer_config.json says nothing about it."""
+        with_template = self.encode("a", add_special_tokens=True)
+        return with_template[:1] == [bos_token_id] and self.encode("a")[:1] != [bos_token_id]
 
     def decode(self, ids: list[int]) -> str:
         if self._fast is not None:
@@ -51,3 +59,37 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, source: str) -> None:
         raise CheckpointError(f"the tokenizer gives token id {top} for {source}, beyond the model's vocabulary of "
                               f"{vocab_size} (config.json vocab_size): is the tokenizer another model's?")
 
+
+
+def prompt_adds_bos(folder: str | Path, tokenizer: Tokenizer, bos_token_id: int | None) -> bool:
+    """Whether a text prompt gets BOS in front, as transformers' tokenizer(prompt) would give the model:
+    tokenizer_config.json's add_bos_token where it says (Llama-2), else the tokenizer's own template
+    (Llama-3). A model that was trained with BOS first and is served without it answers worse."""
+    if bos_token_id is None:
+        return False
+    config = _json_object(Path(folder) / "tokenizer_config.json")
+    if "add_bos_token" in config:
+        return bool(config["add_bos_token"])
+    return tokenizer.template_adds_bos(bos_token_id)
+
+
+def generation_eos_ids(folder: str | Path) -> tuple[int, ...]:
+    """The end-of-sequence ids of generation_config.json, which transformers' generate stops on and
+    config.json may lack: Llama-3 Instruct ends a turn with <|eot_id|>, which only the generation config
+    of some checkpoints names."""
+    eos = _json_object(Path(folder) / "generation_config.json").get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
+def _json_object(path: Path) -> dict:
+    """A tokenizer-side JSON file's object; {} when the file is absent."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not readable JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return value
