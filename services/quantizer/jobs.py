@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 
 KEEP_REQUESTS = 1000  # accepted requests remembered for GetJob after their jobs end
 ORPHAN_REASON = "the quantizer running this job stopped (killed or crashed) before it ended"
+# The registry refuses a job error or failure reason over 10,000 characters; a refused failure would be
+# retried for ever, the job left RUNNING and heartbeating, its binding held. The head says what failed.
+MAX_ERROR_CHARS = 4000
+SHORTENED = " ... (error shortened)"
 EXPECTED_ERRORS = (QuantizerError, BindingFailed, StorageError, RegistryError, ValueError, OSError)
 
 
@@ -154,6 +158,7 @@ class JobRunner:
             self.details[pipeline.claim.artifact_id] = pipeline.details
 
     def _fail(self, job_id: str, pipeline: Pipeline | None, error: str) -> None:
+        error = _shorten(error)
         try:
             with self.services.registry.transaction() as session:
                 if pipeline is not None:
@@ -239,3 +244,9 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, (KeyError, IndexError, TypeError, AttributeError, RuntimeError)) or not text:
         return f"{type(exc).__name__}: {text}"
     return text
+
+
+def _shorten(error: str) -> str:
+    if len(error) <= MAX_ERROR_CHARS:
+        return error
+    return error[: MAX_ERROR_CHARS - len(SHORTENED)] + SHORTENED

@@ -36,9 +36,11 @@ from shared.model.checkpoint import HfCheckpoint
 from shared.quant.quantize_model import QuantizeSettings, check_group_divisibility, quantize_checkpoint
 from shared.registry import (
     ArtifactState,
+    JobState,
     Registry,
     find_ready_by_digest,
     get_artifact,
+    get_job,
     mark_artifact_failed,
     mark_artifact_ready,
 )
@@ -128,7 +130,9 @@ class Pipeline:
     def fail(self, session: Session, reason: str) -> None:
         """Marks the artifact this job builds FAILED (keeping its perplexities when it was evaluated)."""
         artifact_id = self.owned_artifact
-        if artifact_id is None or get_artifact(session, artifact_id).state != ArtifactState.PENDING:
+        if artifact_id is None or not self._holds_claim(session):
+            return
+        if get_artifact(session, artifact_id, for_update=True).state != ArtifactState.PENDING:
             return
         artifact = mark_artifact_failed(session, artifact_id, reason, actor=self.services.config.owner)
         if self.evaluation is not None:
@@ -262,14 +266,16 @@ class Pipeline:
         """-> (id of the READY artifact whose identical objects are reused, or None; manifest sha256)."""
         store, prefix = self.services.store, self.claim.object_prefix
         self.reporter.progress(Stage.UPLOAD, message=f"publishing to {store.uri(prefix)}")
+        # An earlier attempt of this (never READY) artifact died mid-publish. Cleared also when a twin's
+        # objects are reused: a worker without a registry finds an artifact id by the manifest under it.
+        if store.list(prefix):
+            store.delete_prefix(prefix)
         with self.services.registry.sessions() as session:
             twin = find_ready_by_digest(session, digest)
         if twin is not None:
             self.reporter.progress(Stage.UPLOAD, message=f"identical content is stored as artifact {twin.id}: "
                                                           f"reusing {twin.object_prefix}")
             return twin.id, twin.manifest_sha256
-        if store.list(prefix):  # an earlier attempt of this (never READY) artifact died mid-publish
-            store.delete_prefix(prefix)
         objects = store.publish_folder(
             artifact_dir, prefix,
             progress=lambda info: self.reporter.progress(
@@ -280,9 +286,11 @@ class Pipeline:
 
     def _register(self, finish: Callable[[Session, str], None], digest: str, manifest_sha256: str,
                   reuse_of: str | None, artifact_dir: Path) -> None:
-        self.reporter.progress(Stage.REGISTER)
         artifact_id = self.claim.artifact_id
         try:
+            # Inside the try: a stop (JobCancelled) or a registry error at this report must not leave the
+            # uploaded objects, manifest included, behind an artifact that ends FAILED.
+            self.reporter.progress(Stage.REGISTER)
             with self.services.registry.transaction() as session:
                 mark_artifact_ready(
                     session, artifact_id, manifest_sha256=manifest_sha256, content_digest=digest,
@@ -294,7 +302,7 @@ class Pipeline:
         except Exception:
             # Never leave objects behind an artifact that is not READY, but never delete those of one that is:
             # the commit may have gone through before its error (a connection lost after COMMIT was sent).
-            if reuse_of is None and not self._ready_after_all(artifact_id):
+            if reuse_of is None and self._may_delete_objects(artifact_id):
                 try:
                     self.services.store.delete_prefix(self.claim.object_prefix)
                 except Exception as exc:  # the original error matters more; purge later
@@ -304,12 +312,20 @@ class Pipeline:
             size = sum(f.size for f in Manifest.read(artifact_dir).files)
             self.details = ArtifactDetails(size, self.evaluation)
 
-    def _ready_after_all(self, artifact_id: str) -> bool:
-        """Whether the registry holds the artifact READY despite the error; True when it cannot be read
-        (keeping objects is safe: a retry of the binding replaces them before publishing)."""
+    def _holds_claim(self, session: Session) -> bool:
+        """Whether this job still holds its claim: a job failed meanwhile as an orphan (its quantizer was
+        cut off from the registry for longer than orphan_after_s) has lost it, and another job may be
+        retrying the same artifact, writing to the same prefix, right now."""
+        return get_job(session, self.job_id).state in (JobState.QUEUED, JobState.RUNNING)
+
+    def _may_delete_objects(self, artifact_id: str) -> bool:
+        """Whether a failed register may delete the objects it uploaded: not when the artifact is READY
+        despite the error (a connection lost after COMMIT was sent), nor when this job no longer holds it,
+        nor when the registry cannot be read. Keeping objects is safe: a retry of the binding replaces
+        them before publishing."""
         try:
             with self.services.registry.sessions() as session:
-                return get_artifact(session, artifact_id).state == ArtifactState.READY
+                return get_artifact(session, artifact_id).state != ArtifactState.READY and self._holds_claim(session)
         except Exception as exc:
             log.warning("could not read the state of artifact %s after a failed register: %s", artifact_id, exc)
-            return True
+            return False

@@ -71,6 +71,8 @@ class LocalStore(ObjectStore):
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         check_prefix(prefix)
+        if prefix.startswith(TMP_DIR + "/"):  # partial writes are not objects
+            return []
         top = self.root / prefix.rpartition("/")[0]
         found = []
         for dirpath, dirnames, filenames in os.walk(top):
@@ -80,11 +82,19 @@ class LocalStore(ObjectStore):
                 path = Path(dirpath) / name
                 key = path.relative_to(self.root).as_posix()
                 if key.startswith(prefix):
-                    found.append(ObjectInfo(key, path.stat().st_size, None))
+                    try:
+                        size = path.stat().st_size
+                    except FileNotFoundError:  # deleted by another process since the folder was read
+                        continue
+                    except OSError as exc:
+                        raise StorageError(f"cannot list {self.uri(prefix)}: {exc}") from exc
+                    found.append(ObjectInfo(key, size, None))
         return sorted(found, key=lambda info: info.key)
 
     def delete(self, key: str) -> None:
         path = self._path(key)
+        if path.is_dir():  # a key that is only a prefix of other objects: no object, as on S3
+            return
         try:
             path.unlink(missing_ok=True)
         except OSError as exc:
