@@ -14,6 +14,7 @@ is lost on the way."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -107,8 +108,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.open_streams += 1
         self.metrics.open_streams.inc()
         try:
-            async for reply in self._generate(request, arrival):
-                yield reply
+            # aclosing: a client gone while this generator waits at a yield closes it, and the inner ones
+            # must run their finally (worker call cancelled, Worker.Abort, pool slot released) then, not
+            # whenever the garbage collector reaches them.
+            async with contextlib.aclosing(self._generate(request, arrival)) as replies:
+                async for reply in replies:
+                    yield reply
         except WorkerRejected as exc:
             await context.abort(exc.code, str(exc))
         except MAPPED as exc:
@@ -144,8 +149,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     failed_route = None
                 tried.add(attempt.worker.worker_id)
                 worker_request = _worker_request(request, f"{worker_key}.{len(tried)}")
-                async for reply in self._relay(attempt, worker_request, request_id, trace):
-                    yield reply
+                async with contextlib.aclosing(self._relay(attempt, worker_request, request_id, trace)) as replies:
+                    async for reply in replies:
+                        yield reply
                 if attempt.finished:
                     return
                 failures.append(attempt.failure)

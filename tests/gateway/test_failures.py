@@ -129,3 +129,38 @@ def test_workers_that_answer_full_are_tried_in_turn_and_stay_healthy(artifacts):
             assert {w.health for w in listed.workers} == {gateway_pb2.WORKER_HEALTH_HEALTHY}
 
     run(scenario())
+
+
+class _InProcessContext:
+    """The servicer context of a Generate driven in-process (no api keys configured)."""
+
+    def invocation_metadata(self):
+        return ()
+
+    async def abort(self, code, details):
+        raise AssertionError(f"aborted: {code} {details}")
+
+
+def test_a_stream_closed_at_a_yield_releases_its_worker_at_once(artifacts):
+    """grpc closes a servicer's stream generator where it waits at a yield (the client went away while
+    a reply was being written). The inner generators must run their finally right then (worker call
+    cancelled, Worker.Abort sent, pool slot released), not when the garbage collector reaches them."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            worker = (await stack.add_worker(artifacts.stable, tokens=50, delay_s=0.05)).worker
+            servicer, pool = stack.gateway.gateway, stack.gateway.pool
+            stream = servicer.Generate(gateway_pb2.GatewayGenerateRequest(deployment="chat", text="long"),
+                                       _InProcessContext())
+            first = await stream.__anext__()
+            assert first.token_ids
+            pooled = pool.get(stack.workers[0].worker_id)
+            assert pooled.in_flight == 1 and servicer.open_streams == 1
+            await stream.aclose()  # no loop turn after this before the checks
+            assert pooled.in_flight == 0 and servicer.open_streams == 0
+            for _ in range(50):
+                if worker.aborts:
+                    break
+                await asyncio.sleep(0.02)
+            assert worker.aborts == worker.started
+
+    run(scenario())
