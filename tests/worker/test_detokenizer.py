@@ -80,3 +80,53 @@ def test_a_long_generation_decodes_about_once_per_token_and_matches_the_full_tex
     deltas = [detok.add([i]) for i in range(len(pieces))] + [detok.flush()]
     assert "".join(deltas) == text
     assert Counting.calls <= 1.25 * len(pieces) + 1, (Counting.calls, len(pieces))
+
+
+def _sentencepiece_style():
+    """A tiny Llama-2-style tokenizer: Metaspace pieces ("▁word"), byte fallback, and a decoder that strips
+    the leading space of whatever it decodes first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator(["def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)"] * 20,
+                            trainer)
+    return tok
+
+
+class _Decode:
+    def __init__(self, tok):
+        self.tok = tok
+
+    def decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+def test_the_first_word_keeps_its_space_after_the_prompt_with_a_sentencepiece_decoder():
+    """Decoded alone, "▁return" is "return": the stream must read " return n ...", what decoding prompt and
+    output together gives past the prompt's text (as transformers' decode of the whole sequence)."""
+    tok = _sentencepiece_style()
+    decoder = _Decode(tok)
+    for prompt_text, full_text in [("def fibonacci(n):", "def fibonacci(n): return n if n < 2 else fibonacci(n - 1)"),
+                                   ("def", "def fibonacci(n): é ✓")]:  # é ✓: byte-fallback pieces
+        prompt = tok.encode(prompt_text).ids
+        output = tok.encode(full_text).ids[len(prompt):]
+        expected = decoder.decode(prompt + output)[len(decoder.decode(prompt)):]
+        assert expected.startswith(" ")
+        detok = IncrementalDetokenizer(decoder, (), prompt)
+        deltas = [detok.add([t]) for t in output] + [detok.flush()]
+        assert "".join(deltas) == expected
+        assert all("\ufffd" not in d for d in deltas)
+
+
+def test_a_prompt_ending_inside_a_character_does_not_garble_the_output():
+    """The prompt's tail decodes to an incomplete character: the output is decoded on its own instead."""
+    text = "日本語"
+    raw = text.encode()
+    pieces = [raw[:1], raw[1:4], raw[4:]]  # token 0 ends inside 日
+    detok = IncrementalDetokenizer(ByteDecoder(pieces), (), [0])
+    assert detok.add([1]) + detok.add([2]) + detok.flush() == raw[1:].decode("utf-8", errors="replace")

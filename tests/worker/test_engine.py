@@ -283,3 +283,20 @@ def test_a_sink_that_raises_loses_its_own_output_only():
     assert all(o.error is None for o in outs)
     assert outs[-1].finish.reason is FinishReason.LENGTH and outs[-1].finish.generated_tokens == 3
     assert engine.stats().kv_blocks_used == 0
+
+
+class SpacedWords(Text):
+    """Like a SentencePiece decoder: words joined by spaces, none before the first word decoded."""
+
+    def decode(self, ids):
+        return " ".join(chr(ord("a") + i) for i in ids)
+
+
+def test_the_first_generated_word_keeps_its_space_after_the_prompt():
+    limits = EngineLimits(num_blocks=32, max_running=4, max_waiting=4, max_batch_tokens=16, max_context=64)
+    engine = Engine(ScriptedRunner([3, 4]), SpacedWords(), limits, eos_token_ids=(EOS,), overlap=OVERLAP["value"])
+    outs = []
+    engine.add_request("r", [1, 2], SamplingOptions(max_new_tokens=2), outs.append)
+    while engine.step():
+        pass
+    assert "".join(o.text for o in outs) == " e d"  # "b c" + " e d", as decoding prompt and output together

@@ -1,6 +1,8 @@
 """Incremental detokenization of one sequence's output, with stop strings.
 
-Text is decoded from the output token ids only (never from the prompt). A token can end inside a
+Text is of the output token ids only, decoded after the prompt's last few tokens: a SentencePiece
+decoder (Llama-2, Mistral) drops the leading space of the first token it decodes, so the first word
+of a generation decoded alone loses its space ("def f():" + "return"). A token can end inside a
 multi-byte character (the decoder then yields U+FFFD): that text is held back until the character
 completes. Text that could be the start of a stop string is held back until it is known not to
 be; when a stop string matches, the text up to it is released and the rest is dropped.
@@ -21,16 +23,21 @@ class Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, decoder: Decoder, stop: tuple[str, ...] = ()):
+    def __init__(self, decoder: Decoder, stop: tuple[str, ...] = (), prompt_ids: list[int] | tuple[int, ...] = ()):
         self.decoder = decoder
         self.stop = tuple(stop)
-        self.ids: list[int] = []
         self.text = ""  # all text decoded so far (complete characters only)
         self.sent = 0  # characters of self.text already released
         self.stopped = False  # a stop string matched; nothing more is released
-        self._prefix = 0  # ids[_prefix:_read] decode to the tail of self.text
-        self._read = 0
-        self._window = ""  # decoder.decode(ids[_prefix:_read]), kept so each token costs one decode
+        # The prompt's tail opens the first window: its text is the window's, never self.text.
+        context = list(prompt_ids[-_CONTEXT_TOKENS:])
+        window = decoder.decode(context) if context else ""
+        if window.endswith(_INCOMPLETE):  # the prompt ends inside a character: no clean place to start after
+            context, window = [], ""
+        self.ids: list[int] = context  # the prompt's tail, then every output token
+        self._prefix = 0  # ids[_prefix:_read] decode to _window, whose text past the prompt's ends self.text
+        self._read = len(context)
+        self._window = window  # decoder.decode(ids[_prefix:_read]), kept so each token costs one decode
 
     def add(self, token_ids: list[int]) -> str:
         """Feeds new tokens; returns the text that may be released now."""

@@ -138,7 +138,7 @@ class Engine:
             seq = Sequence(next(self._ids), request_id, list(prompt_ids), sampling, max_tokens=max_tokens)
             if not sampling.greedy:
                 seq.generator = new_generator(sampling, self.runner.device)
-            self._live[request_id] = _Live(seq, IncrementalDetokenizer(self.decoder, sampling.stop), sink)
+            self._live[request_id] = _Live(seq, IncrementalDetokenizer(self.decoder, sampling.stop, prompt_ids), sink)
             self.scheduler.add(seq)
             self._cond.notify()
 
