@@ -19,7 +19,7 @@ from shared.formats.spec import FORMATS
 from shared.rpc.qserve.v1 import quantizer_pb2, quantizer_pb2_grpc
 
 DEFAULT_QUANTIZER = "127.0.0.1:50061"
-QUANTIZER_OPTION = typer.Option(DEFAULT_QUANTIZER, "--quantizer", envvar="QSERVE_QUANTIZER",
+QUANTIZER_OPTION = typer.Option(DEFAULT_QUANTIZER, "--quantizer", envvar="QCTL_QUANTIZER",
                                 help="host:port of the quantizer service")
 FormatName = Enum("FormatName", {name: name for name in FORMATS}, type=str)
 GpuTarget = Enum("GpuTarget", {name: name for name in GPU_TARGETS}, type=str)

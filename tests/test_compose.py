@@ -122,3 +122,22 @@ def test_checkpoints_and_local_state_stay_out_of_the_image(compose):
     for needed in ("pyproject.toml", "setup.py", "README.md", "protos/qserve/v1/worker.proto",
                    "shared/registry/migrations/env.py", "services/worker/server.py", "qctl/main.py"):
         assert _copied_into_the_image(needed), f"the image needs {needed} to install the project"
+
+
+def test_no_secret_is_on_a_compose_command_line():
+    """A container's command line is what `ps`, `docker inspect` and `docker compose config` show: passwords
+    and tokens go in its environment (the database password as PGPASSWORD, which libpq reads)."""
+    binary = shutil.which("docker-compose")
+    assert binary, "docker-compose is not installed (Debian package docker-compose; scripts/test.sh installs it)"
+    secrets = {"POSTGRES_PASSWORD": "pg-s3cret", "MINIO_ROOT_PASSWORD": "minio-s3cret",
+               "QSERVE_ADMIN_TOKEN": "admin-s3cret", "QSERVE_WORKER_TOKEN": "worker-s3cret"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("QSERVE_", "MINIO_", "POSTGRES_"))}
+    result = subprocess.run([binary, "-f", str(REPO / "docker-compose.yml"), "config"], cwd=REPO,
+                            env=env | IDS | secrets, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    for name in ("quantizer", "gateway", "worker", "worker-baseline"):
+        command = " ".join(services[name]["command"])
+        assert not [s for s in secrets.values() if s in command], (name, command)
+        registry = next(a for a in services[name]["command"] if a.startswith("--registry-url="))
+        assert services[name]["environment"]["PGPASSWORD"] == "pg-s3cret" and "@postgres" in registry

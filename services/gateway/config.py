@@ -8,6 +8,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from shared.config import ServiceArgumentParser, add_registry_argument, nonempty
+
 DEFAULT_LISTEN = "127.0.0.1:50051"
 SCOPES = ("admin", "worker")
 
@@ -18,7 +20,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class AdminToken:
-    token: str
+    token: str = field(repr=False)
     scope: str  # "admin": every Admin rpc; "worker": RegisterWorker, Heartbeat, DeregisterWorker
 
 
@@ -36,14 +38,15 @@ class FallbackBudget:
 
 @dataclass(slots=True)
 class GatewayConfig:
-    registry_url: str  # sqlite:///path/registry.db or postgresql+psycopg://user@host/db
+    # sqlite:///path/registry.db or postgresql+psycopg://user@host/db; out of repr: a URL may carry a password
+    registry_url: str = field(repr=False)
     listen: str = DEFAULT_LISTEN  # host:port; port 0 picks a free one
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; 0 = a free port; None = off
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = ""  # "" = the host of `listen`, as the worker serves its metrics on its --host
     # name -> token and scope; the name is the actor recorded in the event log.
     admin_tokens: Mapping[str, AdminToken] = field(default_factory=dict)
     # Keys a Generate call must present as `authorization: Bearer <key>`; empty = no key needed.
-    api_keys: frozenset[str] = frozenset()
+    api_keys: frozenset[str] = field(default=frozenset(), repr=False)
     max_concurrent_streams: int = 256
     heartbeat_interval_s: float = 2.0  # told to workers at registration
     heartbeat_timeout_s: float = 6.0  # a worker silent this long is marked unhealthy
@@ -60,6 +63,7 @@ class GatewayConfig:
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ConfigError(f"listen address {self.listen!r} is not host:port (e.g. {DEFAULT_LISTEN}, or port 0)")
+        self.metrics_host = self.metrics_host or host
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics port {self.metrics_port} must be 0..65535 (0 = a free port) or unset (off)")
         seen_tokens: set[str] = set()
@@ -106,10 +110,12 @@ class GatewayConfig:
             QSERVE_API_KEYS      key[,key...]"""
         env = os.environ if environ is None else environ
         args = _parser().parse_args(argv)
+        if not _positive(args.max_tpot_p95_ms):  # named here: the budget holds it in seconds
+            raise ConfigError(f"--max-tpot-p95-ms {args.max_tpot_p95_ms} must be a positive number of milliseconds")
         return cls(
             registry_url=args.registry_url,
             listen=args.listen,
-            metrics_port=args.metrics_port,
+            metrics_port=None if args.metrics_port == -1 else args.metrics_port,
             admin_tokens=parse_admin_tokens(env.get("QSERVE_ADMIN_TOKENS", "")),
             api_keys=frozenset(k.strip() for k in env.get("QSERVE_API_KEYS", "").split(",") if k.strip()),
             max_concurrent_streams=args.max_concurrent_streams,
@@ -146,17 +152,21 @@ def _positive(value: float) -> bool:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ServiceArgumentParser(
         prog="python -m services.gateway.server",
         description="The gateway: routes client generations to workers (canary rollouts, fallback switch). "
                     "Admin tokens come from QSERVE_ADMIN_TOKENS=name=token:scope,..., API keys from QSERVE_API_KEYS.",
     )
-    p.add_argument("--registry-url", required=True, help="sqlite:///path/registry.db or postgresql+psycopg://user@host/db")
-    p.add_argument("--listen", default=DEFAULT_LISTEN, help="host:port to serve gRPC on (port 0: a free one)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0: free)")
+    add_registry_argument(p, required=True)
+    p.add_argument("--listen", type=nonempty, default=DEFAULT_LISTEN,
+                   help="host:port to serve gRPC on (port 0: a free one)")
+    p.add_argument("--metrics-port", type=int, default=-1,
+                   help="Prometheus /metrics HTTP port on the --listen host (0 picks a free one, -1 turns it off) "
+                        "[default: off]")
     p.add_argument("--max-concurrent-streams", type=int, default=256,
                    help="open Generate streams beyond which new ones get RESOURCE_EXHAUSTED")
-    p.add_argument("--heartbeat-interval-s", type=float, default=2.0)
+    p.add_argument("--heartbeat-interval-s", type=float, default=2.0,
+                   help="how often registered workers are told to send a heartbeat")
     p.add_argument("--heartbeat-timeout-s", type=float, default=6.0,
                    help="a worker with no heartbeat for this long gets no new requests")
     p.add_argument("--worker-forget-s", type=float, default=300.0,

@@ -30,6 +30,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.pool import WorkerPool
 from services.gateway.servicer_admin import AdminServicer
 from services.gateway.servicer_gateway import GatewayServicer
+from shared.config import fail
 from shared.registry import Registry, RegistryError, create_registry
 from shared.rpc.serving import BackgroundLoop, listen, serve_metrics, wait_for_stop_signal
 from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc
@@ -160,9 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = GatewayConfig.from_args(argv)
         asyncio.run(serve(config))
-    except (ConfigError, RegistryError, SQLAlchemyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    # OSError: a registry folder that cannot be created.
+    except (ConfigError, RegistryError, SQLAlchemyError, OSError) as exc:
+        return fail(exc)
     return 0
 
 

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.config import (ServiceArgumentParser, add_registry_argument, add_store_arguments, nonempty, nonempty_path,
+                           store_from_args)
 from shared.storage import StorageConfig
 
 DEFAULT_LISTEN = "127.0.0.1:50061"
@@ -24,7 +26,8 @@ class ConfigError(ValueError):
 
 @dataclass(slots=True)
 class QuantizerConfig:
-    registry_url: str  # sqlite:///path/registry.db or postgresql+psycopg://user@host/db
+    # sqlite:///path/registry.db or postgresql+psycopg://user@host/db; out of repr: a URL may carry a password
+    registry_url: str = field(repr=False)
     store: StorageConfig  # where artifacts are published; also the endpoint/credentials for s3:// sources
     work_dir: Path  # scratch space: downloaded sources, artifact folders before upload
     create_bucket: bool = False  # create the store's bucket (or folder) at start-up when it is missing
@@ -63,10 +66,10 @@ class QuantizerConfig:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise ConfigError(f"device {self.device!r} is not supported; accepted: {', '.join(DEVICES)}, cuda:N")
         for name in ("heartbeat_s", "grace_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be a positive number of seconds")
-        if self.orphan_after_s < 0:
-            raise ConfigError(f"orphan_after_s={self.orphan_after_s} must be >= 0 seconds")
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ConfigError(f"{name}={getattr(self, name)} must be a positive, finite number of seconds")
+        if not (math.isfinite(self.orphan_after_s) and self.orphan_after_s >= 0):
+            raise ConfigError(f"orphan_after_s={self.orphan_after_s} must be a finite number of seconds >= 0")
         if 0 < self.orphan_after_s <= self.heartbeat_s:
             raise ConfigError(f"orphan_after_s={self.orphan_after_s} must exceed heartbeat_s={self.heartbeat_s} (or be 0 "
                               f"with a single quantizer): other quantizers' live jobs would be failed between beats")
@@ -77,7 +80,7 @@ class QuantizerConfig:
         (read here, once: credentials never go on a command line)."""
         env = os.environ if environ is None else environ
         args = _parser().parse_args(argv)
-        store = StorageConfig.from_command_line(args.store, args.store_endpoint, args.store_region, env)
+        store = store_from_args(args, env, ConfigError)
         return cls(
             registry_url=args.registry_url,
             store=store,
@@ -99,18 +102,15 @@ class QuantizerConfig:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ServiceArgumentParser(
         prog="python -m services.quantizer.server",
         description="The quantizer service: Publish checkpoints as evaluated, GPU-bound artifacts.",
     )
-    p.add_argument("--registry-url", required=True, help="sqlite:///path/registry.db or postgresql+psycopg://user@host/db")
-    p.add_argument("--store", required=True,
-                   help="artifact store: s3://bucket/prefix?endpoint=http://host:9000&region=r, file:///path or a path")
-    p.add_argument("--store-endpoint", default=None, help="S3 endpoint URL when not in --store (e.g. http://minio:9000)")
-    p.add_argument("--store-region", default="us-east-1")
+    add_registry_argument(p, required=True)
+    add_store_arguments(p, required=True)
     p.add_argument("--create-bucket", action="store_true", help="create the store's bucket when it does not exist")
-    p.add_argument("--work-dir", type=Path, default=Path("/tmp/qserve-quantizer"), help="scratch folder")
-    p.add_argument("--listen", default=DEFAULT_LISTEN, help="host:port to serve gRPC on")
+    p.add_argument("--work-dir", type=nonempty_path, default=Path("/tmp/qserve-quantizer"), help="scratch folder")
+    p.add_argument("--listen", type=nonempty, default=DEFAULT_LISTEN, help="host:port to serve gRPC on")
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
                    help="default accuracy budget: largest accepted relative perplexity increase (0.05 = 5%%)")
     p.add_argument("--eval-data", default=None, help="default eval text (path or s3:// URI) for requests that name none")
@@ -124,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-eval", action=argparse.BooleanOptionalAction, default=False,
                    help="measure the fp16 perplexity while quantizing (both models in memory; "
                         "use with --torch-threads 1 on small CPU hosts)")
-    p.add_argument("--heartbeat-s", type=float, default=10.0)
+    p.add_argument("--heartbeat-s", type=float, default=10.0,
+                   help="how often this quantizer marks its running jobs alive and looks for orphaned ones")
     p.add_argument("--orphan-after-s", type=float, default=60.0,
                    help="fail another owner's job after this long without a heartbeat (0 with a single quantizer)")
     p.add_argument("--grace-s", type=float, default=10.0, help="graceful-stop time for in-flight rpcs")

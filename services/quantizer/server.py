@@ -26,6 +26,7 @@ from services.quantizer.evaluate import Fp16PerplexityCache
 from services.quantizer.jobs import JobRunner
 from services.quantizer.pipeline import Services
 from services.quantizer.servicer import QuantizerServicer
+from shared.config import fail
 from shared.registry import Registry, RegistryError, create_registry
 from shared.rpc.serving import BackgroundLoop, listen, wait_for_stop_signal
 from shared.rpc.qserve.v1 import quantizer_pb2, quantizer_pb2_grpc
@@ -121,9 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = QuantizerConfig.from_args(argv)
         asyncio.run(serve(config))
-    except (ConfigError, StorageError, RegistryError, SQLAlchemyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    # OSError: a registry or work folder that cannot be created.
+    except (ConfigError, StorageError, RegistryError, SQLAlchemyError, OSError) as exc:
+        return fail(exc)
     return 0
 
 

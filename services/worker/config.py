@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.config import (ServiceArgumentParser, add_registry_argument, add_store_arguments, nonempty, nonempty_path,
+                           store_from_args)
 from shared.formats.spec import FORMATS
 from shared.storage import StorageConfig
 
@@ -52,7 +54,8 @@ CPU_MAX_BATCH_TOKENS = 512
 class WorkerConfig:
     artifact: str  # a local artifact folder, or an artifact id to fetch from `store`
     store: StorageConfig | None = None  # where artifact ids are fetched from
-    registry_url: str | None = None  # optional: the registry gives an artifact id's object prefix
+    # optional: the registry gives an artifact id's object prefix; out of repr: a URL may carry a password
+    registry_url: str | None = field(default=None, repr=False)
     cache_dir: Path = Path("/tmp/qserve-worker")  # downloaded artifacts, one folder per id
     device: str = "cpu"  # cpu, cuda or cuda:N
     format: str | None = None  # the format this worker must serve; None = whatever the artifact is
@@ -109,19 +112,17 @@ class WorkerConfig:
             if value is not None and not _is_host_port(value):
                 raise ConfigError(f"{name} {value!r} is not host:port")
         if self.gateway_address is not None and not self.gateway_token:
-            raise ConfigError("a gateway address needs a gateway token (--gateway-token or QSERVE_GATEWAY_TOKEN)")
+            raise ConfigError("a gateway address needs a gateway token: set QSERVE_GATEWAY_TOKEN")
         if self.torch_threads < 0:
             raise ConfigError(f"torch_threads={self.torch_threads} must be >= 0 (0 = torch's default)")
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> WorkerConfig:
         """Settings from the command line; S3 credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and
-        the gateway token from --gateway-token or QSERVE_GATEWAY_TOKEN (read here, once)."""
+        the gateway token from QSERVE_GATEWAY_TOKEN (read here, once: secrets never go on a command line)."""
         env = os.environ if environ is None else environ
         args = _parser().parse_args(argv)
-        store = None
-        if args.store:
-            store = StorageConfig.from_command_line(args.store, args.store_endpoint, args.store_region, env)
+        store = store_from_args(args, env, ConfigError) if args.store is not None else None
         return cls(
             artifact=args.artifact,
             store=store,
@@ -141,10 +142,10 @@ class WorkerConfig:
             host=args.host,
             port=args.port,
             advertise_address=args.advertise_address,
-            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+            metrics_port=None if args.metrics_port == -1 else args.metrics_port,
             drain_grace_s=args.drain_grace_seconds,
             gateway_address=args.gateway_address,
-            gateway_token=args.gateway_token or env.get("QSERVE_GATEWAY_TOKEN"),
+            gateway_token=env.get("QSERVE_GATEWAY_TOKEN"),
             torch_threads=args.torch_threads,
         )
 
@@ -155,19 +156,15 @@ def _is_host_port(text: str) -> bool:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ServiceArgumentParser(
         prog="python -m services.worker.server",
         description="The worker: serves one artifact (quantized or the fp16 baseline) with continuous batching.",
     )
-    p.add_argument("--artifact", required=True, help="a local artifact folder, or an artifact id to fetch from --store")
-    p.add_argument("--store", default=None,
-                   help="artifact store: s3://bucket/prefix?endpoint=http://host:9000&region=r, file:///path or a path")
-    p.add_argument("--store-endpoint", default=None, help="S3 endpoint URL when not in --store")
-    p.add_argument("--store-region", default="us-east-1")
-    p.add_argument("--registry-url", default=None,
-                   help="registry (sqlite:///... or postgresql+psycopg://...) to look an artifact id's prefix up in; "
-                        "without it the store is searched")
-    p.add_argument("--cache-dir", type=Path, default=Path("/tmp/qserve-worker"), help="where fetched artifacts are kept")
+    p.add_argument("--artifact", type=nonempty, required=True, help="a local artifact folder, or an artifact id to fetch from --store")
+    add_store_arguments(p, required=False)
+    # Optional here: the registry only tells where an artifact id's objects are; without it the store is searched.
+    add_registry_argument(p, required=False)
+    p.add_argument("--cache-dir", type=nonempty_path, default=Path("/tmp/qserve-worker"), help="where fetched artifacts are kept")
     p.add_argument("--device", default="cpu", help="cpu (torch reference backend), cuda or cuda:N (Triton kernels)")
     p.add_argument("--format", default=None, help=f"refuse artifacts of any other format ({', '.join(FORMATS)})")
     p.add_argument("--gpu-memory-budget", default=None,
@@ -189,14 +186,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--capture-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="with a GPU: compile the kernels and capture every CUDA graph before serving (slower start, "
                         "no first-use stalls) [default: on]")
-    p.add_argument("--host", default=DEFAULT_HOST, help="address to serve gRPC on")
+    p.add_argument("--host", type=nonempty, default=DEFAULT_HOST, help="address to serve gRPC on")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0 picks a free one)")
     p.add_argument("--advertise-address", default=None, help="host:port the gateway should dial [default: host:port]")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                    help="Prometheus /metrics HTTP port (0 picks a free one, -1 turns it off)")
     p.add_argument("--drain-grace-seconds", type=float, default=30.0,
                    help="on SIGTERM: how long in-flight requests may finish before they are aborted")
-    p.add_argument("--gateway-address", default=None, help="gateway Admin host:port to register with")
-    p.add_argument("--gateway-token", default=None, help="admin token for the gateway [default: $QSERVE_GATEWAY_TOKEN]")
+    p.add_argument("--gateway-address", default=None,
+                   help="gateway Admin host:port to register with, using the worker-scope token in "
+                        "$QSERVE_GATEWAY_TOKEN")
     p.add_argument("--torch-threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     return p

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import grpc
 import torch
+from sqlalchemy.exc import SQLAlchemyError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -33,6 +34,8 @@ from services.worker.errors import WorkerError
 from services.worker.metrics import WorkerMetrics
 from services.worker.servicer import WorkerServicer
 from services.worker.serving import ServedModel, load_served_model
+from shared.config import fail
+from shared.registry import RegistryError
 from shared.rpc.qserve.v1 import worker_pb2, worker_pb2_grpc
 from shared.rpc.serving import BackgroundLoop, listen, wait_for_stop_signal
 from shared.storage import StorageError
@@ -162,11 +165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = WorkerConfig.from_args(argv)
         asyncio.run(serve(config))
-    except (ConfigError, CapacityError, StorageError, WorkerError) as exc:
+    # The registry (--registry-url) is opened while the artifact is looked up; OSError: a cache folder or
+    # registry file that cannot be created.
+    except (ConfigError, CapacityError, StorageError, WorkerError, RegistryError, SQLAlchemyError, OSError) as exc:
         code = getattr(exc, "code", None)
-        prefix = f"error ({code.name}): " if isinstance(code, grpc.StatusCode) else "error: "
-        print(prefix + str(exc), file=sys.stderr)
-        return 2
+        return fail(exc, f"error ({code.name}): " if isinstance(code, grpc.StatusCode) else "error: ")
     except torch.OutOfMemoryError as exc:  # the plan did not fit what the device really had (e.g. --kv-blocks)
         print(f"error: out of device memory while starting: {str(exc).splitlines()[0]}; lower --gpu-memory-budget "
               f"or --kv-blocks", file=sys.stderr)

@@ -93,8 +93,9 @@ class StorageConfig:
                 f"storage URL {url!r} has scheme {parts.scheme!r}; accepted: "
                 "s3://bucket/prefix?endpoint=...&region=..., file:///path, or a plain path"
             )
-        if "@" in parts.netloc:
-            raise InvalidConfig(f"{url!r}: credentials do not belong in the URL; set access_key and secret_key")
+        if "@" in parts.netloc:  # the URL is not echoed: what precedes the '@' is a secret
+            raise InvalidConfig(f"storage URL s3://...@{parts.netloc.rpartition('@')[2]}: credentials do not belong in "
+                                f"the URL; set access_key and secret_key (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)")
         for name, given in parse_qs(parts.query, keep_blank_values=True).items():
             if name not in URL_PARAMS:
                 raise InvalidConfig(

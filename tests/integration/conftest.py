@@ -62,7 +62,7 @@ class Stack:
     artifacts: dict[str, str] = field(default_factory=dict)  # format -> artifact id
 
     def qctl(self, *args: str):
-        env = {"QCTL_GATEWAY": self.gateway.address, "QCTL_TOKEN": ADMIN_TOKEN, "QSERVE_QUANTIZER":
+        env = {"QCTL_GATEWAY": self.gateway.address, "QCTL_TOKEN": ADMIN_TOKEN, "QCTL_QUANTIZER":
                self.quantizer.address, "COLUMNS": "250"}
         return runner.invoke(app, list(args), env=env)
 

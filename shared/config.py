@@ -1,0 +1,84 @@
+"""What every service's command line shares: a parser whose errors are one line, the registry and store
+flags spelled and documented alike, and start-up failures printed as one line with exit code 2.
+
+Settings come from flags; secrets only from the environment (a command line is visible to every user of
+the host), so no setting has both a flag and a variable and none can shadow the other."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NoReturn
+
+from shared.storage import InvalidConfig, StorageConfig
+
+DEFAULT_STORE_REGION = "us-east-1"
+REGISTRY_HELP = ("registry: sqlite:///path/registry.db or postgresql+psycopg://user@host:5432/db; the database "
+                 "password comes from $PGPASSWORD, never the URL")
+STORE_HELP = ("artifact store: s3://bucket/prefix?endpoint=http://host:9000&region=r, file:///path or a path; "
+              "S3 credentials come from $AWS_ACCESS_KEY_ID, $AWS_SECRET_ACCESS_KEY and $AWS_SESSION_TOKEN")
+SQLALCHEMY_FOOTER = "(Background on this error at:"
+
+
+class ServiceArgumentParser(argparse.ArgumentParser):
+    """argparse without abbreviations (`--grac` would become --grace-s today and something else once a
+    flag with that prefix is added), whose errors are one line naming the flag instead of a usage block."""
+
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def nonempty(text: str) -> str:
+    """argparse type: `--store=${UNSET:-}` is a mistake, not a request for the default."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def nonempty_path(text: str) -> Path:
+    """argparse type: Path('') is '.', the current directory, which no operator means by an empty value."""
+    return Path(nonempty(text))
+
+
+def add_registry_argument(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument("--registry-url", type=nonempty, required=required, default=None, help=REGISTRY_HELP)
+
+
+def add_store_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument("--store", type=nonempty, required=required, default=None, help=STORE_HELP)
+    parser.add_argument("--store-endpoint", type=nonempty, default=None,
+                        help="S3 endpoint URL when --store names none (e.g. http://minio:9000)")
+    parser.add_argument("--store-region", type=nonempty, default=None,
+                        help=f"S3 region when --store names none [default: {DEFAULT_STORE_REGION}]")
+
+
+def store_from_args(args: argparse.Namespace, environ: Mapping[str, str], error: type[Exception]) -> StorageConfig:
+    """--store with --store-endpoint / --store-region; a value given both ways is refused (the URL's would
+    win without a word)."""
+    query = args.store.partition("?")[2]
+    for flag, key in (("--store-endpoint", "endpoint"), ("--store-region", "region")):
+        given = getattr(args, flag[2:].replace("-", "_"))
+        if given is not None and any(p.partition("=")[0] == key for p in query.split("&")):
+            raise error(f"{flag} and --store's ?{key}= both set the S3 {key}: give it once")
+    try:
+        return StorageConfig.from_command_line(args.store, args.store_endpoint,
+                                               args.store_region or DEFAULT_STORE_REGION, environ)
+    except InvalidConfig as exc:  # named as the operator wrote it
+        raise error(f"--store: {exc}") from None
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (SQLAlchemy adds a hint line and a link to its docs)."""
+    lines = [line.strip() for line in str(exc).splitlines() if not line.startswith(SQLALCHEMY_FOOTER)]
+    return " ".join(line for line in lines if line) or type(exc).__name__
+
+
+def fail(exc: BaseException, prefix: str = "error: ") -> int:
+    """Prints a start-up failure as one line for main() to return as exit code 2."""
+    print(prefix + one_line(exc), file=sys.stderr)
+    return 2

@@ -1,0 +1,202 @@
+"""How an operator configures the three services: every bad setting is one line naming it and exit code 2
+(never a traceback, never a silent default), secrets stay out of messages and command lines, and the same
+concept is spelled and read the same way in every service."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from services.gateway.config import GatewayConfig
+from services.quantizer.config import QuantizerConfig
+from services.worker.config import WorkerConfig
+
+CONFIGS = {"quantizer": QuantizerConfig, "gateway": GatewayConfig, "worker": WorkerConfig}
+SECRET = "hunter2-s3cret"
+ARTIFACT_ID = "0123456789abcdef0123456789abcdef"
+
+
+def _base(service: str, tmp_path) -> list[str]:
+    """The least a service's command line needs, pointing at throwaway places."""
+    registry = f"sqlite:///{tmp_path}/registry.db"
+    return {"quantizer": ["--registry-url", registry, "--store", str(tmp_path / "store")],
+            "gateway": ["--registry-url", registry],
+            "worker": ["--artifact", ARTIFACT_ID, "--port", "0", "--metrics-port", "-1"]}[service]
+
+
+def _refusal(service: str, argv: list[str], capsys, environ: dict | None = None) -> str:
+    """Parses argv as the service's main() would, expecting a refusal: returns its one line."""
+    module = importlib.import_module(f"services.{service}.config")
+    try:
+        config = CONFIGS[service].from_args(argv, environ=environ or {})
+    except SystemExit as exc:  # argparse's usage errors
+        assert exc.code == 2
+        message = capsys.readouterr().err
+    except module.ConfigError as exc:  # main() prints "error: <message>" and returns 2
+        message = f"error: {exc}"
+    else:
+        pytest.fail(f"{service} accepted {argv}: {config!r}")
+    assert "Traceback" not in message
+    assert message.strip().count("\n") == 0, f"not one line:\n{message}"
+    return message.strip()
+
+
+def _main(service: str, argv: list[str], capsys) -> tuple[int, str]:
+    """Runs the service's main(argv) in this process: its exit code and stderr without log lines."""
+    main = importlib.import_module(f"services.{service}.server").main
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    return code, "\n".join(line for line in err.splitlines() if " INFO " not in line)
+
+
+@pytest.mark.parametrize("service, flag, value", [("quantizer", "--workers", "abc"),
+                                                  ("gateway", "--fallback-min-requests", "1.5"),
+                                                  ("worker", "--max-batch-tokens", "lots")])
+def test_a_value_of_the_wrong_type_is_one_line_naming_the_flag(service, flag, value, tmp_path, capsys):
+    # argparse's own message comes after a usage block of 15+ lines that buries it.
+    message = _refusal(service, [*_base(service, tmp_path), flag, value], capsys)
+    assert message.startswith("error: ") and flag in message and repr(value) in message
+
+
+@pytest.mark.parametrize("service", ["quantizer", "gateway", "worker"])
+def test_an_unknown_or_abbreviated_flag_is_refused(service, tmp_path, capsys):
+    assert "--no-such-flag" in _refusal(service, [*_base(service, tmp_path), "--no-such-flag", "1"], capsys)
+    # An abbreviation parses today and breaks the day a flag with the same prefix is added.
+    assert "--grac" in _refusal(service, [*_base(service, tmp_path), "--grac", "1"], capsys)
+
+
+@pytest.mark.parametrize("service, flag", [("quantizer", "--store"), ("quantizer", "--work-dir"),
+                                           ("quantizer", "--registry-url"), ("gateway", "--listen"),
+                                           ("worker", "--host"), ("worker", "--cache-dir"), ("worker", "--store"),
+                                           ("worker", "--registry-url")])
+def test_an_empty_value_is_refused_not_taken_for_a_default(service, flag, tmp_path, capsys):
+    """`--store=${UNSET_VARIABLE:-}` in a compose file: the quantizer served the current directory as its
+    store, the worker bound --host '' to every interface and took --store '' for no store."""
+    message = _refusal(service, [*_base(service, tmp_path), f"{flag}="], capsys)
+    assert flag in message and "empty" in message
+
+
+@pytest.mark.parametrize("flag, value", [("--orphan-after-s", "nan"), ("--grace-s", "inf"), ("--heartbeat-s", "nan"),
+                                         ("--grace-s", "nan")])
+def test_the_quantizer_refuses_non_finite_durations(flag, value, tmp_path, capsys):
+    message = _refusal("quantizer", [*_base("quantizer", tmp_path), flag, value], capsys)
+    assert flag.lstrip("-").replace("-", "_") in message and value in message
+
+
+def test_the_tpot_budget_error_names_the_flag_and_its_unit(tmp_path, capsys):
+    # It said "max TPOT p95 -0.005 must be a positive number of seconds" for --max-tpot-p95-ms -5.
+    message = _refusal("gateway", [*_base("gateway", tmp_path), "--max-tpot-p95-ms", "-5"], capsys)
+    assert "--max-tpot-p95-ms" in message and "-5" in message and "milliseconds" in message
+
+
+@pytest.mark.parametrize("service", ["gateway", "worker"])
+def test_metrics_port_minus_one_turns_metrics_off_in_every_service(service, tmp_path):
+    argv = [a for a in _base(service, tmp_path) if a not in ("--metrics-port", "-1")]
+    assert CONFIGS[service].from_args([*argv, "--metrics-port", "-1"], environ={}).metrics_port is None
+    assert CONFIGS[service].from_args([*argv, "--metrics-port", "0"], environ={}).metrics_port == 0
+
+
+def test_the_gateway_serves_metrics_on_its_listen_host(tmp_path):
+    """Like the worker (--host): a gateway told to listen on loopback does not expose /metrics on every
+    interface."""
+    base = [*_base("gateway", tmp_path), "--metrics-port", "0"]
+    assert GatewayConfig.from_args(base, environ={}).metrics_host == "127.0.0.1"
+    assert GatewayConfig.from_args([*base, "--listen", "0.0.0.0:50051"], environ={}).metrics_host == "0.0.0.0"
+
+
+@pytest.mark.parametrize("service", ["quantizer", "worker"])
+@pytest.mark.parametrize("query, flag", [("endpoint=http://a:9000", ["--store-endpoint", "http://b:9000"]),
+                                         ("region=eu-west-1", ["--store-region", "us-west-2"])])
+def test_a_store_setting_given_twice_is_refused(service, query, flag, tmp_path, capsys):
+    # The URL's value won silently over the flag's.
+    argv = [*_base(service, tmp_path), "--store", f"s3://bucket?{query}", *flag]
+    message = _refusal(service, argv, capsys)
+    assert flag[0] in message and "--store" in message
+
+
+@pytest.mark.parametrize("service", ["quantizer", "worker"])
+def test_credentials_in_a_store_url_are_not_echoed(service, tmp_path, capsys):
+    message = _refusal(service, [*_base(service, tmp_path), "--store", f"s3://admin:{SECRET}@bucket/x"], capsys)
+    assert "credentials" in message and SECRET not in message
+
+
+def test_secrets_are_not_in_a_config_repr(tmp_path):
+    """A config object that ends up in a log line or a test failure must not carry a secret with it."""
+    registry = f"postgresql+psycopg://qserve:{SECRET}@db:5432/qserve"
+    env = {"QSERVE_ADMIN_TOKENS": f"ops={SECRET}-a:admin,w={SECRET}-w:worker", "QSERVE_API_KEYS": f"{SECRET}-k",
+           "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": SECRET, "QSERVE_GATEWAY_TOKEN": SECRET}
+    configs = [
+        QuantizerConfig.from_args(["--registry-url", registry, "--store", "s3://bucket"], environ=env),
+        GatewayConfig.from_args(["--registry-url", registry], environ=env),
+        WorkerConfig.from_args(["--artifact", ARTIFACT_ID, "--registry-url", registry, "--store", "s3://bucket",
+                                "--gateway-address", "gw:50051"], environ=env),
+    ]
+    for config in configs:
+        assert SECRET not in repr(config), repr(config)
+
+
+def test_no_service_takes_a_secret_on_its_command_line():
+    """A command line is visible to every user of the host (ps, /proc, docker inspect): tokens, keys and
+    passwords come from the environment, in every service alike."""
+    for service in CONFIGS:
+        parser = importlib.import_module(f"services.{service}.config")._parser()
+        flags = [s for a in parser._actions for s in a.option_strings]
+        # By word: --max-batch-tokens counts tokens, --gateway-token would carry one.
+        leaking = [f for f in flags if {"token", "secret", "password", "key"} & set(f.lstrip("-").split("-"))]
+        assert not leaking, (service, leaking)
+
+
+@pytest.mark.parametrize("service", ["quantizer", "gateway", "worker"])
+def test_a_registry_that_cannot_be_reached_is_one_line(service, tmp_path, capsys):
+    # SQLAlchemy's message is three lines; the worker's main let it out as a traceback.
+    registry = f"postgresql+psycopg://qserve:{SECRET}@127.0.0.1:1/qserve"
+    argv = [*_base(service, tmp_path), "--registry-url", registry]
+    if service == "worker":
+        argv += ["--store", str(tmp_path)]
+    else:
+        (tmp_path / "store").mkdir()
+    code, err = _main(service, argv, capsys)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 0, err
+    assert "127.0.0.1" in err and SECRET not in err
+
+
+@pytest.mark.parametrize("service", ["quantizer", "gateway", "worker"])
+def test_a_registry_path_that_cannot_be_created_is_one_line(service, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = [*_base(service, tmp_path), "--registry-url", f"sqlite:///{blocker}/registry.db"]
+    if service == "worker":
+        argv += ["--store", str(tmp_path)]
+    else:
+        (tmp_path / "store").mkdir()
+    code, err = _main(service, argv, capsys)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 0, err
+    assert str(blocker) in err
+
+
+
+def _readme_commands() -> list[list[str]]:
+    """The `python -m services.<name>.server ...` lines of the README, continuations joined."""
+    import shlex
+
+    from tests.conftest import REPO
+
+    text = (REPO / "README.md").read_text().replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        if line.startswith("python -m services."):
+            words = shlex.split(line.partition("#")[0].replace("&", ""))
+            commands.append([ARTIFACT_ID if w == "<id>" else w for w in words])
+    return commands
+
+
+def test_the_readme_service_commands_parse():
+    commands = _readme_commands()
+    assert {c[2] for c in commands} == {f"services.{s}.server" for s in CONFIGS}
+    for command in commands:
+        service = command[2].split(".")[1]
+        CONFIGS[service].from_args(command[3:], environ={"QSERVE_GATEWAY_TOKEN": "W"})
