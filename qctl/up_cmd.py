@@ -126,7 +126,7 @@ def up(
             return
         console.print(
             f"\n[bold]serving[/]; in another shell:\n"
-            f"  export QCTL_GATEWAY={gateway} QCTL_TOKEN={stack.admin_token}\n"
+            f"  export QCTL_GATEWAY={gateway} QCTL_TOKEN={stack.admin_token} QCTL_QUANTIZER={quantizer}\n"
             f"  qctl generate -d {name} 'def main():'    qctl rollout status {name}    qctl fallback on {name}\n"
             f"Ctrl-C stops the stack."
         )
