@@ -153,14 +153,7 @@ def test_no_service_takes_a_secret_on_its_command_line():
 @pytest.mark.parametrize("service", ["quantizer", "gateway", "worker"])
 def test_a_registry_that_cannot_be_reached_is_one_line(service, tmp_path, capsys):
     # SQLAlchemy's message is three lines; the worker's main let it out as a traceback.
-    registry = f"postgresql+psycopg://qserve:{SECRET}@127.0.0.1:1/qserve"
-    argv = [*_base(service, tmp_path), "--registry-url", registry]
-    if service == "worker":
-        argv += ["--store", str(tmp_path)]
-    else:
-        (tmp_path / "store").mkdir()
-    code, err = _main(service, argv, capsys)
-    assert code == 2 and err.startswith("error: ") and err.count("\n") == 0, err
+    err = _start_with_registry(service, tmp_path, capsys, f"postgresql+psycopg://qserve:{SECRET}@127.0.0.1:1/qserve")
     assert "127.0.0.1" in err and SECRET not in err
 
 
@@ -168,14 +161,20 @@ def test_a_registry_that_cannot_be_reached_is_one_line(service, tmp_path, capsys
 def test_a_registry_path_that_cannot_be_created_is_one_line(service, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    argv = [*_base(service, tmp_path), "--registry-url", f"sqlite:///{blocker}/registry.db"]
+    err = _start_with_registry(service, tmp_path, capsys, f"sqlite:///{blocker}/registry.db")
+    assert str(blocker) in err
+
+
+def _start_with_registry(service, tmp_path, capsys, registry_url: str) -> str:
+    """Starts `service` on a registry it cannot open; asserts one error line and exit code 2, returns it."""
+    argv = [*_base(service, tmp_path), "--registry-url", registry_url]
     if service == "worker":
         argv += ["--store", str(tmp_path)]
     else:
         (tmp_path / "store").mkdir()
     code, err = _main(service, argv, capsys)
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 0, err
-    assert str(blocker) in err
+    return err
 
 
 
