@@ -127,6 +127,8 @@ class DeploymentCache:
         self._used: dict[str, float] = {}  # name -> when a request last asked for it
         self._reads: dict[str, asyncio.Task] = {}
         self._outage_logged: dict[str, float] = {}  # name -> when routing on a stale view was last logged
+        # name -> (revision, wall time this replica first saw it; 0 for the first revision it ever saw)
+        self._seen: dict[str, tuple[int, float]] = {}
 
     async def get(self, name: str) -> DeploymentView:
         now = time.monotonic()
@@ -164,7 +166,24 @@ class DeploymentCache:
             return dataclasses.replace(view, canary=None, canary_percent=0) if view.canary is not None else view
 
     def put(self, view: DeploymentView) -> None:
-        self._entries[view.name] = (view, time.monotonic())
+        self._store(view.name, view, time.monotonic())
+
+    def changed_at(self, view: DeploymentView) -> float:
+        """When the deployment last changed (wall time): updated_at, written with the clock of the replica
+        that made the change, but no earlier than when this replica first saw the revision, so that a
+        replica whose clock runs behind cannot date a change before what this one measured before it."""
+        revision, seen_at = self._seen.get(view.name, (view.revision, 0.0))
+        return max(view.updated_at.timestamp(), seen_at if revision == view.revision else time.time())
+
+    def _store(self, name: str, view: DeploymentView | None, read_at: float) -> None:
+        self._entries[name] = (view, read_at)
+        if view is None:
+            return
+        known = self._seen.get(name)
+        if known is None:  # nothing was routed, so nothing measured, on an earlier revision here
+            self._seen[name] = (view.revision, 0.0)
+        elif known[0] != view.revision:
+            self._seen[name] = (view.revision, time.time())
 
     def names(self) -> list[str]:
         return [name for name, (view, _) in self._entries.items() if view is not None]
@@ -191,5 +210,5 @@ class DeploymentCache:
         for name, view in views.items():
             entry = self._entries.get(name)
             if entry is None or entry[1] <= started:  # a put() made meanwhile is newer than this read
-                self._entries[name] = (view, started)
+                self._store(name, view, started)
         return views

@@ -10,7 +10,10 @@ Each action is taken as actor "auto" with the measured figures as the reason, in
 event log. Turning fallback back off is a person's decision (`qctl fallback off`).
 
 The window starts no earlier than the deployment's last change, so what was measured before an
-operator turned fallback off (or before a promote or a new canary) does not trip the guard again."""
+operator turned fallback off (or before a promote or a new canary) does not trip the guard again.
+The change's time in the registry is the clock of whichever replica made it; the window also starts no
+earlier than when this replica's cache first saw that revision, so a replica whose clock runs behind cannot
+make another judge its arms on what they did before the change."""
 
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ class AutoFallback:
         if ref is None:
             return None
         now = time.time() if now is None else now
-        since = max(now - self.budget.window_s, view.updated_at.timestamp())
+        since = max(now - self.budget.window_s, self.deployments.changed_at(view))
         stats = self.metrics.stats(view.name, ref.artifact_id, since, now)
         if stats.requests < self.budget.min_requests:
             return None

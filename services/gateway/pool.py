@@ -1,9 +1,20 @@
 """The worker pool: workers announced through Admin.RegisterWorker, their health (heartbeats, failed
-requests) and the gateway's own count of open streams on each, which routing balances."""
+requests, the connection to each) and the gateway's own count of open streams on each, which routing
+balances.
+
+A worker is known by its address, but the process behind an address can change: a worker that crashed
+(no DeregisterWorker) and another that starts there serving another artifact. gRPC reconnects a channel
+silently, so a request routed on the old entry would be served by the new process with the wrong
+model. The pool therefore watches each worker's connection: once the connection that was up drops, the
+worker gets no requests until it proves it is the same process, alive: its next heartbeat (a new
+process has no worker_id; it registers anew, which replaces the entry)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
+import logging
 import random
 import time
 import uuid
@@ -15,6 +26,10 @@ import grpc
 from services.gateway.deployments import ArtifactRefView, timestamp
 from services.gateway.errors import AdmissionFull, NoWorker, UnknownName
 from shared.rpc.qserve.v1 import gateway_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+# gRPC drops an idle connection after 30 min by default; the pool would read that as a worker gone.
+_CHANNEL_OPTIONS = (("grpc.client_idle_timeout_ms", 2**31 - 1),)
 
 
 class Health(enum.Enum):
@@ -40,6 +55,7 @@ class PooledWorker:
     running_requests: int = 0
     waiting_requests: int = 0
     kv_blocks_free: int = 0
+    watcher: asyncio.Task | None = None  # watches the connection (WorkerPool._watch)
 
     def to_pb(self) -> gateway_pb2.WorkerStatus:
         return gateway_pb2.WorkerStatus(
@@ -68,13 +84,32 @@ class WorkerPool:
             return existing
         if existing is not None:  # the address now serves another artifact: a new worker behind it
             await self.remove(existing.worker_id)
-        channel = grpc.aio.insecure_channel(address)
+        channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         worker = PooledWorker(
             worker_id=uuid.uuid4().hex[:16], address=address, artifact=artifact, capacity=capacity, channel=channel,
             stub=worker_pb2_grpc.WorkerStub(channel), registered_at=now, last_heartbeat=now, last_heartbeat_mono=mono,
         )
+        worker.watcher = asyncio.create_task(self._watch(worker), name=f"worker-connection-{address}")
         self.workers[worker.worker_id] = worker
         return worker
+
+    async def _watch(self, worker: PooledWorker) -> None:
+        """Connects at once (so that a worker that never got a request is watched too) and marks the
+        worker unhealthy whenever its connection drops (see the module docstring)."""
+        channel = worker.channel
+        state = channel.get_state(try_to_connect=True)
+        while True:
+            await channel.wait_for_state_change(state)
+            previous, state = state, channel.get_state()
+            if previous is grpc.ChannelConnectivity.READY and state is not grpc.ChannelConnectivity.READY:
+                self.connection_lost(worker)
+
+    def connection_lost(self, worker: PooledWorker) -> None:
+        if worker.health is not Health.UNHEALTHY:
+            worker.health = Health.UNHEALTHY
+            worker.failed_reason = "connection lost; waiting for its heartbeat (or a new registration)"
+            log.warning("worker %s (%s): connection lost; no requests until it heartbeats or registers again",
+                        worker.worker_id, worker.address)
 
     def by_address(self, address: str) -> PooledWorker | None:
         return next((w for w in self.workers.values() if w.address == address), None)
@@ -98,6 +133,7 @@ class WorkerPool:
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             raise UnknownName(f"worker {worker_id!r} is not registered; ListWorkers shows the registered ones")
+        await _stop_watching(worker)
         if worker.in_flight == 0:
             await worker.channel.close()
         return worker
@@ -151,5 +187,14 @@ class WorkerPool:
 
     async def close(self) -> None:
         for worker in list(self.workers.values()):
+            await _stop_watching(worker)
             await worker.channel.close()
         self.workers.clear()
+
+
+async def _stop_watching(worker: PooledWorker) -> None:
+    if worker.watcher is not None:
+        worker.watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker.watcher
+        worker.watcher = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import re
 from datetime import datetime, timezone
 
@@ -22,6 +23,7 @@ from shared import registry as reg
 from shared.registry import ArtifactState, Deployment, Event, Registry
 from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 
+log = logging.getLogger(__name__)
 _NAME = re.compile(r"[a-z0-9._-]{1,64}")
 _ADDRESS = re.compile(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:]+\]:\d{1,5}")
 DEFAULT_EVENTS, MAX_EVENTS = 100, 1000
@@ -72,8 +74,9 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
         if not _ADDRESS.fullmatch(request.address) or int(request.address.rpartition(":")[2]) > 65535:
             raise InvalidRequest(f"worker address {request.address!r} is not host:port (e.g. 10.0.0.7:50071)")
         artifact_id = _required("artifact_id", request.artifact_id)
-        artifact = await asyncio.to_thread(self._servable_artifact, artifact_id)
         info = await self._worker_info(request.address)
+        await self._forget_replaced(request.address, info.artifact.artifact_id)
+        artifact = await asyncio.to_thread(self._servable_artifact, artifact_id)
         if info.artifact.artifact_id != artifact_id:
             raise Precondition(f"the worker at {request.address} serves artifact {info.artifact.artifact_id!r}, "
                                f"not {artifact_id!r}: register it with the artifact it loaded")
@@ -81,6 +84,16 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
         worker = await self.pool.add(request.address, artifact, capacity)
         return gateway_pb2.RegisterWorkerResponse(worker_id=worker.worker_id,
                                                   heartbeat_interval=_seconds(self.heartbeat_interval_s))
+
+    async def _forget_replaced(self, address: str, serving: str) -> None:
+        """The process at this address serves another artifact than the worker registered there: that
+        worker is gone. Removed whether or not the new one is accepted, so that a refused registration
+        does not leave the old entry routing the old artifact's requests to the new process."""
+        existing = self.pool.by_address(address)
+        if existing is not None and existing.artifact.artifact_id != serving:
+            log.warning("worker %s (%s) registered for artifact %s, but %s now serves %s: removed", existing.worker_id,
+                        address, existing.artifact.artifact_id, address, serving)
+            await self.pool.remove(existing.worker_id)
 
     def _servable_artifact(self, artifact_id: str) -> ArtifactRefView:
         with self.registry.transaction() as session:

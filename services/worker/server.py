@@ -5,8 +5,8 @@ Prometheus metrics, and the gateway announcement.
     python -m services.worker.server --artifact 3f2c... --store 's3://artifacts?endpoint=http://minio:9000' \\
         --device cuda --gpu-memory-budget 48GiB --gateway-address gateway:50051
 
-SIGTERM or SIGINT drains it: health turns NOT_SERVING, new Generate calls get UNAVAILABLE, the
-gateway is told (DeregisterWorker), in-flight requests get --drain-grace-seconds to finish and are
+SIGTERM or SIGINT drains it: the gateway is told (DeregisterWorker), then health turns NOT_SERVING and
+new Generate calls get UNAVAILABLE; in-flight requests get --drain-grace-seconds to finish and are
 aborted after that.
 
 Embedding (`qctl up`, tests): `server = WorkerServer(config); port = await server.start(); ...;
@@ -105,13 +105,17 @@ class WorkerServer:
         return self.served.engine.stats(), self.servicer.draining
 
     async def drain(self, grace_s: float | None = None) -> None:
-        """Stops taking work (UNAVAILABLE, health NOT_SERVING, deregistered), lets in-flight requests
-        finish for grace_s, then aborts what is left."""
+        """Stops taking work (deregistered, then UNAVAILABLE and health NOT_SERVING), lets in-flight
+        requests finish for grace_s, then aborts what is left."""
         grace = self.config.drain_grace_s if grace_s is None else grace_s
-        self.servicer.draining = True
-        await self._health.enter_graceful_shutdown()
+        # Deregistered first: until the gateway has removed this worker it keeps routing requests here,
+        # and each one refused (UNAVAILABLE) would count as a failure of the artifact (feeding the
+        # gateway's automatic guard) and mark this worker broken, for a routine restart. Those requests
+        # are served like the ones in flight.
         if self.announcer is not None:
             await self.announcer.stop()
+        self.servicer.draining = True
+        await self._health.enter_graceful_shutdown()
         engine = self.served.engine
         deadline = time.monotonic() + grace
         while engine.num_in_flight and time.monotonic() < deadline:

@@ -49,7 +49,11 @@ def _ready(session, version, fmt: str) -> str:
 
 @pytest.fixture
 def artifacts(tmp_path: Path) -> Artifacts:
-    url = sqlite_url(tmp_path / "registry.db")
+    return seed_artifacts(sqlite_url(tmp_path / "registry.db"))
+
+
+def seed_artifacts(url: str) -> Artifacts:
+    """The artifact rows every gateway test uses, in the registry at url."""
     registry = create_registry(url)
     with registry.transaction() as session:
         v1 = register_model_version(session, "tiny", "a" * 64, label="v1")

@@ -92,10 +92,11 @@ class FakeWorkerServer:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    async def start(self) -> FakeWorkerServer:
+    async def start(self, port: int = 0) -> FakeWorkerServer:
+        """port: a fixed one, e.g. the port of a worker that stopped (a restart at the same address)."""
         self.server = grpc.aio.server()
         worker_pb2_grpc.add_WorkerServicer_to_server(self.worker, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         await self.server.start()
         return self
 

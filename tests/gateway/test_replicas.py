@@ -1,0 +1,214 @@
+"""Several gateway replicas over one registry (SQLite file or PostgreSQL): an admin change made
+through one replica is honoured by the other's routing within the deployment cache's bound, and the
+automatic guard running on both replicas acts once and never undoes what the other did.
+
+The bound: DeploymentCache stamps each snapshot with the time its read *started* and re-reads a
+snapshot older than deployment_cache_s before routing on it (refresh() also re-reads every
+deployment_cache_s / 2), so a request that starts deployment_cache_s after a change committed routes
+on a snapshot read after the commit; READ_SLACK_S covers the read itself."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from services.gateway.config import FallbackBudget
+from services.gateway.router import bucket_of
+from shared import registry as reg
+from shared.registry import create_registry, sqlite_url
+from shared.rpc.qserve.v1 import gateway_pb2
+from tests.conftest import fresh_postgres_schema
+from tests.gateway.conftest import (ADMIN, DEPLOYMENT, WORKER, Artifacts, FakeWorkerServer, Stack, arm_of,
+                                    gateway_stack, run, seed_artifacts)
+
+CACHE_S = 0.2  # deployment_cache_s of both replicas
+READ_SLACK_S = 0.1
+# Session keys outside the first 1% of buckets: on the stable arm at canary_percent 1, on the canary at 100.
+KEYS = [k for k in (f"key-{i}" for i in range(200)) if bucket_of(DEPLOYMENT, k) >= 100][:8]
+STABLE, CANARY, BASELINE = gateway_pb2.ARM_STABLE, gateway_pb2.ARM_CANARY, gateway_pb2.ARM_BASELINE
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def artifacts(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Artifacts]:
+    if request.param == "sqlite":
+        yield seed_artifacts(sqlite_url(tmp_path / "registry.db"))
+        return
+    with fresh_postgres_schema("test_replicas") as url:
+        yield seed_artifacts(url)
+
+
+@asynccontextmanager
+async def two_replicas(artifacts: Artifacts, **overrides) -> AsyncIterator[tuple[Stack, Stack]]:
+    async with gateway_stack(artifacts, deployment_cache_s=CACHE_S, **overrides) as a, \
+            gateway_stack(artifacts, create_deployment=False, deployment_cache_s=CACHE_S, **overrides) as b:
+        yield a, b
+
+
+async def worker_on_both(a: Stack, b: Stack, artifact_id: str, **fake) -> FakeWorkerServer:
+    """One fake worker registered with both replicas, as a worker announcing itself to each."""
+    server = await a.add_worker(artifact_id, **fake)
+    await b.admin.RegisterWorker(gateway_pb2.RegisterWorkerRequest(address=server.address, artifact_id=artifact_id),
+                                 metadata=WORKER)
+    return server
+
+
+async def routes(stack: Stack) -> set[tuple[int, str]]:
+    """(arm, artifact) of one request per session key."""
+    results = await asyncio.gather(*(stack.generate("q", session_key=k, max_new_tokens=1) for k in KEYS))
+    return {(arm_of(r), r[0].artifact_id) for r in results}
+
+
+async def change_then_route(a: Stack, b: Stack, change) -> list[set[tuple[int, str]]]:
+    """change() makes an admin call through replica a; once the bound has passed, how each replica routes."""
+    await routes(b)  # b's cache holds the snapshot from before the change
+    await change()
+    changed = time.monotonic()
+    await asyncio.sleep(CACHE_S + READ_SLACK_S - (time.monotonic() - changed))
+    return [await routes(a), await routes(b)]
+
+
+def rollout(percent: int, canary: str) -> gateway_pb2.StartRolloutRequest:
+    return gateway_pb2.StartRolloutRequest(deployment=DEPLOYMENT, canary_artifact_id=canary, canary_percent=percent)
+
+
+def test_admin_changes_through_one_replica_route_on_the_other_within_the_cache_bound(artifacts):
+    async def scenario():
+        async with two_replicas(artifacts) as (a, b):
+            art = artifacts
+            for artifact_id in (art.stable, art.canary, art.baseline):
+                await worker_on_both(a, b, artifact_id, tokens=1, max_running=64)
+            canary_worker = a.workers[1].worker
+            on_stable, on_canary = {(STABLE, art.stable)}, {(CANARY, art.canary)}
+
+            def call(method, request):  # made inside change_then_route: a call object starts at once
+                return lambda: getattr(a.admin, method)(request, metadata=ADMIN)
+
+            assert await change_then_route(a, b, call("StartRollout", rollout(100, art.canary))) \
+                == [on_canary, on_canary]
+            assert await change_then_route(a, b, call("StartRollout", rollout(1, art.canary))) \
+                == [on_stable, on_stable]
+            assert await change_then_route(a, b, call("StartRollout", rollout(100, art.canary))) \
+                == [on_canary, on_canary]
+            served_by_canary = len(canary_worker.started)
+            abort = call("AbortRollout", gateway_pb2.AbortRolloutRequest(deployment=DEPLOYMENT, reason="bad"))
+            assert await change_then_route(a, b, abort) == [on_stable, on_stable]
+            # b routed KEYS once before the abort (to the canary): nothing after the bound
+            assert len(canary_worker.started) == served_by_canary + len(KEYS)
+
+            switch_on = call("SetFallback", gateway_pb2.SetFallbackRequest(deployment=DEPLOYMENT, enabled=True))
+            assert await change_then_route(a, b, switch_on) == [{(BASELINE, art.baseline)}] * 2
+            switch_off = call("SetFallback", gateway_pb2.SetFallbackRequest(deployment=DEPLOYMENT, enabled=False))
+            assert await change_then_route(a, b, switch_off) == [on_stable, on_stable]
+
+            await a.admin.StartRollout(rollout(100, art.canary), metadata=ADMIN)
+            promote = call("PromoteRollout", gateway_pb2.PromoteRolloutRequest(deployment=DEPLOYMENT))
+            assert await change_then_route(a, b, promote) == [{(STABLE, art.canary)}] * 2
+
+    run(scenario())
+
+
+async def events(stack: Stack) -> list[tuple[str, str]]:
+    listed = await stack.admin.ListEvents(gateway_pb2.ListEventsRequest(deployment=DEPLOYMENT), metadata=ADMIN)
+    return [(e.kind, e.actor) for e in reversed(listed.events)]
+
+
+async def failing_traffic(stack: Stack, worker: FakeWorkerServer, worker_id: str, requests: int = 12) -> None:
+    """Requests that the failing worker ends with an error; a heartbeat before each keeps it healthy."""
+    for i in range(requests):
+        await stack.admin.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=worker_id), metadata=WORKER)
+        try:
+            await stack.generate(f"p{i}")
+        except Exception:  # noqa: BLE001 - the failure is the point
+            pass
+
+
+async def worker_id_on(stack: Stack, address: str) -> str:
+    listed = await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)
+    return next(w.worker_id for w in listed.workers if w.address == address)
+
+
+# The guard's loop would not run in these tests (first pass after 60 s): each pass is run by hand, both
+# replicas' at once, so that both judge the same revision.
+GUARD = dict(budget=FallbackBudget(max_error_rate=0.2, max_tpot_p95_s=10.0, window_s=30.0, min_requests=10),
+             fallback_check_s=60.0)
+
+
+def test_the_guard_on_two_replicas_aborts_a_bad_canary_once(artifacts):
+    async def scenario():
+        async with two_replicas(artifacts, **GUARD) as (a, b):
+            await worker_on_both(a, b, artifacts.stable, tokens=2, max_running=64)
+            failing = await worker_on_both(a, b, artifacts.canary, tokens=2, max_running=64)
+            failing.worker.fail_after = 1
+            await a.admin.StartRollout(rollout(100, artifacts.canary), metadata=ADMIN)
+            await asyncio.sleep(CACHE_S + READ_SLACK_S)
+            for stack in (a, b):
+                await failing_traffic(stack, failing, await worker_id_on(stack, failing.address))
+            acted = await asyncio.gather(a.gateway.fallback.check(), b.gateway.fallback.check())
+            assert sorted(map(len, acted)) == [0, 1]
+            await asyncio.sleep(CACHE_S + READ_SLACK_S)
+            assert await asyncio.gather(a.gateway.fallback.check(), b.gateway.fallback.check()) == [[], []]
+            assert (await events(a))[-2:] == [("rollout_start", "ops"), ("abort", "auto")]
+            assert await routes(b) == {(STABLE, artifacts.stable)}
+
+    run(scenario())
+
+
+def test_the_guard_on_two_replicas_falls_back_once_and_leaves_the_operators_switch_alone(artifacts):
+    async def scenario():
+        async with two_replicas(artifacts, **GUARD) as (a, b):
+            failing = await worker_on_both(a, b, artifacts.stable, tokens=2, max_running=64)
+            failing.worker.fail_after = 1
+            await worker_on_both(a, b, artifacts.baseline, tokens=2, max_running=64)
+            for stack in (a, b):
+                await failing_traffic(stack, failing, await worker_id_on(stack, failing.address))
+            acted = await asyncio.gather(a.gateway.fallback.check(), b.gateway.fallback.check())
+            assert sorted(map(len, acted)) == [0, 1]
+            # the operator turns it off through b: neither replica's guard turns it on again on what it
+            # measured before, and neither turns anything off by itself
+            await b.admin.SetFallback(gateway_pb2.SetFallbackRequest(deployment=DEPLOYMENT, enabled=False,
+                                                                     reason="fixed"), metadata=ADMIN)
+            for _ in range(3):
+                await asyncio.sleep(CACHE_S / 2)
+                assert await asyncio.gather(a.gateway.fallback.check(), b.gateway.fallback.check()) == [[], []]
+            kinds = [kind for kind, _ in await events(a)]
+            assert kinds.count("fallback_on") == 1 and kinds[-2:] == ["fallback_on", "fallback_off"]
+            assert (await events(a))[-2:] == [("fallback_on", "auto"), ("fallback_off", "ops")]
+
+    run(scenario())
+
+
+def test_a_replica_whose_clock_is_behind_does_not_let_the_guard_undo_the_operator(artifacts):
+    """The guard's window starts at the deployment's last change, written with the clock of the replica
+    that made it. The operator turns fallback off through b, whose clock runs 30 s behind a's: a must
+    not judge the stable again on the failures it measured before that change and turn it back on."""
+    async def scenario():
+        async with two_replicas(artifacts, **GUARD) as (a, b):
+            failing = await worker_on_both(a, b, artifacts.stable, tokens=2, max_running=64)
+            failing.worker.fail_after = 1
+            await worker_on_both(a, b, artifacts.baseline, tokens=2, max_running=64)
+            await failing_traffic(a, failing, await worker_id_on(a, failing.address))
+            assert await a.gateway.fallback.check() == [DEPLOYMENT]
+            await b.admin.SetFallback(gateway_pb2.SetFallbackRequest(deployment=DEPLOYMENT, enabled=False,
+                                                                     reason="fixed"), metadata=ADMIN)
+            await asyncio.to_thread(_backdate_last_change, artifacts.url, 30.0)  # b's clock
+            await asyncio.sleep(CACHE_S + READ_SLACK_S)
+            assert await a.gateway.fallback.check() == []
+            assert [kind for kind, _ in await events(a)][-2:] == ["fallback_on", "fallback_off"]
+
+    run(scenario())
+
+
+def _backdate_last_change(url: str, seconds: float) -> None:
+    registry = create_registry(url)
+    try:
+        with registry.transaction() as session:
+            deployment = reg.get_deployment(session, DEPLOYMENT, for_update=True)
+            deployment.updated_at -= timedelta(seconds=seconds)
+    finally:
+        registry.close()
