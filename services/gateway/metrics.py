@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 RECORDS_KEPT = 20_000  # per (deployment, artifact): the newest requests; older ones fall out of every window
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# From ms-scale TPOT to a TTFT behind a long queue: the gateway's TTFT holds the worker's (whose buckets
+# reach 60 s) plus routing, and past the last finite bucket histogram_quantile only answers its bound.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +58,12 @@ class GatewayMetrics:
                                 "before the request moved to another worker (counted as errors of their arm)", labels, registry=self.registry)
         self.errors = Counter("qserve_gateway_errors", "Requests that failed on the serving side", labels,
                               registry=self.registry)
-        self.ttft = Histogram("qserve_gateway_time_to_first_token_seconds", "Arrival to first token sent", labels,
+        self.ttft = Histogram("qserve_gateway_time_to_first_token_seconds", "Arrival to first token sent, of "
+                              "requests not failed on the serving side", labels,
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("qserve_gateway_time_per_output_token_seconds", "Mean gap between tokens after the "
-                              "first, per request", labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+                              "first, per request not failed on the serving side", labels, buckets=_LATENCY_BUCKETS,
+                              registry=self.registry)
         self.tokens = Counter("qserve_gateway_generated_tokens", "Tokens delivered to clients", labels,
                               registry=self.registry)
         self.open_streams = Gauge("qserve_gateway_open_streams", "Generate streams open now", registry=self.registry)
@@ -68,15 +72,25 @@ class GatewayMetrics:
     def record(self, deployment: str, arm: str, artifact_id: str, outcome: Outcome) -> None:
         labels = (deployment, arm, artifact_id)
         self.requests.labels(*labels).inc()
+        # Touched on every request, so a healthy arm exports 0 errors: an error-rate query then reads 0,
+        # not "no data", which an alert cannot tell from a failed scrape.
+        errors = self.errors.labels(*labels)
         if outcome.server_error:
-            self.errors.labels(*labels).inc()
+            errors.inc()
+        else:
+            self._observe_latency(labels, outcome)
+        self.tokens.labels(*labels).inc(outcome.tokens)
+        window = self._windows.setdefault((deployment, artifact_id), deque(maxlen=RECORDS_KEPT))
+        window.append(outcome)
+
+    def _observe_latency(self, labels: tuple[str, str, str], outcome: Outcome) -> None:
+        """Latencies of a request that did not fail on the serving side, as stats() counts them: a broken
+        stream's token gaps run up to the failure (a dead worker's can be a keepalive timeout), and
+        would make the histograms judge a canary otherwise than RolloutStatus and the guard do."""
         if outcome.ttft_s is not None:
             self.ttft.labels(*labels).observe(outcome.ttft_s)
         if outcome.tpot_s is not None:
             self.tpot.labels(*labels).observe(outcome.tpot_s)
-        self.tokens.labels(*labels).inc(outcome.tokens)
-        window = self._windows.setdefault((deployment, artifact_id), deque(maxlen=RECORDS_KEPT))
-        window.append(outcome)
 
     def stats(self, deployment: str, artifact_id: str, since: float, until: float | None = None) -> ArmStats:
         """Requests of this deployment served by this artifact that finished in [since, until]."""

@@ -61,7 +61,9 @@ class QuantizerServicer(quantizer_pb2_grpc.QuantizerServicer):
     async def Publish(self, request: quantizer_pb2.PublishRequest, context) -> quantizer_pb2.Job:
         spec = await asyncio.to_thread(PublishSpec.from_pb, request, self.services.config)
         job = await asyncio.to_thread(self.runner.submit, spec)
-        log.info("job %s: publish %s %s/%s from %s", job.job_id, spec.model_name, spec.format, spec.gpu_target,
+        # %r: the source is the caller's text (urlsplit lets an s3:// URI with a newline through), and
+        # raw it could split this line in two, the second one forged.
+        log.info("job %s: publish %s %s/%s from %r", job.job_id, spec.model_name, spec.format, spec.gpu_target,
                  spec.source)
         return job.to_pb()
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from services.worker.config import ConfigError
 from services.worker.engine.outputs import EngineStats, FinishInfo
@@ -12,6 +14,40 @@ from shared.rpc.serving import serve_metrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+_GAUGES = {
+    "qserve_worker_running_requests": ("Sequences in the running batch.", lambda s: s.running),
+    "qserve_worker_waiting_requests": ("Requests waiting for admission.", lambda s: s.waiting),
+    "qserve_worker_kv_blocks_used": ("KV cache blocks in use.", lambda s: s.kv_blocks_used),
+    "qserve_worker_kv_blocks_free": ("KV cache blocks free.", lambda s: s.kv_blocks_free),
+    "qserve_worker_kv_usage_ratio": ("Used fraction of the KV cache.",
+                                     lambda s: s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0),
+}
+
+_PREEMPTIONS = ("qserve_worker_preemptions", "Sequences preempted: KV blocks taken back, recomputed later.")
+
+
+class _EngineCollector(Collector):
+    """The engine's state, from one stats() call per scrape: read once per gauge, the engine moves
+    between the reads and used + free need not add up to the total on the same page."""
+
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self._stats()
+        for name, (doc, read) in _GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=read(s))
+        # A preempted sequence gave its KV blocks back to be recomputed later: the sign of a cache too
+        # small for the load. The engine counts them since it started, as a counter does.
+        yield CounterMetricFamily(*_PREEMPTIONS, value=s.preemptions)
+
+    def describe(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        # Names only, without calling stats(): registering must not read an engine that may not run yet.
+        for name, (doc, _read) in _GAUGES.items():
+            yield GaugeMetricFamily(name, doc)
+        yield CounterMetricFamily(*_PREEMPTIONS)
 
 
 class WorkerMetrics:
@@ -29,16 +65,7 @@ class WorkerMetrics:
         self.rejected = Counter("qserve_worker_rejected_requests", "Generate calls refused, by status code.",
                                 ["code"], registry=r)
         self.generated = Counter("qserve_worker_generated_tokens", "Tokens generated.", registry=r)
-        gauges = {
-            "qserve_worker_running_requests": ("Sequences in the running batch.", lambda s: s.running),
-            "qserve_worker_waiting_requests": ("Requests waiting for admission.", lambda s: s.waiting),
-            "qserve_worker_kv_blocks_used": ("KV cache blocks in use.", lambda s: s.kv_blocks_used),
-            "qserve_worker_kv_blocks_free": ("KV cache blocks free.", lambda s: s.kv_blocks_free),
-            "qserve_worker_kv_usage_ratio": ("Used fraction of the KV cache.",
-                                             lambda s: s.kv_blocks_used / s.kv_blocks_total),
-        }
-        for name, (doc, read) in gauges.items():
-            Gauge(name, doc, registry=r).set_function(lambda read=read: read(stats()))
+        r.register(_EngineCollector(stats))
         self._server = None
 
     def observe_error(self) -> None:

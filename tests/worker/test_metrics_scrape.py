@@ -1,0 +1,190 @@
+"""The worker's /metrics page as Prometheus scrapes it, after real Generate traffic: naming, one count
+per finished / aborted / refused request under the right label, one histogram sample per request in
+seconds, and gauges back at idle once the work is over."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from prometheus_client import generate_latest
+
+from services.worker.engine.outputs import EngineStats
+from services.worker.metrics import WorkerMetrics
+from shared.rpc.qserve.v1 import common_pb2, worker_pb2
+from tests.prometheus_scrape import bucket_bounds, check_conventions, families, scrape_text, value
+from tests.worker.conftest import stub
+
+PROMPT = [17, 300, 42, 9, 1200, 77]
+HISTOGRAMS = ("qserve_worker_time_to_first_token_seconds", "qserve_worker_time_per_output_token_seconds",
+              "qserve_worker_queue_time_seconds")
+
+
+def _request(request_id="", **sampling) -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(request_id=request_id, token_ids=common_pb2.TokenIds(ids=PROMPT),
+                                      sampling=common_pb2.SamplingParams(**sampling))
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def worker(artifacts):
+    from services.worker.config import WorkerConfig
+    from services.worker.server import BackgroundWorker
+
+    w = BackgroundWorker(WorkerConfig(artifact=str(artifacts["fp16"]), port=0, metrics_port=0, kv_blocks=64,
+                                      block_size=4, max_running_sequences=1, max_waiting_requests=1,
+                                      max_context_tokens=256, max_batch_tokens=32))
+    yield w
+    w.stop(grace_s=0)
+
+
+@pytest.fixture(scope="module")
+def client(worker):
+    channel, s = stub(worker)
+    yield s
+    channel.close()
+
+
+@pytest.fixture
+def scrape(worker):
+    return lambda: families(scrape_text(worker.server.metrics_port))
+
+
+def _counts(fams: dict) -> dict[str, float]:
+    """Every counter sample and histogram count, by sample name and labels."""
+    out = {}
+    for family in fams.values():
+        for s in family.samples:
+            if s.name.endswith(("_total", "_count")):
+                out[s.name + str(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def _delta(before: dict, after: dict) -> dict[str, float]:
+    keys = set(before) | set(after)
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in keys if after.get(k, 0.0) != before.get(k, 0.0)}
+
+
+def _idle(fams: dict) -> bool:
+    return all(value(fams, name) == 0 for name in (
+        "qserve_worker_running_requests", "qserve_worker_waiting_requests", "qserve_worker_kv_blocks_used"))
+
+
+def test_a_finished_request_is_one_count_and_one_sample_of_each_histogram(client, scrape):
+    before = scrape()
+    messages = list(client.Generate(_request(max_new_tokens=4, ignore_eos=True), timeout=60))
+    assert messages[-1].finish.reason == common_pb2.FINISH_REASON_LENGTH
+    after = scrape()
+    check_conventions(after, "qserve_worker_")
+    assert _delta(_counts(before), _counts(after)) == {
+        "qserve_worker_requests_total[('reason', 'length')]": 1,
+        "qserve_worker_generated_tokens_total[]": 4,
+        **{f"{h}_count[]": 1 for h in HISTOGRAMS},
+    }
+    timings = messages[-1].finish.timings
+    ttft = timings.time_to_first_token.ToTimedelta().total_seconds()
+    growth = value(after, "qserve_worker_time_to_first_token_seconds_sum") - \
+        value(before, "qserve_worker_time_to_first_token_seconds_sum")
+    assert growth == pytest.approx(ttft, abs=1e-6)  # seconds, as the Finish message says
+    _wait_for(lambda: _idle(scrape()), "idle gauges")
+    idle = scrape()
+    assert value(idle, "qserve_worker_kv_usage_ratio") == 0 and value(idle, "qserve_worker_kv_blocks_free") == 64
+
+
+def test_aborted_and_cancelled_requests_count_once_as_abort_and_gauges_return_to_idle(client, scrape):
+    before = _counts(scrape())
+    call = client.Generate(_request(request_id="to-abort", ignore_eos=True), timeout=60)
+    stream = iter(call)
+    next(stream)
+    assert client.Abort(worker_pb2.AbortRequest(request_id="to-abort"), timeout=10).found
+    list(stream)
+    cancelled = client.Generate(_request(ignore_eos=True), timeout=60)
+    next(iter(cancelled))
+    cancelled.cancel()
+    _wait_for(lambda: _idle(scrape()), "idle gauges after the abort and the cancel")
+    _wait_for(lambda: _counts(scrape()).get("qserve_worker_requests_total[('reason', 'abort')]", 0)
+              == before.get("qserve_worker_requests_total[('reason', 'abort')]", 0) + 2, "both aborts counted")
+    delta = _delta(before, _counts(scrape()))
+    assert delta["qserve_worker_requests_total[('reason', 'abort')]"] == 2
+    assert not [k for k in delta if k.startswith("qserve_worker_rejected")]
+    assert delta["qserve_worker_queue_time_seconds_count[]"] == 2
+
+
+def test_each_refusal_is_one_count_of_its_code_and_no_finish(client, scrape):
+    before = _counts(scrape())
+    with pytest.raises(grpc.RpcError):
+        list(client.Generate(_request(temperature=-1.0), timeout=10))
+    running = client.Generate(_request(request_id="dup", ignore_eos=True), timeout=60)
+    next(iter(running))
+    with pytest.raises(grpc.RpcError):
+        list(client.Generate(_request(request_id="dup"), timeout=10))
+    waiting = client.Generate(_request(request_id="second", max_new_tokens=2), timeout=60)
+    _wait_for(lambda: value(scrape(), "qserve_worker_waiting_requests") == 1, "the second request to wait")
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.Generate(_request(request_id="third", max_new_tokens=2), timeout=10))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    running.cancel()
+    list(waiting)
+    _wait_for(lambda: _idle(scrape()), "idle gauges")
+    after = scrape()
+    delta = _delta(before, _counts(after))
+    rejected = {k: v for k, v in delta.items() if k.startswith("qserve_worker_rejected")}
+    assert rejected == {"qserve_worker_rejected_requests_total[('code', 'INVALID_ARGUMENT')]": 1,
+                        "qserve_worker_rejected_requests_total[('code', 'ALREADY_EXISTS')]": 1,
+                        "qserve_worker_rejected_requests_total[('code', 'RESOURCE_EXHAUSTED')]": 1}
+    finished = {k: v for k, v in delta.items() if k.startswith("qserve_worker_requests_total")}
+    assert finished == {"qserve_worker_requests_total[('reason', 'abort')]": 1,
+                        "qserve_worker_requests_total[('reason', 'length')]": 1}
+    # No request id (nor any other per-request value) became a label.
+    for family in after.values():
+        for s in family.samples:
+            assert not {"dup", "second", "third", "to-abort"} & set(s.labels.values()), s
+
+
+def _metrics(**stats) -> WorkerMetrics:
+    base = dict(running=0, waiting=0, kv_blocks_total=10, kv_blocks_free=10, kv_blocks_used=0, preemptions=0)
+    base.update(stats)
+    return WorkerMetrics(lambda: EngineStats(**base))
+
+
+def test_preemptions_are_exported_as_a_counter():
+    """A preempted sequence gives its KV blocks back and is recomputed later: the sign of a cache too
+    small for the load, which an operator must see (the engine counts them since start)."""
+    fams = families(generate_latest(_metrics(preemptions=3).registry).decode())
+    assert fams["qserve_worker_preemptions"].type == "counter"
+    assert value(fams, "qserve_worker_preemptions_total") == 3
+    check_conventions(fams, "qserve_worker_")
+
+
+def test_gauges_read_one_snapshot_of_the_engine_per_scrape():
+    """Used + free must add up to the total on every scrape: read from one stats() call, not one each."""
+    calls = []
+
+    def stats():
+        calls.append(1)
+        n = len(calls)  # the engine moves between two reads
+        return EngineStats(running=1, waiting=0, kv_blocks_total=10, kv_blocks_free=10 - n, kv_blocks_used=n,
+                           preemptions=0)
+
+    fams = families(generate_latest(WorkerMetrics(stats).registry).decode())
+    assert value(fams, "qserve_worker_kv_blocks_used") + value(fams, "qserve_worker_kv_blocks_free") == 10
+    assert value(fams, "qserve_worker_kv_usage_ratio") == value(fams, "qserve_worker_kv_blocks_used") / 10
+    assert len(calls) == 1
+
+
+def test_latency_buckets_reach_from_milliseconds_to_a_minute():
+    fams = families(generate_latest(_metrics().registry).decode())
+    for name in HISTOGRAMS:
+        bounds = bucket_bounds(fams, name)
+        assert bounds[-1] >= 60 or name.endswith("per_output_token_seconds"), (name, bounds)
+        assert bounds[0] <= 0.005, (name, bounds)
+    assert bucket_bounds(fams, "qserve_worker_time_per_output_token_seconds")[0] <= 0.001
