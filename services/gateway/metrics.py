@@ -67,6 +67,10 @@ class GatewayMetrics:
         self.tokens = Counter("qserve_gateway_generated_tokens", "Tokens delivered to clients", labels,
                               registry=self.registry)
         self.open_streams = Gauge("qserve_gateway_open_streams", "Generate streams open now", registry=self.registry)
+        # By status code only (never deployment or request text, which a client chooses): load shed at the
+        # gateway (RESOURCE_EXHAUSTED), bad keys, bad input and unknown deployments show nowhere else.
+        self.rejected = Counter("qserve_gateway_rejected_requests", "Generate calls the gateway ended with an error "
+                                "status, by status code", ("code",), registry=self.registry)
         self._windows: dict[tuple[str, str], deque[Outcome]] = {}
 
     def record(self, deployment: str, arm: str, artifact_id: str, outcome: Outcome) -> None:

@@ -104,7 +104,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise AdmissionFull(f"the gateway has {self.open_streams} streams open, its limit "
                                     f"(max_concurrent_streams) is {self.max_concurrent_streams}; retry later")
         except MAPPED as exc:
-            await context.abort(status_of(exc), str(exc))
+            await self._reject(context, status_of(exc), str(exc))
         self.open_streams += 1
         self.metrics.open_streams.inc()
         try:
@@ -115,12 +115,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 async for reply in replies:
                     yield reply
         except WorkerRejected as exc:
-            await context.abort(exc.code, str(exc))
+            await self._reject(context, exc.code, str(exc))
         except MAPPED as exc:
-            await context.abort(status_of(exc), str(exc))
+            await self._reject(context, status_of(exc), str(exc))
         finally:
             self.open_streams -= 1
             self.metrics.open_streams.dec()
+
+    async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+        self.metrics.rejected.labels(code.name).inc()
+        await context.abort(code, details)
 
     async def _generate(self, request: gateway_pb2.GatewayGenerateRequest, arrival: float
                         ) -> AsyncIterator[gateway_pb2.GatewayGenerateResponse]:
@@ -235,7 +239,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # a full worker is busy, not broken: it stays eligible for other requests
         if not attempt.failure.startswith(_FULL):
             self.pool.mark_failed(worker, attempt.failure)
-        log.warning("request %s on worker %s failed after %d tokens: %s", request_id, worker.address,
+        # %r: the client's request id and the worker's error text (a CUDA error spans lines) stay one line.
+        log.warning("request %r on worker %s failed after %d tokens: %r", request_id, worker.address,
                     trace.delivered, attempt.failure)
 
     def _send_abort(self, worker: PooledWorker, worker_request_id: str) -> None:

@@ -105,6 +105,35 @@ def test_open_streams_returns_to_zero_after_a_client_cancels(artifacts):
     run(scenario(), timeout_s=60)
 
 
+def test_calls_the_gateway_refuses_are_counted_by_status_code(artifacts):
+    """Load shed at the gateway, bad keys, bad input and unknown deployments: one count each, by code only."""
+    async def scenario():
+        async with gateway_stack(artifacts, metrics_port=0, metrics_host="127.0.0.1", api_keys=["k"],
+                                 max_concurrent_streams=1) as stack:
+            await stack.add_worker(artifacts.stable, tokens=3, delay_s=0.2)
+            key = (("authorization", "Bearer k"),)
+            held = asyncio.create_task(stack.generate("holds the one stream", metadata=key))
+            while stack.gateway.gateway.open_streams < 1:
+                await asyncio.sleep(0.01)
+            calls = [dict(metadata=key),  # RESOURCE_EXHAUSTED: the one stream is taken
+                     dict(metadata=(("authorization", "Bearer wrong"),)),  # UNAUTHENTICATED
+                     dict(metadata=key, deployment="no-such-deployment")]  # NOT_FOUND or INVALID_ARGUMENT
+            codes = []
+            for call in calls:
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await stack.generate("x", **call)
+                codes.append(raised.value.code().name)
+            await held
+            fams = await scrape(stack)
+            check_conventions(fams, "qserve_gateway_")
+            for code in codes:
+                assert value(fams, "qserve_gateway_rejected_requests_total", code=code) == codes.count(code), code
+            assert {tuple(sorted(labels)) for labels in series_labels(fams, "qserve_gateway_rejected_requests_total")} \
+                == {("code",)}
+
+    run(scenario(), timeout_s=60)
+
+
 def test_latency_buckets_reach_from_milliseconds_to_a_minute():
     """TPOT is milliseconds; TTFT under load (a long queue, a long prompt) is tens of seconds, and
     the gateway's TTFT holds the worker's (whose buckets reach 60 s) plus routing: past the last
@@ -141,8 +170,6 @@ def test_no_log_line_carries_the_prompt_or_the_api_key(artifacts, caplog):
         assert "\n" not in message, message
 
 
-@pytest.mark.xfail(strict=True, reason="servicer_gateway.py (another helper's area) logs the client's request_id "
-                   "and the worker's status details raw: see the metrics review's report")
 def test_a_failed_attempt_is_one_log_line_whatever_the_client_or_worker_sent(artifacts, caplog):
     """A client's request_id and a worker's error details (a CUDA error's text spans four lines) are
     not the gateway's to trust: raw in a log line they split one event into several, or forge one."""
