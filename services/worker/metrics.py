@@ -13,6 +13,8 @@ from services.worker.engine.outputs import EngineStats, FinishInfo
 from shared.rpc.serving import serve_metrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# A batch-1 decode step (~2 ms on an H200) to a long prompt step on the CPU backend (seconds).
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 
@@ -65,8 +67,15 @@ class WorkerMetrics:
         self.rejected = Counter("qserve_worker_rejected_requests", "Generate calls refused, by status code.",
                                 ["code"], registry=r)
         self.generated = Counter("qserve_worker_generated_tokens", "Tokens generated.", registry=r)
+        self.step = Histogram("qserve_worker_step_seconds", "Model steps, launch to tokens on the host, by kind "
+                              "(decode: one new token per sequence; prompt: prompt tokens in the step).", ["kind"],
+                              buckets=_STEP_BUCKETS, registry=r)
         r.register(_EngineCollector(stats))
         self._server = None
+
+    def observe_step(self, kind: str, seconds: float) -> None:
+        """Engine.on_step: runs on the engine's thread (prometheus_client's metrics are thread-safe)."""
+        self.step.labels(kind).observe(seconds)
 
     def observe_error(self) -> None:
         self.finished.labels("error").inc()

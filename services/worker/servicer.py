@@ -25,6 +25,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.served = served
         self.engine = served.engine
         self.metrics = metrics
+        self.engine.on_step = metrics.observe_step
         self.draining = False
         self.limits = PromptLimits(
             vocab_size=served.vocab_size, max_context=self.engine.limits.max_context,

@@ -300,3 +300,12 @@ def test_the_first_generated_word_keeps_its_space_after_the_prompt():
     while engine.step():
         pass
     assert "".join(o.text for o in outs) == " e d"  # "b c" + " e d", as decoding prompt and output together
+
+
+def test_each_step_is_reported_once_with_its_kind_when_its_tokens_are_read_back():
+    engine = _engine([3, 4, 5])
+    steps = []
+    engine.on_step = lambda kind, seconds: steps.append((kind, seconds))
+    _run(engine, [1, 2], max_new_tokens=3)
+    assert [kind for kind, _ in steps] == ["prompt", "decode", "decode"]
+    assert all(seconds >= 0 for _, seconds in steps)

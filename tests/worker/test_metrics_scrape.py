@@ -89,6 +89,9 @@ def test_a_finished_request_is_one_count_and_one_sample_of_each_histogram(client
         "qserve_worker_requests_total[('reason', 'length')]": 1,
         "qserve_worker_generated_tokens_total[]": 4,
         **{f"{h}_count[]": 1 for h in HISTOGRAMS},
+        # one step prefills the 6-token prompt and samples token 1, three decode steps the rest
+        "qserve_worker_step_seconds_count[('kind', 'prompt')]": 1,
+        "qserve_worker_step_seconds_count[('kind', 'decode')]": 3,
     }
     timings = messages[-1].finish.timings
     ttft = timings.time_to_first_token.ToTimedelta().total_seconds()

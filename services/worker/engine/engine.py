@@ -86,6 +86,8 @@ class _InFlight:
     host_ids: _HostIds
     placed: list[tuple[Sequence, int, int]]  # (sequence, index in its output_ids, row) per placeholder
     seqs: list[Sequence]  # every sequence of the step (failed together if the read-back fails)
+    kind: str  # "decode" (one new token per sequence) or "prompt" (prompt tokens in it)
+    launched_at: float  # time.monotonic() when the step began to launch
 
 
 @dataclass(slots=True)
@@ -114,6 +116,9 @@ class Engine:
         self._stopping = False
         self._preemptions = 0
         self._thread: threading.Thread | None = None
+        # Called with (kind, seconds) once a step's tokens are read back: launch to tokens on the host, the
+        # GPU time included (with overlap, the next step's launch too). The worker's metrics set it.
+        self.on_step: Callable[[str, float], None] | None = None
 
     # ---- called from any thread ----
 
@@ -243,6 +248,7 @@ class Engine:
         """Queues one model step and its sampling on the device, then books its effect as if done:
         the chunks count as computed and each due sequence gets a placeholder token, so the next
         schedule can be made (and the next step launched) before this one's tokens are known."""
+        launched_at = time.monotonic()
         due = [c for c, chunk in zip(schedule.chunks, chunks) if chunk.want_logits]
         batch = StepBatch(chunks, previous.token_ids if previous is not None else None)
         try:
@@ -263,7 +269,8 @@ class Engine:
                 if live is not None and live.seq is seq and seq.num_computed == seq.num_tokens:
                     seq.output_ids.append(placeholder(row))
                     placed.append((seq, len(seq.output_ids) - 1, row))
-        return _InFlight(ids, host_ids, placed, [c.seq for c in schedule.chunks])
+        return _InFlight(ids, host_ids, placed, [c.seq for c in schedule.chunks],
+                         "decode" if batch.is_decode_only else "prompt", launched_at)
 
     def _read_back(self, step: _InFlight) -> None:
         """Waits for a launched step's tokens and puts them in place of its placeholders: stop
@@ -274,6 +281,8 @@ class Engine:
             log.exception("reading back a step's tokens failed")
             self._fail(step.seqs, f"model step failed: {type(exc).__name__}: {exc}")
             return
+        if self.on_step is not None:
+            self.on_step(step.kind, time.monotonic() - step.launched_at)
         with self._cond:
             for seq, index, row in step.placed:
                 live = self._live.get(seq.request_id)
