@@ -66,7 +66,7 @@ class LocalStack:
             artifact=artifact_id, store=self.store, registry_url=self.registry_url,
             cache_dir=self.workdir / "worker-cache", device=self.device, gpu_memory_budget=memory_budget,
             host=LOOPBACK, port=0, metrics_port=None,
-            gateway_address=self.gateway.address, gateway_token=self.worker_token,
+            gateway_addresses=(self.gateway.address,), gateway_token=self.worker_token,
         ), timeout_s=timeout_s)
         self.workers.append(worker)
         return worker.address

@@ -61,7 +61,7 @@ def test_each_service_command_parses_with_the_services_own_config(compose, name)
     assert probe[4] == f"127.0.0.1:{port}"
     if isinstance(config, WorkerConfig):
         assert config.artifact in IDS.values() and config.device == "cuda"
-        assert config.gateway_address == "gateway:50051" and config.gateway_token
+        assert config.gateway_addresses == ("gateway:50051",) and config.gateway_token
         assert config.advertise_address == f"{name}:{port}"
     if isinstance(config, GatewayConfig):
         scopes = {token.scope for token in config.admin_tokens.values()}

@@ -73,3 +73,12 @@ def test_every_flag_has_help_text(service):
     parser = importlib.import_module(f"services.{service}.config")._parser()
     bare = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
     assert not bare, bare
+
+
+def test_the_worker_help_says_how_to_name_several_gateway_replicas():
+    """Each replica keeps its own worker pool: an operator must learn from --help to list every one."""
+    from services.worker.config import _parser
+
+    parser = _parser()
+    action = next(a for a in parser._actions if "--gateway-address" in a.option_strings)
+    assert "repeat" in action.help and "comma" in action.help and "QSERVE_GATEWAY_TOKEN" in action.help

@@ -3,13 +3,19 @@ register again when the gateway forgot it (NOT_FOUND), DeregisterWorker on drain
 
 An unreachable or failing gateway is logged and retried with exponential backoff; it never stops
 the worker (which keeps serving direct callers).
+
+Several gateway replicas each keep their own in-memory worker pool, so the worker announces itself to
+every replica (GatewayAnnouncers): one GatewayAnnouncer each, with its own channel and task, so that a
+replica that is down or hangs delays neither registration with, heartbeats to, nor deregistration from
+the others. (Behind one load-balanced address, heartbeats would reach replicas that never saw the
+registration, each answering NOT_FOUND and causing a registration again.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -49,10 +55,12 @@ class GatewayAnnouncer:
     def start(self) -> None:
         self._channel = grpc.aio.insecure_channel(self.gateway_address)
         self._stub = gateway_pb2_grpc.AdminStub(self._channel)
-        self._task = asyncio.create_task(self._run(), name="gateway-announcer")
+        self._task = asyncio.create_task(self._run(), name=f"gateway-announcer-{self.gateway_address}")
 
     async def stop(self) -> None:
-        """Stops heartbeating and deregisters (best effort: the gateway may be gone)."""
+        """Stops heartbeating and deregisters (best effort: the gateway may be gone). Takes at most
+        RPC_TIMEOUT_S (a call in flight is let finish: a registration's reply carries the id to
+        deregister) plus DEREGISTER_TIMEOUT_S."""
         if self._task is None:
             return
         self._stop.set()
@@ -116,3 +124,33 @@ class GatewayAnnouncer:
             ),
             metadata=self._metadata, timeout=RPC_TIMEOUT_S,
         )
+
+
+class GatewayAnnouncers:
+    """The worker announced to each of several gateways (replicas), each by its own GatewayAnnouncer."""
+
+    def __init__(
+        self,
+        gateway_addresses: Sequence[str],
+        token: str,
+        worker_address: str,
+        artifact_id: str,
+        load: Callable[[], tuple[EngineStats, bool]],
+        **backoff: float,  # min_backoff_s / max_backoff_s of each GatewayAnnouncer
+    ):
+        self.announcers = tuple(GatewayAnnouncer(address, token, worker_address, artifact_id, load, **backoff)
+                                for address in gateway_addresses)
+
+    def start(self) -> None:
+        for announcer in self.announcers:
+            announcer.start()
+
+    async def stop(self) -> None:
+        """Deregisters from every gateway at once, so a drain waits for the slowest gateway (each
+        bounded as GatewayAnnouncer.stop says), not for their sum. One announcer failing in an
+        unforeseen way is logged: the others still deregister, and the drain goes on."""
+        results = await asyncio.gather(*(a.stop() for a in self.announcers), return_exceptions=True)
+        for announcer, result in zip(self.announcers, results):
+            if isinstance(result, BaseException):
+                log.error("stopping the announcement to gateway %s failed", announcer.gateway_address,
+                          exc_info=result)

@@ -76,7 +76,9 @@ class WorkerConfig:
     advertise_address: str | None = None  # host:port the gateway dials; default host:<bound port>
     metrics_port: int | None = DEFAULT_METRICS_PORT  # Prometheus /metrics; 0 picks a free port; None = off
     drain_grace_s: float = 30.0  # on SIGTERM / stop: how long in-flight requests may finish
-    gateway_address: str | None = None  # announce to this gateway's Admin service when set
+    # Announce to each of these gateways' Admin service (one per gateway replica: each keeps its own
+    # worker pool); empty = announce to none. All take the one worker-scope token.
+    gateway_addresses: tuple[str, ...] = ()
     gateway_token: str | None = field(default=None, repr=False)
     torch_threads: int = 0  # 0 = torch's default
 
@@ -107,11 +109,10 @@ class WorkerConfig:
                 raise ConfigError(f"{name}={value} must be a port number 0-65535 (0 picks a free one)")
         if not (math.isfinite(self.drain_grace_s) and self.drain_grace_s >= 0):
             raise ConfigError(f"drain_grace_s={self.drain_grace_s} must be a finite number of seconds >= 0")
-        for name in ("advertise_address", "gateway_address"):
-            value = getattr(self, name)
-            if value is not None and not _is_host_port(value):
-                raise ConfigError(f"{name} {value!r} is not host:port")
-        if self.gateway_address is not None and not self.gateway_token:
+        if self.advertise_address is not None and not _is_host_port(self.advertise_address):
+            raise ConfigError(f"advertise_address {self.advertise_address!r} is not host:port")
+        self.gateway_addresses = _checked_gateways(self.gateway_addresses)
+        if self.gateway_addresses and not self.gateway_token:
             raise ConfigError("a gateway address needs a gateway token: set QSERVE_GATEWAY_TOKEN")
         if self.torch_threads < 0:
             raise ConfigError(f"torch_threads={self.torch_threads} must be >= 0 (0 = torch's default)")
@@ -144,7 +145,7 @@ class WorkerConfig:
             advertise_address=args.advertise_address,
             metrics_port=None if args.metrics_port == -1 else args.metrics_port,
             drain_grace_s=args.drain_grace_seconds,
-            gateway_address=args.gateway_address,
+            gateway_addresses=_split_gateways(args.gateway_addresses or ()),
             gateway_token=env.get("QSERVE_GATEWAY_TOKEN"),
             torch_threads=args.torch_threads,
         )
@@ -153,6 +154,27 @@ class WorkerConfig:
 def _is_host_port(text: str) -> bool:
     host, sep, port = text.rpartition(":")
     return bool(sep and host and port.isdigit() and 0 < int(port) <= 65535)
+
+
+def _split_gateways(values: Sequence[str]) -> tuple[str, ...]:
+    """Each --gateway-address value may list several, comma-separated (one flag from a templated
+    setting, e.g. a compose variable); an empty item is kept so that validation names it."""
+    return tuple(item.strip() for value in values for item in value.split(","))
+
+
+def _checked_gateways(addresses: Sequence[str]) -> tuple[str, ...]:
+    # A lone string would be taken letter by letter: the old single-address field took one.
+    if isinstance(addresses, str):
+        raise ConfigError(f"gateway_addresses takes a sequence of host:port, not the string {addresses!r}")
+    seen: set[str] = set()
+    for address in addresses:
+        if not _is_host_port(address):
+            raise ConfigError(f"gateway address {address!r} is not host:port")
+        # Host names are case-insensitive; a gateway listed twice would get two registrations of one worker.
+        if address.lower() in seen:
+            raise ConfigError(f"gateway address {address!r} is given twice; name each gateway replica once")
+        seen.add(address.lower())
+    return tuple(addresses)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -193,8 +215,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="Prometheus /metrics HTTP port (0 picks a free one, -1 turns it off)")
     p.add_argument("--drain-grace-seconds", type=float, default=30.0,
                    help="on SIGTERM: how long in-flight requests may finish before they are aborted")
-    p.add_argument("--gateway-address", default=None,
+    p.add_argument("--gateway-address", action="append", dest="gateway_addresses", default=None,
+                   metavar="HOST:PORT[,HOST:PORT...]",
                    help="gateway Admin host:port to register with, using the worker-scope token in "
-                        "$QSERVE_GATEWAY_TOKEN")
+                        "$QSERVE_GATEWAY_TOKEN (the same for every gateway). With several gateway replicas, "
+                        "repeat the flag or give a comma-separated list and name each replica, not a load "
+                        "balancer in front of them: each replica keeps its own worker pool, and the worker "
+                        "registers with and heartbeats to every one independently")
     p.add_argument("--torch-threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     return p

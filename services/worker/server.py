@@ -1,11 +1,11 @@
 """The worker's grpc.aio server: the Worker service, the standard health service, reflection,
-Prometheus metrics, and the gateway announcement.
+Prometheus metrics, and the announcement to each gateway replica.
 
     python -m services.worker.server --artifact /artifacts/tiny-w4a8 --device cpu --port 50071
     python -m services.worker.server --artifact 3f2c... --store 's3://artifacts?endpoint=http://minio:9000' \\
-        --device cuda --gpu-memory-budget 48GiB --gateway-address gateway:50051
+        --device cuda --gpu-memory-budget 48GiB --gateway-address gateway-a:50051,gateway-b:50051
 
-SIGTERM or SIGINT drains it: the gateway is told (DeregisterWorker), then health turns NOT_SERVING and
+SIGTERM or SIGINT drains it: every gateway is told (DeregisterWorker), then health turns NOT_SERVING and
 new Generate calls get UNAVAILABLE; in-flight requests get --drain-grace-seconds to finish and are
 aborted after that.
 
@@ -27,7 +27,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.worker.announce import GatewayAnnouncer
+from services.worker.announce import GatewayAnnouncers
 from services.worker.config import ConfigError, WorkerConfig
 from services.worker.engine.capacity import CapacityError
 from services.worker.errors import WorkerError
@@ -53,7 +53,7 @@ class WorkerServer:
         self.metrics_port: int | None = None
         self.served: ServedModel | None = None
         self.servicer: WorkerServicer | None = None
-        self.announcer: GatewayAnnouncer | None = None
+        self.announcers: GatewayAnnouncers | None = None
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._metrics: WorkerMetrics | None = None
@@ -91,12 +91,12 @@ class WorkerServer:
         self.served, self.servicer, self._server, self._health, self._metrics = (
             served, servicer, server, health_servicer, metrics)
         self.port = port
-        if self.config.gateway_address:
-            self.announcer = GatewayAnnouncer(
-                self.config.gateway_address, self.config.gateway_token, self.config.advertise_address or self.address,
+        if self.config.gateway_addresses:
+            self.announcers = GatewayAnnouncers(
+                self.config.gateway_addresses, self.config.gateway_token, self.config.advertise_address or self.address,
                 served.artifact.artifact_id, self._load,
             )
-            self.announcer.start()
+            self.announcers.start()
         log.info("worker serving %s on port %d (metrics port %s)", served.artifact.artifact_id,
                  port, self.metrics_port)
         return port
@@ -108,12 +108,12 @@ class WorkerServer:
         """Stops taking work (deregistered, then UNAVAILABLE and health NOT_SERVING), lets in-flight
         requests finish for grace_s, then aborts what is left."""
         grace = self.config.drain_grace_s if grace_s is None else grace_s
-        # Deregistered first: until the gateway has removed this worker it keeps routing requests here,
+        # Deregistered first: until a gateway has removed this worker it keeps routing requests here,
         # and each one refused (UNAVAILABLE) would count as a failure of the artifact (feeding the
         # gateway's automatic guard) and mark this worker broken, for a routine restart. Those requests
-        # are served like the ones in flight.
-        if self.announcer is not None:
-            await self.announcer.stop()
+        # are served like the ones in flight. Every gateway at once: the wait is the slowest one's.
+        if self.announcers is not None:
+            await self.announcers.stop()
         self.servicer.draining = True
         await self._health.enter_graceful_shutdown()
         engine = self.served.engine

@@ -14,10 +14,12 @@ import torch
 
 from services.worker.config import WorkerConfig
 from services.worker.server import BackgroundWorker
+from shared import registry as reg
 from shared.formats.artifact import ArtifactReader
 from shared.model.load import artifact_model
 from shared.quant.options import QoQOptions
 from shared.quant.quantize_model import QuantizeSettings, quantize_checkpoint
+from shared.registry import create_registry
 from shared.rpc.qserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 FORMATS = ("fp16", "w4a8kv4-g128")
@@ -46,6 +48,22 @@ def artifacts(tiny_llama: Path, calib_text: Path, tmp_path_factory) -> dict[str,
     ranges = [ArtifactReader(out["w4a8kv4-g128"]).block_kv_range(i) for i in range(2)]
     assert all(v < 1.0 for _, v in ranges), ranges  # the fixture's V narrows: the path is exercised
     return out
+
+
+def deploy_artifact(url: str, artifact_dir: Path, monkeypatch) -> str:
+    """A registry at url where the artifact at artifact_dir is READY under its own id, deployed as "chat"
+    (for a real worker behind real gateways)."""
+    manifest = ArtifactReader(artifact_dir).manifest
+    monkeypatch.setattr("shared.registry.artifacts.new_id", lambda: manifest.artifact_id)
+    registry = create_registry(url)
+    with registry.transaction() as session:
+        version = reg.register_model_version(session, manifest.model_name, manifest.model_version)
+        artifact = reg.reserve_artifact(session, version.id, manifest.format, manifest.gpu_target).artifact
+        reg.mark_artifact_ready(session, artifact.id, manifest_sha256="b" * 64, content_digest="d" * 32, actor="test")
+        reg.create_deployment(session, "chat", stable_artifact_id=artifact.id, baseline_artifact_id=artifact.id,
+                              actor="test")
+    registry.close()
+    return manifest.artifact_id
 
 
 @pytest.fixture(scope="session")

@@ -1,15 +1,18 @@
-"""The gateway announcement against a fake Admin service: register, heartbeat with the load,
-register again on NOT_FOUND, retry an unreachable gateway with backoff, deregister on stop/drain."""
+"""The gateway announcement against fake Admin services: register, heartbeat with the load,
+register again on NOT_FOUND, retry an unreachable gateway with backoff, deregister on stop/drain;
+with several gateways, each on its own: one that hangs delays none of the others."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import grpc
 from google.protobuf import duration_pb2
 
-from services.worker.announce import GatewayAnnouncer
+from services.worker import announce
+from services.worker.announce import GatewayAnnouncer, GatewayAnnouncers
 from services.worker.config import WorkerConfig
 from services.worker.engine.outputs import EngineStats
 from services.worker.server import WorkerServer
@@ -48,8 +51,30 @@ class FakeAdmin(gateway_pb2_grpc.AdminServicer):
         return gateway_pb2.DeregisterWorkerResponse()
 
 
-async def _fake_gateway(port: int = 0) -> tuple[grpc.aio.Server, FakeAdmin, int]:
-    admin = FakeAdmin()
+class HungAdmin(FakeAdmin):
+    """A gateway that accepts connections but never answers a registration (overloaded, half up)."""
+
+    async def RegisterWorker(self, request, context):
+        self.calls.append(("register", request.address, request.artifact_id))
+        await asyncio.Event().wait()
+
+
+class SlowDeregistrationAdmin(FakeAdmin):
+    """Records whether the worker was already refusing requests when it was deregistered."""
+
+    def __init__(self, latency_s: float, draining):
+        super().__init__()
+        self.latency_s, self.draining, self.draining_at_deregistration = latency_s, draining, []
+
+    async def DeregisterWorker(self, request, context):
+        self.draining_at_deregistration.append(self.draining())
+        await asyncio.sleep(self.latency_s)
+        return await super().DeregisterWorker(request, context)
+
+
+async def _fake_gateway(port: int = 0,
+                        admin: FakeAdmin | None = None) -> tuple[grpc.aio.Server, FakeAdmin, int]:
+    admin = admin or FakeAdmin()
     server = grpc.aio.server()
     gateway_pb2_grpc.add_AdminServicer_to_server(admin, server)
     port = server.add_insecure_port(f"127.0.0.1:{port}")
@@ -110,7 +135,7 @@ def test_a_worker_announces_itself_and_deregisters_when_draining(artifacts):
     async def scenario():
         server, admin, port = await _fake_gateway()
         worker = WorkerServer(WorkerConfig(artifact=str(artifacts["fp16"]), port=0, metrics_port=None, kv_blocks=16,
-                                           gateway_address=f"127.0.0.1:{port}", gateway_token=TOKEN))
+                                           gateway_addresses=(f"127.0.0.1:{port}",), gateway_token=TOKEN))
         worker_port = await worker.start()
         await _until(lambda: any(c[0] == "heartbeat" for c in admin.calls))
         manifest = worker.served.artifact.reader.manifest
@@ -119,5 +144,59 @@ def test_a_worker_announces_itself_and_deregisters_when_draining(artifacts):
         await worker.stop(grace_s=0)
         assert admin.calls[-1] == ("deregister", "w1")
         await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def _heartbeats(admin: FakeAdmin) -> int:
+    return sum(c[0] == "heartbeat" for c in admin.calls)
+
+
+def test_a_hung_gateway_delays_neither_registration_with_nor_heartbeats_to_the_other(monkeypatch):
+    monkeypatch.setattr(announce, "RPC_TIMEOUT_S", 2.0)
+
+    async def scenario():
+        hung_server, hung, hung_port = await _fake_gateway(admin=HungAdmin())
+        server, admin, port = await _fake_gateway()
+        announcers = GatewayAnnouncers((f"127.0.0.1:{hung_port}", f"127.0.0.1:{port}"), TOKEN, "127.0.0.1:1234",
+                                       "c" * 32, _load)
+        started = time.monotonic()
+        announcers.start()
+        await _until(lambda: _heartbeats(admin) >= 3, timeout_s=announce.RPC_TIMEOUT_S)
+        assert time.monotonic() - started < announce.RPC_TIMEOUT_S  # long before the hung call gives up
+        assert hung.calls == [("register", "127.0.0.1:1234", "c" * 32)]
+        # The hung registration ends at its deadline and is retried; stop waits at most for that deadline.
+        await announcers.stop()
+        assert admin.calls[-1] == ("deregister", "w1")
+        await server.stop(0)
+        await hung_server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_a_draining_worker_deregisters_from_every_gateway_at_once_before_refusing_requests(artifacts):
+    latency_s = 0.5
+
+    async def scenario():
+        worker = None
+        admins = [SlowDeregistrationAdmin(latency_s, lambda: worker.servicer.draining) for _ in range(2)]
+        gateways = [await _fake_gateway(admin=admin) for admin in admins]
+        worker = WorkerServer(WorkerConfig(
+            artifact=str(artifacts["fp16"]), port=0, metrics_port=None, kv_blocks=16, gateway_token=TOKEN,
+            gateway_addresses=tuple(f"127.0.0.1:{port}" for _, _, port in gateways)))
+        worker_port = await worker.start()
+        await _until(lambda: all(_heartbeats(admin) for admin in admins))
+        for admin in admins:
+            assert admin.calls[0] == ("register", f"127.0.0.1:{worker_port}", worker.served.artifact.artifact_id)
+        started = time.monotonic()
+        await worker.drain(grace_s=0)
+        elapsed = time.monotonic() - started
+        assert worker.servicer.draining
+        await worker.stop(grace_s=0)
+        assert [admin.calls[-1] for admin in admins] == [("deregister", "w1")] * 2
+        assert [admin.draining_at_deregistration for admin in admins] == [[False]] * 2
+        assert elapsed < 1.8 * latency_s, f"drain took {elapsed:.2f} s: one gateway after the other?"
+        for server, _, _ in gateways:
+            await server.stop(0)
 
     asyncio.run(scenario())

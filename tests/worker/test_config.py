@@ -17,6 +17,7 @@ def test_command_line_flags():
     assert (cfg.max_running_sequences, cfg.max_waiting_requests, cfg.max_batch_tokens) == (64, 9, 1024)
     assert cfg.metrics_port is None and cfg.port == 0 and cfg.drain_grace_s == 2.5
     assert cfg.store.kind == "local" and str(cfg.store.root) == "/srv/store"
+    assert cfg.gateway_addresses == ("gw:50051",)
     assert cfg.gateway_token == "secret" and "secret" not in repr(cfg)
     assert cfg.overlap_steps is True
     assert WorkerConfig.from_args(["--artifact", "a", "--no-overlap-steps"]).overlap_steps is False
@@ -50,14 +51,56 @@ def test_memory_sizes(text, value):
         ({"format": "int3"}, ["'int3'", "w4a8kv4-g128"]),
         ({"block_size": 0}, ["block_size=0", "at least 1"]),
         ({"port": 70000}, ["port=70000", "0-65535"]),
-        ({"gateway_address": "gw:1"}, ["gateway token"]),
-        ({"gateway_address": "nohostport", "gateway_token": "t"}, ["'nohostport'", "host:port"]),
+        ({"gateway_addresses": ("gw:1",)}, ["gateway token"]),
+        ({"gateway_addresses": ("nohostport",), "gateway_token": "t"}, ["'nohostport'", "host:port"]),
+        ({"gateway_addresses": ("gw:1", "gw:0"), "gateway_token": "t"}, ["'gw:0'", "host:port"]),
+        ({"gateway_addresses": ("gw:1", "gw:1"), "gateway_token": "t"}, ["'gw:1'", "twice"]),
+        ({"gateway_addresses": "gw:1", "gateway_token": "t"}, ["gateway_addresses", "'gw:1'", "sequence"]),
         ({"drain_grace_s": -1.0}, ["drain_grace_s=-1.0"]),
     ],
 )
 def test_bad_settings_are_named(overrides, words):
     with pytest.raises(ConfigError) as err:
         WorkerConfig(artifact="a", **overrides)
+    for word in words:
+        assert word in str(err.value)
+
+
+def _gateways(*argv: str) -> tuple[str, ...]:
+    args = ["--artifact", "a"]
+    for value in argv:
+        args += ["--gateway-address", value]
+    return WorkerConfig.from_args(args, environ={"QSERVE_GATEWAY_TOKEN": "t"}).gateway_addresses
+
+
+def test_several_gateways_by_repeating_the_flag_or_a_comma_separated_list():
+    """One announcement per gateway replica, in the order given; the one token serves them all."""
+    assert _gateways() == ()
+    assert _gateways("gw-a:50051") == ("gw-a:50051",)
+    assert _gateways("gw-a:50051", "gw-b:50051") == ("gw-a:50051", "gw-b:50051")
+    assert _gateways("gw-a:50051,gw-b:50051", "10.0.0.3:7") == ("gw-a:50051", "gw-b:50051", "10.0.0.3:7")
+    assert _gateways("gw-a:50051, gw-b:50051") == ("gw-a:50051", "gw-b:50051")
+    with pytest.raises(ConfigError, match="gateway token"):
+        WorkerConfig.from_args(["--artifact", "a", "--gateway-address", "gw-a:1,gw-b:1"], environ={})
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["gw-a:1", "gw-a:1"], ["'gw-a:1'", "twice"]),
+        (["gw-a:1,gw-b:1", "gw-b:1"], ["'gw-b:1'", "twice"]),
+        (["gw-a:1,GW-A:1"], ["'GW-A:1'", "twice"]),  # host names are case-insensitive
+        (["gw-a:1,nohostport"], ["'nohostport'", "host:port"]),
+        (["gw-a:1,,gw-b:1"], ["''", "host:port"]),
+        (["gw-a:1,"], ["''", "host:port"]),
+        ([""], ["''", "host:port"]),
+        (["gw-a:http"], ["'gw-a:http'", "host:port"]),
+        ([":50051"], ["':50051'", "host:port"]),
+    ],
+)
+def test_duplicate_or_malformed_gateway_addresses_are_refused(argv, words):
+    with pytest.raises(ConfigError) as err:
+        _gateways(*argv)
     for word in words:
         assert word in str(err.value)
 

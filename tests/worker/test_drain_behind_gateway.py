@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import grpc
 
@@ -16,30 +15,14 @@ from services.gateway.pool import WorkerPool
 from services.gateway.server import GatewayServer
 from services.worker.config import WorkerConfig
 from services.worker.server import WorkerServer
-from shared import registry as reg
-from shared.formats.artifact import ArtifactReader
-from shared.registry import create_registry, sqlite_url
+from shared.registry import sqlite_url
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.gateway.fake_worker import FakeWorker, FakeWorkerServer
+from tests.worker.conftest import deploy_artifact
 
 TOKENS = {"ops": AdminToken("admin-secret", "admin"), "workers": AdminToken("worker-secret", "worker")}
 ADMIN = (("authorization", "Bearer admin-secret"),)
 DEREGISTER_LATENCY_S = 0.3  # the DeregisterWorker call takes this long to reach the gateway's pool
-
-
-def _registry_with(url: str, artifact_dir: Path, monkeypatch) -> str:
-    """A registry where the artifact at artifact_dir is READY under its own id, deployed as "chat"."""
-    manifest = ArtifactReader(artifact_dir).manifest
-    monkeypatch.setattr("shared.registry.artifacts.new_id", lambda: manifest.artifact_id)
-    registry = create_registry(url)
-    with registry.transaction() as session:
-        version = reg.register_model_version(session, manifest.model_name, manifest.model_version)
-        artifact = reg.reserve_artifact(session, version.id, manifest.format, manifest.gpu_target).artifact
-        reg.mark_artifact_ready(session, artifact.id, manifest_sha256="b" * 64, content_digest="d" * 32, actor="test")
-        reg.create_deployment(session, "chat", stable_artifact_id=artifact.id, baseline_artifact_id=artifact.id,
-                              actor="test")
-    registry.close()
-    return manifest.artifact_id
 
 
 def _slow_deregistration(monkeypatch) -> None:
@@ -65,7 +48,7 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
 
 
 def test_a_draining_worker_finishes_its_streams_and_no_request_fails(artifacts, tmp_path, monkeypatch):
-    artifact_id = _registry_with(sqlite_url(tmp_path / "registry.db"), artifacts["fp16"], monkeypatch)
+    artifact_id = deploy_artifact(sqlite_url(tmp_path / "registry.db"), artifacts["fp16"], monkeypatch)
     _slow_deregistration(monkeypatch)
 
     async def scenario():
@@ -74,7 +57,7 @@ def test_a_draining_worker_finishes_its_streams_and_no_request_fails(artifacts, 
             heartbeat_interval_s=0.1, heartbeat_timeout_s=30.0, budget=FallbackBudget(enabled=False), grace_s=0.5))
         await gateway.start()
         worker = WorkerServer(WorkerConfig(artifact=str(artifacts["fp16"]), port=0, metrics_port=None, kv_blocks=64,
-                                           gateway_address=gateway.address, gateway_token="worker-secret",
+                                           gateway_addresses=(gateway.address,), gateway_token="worker-secret",
                                            drain_grace_s=30.0))
         await worker.start()
         channel = grpc.aio.insecure_channel(gateway.address)
