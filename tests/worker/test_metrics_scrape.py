@@ -4,7 +4,6 @@ seconds, and gauges back at idle once the work is over."""
 
 from __future__ import annotations
 
-import time
 
 import grpc
 import pytest
@@ -14,7 +13,7 @@ from services.worker.engine.outputs import EngineStats
 from services.worker.metrics import WorkerMetrics
 from shared.rpc.qserve.v1 import common_pb2, worker_pb2
 from tests.prometheus_scrape import bucket_bounds, check_conventions, families, scrape_text, value
-from tests.worker.conftest import stub
+from tests.worker.test_service import _wait_for, client, worker  # noqa: F401 (the same small worker fixtures)
 
 PROMPT = [17, 300, 42, 9, 1200, 77]
 HISTOGRAMS = ("qserve_worker_time_to_first_token_seconds", "qserve_worker_time_per_output_token_seconds",
@@ -24,34 +23,6 @@ HISTOGRAMS = ("qserve_worker_time_to_first_token_seconds", "qserve_worker_time_p
 def _request(request_id="", **sampling) -> worker_pb2.GenerateRequest:
     return worker_pb2.GenerateRequest(request_id=request_id, token_ids=common_pb2.TokenIds(ids=PROMPT),
                                       sampling=common_pb2.SamplingParams(**sampling))
-
-
-def _wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-@pytest.fixture(scope="module")
-def worker(artifacts):
-    from services.worker.config import WorkerConfig
-    from services.worker.server import BackgroundWorker
-
-    w = BackgroundWorker(WorkerConfig(artifact=str(artifacts["fp16"]), port=0, metrics_port=0, kv_blocks=64,
-                                      block_size=4, max_running_sequences=1, max_waiting_requests=1,
-                                      max_context_tokens=256, max_batch_tokens=32))
-    yield w
-    w.stop(grace_s=0)
-
-
-@pytest.fixture(scope="module")
-def client(worker):
-    channel, s = stub(worker)
-    yield s
-    channel.close()
 
 
 @pytest.fixture
@@ -98,7 +69,7 @@ def test_a_finished_request_is_one_count_and_one_sample_of_each_histogram(client
     growth = value(after, "qserve_worker_time_to_first_token_seconds_sum") - \
         value(before, "qserve_worker_time_to_first_token_seconds_sum")
     assert growth == pytest.approx(ttft, abs=1e-6)  # seconds, as the Finish message says
-    _wait_for(lambda: _idle(scrape()), "idle gauges")
+    _wait_for(lambda: _idle(scrape()), what="idle gauges")
     idle = scrape()
     assert value(idle, "qserve_worker_kv_usage_ratio") == 0 and value(idle, "qserve_worker_kv_blocks_free") == 64
 
@@ -113,9 +84,9 @@ def test_aborted_and_cancelled_requests_count_once_as_abort_and_gauges_return_to
     cancelled = client.Generate(_request(ignore_eos=True), timeout=60)
     next(iter(cancelled))
     cancelled.cancel()
-    _wait_for(lambda: _idle(scrape()), "idle gauges after the abort and the cancel")
+    _wait_for(lambda: _idle(scrape()), what="idle gauges after the abort and the cancel")
     _wait_for(lambda: _counts(scrape()).get("qserve_worker_requests_total[('reason', 'abort')]", 0)
-              == before.get("qserve_worker_requests_total[('reason', 'abort')]", 0) + 2, "both aborts counted")
+              == before.get("qserve_worker_requests_total[('reason', 'abort')]", 0) + 2, what="both aborts counted")
     delta = _delta(before, _counts(scrape()))
     assert delta["qserve_worker_requests_total[('reason', 'abort')]"] == 2
     assert not [k for k in delta if k.startswith("qserve_worker_rejected")]
@@ -131,13 +102,13 @@ def test_each_refusal_is_one_count_of_its_code_and_no_finish(client, scrape):
     with pytest.raises(grpc.RpcError):
         list(client.Generate(_request(request_id="dup"), timeout=10))
     waiting = client.Generate(_request(request_id="second", max_new_tokens=2), timeout=60)
-    _wait_for(lambda: value(scrape(), "qserve_worker_waiting_requests") == 1, "the second request to wait")
+    _wait_for(lambda: value(scrape(), "qserve_worker_waiting_requests") == 1, what="the second request to wait")
     with pytest.raises(grpc.RpcError) as err:
         list(client.Generate(_request(request_id="third", max_new_tokens=2), timeout=10))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     running.cancel()
     list(waiting)
-    _wait_for(lambda: _idle(scrape()), "idle gauges")
+    _wait_for(lambda: _idle(scrape()), what="idle gauges")
     after = scrape()
     delta = _delta(before, _counts(after))
     rejected = {k: v for k, v in delta.items() if k.startswith("qserve_worker_rejected")}
