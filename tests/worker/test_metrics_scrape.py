@@ -4,7 +4,6 @@ seconds, and gauges back at idle once the work is over."""
 
 from __future__ import annotations
 
-
 import grpc
 import pytest
 from prometheus_client import generate_latest
