@@ -51,6 +51,7 @@ class GatewayAnnouncer:
         self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task | None = None
         self._stop = asyncio.Event()
+        self._heartbeat_in_flight = False  # stop() cuts a heartbeat short, never a registration
 
     def start(self) -> None:
         self._channel = grpc.aio.insecure_channel(self.gateway_address)
@@ -59,12 +60,21 @@ class GatewayAnnouncer:
 
     async def stop(self) -> None:
         """Stops heartbeating and deregisters (best effort: the gateway may be gone). Takes at most
-        RPC_TIMEOUT_S (a call in flight is let finish: a registration's reply carries the id to
-        deregister) plus DEREGISTER_TIMEOUT_S."""
+        RPC_TIMEOUT_S (a registration in flight is let finish: its reply carries the id to deregister;
+        a heartbeat in flight is cut short: a hung gateway must not hold a drain, and a lost heartbeat
+        costs nothing) plus DEREGISTER_TIMEOUT_S."""
         if self._task is None:
             return
         self._stop.set()
-        await self._task
+        if self._heartbeat_in_flight:
+            self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            if not self._task.cancelled():  # stop() itself was cancelled
+                raise
+        except Exception:  # the loop died of a bug: still deregister and close below
+            log.exception("the announcement to gateway %s failed", self.gateway_address)
         self._task = None
         if self.worker_id is not None:
             try:
@@ -117,13 +127,17 @@ class GatewayAnnouncer:
 
     async def _heartbeat(self) -> None:
         stats, draining = self._load()
-        await self._stub.Heartbeat(
-            gateway_pb2.HeartbeatRequest(
-                worker_id=self.worker_id, running_requests=stats.running, waiting_requests=stats.waiting,
-                kv_blocks_free=stats.kv_blocks_free, draining=draining,
-            ),
-            metadata=self._metadata, timeout=RPC_TIMEOUT_S,
-        )
+        self._heartbeat_in_flight = True
+        try:
+            await self._stub.Heartbeat(
+                gateway_pb2.HeartbeatRequest(
+                    worker_id=self.worker_id, running_requests=stats.running, waiting_requests=stats.waiting,
+                    kv_blocks_free=stats.kv_blocks_free, draining=draining,
+                ),
+                metadata=self._metadata, timeout=RPC_TIMEOUT_S,
+            )
+        finally:
+            self._heartbeat_in_flight = False
 
 
 class GatewayAnnouncers:

@@ -1,6 +1,7 @@
 """The gateway announcement against fake Admin services: register, heartbeat with the load,
 register again on NOT_FOUND, retry an unreachable gateway with backoff, deregister on stop/drain;
-with several gateways, each on its own: one that hangs delays none of the others."""
+with several gateways, each on its own: one that hangs delays none of the others; a drain cuts a hung
+heartbeat short, and deregisters even after the loop died."""
 
 from __future__ import annotations
 
@@ -198,5 +199,50 @@ def test_a_draining_worker_deregisters_from_every_gateway_at_once_before_refusin
         assert elapsed < 1.8 * latency_s, f"drain took {elapsed:.2f} s: one gateway after the other?"
         for server, _, _ in gateways:
             await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+class HungHeartbeatAdmin(FakeAdmin):
+    """Registers, then never answers a heartbeat (a gateway overloaded or half up)."""
+
+    def __init__(self):
+        super().__init__()
+        self.heartbeat_waiting = asyncio.Event()
+
+    async def Heartbeat(self, request, context):
+        self.heartbeat_waiting.set()
+        await asyncio.Event().wait()
+
+
+def test_a_drain_cuts_a_hung_heartbeat_short_and_still_deregisters():
+    """A heartbeat in flight to a hung gateway held a drain for its whole 10 s timeout."""
+    async def scenario():
+        server, admin, port = await _fake_gateway(admin=HungHeartbeatAdmin())
+        announcer = GatewayAnnouncer(f"127.0.0.1:{port}", TOKEN, "127.0.0.1:1234", "a" * 32, _load)
+        announcer.start()
+        await asyncio.wait_for(admin.heartbeat_waiting.wait(), 10)
+        started = time.monotonic()
+        await announcer.stop()
+        assert time.monotonic() - started < 2.0
+        assert admin.calls[-1] == ("deregister", "w1")
+        await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_an_announcer_whose_loop_died_still_deregisters_on_stop():
+    """A bug in the loop (here: reading the engine's load raises) must not also skip the deregistration."""
+    def broken_load():
+        raise RuntimeError("engine stats unavailable")
+
+    async def scenario():
+        server, admin, port = await _fake_gateway()
+        announcer = GatewayAnnouncer(f"127.0.0.1:{port}", TOKEN, "127.0.0.1:1234", "a" * 32, broken_load)
+        announcer.start()
+        await _until(lambda: announcer._task.done())
+        await announcer.stop()
+        assert admin.calls == [("register", "127.0.0.1:1234", "a" * 32), ("deregister", "w1")]
+        await server.stop(0)
 
     asyncio.run(scenario())
