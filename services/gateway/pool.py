@@ -77,13 +77,12 @@ class WorkerPool:
     async def add(self, address: str, artifact: ArtifactRefView, capacity: int) -> PooledWorker:
         """Registers a worker, or refreshes the one already at this address (keeping its worker_id)."""
         now, mono = datetime.now(timezone.utc), time.monotonic()
+        await self.forget_replaced(address, artifact.artifact_id)
         existing = self.by_address(address)
-        if existing is not None and existing.artifact.artifact_id == artifact.artifact_id:
+        if existing is not None:
             existing.capacity, existing.health, existing.failed_reason = capacity, Health.HEALTHY, ""
             existing.last_heartbeat, existing.last_heartbeat_mono = now, mono
             return existing
-        if existing is not None:  # the address now serves another artifact: a new worker behind it
-            await self.remove(existing.worker_id)
         channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         worker = PooledWorker(
             worker_id=uuid.uuid4().hex[:16], address=address, artifact=artifact, capacity=capacity, channel=channel,
@@ -110,6 +109,15 @@ class WorkerPool:
             worker.failed_reason = "connection lost; waiting for its heartbeat (or a new registration)"
             log.warning("worker %s (%s): connection lost; no requests until it heartbeats or registers again",
                         worker.worker_id, worker.address)
+
+    async def forget_replaced(self, address: str, artifact_id: str) -> PooledWorker | None:
+        """The worker registered at this address for another artifact than `artifact_id`, which the
+        process there now serves: a new worker is behind the address. Removed and returned (else None)."""
+        existing = self.by_address(address)
+        if existing is None or existing.artifact.artifact_id == artifact_id:
+            return None
+        await self.remove(existing.worker_id)
+        return existing
 
     def by_address(self, address: str) -> PooledWorker | None:
         return next((w for w in self.workers.values() if w.address == address), None)

@@ -75,7 +75,12 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
             raise InvalidRequest(f"worker address {request.address!r} is not host:port (e.g. 10.0.0.7:50071)")
         artifact_id = _required("artifact_id", request.artifact_id)
         info = await self._worker_info(request.address)
-        await self._forget_replaced(request.address, info.artifact.artifact_id)
+        # Whether or not this registration is accepted: a refused one must not leave the old entry routing
+        # the old artifact's requests to the new process at that address.
+        gone = await self.pool.forget_replaced(request.address, info.artifact.artifact_id)
+        if gone is not None:
+            log.warning("worker %s (%s) registered for artifact %s, but %s now serves %s: removed", gone.worker_id,
+                        request.address, gone.artifact.artifact_id, request.address, info.artifact.artifact_id)
         artifact = await asyncio.to_thread(self._servable_artifact, artifact_id)
         if info.artifact.artifact_id != artifact_id:
             raise Precondition(f"the worker at {request.address} serves artifact {info.artifact.artifact_id!r}, "
@@ -84,16 +89,6 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
         worker = await self.pool.add(request.address, artifact, capacity)
         return gateway_pb2.RegisterWorkerResponse(worker_id=worker.worker_id,
                                                   heartbeat_interval=_seconds(self.heartbeat_interval_s))
-
-    async def _forget_replaced(self, address: str, serving: str) -> None:
-        """The process at this address serves another artifact than the worker registered there: that
-        worker is gone. Removed whether or not the new one is accepted, so that a refused registration
-        does not leave the old entry routing the old artifact's requests to the new process."""
-        existing = self.pool.by_address(address)
-        if existing is not None and existing.artifact.artifact_id != serving:
-            log.warning("worker %s (%s) registered for artifact %s, but %s now serves %s: removed", existing.worker_id,
-                        address, existing.artifact.artifact_id, address, serving)
-            await self.pool.remove(existing.worker_id)
 
     def _servable_artifact(self, artifact_id: str) -> ArtifactRefView:
         with self.registry.transaction() as session:
