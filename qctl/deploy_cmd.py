@@ -8,6 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, rpc_errors, short
+from qctl.tls import TLS_CA_OPTION, TLS_CERT_OPTION, TLS_KEY_OPTION, tls_settings
 from shared.rpc.qserve.v1 import gateway_pb2
 
 app = typer.Typer(no_args_is_help=True, help="Create and list deployments.")
@@ -39,9 +40,12 @@ def create(
     baseline: str = typer.Option(..., "--baseline", help="fp16 artifact id of the same model (the fallback)"),
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
+    tls_ca: str = TLS_CA_OPTION,
+    tls_client_cert: str = TLS_CERT_OPTION,
+    tls_client_key: str = TLS_KEY_OPTION,
 ):
     """Create a deployment serving STABLE, with BASELINE as its fallback."""
-    with admin_client(gateway, token) as admin:
+    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
         deployment = admin.CreateDeployment(gateway_pb2.CreateDeploymentRequest(
             name=name, stable_artifact_id=stable, baseline_artifact_id=baseline))
     show_deployment(deployment)
@@ -49,9 +53,15 @@ def create(
 
 @app.command("ls")
 @rpc_errors
-def ls(gateway: str = GATEWAY_OPTION, token: str = TOKEN_OPTION):
+def ls(
+    gateway: str = GATEWAY_OPTION,
+    token: str = TOKEN_OPTION,
+    tls_ca: str = TLS_CA_OPTION,
+    tls_client_cert: str = TLS_CERT_OPTION,
+    tls_client_key: str = TLS_KEY_OPTION,
+):
     """List deployments."""
-    with admin_client(gateway, token) as admin:
+    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
         deployments = admin.ListDeployments(gateway_pb2.ListDeploymentsRequest()).deployments
     table = Table("deployment", "stable", "canary", "baseline", "fallback")
     for d in deployments:

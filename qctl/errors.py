@@ -8,11 +8,13 @@ import sys
 import grpc
 import typer
 
+from qctl.tls import FLAGS as TLS_FLAGS
 from shared.formats.artifact import ArtifactError
 from shared.formats.manifest import ManifestError
 from shared.formats.weights import FormatError
 from shared.model.config import CheckpointError
 from shared.quant.calibration import CalibrationError
+from shared.rpc.tls import TlsError, mismatch_hint
 
 USER_ERRORS = (CheckpointError, CalibrationError, ArtifactError, ManifestError, FormatError, FileNotFoundError, ValueError)
 
@@ -32,18 +34,23 @@ def user_errors(fn):
 def rpc_errors(service: str):
     """A gRPC failure of a call to `service` (the keyword argument of that name holds its address)
     as one line and exit code 2: the service's status and message, and, when the service cannot be
-    reached at all, that it cannot be reached at that address."""
+    reached at all, that it cannot be reached at that address (and which TLS setting may be wrong). A TLS
+    file that cannot be used (qctl.tls) is one line too."""
 
     def decorate(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             try:
                 return fn(*args, **kwargs)
+            except TlsError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                raise typer.Exit(code=2) from None
             except grpc.RpcError as exc:
                 address = kwargs.get(service, "")
                 if _unreachable(exc):
-                    print(f"error: cannot reach the {service} at {address} ({exc.code().name}): {exc.details()}",
-                          file=sys.stderr)
+                    hint = mismatch_hint(exc.details() or "", bool(kwargs.get("tls_ca")), TLS_FLAGS)
+                    print(f"error: cannot reach the {service} at {address} ({exc.code().name}): {exc.details()}"
+                          f"{hint}", file=sys.stderr)
                 else:
                     print(f"error: {service} {address}: {exc.details()} ({exc.code().name})", file=sys.stderr)
                 raise typer.Exit(code=2) from None

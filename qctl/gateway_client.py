@@ -1,5 +1,6 @@
 """What the gateway commands share: the address and token options (with env-var fallbacks), the
-stubs with the bearer token attached, and gRPC errors as one line with exit code 2."""
+stubs with the bearer token attached (over TLS with qctl.tls's options), and gRPC errors as one line
+with exit code 2."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import grpc
 import typer
 from google.protobuf.duration_pb2 import Duration
 
 from qctl.errors import rpc_errors as rpc_errors_of
+from qctl.tls import open_channel
 from shared.rpc.qserve.v1 import gateway_pb2_grpc
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
@@ -40,13 +41,14 @@ class Admin:
 
 @contextmanager
 def admin_client(address: str, token: str) -> Iterator[Admin]:
-    with grpc.insecure_channel(address) as channel:
+    """Over TLS inside qctl.tls.tls_settings with a CA, else plaintext."""
+    with open_channel(address) as channel:
         yield Admin(gateway_pb2_grpc.AdminStub(channel), (("authorization", f"Bearer {token}"),))
 
 
 @contextmanager
 def gateway_client(address: str) -> Iterator[gateway_pb2_grpc.GatewayStub]:
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address) as channel:
         yield gateway_pb2_grpc.GatewayStub(channel)
 
 

@@ -8,6 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, rpc_errors, short
+from qctl.tls import TLS_CA_OPTION, TLS_CERT_OPTION, TLS_KEY_OPTION, tls_settings
 from shared.rpc.qserve.v1 import gateway_pb2
 
 HEALTH_STYLE = {"HEALTHY": "green", "UNHEALTHY": "red", "DRAINING": "yellow"}
@@ -18,9 +19,12 @@ def workers(
     artifact: str = typer.Option("", "--artifact", help="only workers serving this artifact id"),
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
+    tls_ca: str = TLS_CA_OPTION,
+    tls_client_cert: str = TLS_CERT_OPTION,
+    tls_client_key: str = TLS_KEY_OPTION,
 ):
     """List the workers registered with the gateway, their health and load."""
-    with admin_client(gateway, token) as admin:
+    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
         listed = admin.ListWorkers(gateway_pb2.ListWorkersRequest(artifact_id=artifact)).workers
     if not listed:
         Console().print("no workers registered" + (f" for artifact {artifact}" if artifact else ""))
@@ -42,9 +46,12 @@ def events(
     limit: int = typer.Option(20, "--limit", min=1, max=1000, help="most events shown, newest first"),
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
+    tls_ca: str = TLS_CA_OPTION,
+    tls_client_cert: str = TLS_CERT_OPTION,
+    tls_client_key: str = TLS_KEY_OPTION,
 ):
     """The registry's event log, newest first: rollouts, fallback switches (with reasons and actors)."""
-    with admin_client(gateway, token) as admin:
+    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
         listed = admin.ListEvents(gateway_pb2.ListEventsRequest(deployment=deployment, limit=limit)).events
     table = Table("id", "time (UTC)", "deployment", "kind", "actor", "artifact", "detail")
     for e in listed:

@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from qctl.errors import rpc_errors
+from qctl.tls import TLS_CA_OPTION, TLS_CERT_OPTION, TLS_KEY_OPTION, open_channel, tls_settings
 from shared.formats.manifest import GPU_TARGETS
 from shared.formats.spec import FORMATS
 from shared.rpc.qserve.v1 import quantizer_pb2, quantizer_pb2_grpc
@@ -28,7 +29,8 @@ UINT32_MAX = 2**32 - 1  # the request's counts are uint32 fields
 
 
 def quantizer_stub(address: str) -> tuple[grpc.Channel, quantizer_pb2_grpc.QuantizerStub]:
-    channel = grpc.insecure_channel(address)
+    """Over TLS inside qctl.tls.tls_settings with a CA, else plaintext."""
+    channel = open_channel(address)
     return channel, quantizer_pb2_grpc.QuantizerStub(channel)
 
 
@@ -46,6 +48,9 @@ def publish(
     format: FormatName = typer.Option(..., "--format", help="artifact format"),
     gpu_target: GpuTarget = typer.Option(..., "--gpu-target", help="GPU the artifact is bound to"),
     quantizer: str = QUANTIZER_OPTION,
+    tls_ca: str = TLS_CA_OPTION,
+    tls_client_cert: str = TLS_CERT_OPTION,
+    tls_client_key: str = TLS_KEY_OPTION,
     version_label: str = typer.Option("", "--version-label", help="human label of the model version"),
     calib: str = typer.Option(None, "--calib", help="calibration text file or s3:// URI [default: the quantizer's]"),
     calib_samples: int = typer.Option(0, min=0, max=UINT32_MAX, help="calibration windows (0: the quantizer's default)"),
@@ -88,7 +93,8 @@ def publish(
     if budget is not None:
         request.max_relative_perplexity_increase = budget
     console = Console(stderr=True)
-    channel, stub = quantizer_stub(quantizer)
+    with tls_settings(tls_ca, tls_client_cert, tls_client_key):
+        channel, stub = quantizer_stub(quantizer)
     with channel:
         job = stub.Publish(request)
         console.print(f"job {job.job_id} queued at {quantizer}")

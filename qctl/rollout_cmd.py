@@ -8,6 +8,7 @@ from rich.table import Table
 
 from qctl.deploy_cmd import show_deployment
 from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, ms, rpc_errors, short
+from qctl.tls import TLS_CA_OPTION, TLS_CERT_OPTION, TLS_KEY_OPTION, tls_settings
 from shared.rpc.qserve.v1 import gateway_pb2
 
 app = typer.Typer(no_args_is_help=True, help="Canary rollouts: start, promote, abort, status.")
@@ -22,18 +23,28 @@ def start(
     percent: int = typer.Option(..., "--percent", min=1, max=100, help="share of traffic for the canary, 1-100"),
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
+    tls_ca: str = TLS_CA_OPTION,
+    tls_client_cert: str = TLS_CERT_OPTION,
+    tls_client_key: str = TLS_KEY_OPTION,
 ):
     """Send PERCENT of traffic to CANARY (sticky per session key). Again with the same canary: new percent."""
-    with admin_client(gateway, token) as admin:
+    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
         show_deployment(admin.StartRollout(gateway_pb2.StartRolloutRequest(
             deployment=deployment, canary_artifact_id=canary, canary_percent=percent)))
 
 
 @app.command("promote")
 @rpc_errors
-def promote(deployment: str = DEPLOYMENT_ARG, gateway: str = GATEWAY_OPTION, token: str = TOKEN_OPTION):
+def promote(
+    deployment: str = DEPLOYMENT_ARG,
+    gateway: str = GATEWAY_OPTION,
+    token: str = TOKEN_OPTION,
+    tls_ca: str = TLS_CA_OPTION,
+    tls_client_cert: str = TLS_CERT_OPTION,
+    tls_client_key: str = TLS_KEY_OPTION,
+):
     """Make the canary the stable artifact (instant)."""
-    with admin_client(gateway, token) as admin:
+    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
         show_deployment(admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(deployment=deployment)))
 
 
@@ -44,17 +55,27 @@ def abort(
     reason: str = typer.Option("", "--reason", help="recorded in the event log"),
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
+    tls_ca: str = TLS_CA_OPTION,
+    tls_client_cert: str = TLS_CERT_OPTION,
+    tls_client_key: str = TLS_KEY_OPTION,
 ):
     """Send all traffic back to the stable artifact (instant)."""
-    with admin_client(gateway, token) as admin:
+    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
         show_deployment(admin.AbortRollout(gateway_pb2.AbortRolloutRequest(deployment=deployment, reason=reason)))
 
 
 @app.command("status")
 @rpc_errors
-def status(deployment: str = DEPLOYMENT_ARG, gateway: str = GATEWAY_OPTION, token: str = TOKEN_OPTION):
+def status(
+    deployment: str = DEPLOYMENT_ARG,
+    gateway: str = GATEWAY_OPTION,
+    token: str = TOKEN_OPTION,
+    tls_ca: str = TLS_CA_OPTION,
+    tls_client_cert: str = TLS_CERT_OPTION,
+    tls_client_key: str = TLS_KEY_OPTION,
+):
     """The deployment and its arms' metrics side by side."""
-    with admin_client(gateway, token) as admin:
+    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
         reply = admin.RolloutStatus(gateway_pb2.RolloutStatusRequest(deployment=deployment))
     console = Console()
     show_deployment(reply.deployment, console)

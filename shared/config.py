@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
+from shared.rpc.tls import ClientTls, ServerTls, TlsError, load_client_tls, load_server_tls
 from shared.storage import InvalidConfig, StorageConfig
 
 DEFAULT_STORE_REGION = "us-east-1"
@@ -70,6 +71,47 @@ def store_from_args(args: argparse.Namespace, environ: Mapping[str, str], error:
                                                args.store_region or DEFAULT_STORE_REGION, environ)
     except InvalidConfig as exc:  # named as the operator wrote it
         raise error(f"--store: {exc}") from None
+
+
+def add_tls_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's own TLS: off (plaintext) unless --tls-cert and --tls-key are given."""
+    parser.add_argument("--tls-cert", type=nonempty_path, default=None, metavar="FILE",
+                        help="PEM certificate chain: serve gRPC over TLS (with --tls-key) [default: plaintext]")
+    # A path, not a secret: the key stays in its file, which only the service's user should be able to read.
+    parser.add_argument("--tls-key", type=nonempty_path, default=None, metavar="FILE",
+                        help="PEM private key of --tls-cert (unencrypted)")
+    parser.add_argument("--tls-client-ca", type=nonempty_path, default=None, metavar="FILE",
+                        help="PEM CA certificates: require every client to present a certificate one of them "
+                             "signed (mutual TLS; needs --tls-cert)")
+
+
+def add_tls_client_arguments(parser: argparse.ArgumentParser, peers: str) -> None:
+    """TLS towards `peers` (what this service dials): on when --tls-ca names a file. Unlike the other flags an
+    empty value is accepted, as plaintext: `--tls-ca=${QSERVE_TLS_CA:-}` in a compose file turns it off."""
+    parser.add_argument("--tls-ca", default=None, metavar="FILE",
+                        help=f"PEM CA certificates that signed the {peers}' certificates: dial them over TLS, "
+                             f"checking the certificate against the host dialled [default, or empty: plaintext]")
+    parser.add_argument("--tls-client-cert", default=None, metavar="FILE",
+                        help=f"PEM certificate to present to {peers} that require one (mutual TLS; needs --tls-ca)")
+    parser.add_argument("--tls-client-key", default=None, metavar="FILE",
+                        help="PEM private key of --tls-client-cert (unencrypted)")
+
+
+def server_tls_from_args(args: argparse.Namespace, error: type[Exception]) -> ServerTls | None:
+    """The files of add_tls_server_arguments, read and checked now: a bad one stops the start-up in one line
+    (grpc would only fail at a client's first handshake)."""
+    try:
+        return load_server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+    except TlsError as exc:
+        raise error(str(exc)) from None
+
+
+def client_tls_from_args(args: argparse.Namespace, error: type[Exception]) -> ClientTls | None:
+    """The files of add_tls_client_arguments, read and checked now."""
+    try:
+        return load_client_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key)
+    except TlsError as exc:
+        raise error(str(exc)) from None
 
 
 def one_line(exc: BaseException) -> str:

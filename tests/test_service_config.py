@@ -11,6 +11,8 @@ import pytest
 from services.gateway.config import GatewayConfig
 from services.quantizer.config import QuantizerConfig
 from services.worker.config import WorkerConfig
+from shared.config import nonempty_path
+from tests.tls.certs import Certs, make_certs
 
 CONFIGS = {"quantizer": QuantizerConfig, "gateway": GatewayConfig, "worker": WorkerConfig}
 SECRET = "hunter2-s3cret"
@@ -144,10 +146,15 @@ def test_no_service_takes_a_secret_on_its_command_line():
     passwords come from the environment, in every service alike."""
     for service in CONFIGS:
         parser = importlib.import_module(f"services.{service}.config")._parser()
-        flags = [s for a in parser._actions for s in a.option_strings]
+        # --tls-key and --tls-client-key name a file: the key itself stays there, readable by the service only.
+        flags = [s for a in parser._actions for s in a.option_strings if not _names_a_file(a)]
         # By word: --max-batch-tokens counts tokens, --gateway-token would carry one.
         leaking = [f for f in flags if {"token", "secret", "password", "key"} & set(f.lstrip("-").split("-"))]
         assert not leaking, (service, leaking)
+
+
+def _names_a_file(action) -> bool:
+    return action.metavar == "FILE" and action.type in (None, nonempty_path)
 
 
 @pytest.mark.parametrize("service", ["quantizer", "gateway", "worker"])
@@ -199,3 +206,86 @@ def test_the_readme_service_commands_parse():
     for command in commands:
         service = command[2].split(".")[1]
         CONFIGS[service].from_args(command[3:], environ={"QSERVE_GATEWAY_TOKEN": "W"})
+
+
+# ------------------------------------------------------------------------------------------------ TLS
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory) -> Certs:
+    return make_certs(tmp_path_factory.mktemp("tls"))
+
+
+def _pem_files(tmp_path):
+    not_pem = tmp_path / "notes.txt"
+    not_pem.write_text("a certificate will go here\n")
+    encrypted = tmp_path / "encrypted-key.pem"
+    encrypted.write_text("-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----\n")
+    return not_pem, encrypted
+
+
+@pytest.mark.parametrize("service", ["quantizer", "gateway", "worker"])
+def test_tls_serving_takes_a_certificate_and_its_key_checked_at_start_up(service, tmp_path, certs, capsys):
+    base = _base(service, tmp_path)
+    not_pem, encrypted = _pem_files(tmp_path)
+    missing = tmp_path / "missing.pem"
+    config = CONFIGS[service].from_args([*base, "--tls-cert", str(certs.server_cert), "--tls-key",
+                                         str(certs.server_key)], environ={})
+    assert config.tls is not None and config.tls.client_ca is None
+    assert b"PRIVATE KEY" not in repr(config).encode() and "PRIVATE KEY" not in repr(config.tls)
+    assert CONFIGS[service].from_args(base, environ={}).tls is None  # off unless asked for
+    mutual = CONFIGS[service].from_args([*base, "--tls-cert", str(certs.server_cert), "--tls-key",
+                                         str(certs.server_key), "--tls-client-ca", str(certs.ca)], environ={})
+    assert mutual.tls.client_ca == certs.ca.read_bytes()
+
+    refusals = [  # (argv, what the one line must say)
+        (["--tls-cert", str(certs.server_cert)], "--tls-cert and --tls-key go together"),
+        (["--tls-key", str(certs.server_key)], "--tls-cert and --tls-key go together"),
+        (["--tls-client-ca", str(certs.ca)], "--tls-client-ca needs --tls-cert and --tls-key"),
+        (["--tls-cert", str(missing), "--tls-key", str(certs.server_key)], f"--tls-cert {missing}: cannot read it"),
+        (["--tls-cert", str(not_pem), "--tls-key", str(certs.server_key)],
+         f"--tls-cert {not_pem} holds no PEM certificate"),
+        (["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.ca)],
+         f"--tls-key {certs.ca} holds no PEM private key"),
+        (["--tls-cert", str(certs.server_cert), "--tls-key", str(encrypted)], "is an encrypted key"),
+        (["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.client_key)],
+         f"--tls-key {certs.client_key} is not the private key of the certificate in --tls-cert {certs.server_cert}"),
+        (["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key), "--tls-client-ca", str(not_pem)],
+         f"--tls-client-ca {not_pem} holds no PEM certificate"),
+        (["--tls-cert="], "--tls-cert: must not be empty"),
+    ]
+    for argv, says in refusals:
+        message = _refusal(service, [*base, *argv], capsys)
+        assert says in message, (argv, message)
+
+
+@pytest.mark.parametrize("service", ["gateway", "worker"])
+def test_tls_towards_peers_is_on_with_a_ca_and_off_without(service, tmp_path, certs, capsys):
+    """The gateway dials workers, the worker dials gateways: --tls-ca (empty: plaintext, as from an unset
+    compose variable), a client certificate for mutual TLS, refused one line at a time when it cannot work."""
+    field = {"gateway": "worker_tls", "worker": "gateway_tls"}[service]
+    base = _base(service, tmp_path)
+    not_pem, _ = _pem_files(tmp_path)
+    assert getattr(CONFIGS[service].from_args([*base, "--tls-ca="], environ={}), field) is None
+    client = getattr(CONFIGS[service].from_args(
+        [*base, "--tls-ca", str(certs.ca), "--tls-client-cert", str(certs.client_cert), "--tls-client-key",
+         str(certs.client_key)], environ={}), field)
+    assert client.ca == certs.ca.read_bytes() and client.cert_chain == certs.client_cert.read_bytes()
+    refusals = [
+        (["--tls-client-cert", str(certs.client_cert), "--tls-client-key", str(certs.client_key)],
+         "--tls-client-cert needs --tls-ca"),
+        (["--tls-ca", str(certs.ca), "--tls-client-cert", str(certs.client_cert)],
+         "--tls-client-cert and --tls-client-key go together"),
+        (["--tls-ca", str(not_pem)], f"--tls-ca {not_pem} holds no PEM certificate"),
+        (["--tls-ca", str(tmp_path)], f"--tls-ca {tmp_path}: cannot read it"),
+    ]
+    for argv, says in refusals:
+        message = _refusal(service, [*base, *argv], capsys)
+        assert says in message, (argv, message)
+
+
+@pytest.mark.parametrize("service", ["quantizer", "gateway", "worker"])
+def test_a_tls_file_that_cannot_be_used_stops_the_service_with_exit_code_2(service, tmp_path, certs, capsys):
+    missing = tmp_path / "missing-key.pem"
+    code, err = _main(service, [*_base(service, tmp_path), "--tls-cert", str(certs.server_cert), "--tls-key",
+                                str(missing)], capsys)
+    assert code == 2 and err.startswith("error: --tls-key") and str(missing) in err and err.count("\n") == 0, err

@@ -8,7 +8,9 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from shared.config import ServiceArgumentParser, add_registry_argument, nonempty
+from shared.config import (ServiceArgumentParser, add_registry_argument, add_tls_client_arguments,
+                           add_tls_server_arguments, client_tls_from_args, nonempty, server_tls_from_args)
+from shared.rpc.tls import ClientTls, ServerTls
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 SCOPES = ("admin", "worker")
@@ -56,6 +58,8 @@ class GatewayConfig:
     budget: FallbackBudget = field(default_factory=FallbackBudget)
     fallback_check_s: float = 0.5  # how often the automatic fallback looks at the windows
     grace_s: float = 5.0  # graceful stop: in-flight streams get this long
+    tls: ServerTls | None = None  # serve over TLS (clients may have to present a certificate); None = plaintext
+    worker_tls: ClientTls | None = None  # dial workers over TLS; None = plaintext
 
     def __post_init__(self) -> None:
         if not self.registry_url:
@@ -128,6 +132,8 @@ class GatewayConfig:
                 enabled=args.auto_fallback,
             ),
             grace_s=args.grace_s,
+            tls=server_tls_from_args(args, ConfigError),
+            worker_tls=client_tls_from_args(args, ConfigError),
         )
 
 
@@ -181,4 +187,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fallback-min-requests", type=int, default=20,
                    help="finished requests in the window below which the budgets are not judged")
     p.add_argument("--grace-s", type=float, default=5.0, help="graceful-stop time for in-flight streams")
+    add_tls_server_arguments(p)
+    add_tls_client_arguments(p, "workers")
     return p

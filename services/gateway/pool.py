@@ -26,6 +26,7 @@ import grpc
 from services.gateway.deployments import ArtifactRefView, timestamp
 from services.gateway.errors import AdmissionFull, NoWorker, UnknownName
 from shared.rpc.qserve.v1 import gateway_pb2, worker_pb2_grpc
+from shared.rpc.tls import ClientTls, aio_channel
 
 log = logging.getLogger(__name__)
 # gRPC drops an idle connection after 30 min by default; the pool would read that as a worker gone.
@@ -72,6 +73,7 @@ class WorkerPool:
     # Silent this long, a worker is removed: workers that went away for good (replaced at new addresses)
     # must not pile up in ListWorkers with their channels open. One that comes back registers again.
     forget_after_s: float = 300.0
+    worker_tls: ClientTls | None = None  # the gateway's --tls-ca (and client certificate); None = plaintext
     workers: dict[str, PooledWorker] = field(default_factory=dict)  # by worker_id
 
     async def add(self, address: str, artifact: ArtifactRefView, capacity: int) -> PooledWorker:
@@ -83,7 +85,7 @@ class WorkerPool:
             existing.capacity, existing.health, existing.failed_reason = capacity, Health.HEALTHY, ""
             existing.last_heartbeat, existing.last_heartbeat_mono = now, mono
             return existing
-        channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        channel = self.dial(address, _CHANNEL_OPTIONS)
         worker = PooledWorker(
             worker_id=uuid.uuid4().hex[:16], address=address, artifact=artifact, capacity=capacity, channel=channel,
             stub=worker_pb2_grpc.WorkerStub(channel), registered_at=now, last_heartbeat=now, last_heartbeat_mono=mono,
@@ -91,6 +93,10 @@ class WorkerPool:
         worker.watcher = asyncio.create_task(self._watch(worker), name=f"worker-connection-{address}")
         self.workers[worker.worker_id] = worker
         return worker
+
+    def dial(self, address: str, options: tuple[tuple[str, object], ...] = ()) -> grpc.aio.Channel:
+        """A channel to the worker at address: TLS or plaintext as the gateway is configured to dial workers."""
+        return aio_channel(address, self.worker_tls, options)
 
     async def _watch(self, worker: PooledWorker) -> None:
         """Connects at once (so that a worker that never got a request is watched too) and marks the

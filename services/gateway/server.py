@@ -47,7 +47,8 @@ class GatewayServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.metrics = GatewayMetrics()
-        self.pool = WorkerPool(heartbeat_timeout_s=config.heartbeat_timeout_s, forget_after_s=config.worker_forget_s)
+        self.pool = WorkerPool(heartbeat_timeout_s=config.heartbeat_timeout_s, forget_after_s=config.worker_forget_s,
+                               worker_tls=config.worker_tls)
         self.registry: Registry | None = None
         self.deployments: DeploymentCache | None = None
         self.fallback: AutoFallback | None = None
@@ -79,7 +80,7 @@ class GatewayServer:
         reflection.enable_server_reflection((GATEWAY_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME,
                                              reflection.SERVICE_NAME), server)
         try:
-            self.port = listen(server, config.listen, "--listen", ConfigError)
+            self.port = listen(server, config.listen, "--listen", ConfigError, config.tls)
             await server.start()
             if config.metrics_port is not None:
                 self._metrics_http = serve_metrics(self.metrics.registry, config.metrics_host, config.metrics_port,
@@ -97,7 +98,7 @@ class GatewayServer:
             self._tasks.append(asyncio.create_task(self.deployments.refresh(), name="gateway-deployments"))
         if config.budget.enabled:
             self._tasks.append(asyncio.create_task(self.fallback.run(config.fallback_check_s), name="gateway-fallback"))
-        log.info("gateway serving on port %d%s", self.port,
+        log.info("gateway serving on port %d%s%s", self.port, " over TLS" if config.tls else "",
                  f", metrics on port {self.metrics_port}" if self.metrics_port is not None else "")
         return self.port
 

@@ -22,10 +22,13 @@ from services.gateway.pool import WorkerPool
 from shared import registry as reg
 from shared.registry import ArtifactState, Deployment, Event, Registry
 from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from shared.rpc.tls import CLIENT_FLAGS, mismatch_hint
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"[a-z0-9._-]{1,64}")
 _ADDRESS = re.compile(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:]+\]:\d{1,5}")
+# Named so in a registration's refusal: the worker reads it, and has settings of the same names itself.
+_GATEWAY_TLS_FLAGS = tuple(f"the gateway's {flag}" for flag in CLIENT_FLAGS)
 DEFAULT_EVENTS, MAX_EVENTS = 100, 1000
 
 
@@ -99,13 +102,15 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
             return ArtifactRefView.of(artifact)
 
     async def _worker_info(self, address: str) -> worker_pb2.WorkerInfo:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with self.pool.dial(address) as channel:
             try:
                 return await worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(),
                                                                       timeout=self.worker_info_timeout_s)
             except grpc.aio.AioRpcError as err:
+                # A TLS mismatch between the gateway and the worker fails here, as any other connection does.
+                hint = mismatch_hint(err.details() or "", self.pool.worker_tls is not None, _GATEWAY_TLS_FLAGS)
                 raise NoWorker(f"cannot reach the worker at {address}: Info failed with {err.code().name} "
-                               f"({err.details()})") from None
+                               f"({err.details()}){hint}") from None
 
     @_admin
     async def Heartbeat(self, request: gateway_pb2.HeartbeatRequest, actor: str):

@@ -11,8 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.config import (ServiceArgumentParser, add_registry_argument, add_store_arguments, nonempty, nonempty_path,
-                           store_from_args)
+from shared.config import (ServiceArgumentParser, add_registry_argument, add_store_arguments, add_tls_server_arguments,
+                           nonempty, nonempty_path, server_tls_from_args, store_from_args)
+from shared.rpc.tls import ServerTls
 from shared.storage import StorageConfig
 
 DEFAULT_LISTEN = "127.0.0.1:50061"
@@ -46,6 +47,7 @@ class QuantizerConfig:
     heartbeat_s: float = 10.0  # how often this process marks its jobs alive and sweeps orphans
     orphan_after_s: float = 60.0  # another owner's job with no heartbeat for this long is failed
     grace_s: float = 10.0  # graceful stop: in-flight rpcs get this long, running jobs are cancelled
+    tls: ServerTls | None = None  # serve over TLS (clients may have to present a certificate); None = plaintext
     owner: str = field(default_factory=lambda: f"quantizer@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
 
     def __post_init__(self) -> None:
@@ -98,6 +100,7 @@ class QuantizerConfig:
             heartbeat_s=args.heartbeat_s,
             orphan_after_s=args.orphan_after_s,
             grace_s=args.grace_s,
+            tls=server_tls_from_args(args, ConfigError),
         )
 
 
@@ -129,4 +132,5 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--orphan-after-s", type=float, default=60.0,
                    help="fail another owner's job after this long without a heartbeat (0 with a single quantizer)")
     p.add_argument("--grace-s", type=float, default=10.0, help="graceful-stop time for in-flight rpcs")
+    add_tls_server_arguments(p)
     return p

@@ -84,7 +84,7 @@ async def start(config: QuantizerConfig) -> RunningQuantizer:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
-        port = listen(server, config.listen, "--listen", ConfigError)
+        port = listen(server, config.listen, "--listen", ConfigError, config.tls)
         await server.start()
     except BaseException:  # e.g. the port is taken
         await asyncio.to_thread(runner.stop)
@@ -92,7 +92,8 @@ async def start(config: QuantizerConfig) -> RunningQuantizer:
         raise
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("quantizer %s serving on port %d (store %s)", config.owner, port, store.uri())
+    log.info("quantizer %s serving on port %d%s (store %s)", config.owner, port, " over TLS" if config.tls else "",
+             store.uri())
     return RunningQuantizer(server, runner, health_servicer, registry, port, config.grace_s)
 
 

@@ -21,6 +21,7 @@ import grpc
 
 from services.worker.engine.outputs import EngineStats
 from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc
+from shared.rpc.tls import ClientTls, aio_channel, mismatch_hint
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,10 @@ class GatewayAnnouncer:
         *,
         min_backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
+        tls: ClientTls | None = None,  # the worker's --tls-ca (and client certificate); None = plaintext
     ):
         self.gateway_address = gateway_address
+        self._tls = tls
         self.worker_address = worker_address
         self.artifact_id = artifact_id
         self._load = load
@@ -54,7 +57,7 @@ class GatewayAnnouncer:
         self._heartbeat_in_flight = False  # stop() cuts a heartbeat short, never a registration
 
     def start(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self.gateway_address)
+        self._channel = aio_channel(self.gateway_address, self._tls)
         self._stub = gateway_pb2_grpc.AdminStub(self._channel)
         self._task = asyncio.create_task(self._run(), name=f"gateway-announcer-{self.gateway_address}")
 
@@ -106,8 +109,9 @@ class GatewayAnnouncer:
                              self.worker_id)
                     self.worker_id = None
                     continue
-                log.warning("gateway %s: %s %s; retrying in %.1f s", self.gateway_address, exc.code().name,
-                            exc.details(), backoff)
+                log.warning("gateway %s: %s %s%s; retrying in %.1f s", self.gateway_address, exc.code().name,
+                            exc.details(), mismatch_hint(exc.details() or "", self._tls is not None),
+                            backoff)
                 wait, backoff = backoff, min(backoff * 2, self._max_backoff_s)
             try:
                 await asyncio.wait_for(self._stop.wait(), wait)
@@ -150,9 +154,10 @@ class GatewayAnnouncers:
         worker_address: str,
         artifact_id: str,
         load: Callable[[], tuple[EngineStats, bool]],
+        tls: ClientTls | None = None,  # the same for every gateway
         **backoff: float,  # min_backoff_s / max_backoff_s of each GatewayAnnouncer
     ):
-        self.announcers = tuple(GatewayAnnouncer(address, token, worker_address, artifact_id, load, **backoff)
+        self.announcers = tuple(GatewayAnnouncer(address, token, worker_address, artifact_id, load, tls=tls, **backoff)
                                 for address in gateway_addresses)
 
     def start(self) -> None:

@@ -10,9 +10,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.config import (ServiceArgumentParser, add_registry_argument, add_store_arguments, nonempty, nonempty_path,
-                           store_from_args)
+from shared.config import (ServiceArgumentParser, add_registry_argument, add_store_arguments,
+                           add_tls_client_arguments, add_tls_server_arguments, client_tls_from_args, nonempty,
+                           nonempty_path, server_tls_from_args, store_from_args)
 from shared.formats.spec import FORMATS
+from shared.rpc.tls import ClientTls, ServerTls
 from shared.storage import StorageConfig
 
 DEFAULT_HOST = "127.0.0.1"
@@ -81,6 +83,8 @@ class WorkerConfig:
     gateway_addresses: tuple[str, ...] = ()
     gateway_token: str | None = field(default=None, repr=False)
     torch_threads: int = 0  # 0 = torch's default
+    tls: ServerTls | None = None  # serve over TLS (clients may have to present a certificate); None = plaintext
+    gateway_tls: ClientTls | None = None  # dial the gateways over TLS; None = plaintext
 
     def __post_init__(self) -> None:
         self.cache_dir = Path(self.cache_dir)
@@ -148,6 +152,8 @@ class WorkerConfig:
             gateway_addresses=_split_gateways(args.gateway_addresses or ()),
             gateway_token=env.get("QSERVE_GATEWAY_TOKEN"),
             torch_threads=args.torch_threads,
+            tls=server_tls_from_args(args, ConfigError),
+            gateway_tls=client_tls_from_args(args, ConfigError),
         )
 
 
@@ -210,7 +216,9 @@ def _parser() -> argparse.ArgumentParser:
                         "no first-use stalls) [default: on]")
     p.add_argument("--host", type=nonempty, default=DEFAULT_HOST, help="address to serve gRPC on")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0 picks a free one)")
-    p.add_argument("--advertise-address", default=None, help="host:port the gateway should dial [default: host:port]")
+    p.add_argument("--advertise-address", default=None,
+                   help="host:port the gateway should dial (with --tls-cert, a host name or IP address the "
+                        "certificate is issued for) [default: host:port]")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                    help="Prometheus /metrics HTTP port (0 picks a free one, -1 turns it off)")
     p.add_argument("--drain-grace-seconds", type=float, default=30.0,
@@ -223,4 +231,6 @@ def _parser() -> argparse.ArgumentParser:
                         "balancer in front of them: each replica keeps its own worker pool, and the worker "
                         "registers with and heartbeats to every one independently")
     p.add_argument("--torch-threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
+    add_tls_server_arguments(p)
+    add_tls_client_arguments(p, "gateways")
     return p

@@ -78,7 +78,8 @@ class WorkerServer:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         try:
-            port = listen(server, f"{self.config.host}:{self.config.port}", "--host / --port", ConfigError)
+            port = listen(server, f"{self.config.host}:{self.config.port}", "--host / --port", ConfigError,
+                          self.config.tls)
             if self.config.metrics_port is not None:
                 self.metrics_port = metrics.serve(self.config.host, self.config.metrics_port)
             await server.start()
@@ -94,11 +95,11 @@ class WorkerServer:
         if self.config.gateway_addresses:
             self.announcers = GatewayAnnouncers(
                 self.config.gateway_addresses, self.config.gateway_token, self.config.advertise_address or self.address,
-                served.artifact.artifact_id, self._load,
+                served.artifact.artifact_id, self._load, tls=self.config.gateway_tls,
             )
             self.announcers.start()
-        log.info("worker serving %s on port %d (metrics port %s)", served.artifact.artifact_id,
-                 port, self.metrics_port)
+        log.info("worker serving %s on port %d%s (metrics port %s)", served.artifact.artifact_id,
+                 port, " over TLS" if self.config.tls else "", self.metrics_port)
         return port
 
     def _load(self):

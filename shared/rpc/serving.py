@@ -1,6 +1,6 @@
-"""What every one of our grpc.aio servers needs around it: its ports opened with an error that names
-the setting, waiting for SIGTERM/SIGINT in a process, and its own event loop on a thread when
-synchronous code embeds it (`qctl up`, tests)."""
+"""What every one of our grpc.aio servers needs around it: its ports opened (plaintext, or TLS when
+configured) with an error that names the setting, waiting for SIGTERM/SIGINT in a process, and its own
+event loop on a thread when synchronous code embeds it (`qctl up`, tests)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,19 @@ from typing import Any, TypeVar
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
+from shared.rpc.tls import ServerTls
+
 T = TypeVar("T")
 
 
-def listen(server: grpc.aio.Server, address: str, setting: str, error: type[Exception]) -> int:
-    """server.add_insecure_port(address); a port that cannot be opened raises `error` naming the setting
-    (grpc's own RuntimeError says only "Failed to bind", and would reach the user as a traceback)."""
+def listen(server: grpc.aio.Server, address: str, setting: str, error: type[Exception],
+           tls: ServerTls | None = None) -> int:
+    """Opens address: over TLS with `tls` (shared.rpc.tls.load_server_tls), plaintext without. A port that
+    cannot be opened raises `error` naming the setting (grpc's own RuntimeError says only "Failed to bind",
+    and would reach the user as a traceback)."""
     try:
+        if tls is not None:
+            return server.add_secure_port(address, tls.credentials())
         return server.add_insecure_port(address)
     except RuntimeError:
         raise error(f"cannot listen on {address} ({setting}): the port is in use or the address is not one "

@@ -1,0 +1,178 @@
+"""TLS for our gRPC servers and channels, off unless configured: certificates loaded and checked once at
+start-up, the server credentials `listen` serves with, and the one way every client opens a channel.
+
+grpc takes PEM bytes without looking at them: a missing key, a file that is not PEM or a key that does not
+match its certificate surfaces only at the first handshake, as an opaque failure on the peer's side. The
+loaders here read each file, check its PEM block and load the set into Python's ssl module (OpenSSL, the
+same PEM parsing) so that such a setting is refused at once, in one line naming the flag.
+
+A client verifies the server's certificate against the host part of the address it dials (the gateway
+dials a worker's advertised host:port, a worker its --gateway-address): certificates are issued for that
+DNS name or IP address (subjectAltName; grpc matches IP entries for an IP literal)."""
+
+from __future__ import annotations
+
+import re
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+# What a service calls its client settings; qctl passes its own names (its flags and variables).
+CLIENT_FLAGS = ("--tls-ca", "--tls-client-cert", "--tls-client-key")
+_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----")
+_PRIVATE_KEY = re.compile(rb"-----BEGIN (?:RSA |EC )?PRIVATE KEY-----")
+
+
+class TlsError(ValueError):
+    """A TLS setting that cannot work; the message names the setting and the file."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerTls:
+    """A server's certificate chain and key; with client_ca, clients must present a certificate it signed."""
+
+    cert_file: str  # for messages and repr; the bytes below are what is served
+    client_ca_file: str | None
+    cert_chain: bytes = field(repr=False)
+    private_key: bytes = field(repr=False)
+    client_ca: bytes | None = field(default=None, repr=False)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.private_key, self.cert_chain)], root_certificates=self.client_ca,
+                                           require_client_auth=self.client_ca is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientTls:
+    """The CA certificates a client trusts, and its own certificate and key for servers that require one."""
+
+    ca_file: str
+    ca: bytes = field(repr=False)
+    cert_chain: bytes | None = field(default=None, repr=False)
+    private_key: bytes | None = field(default=None, repr=False)
+    # Only the health probe sets it: a container's health check dials 127.0.0.1, while the service's
+    # certificate names the host other containers reach it by.
+    server_name: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.ca, self.private_key, self.cert_chain)
+
+    def options(self) -> tuple[tuple[str, str], ...]:
+        return (("grpc.ssl_target_name_override", self.server_name),) if self.server_name else ()
+
+
+def channel(address: str, tls: ClientTls | None, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+    """A blocking channel to address: over TLS with `tls`, plaintext without."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, tls.credentials(), options=(*options, *tls.options()))
+
+
+def aio_channel(address: str, tls: ClientTls | None, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    """An asyncio channel to address: over TLS with `tls`, plaintext without."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=(*options, *tls.options()))
+
+
+def load_server_tls(cert: Path | str | None, key: Path | str | None, client_ca: Path | str | None,
+                    flags: Sequence[str] = ("--tls-cert", "--tls-key", "--tls-client-ca")) -> ServerTls | None:
+    """None (plaintext) when neither cert nor key is given; raises TlsError for half a pair, a client CA
+    without a certificate, or a file that cannot be read, is not PEM, or does not fit the others."""
+    cert_flag, key_flag, ca_flag = flags
+    if cert is None and key is None:
+        if client_ca is not None:
+            raise TlsError(f"{ca_flag} needs {cert_flag} and {key_flag}: client certificates are checked only over TLS")
+        return None
+    if cert is None or key is None:
+        raise TlsError(f"{cert_flag} and {key_flag} go together: give both (TLS) or neither (plaintext)")
+    chain, private_key = _read(cert, cert_flag, "certificate"), _read(key, key_flag, "private key")
+    _check_pair(cert, key, cert_flag, key_flag)
+    if client_ca is None:
+        return ServerTls(str(cert), None, chain, private_key)
+    ca = _read(client_ca, ca_flag, "certificate")
+    _check_ca(ca, client_ca, ca_flag)
+    return ServerTls(str(cert), str(client_ca), chain, private_key, ca)
+
+
+def load_client_tls(ca: Path | str | None, cert: Path | str | None, key: Path | str | None,
+                    flags: Sequence[str] = CLIENT_FLAGS, server_name: str | None = None) -> ClientTls | None:
+    """None (plaintext) when no CA is given (None or ""); raises TlsError for a client certificate
+    without a CA or without its key, and for a file that cannot be read, is not PEM or does not fit."""
+    ca, cert, key = (value or None for value in (ca, cert, key))  # "": a variable set empty turns it off
+    ca_flag, cert_flag, key_flag = flags
+    if (cert is None) != (key is None):
+        raise TlsError(f"{cert_flag} and {key_flag} go together: give both or neither")
+    if ca is None:
+        if cert is not None:
+            raise TlsError(f"{cert_flag} needs {ca_flag}: a client certificate is presented only over TLS")
+        return None
+    roots = _read(ca, ca_flag, "certificate")
+    _check_ca(roots, ca, ca_flag)
+    if cert is None:
+        return ClientTls(str(ca), roots, server_name=server_name)
+    chain, private_key = _read(cert, cert_flag, "certificate"), _read(key, key_flag, "private key")
+    _check_pair(cert, key, cert_flag, key_flag)
+    return ClientTls(str(ca), roots, chain, private_key, server_name)
+
+
+def mismatch_hint(details: str, tls: bool, settings: Sequence[str] = CLIENT_FLAGS) -> str:
+    """What to add to a failed connection's message when it looks like a TLS mismatch ("" otherwise):
+    grpc reports a plaintext server to a TLS client as a failed handshake, and a TLS server (or one that
+    wants a client certificate) closes the connection without a word. settings: how the client names its
+    CA and client certificate settings (CLIENT_FLAGS' order)."""
+    ca_setting, cert_setting = settings[0], settings[1]
+    text = details.lower()
+    if tls and "wrong_version_number" in text:
+        return f"; the server does not speak TLS: if it serves plaintext, leave {ca_setting} unset"
+    if tls and "hostname verification" in text:
+        return ("; the server's certificate is not issued for the host dialled: its subjectAltName must name "
+                "that DNS name or IP address")
+    if tls and "certificate_verify_failed" in text:
+        return f"; the server's certificate does not verify against {ca_setting} (another CA signed it, or it expired)"
+    if tls and "handshake" in text:
+        return f"; the TLS handshake failed: check {ca_setting} and the server's certificate"
+    if "socket closed" in text or "connection reset" in text:
+        if tls:
+            return (f"; the server closed the connection: if it requires a client certificate, give one signed by "
+                    f"a CA it trusts with {cert_setting}")
+        return f"; the server closed the connection: if it serves TLS, give its CA certificate with {ca_setting}"
+    return ""
+
+
+def _read(path: Path | str, flag: str, kind: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise TlsError(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from None
+    if kind == "certificate" and not _CERTIFICATE.search(data):
+        raise TlsError(f"{flag} {path} holds no PEM certificate (-----BEGIN CERTIFICATE-----)")
+    if kind == "private key":
+        if b"ENCRYPTED" in data:
+            raise TlsError(f"{flag} {path} is an encrypted key: gRPC needs it unencrypted (keep the file "
+                           f"readable by the service's user only)")
+        if not _PRIVATE_KEY.search(data):
+            raise TlsError(f"{flag} {path} holds no PEM private key (-----BEGIN PRIVATE KEY-----)")
+    return data
+
+
+def _check_pair(cert: Path | str, key: Path | str, cert_flag: str, key_flag: str) -> None:
+    try:
+        # password: an encrypted key that slipped past _read fails here instead of prompting on a terminal.
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=b"")
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise TlsError(f"{key_flag} {key} is not the private key of the certificate in {cert_flag} "
+                           f"{cert}") from None
+        raise TlsError(f"{cert_flag} {cert} / {key_flag} {key}: cannot be loaded ({exc.reason or exc})") from None
+
+
+def _check_ca(data: bytes, path: Path | str, flag: str) -> None:
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=data.decode("ascii"))
+    except (ssl.SSLError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        raise TlsError(f"{flag} {path}: its certificates cannot be loaded ({reason})") from None
