@@ -18,6 +18,8 @@ from shared.model.config import CheckpointError
 from shared.model.tokenizer import Tokenizer, generation_eos_ids, prompt_adds_bos
 
 log = logging.getLogger(__name__)
+# How often a start-up that is still capturing CUDA graphs says how far it is.
+GRAPH_PROGRESS_LOG_S = 15.0
 
 
 @dataclass(slots=True)
@@ -105,8 +107,18 @@ def _capture_graphs(runner) -> None:
     capture = getattr(runner, "capture_graphs", None)
     if capture is None:
         return
-    t0 = time.perf_counter()
-    capture()
+    t0 = last_log = time.perf_counter()
+    log.info("compiling kernels and capturing CUDA graphs (minutes on a first start: Triton compiles every kernel)")
+
+    def progress(done: int, total: int) -> None:
+        # An operator watching a silent start-up for minutes cannot tell progress from a hang.
+        nonlocal last_log
+        now = time.perf_counter()
+        if now - last_log >= GRAPH_PROGRESS_LOG_S and done < total:
+            log.info("captured %d of %d CUDA graphs (%.0f s)", done, total, now - t0)
+            last_log = now
+
+    capture(progress=progress)
     log.info("kernels compiled and CUDA graphs captured in %.1f s", time.perf_counter() - t0)
 
 

@@ -196,7 +196,7 @@ def test_the_worker_captures_graphs_once_the_cache_exists_unless_told_not_to(art
 
     def runner_with_graphs(*args, **kwargs):
         runner = real_load_runner(*args, **kwargs)
-        runner.capture_graphs = lambda: captured.append(len(runner.k_cache))  # layers with a cache
+        runner.capture_graphs = lambda progress=None: captured.append(len(runner.k_cache))  # layers with a cache
         return runner
 
     monkeypatch.setattr(serving, "load_runner", runner_with_graphs)
@@ -204,6 +204,27 @@ def test_the_worker_captures_graphs_once_the_cache_exists_unless_told_not_to(art
     served = serving.load_served_model(config)
     assert captured == ([served.engine.runner.config.num_layers] if capture else [])
     assert WorkerConfig.from_args(["--artifact", "x", "--no-capture-graphs"]).capture_graphs is False
+
+
+def test_a_long_graph_capture_at_start_up_logs_its_progress(monkeypatch, caplog):
+    """A GPU worker's first start compiles every kernel while capturing its graphs (minutes): the log
+    says so before it starts and how far it is while it runs, not only when it is over."""
+    import logging
+
+    from services.worker import serving
+
+    class SlowCapture:
+        def capture_graphs(self, progress=None):
+            for done in range(1, 4):
+                progress(done, 3)
+
+    monkeypatch.setattr(serving, "GRAPH_PROGRESS_LOG_S", 0.0)
+    with caplog.at_level(logging.INFO, logger=serving.__name__):
+        serving._capture_graphs(SlowCapture())
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("compiling kernels and capturing CUDA graphs")
+    assert [line.split(" (")[0] for line in lines[1:-1]] == ["captured 1 of 3 CUDA graphs", "captured 2 of 3 CUDA graphs"]
+    assert lines[-1].startswith("kernels compiled and CUDA graphs captured in")
 
 
 def _cached_store(artifacts, tmp_path):

@@ -30,6 +30,7 @@ device "cpu" works only under the Triton interpreter (TRITON_INTERPRET=1, the CP
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -251,19 +252,24 @@ class TritonRunner:
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.num_blocks = num_blocks
 
-    def capture_graphs(self, batch_sizes: tuple[int, ...] | None = None) -> None:
+    def capture_graphs(self, batch_sizes: tuple[int, ...] | None = None,
+                       progress: Callable[[int, int], None] | None = None) -> None:
         """Captures the decode graphs (at batch_sizes, default all) and every step graph now (else
-        each is captured at its first use, which a benchmark would time)."""
+        each is captured at its first use, which a benchmark would time). progress(done, total) is
+        called after each capture: the first ones compile the kernels, minutes on a cold Triton cache."""
         if self.k_cache is None:
             return
+        captures = []
         if self.graphs is not None:
-            for b in sorted(batch_sizes or self.graphs.buckets, reverse=True):
-                if self.graphs.bucket_for(b) == b:
-                    self.graphs.capture(b)
+            captures += [(self.graphs, b) for b in sorted(batch_sizes or self.graphs.buckets, reverse=True)
+                         if self.graphs.bucket_for(b) == b]
         if self.step_graphs is not None:
-            for b in reversed(self.step_graphs.buckets):
-                if b not in self.step_graphs.graphs:
-                    self.step_graphs.capture(b)
+            captures += [(self.step_graphs, b) for b in reversed(self.step_graphs.buckets)
+                         if b not in self.step_graphs.graphs]
+        for done, (graphs, b) in enumerate(captures, 1):
+            graphs.capture(b)
+            if progress is not None:
+                progress(done, len(captures))
 
     # ------------------------------------------------------------------ step
 
