@@ -79,3 +79,14 @@ def test_buffers_must_hold_the_largest_bucket():
     buffers = StepBuffers.empty(4, hidden=4, heads=2, kv_heads=1, head_dim=16, device=CPU)
     with pytest.raises(ValueError, match="cannot hold the 8-token bucket"):
         StepGraphs(lambda *a: None, lambda *a: None, LAYERS, buffers, (4, 8), CPU, capture_piece=EagerPiece)
+
+
+def test_large_steps_replay_a_graph_only_when_its_bucket_pads_them_little():
+    """Small steps wait on the host, so a graph wins at any padding; large ones are GPU-bound, and
+    7,176 tokens padded to the 8,192 bucket cost their prompt phase 8% on an H100 (session 40)."""
+    from services.worker.engine.step_graphs import LAUNCH_BOUND_TOKENS, replays_graph
+
+    assert replays_graph(17, 32) and replays_graph(LAUNCH_BOUND_TOKENS - 255, LAUNCH_BOUND_TOKENS)
+    assert not replays_graph(7176, 8192) and not replays_graph(2049, 2304)
+    assert replays_graph(8000, 8192) and replays_graph(4096, 4096)
+    assert not replays_graph(9000, None)

@@ -41,7 +41,7 @@ from services.worker.engine.gpu_layers import Fp16Ops, W4A8Ops, rmsnorm_fp16
 from services.worker.engine.gpu_weights import LayerWeights, load_weights
 from services.worker.engine.kernel_policy import GemmPolicy
 from services.worker.engine.runner import StepBatch, resolve_token_ids
-from services.worker.engine.step_graphs import DEFAULT_STEP_GRAPH_TOKENS, StepBuffers, StepGraphs
+from services.worker.engine.step_graphs import DEFAULT_STEP_GRAPH_TOKENS, StepBuffers, StepGraphs, replays_graph
 from services.worker.engine.step_inputs import HostStep, StepTensors, build_host_step, decode_rows, to_device, upload
 from services.worker.kernels import kv4_cache, paged_attention, paged_prefill_attention, prefill_attention, w4a8_gemm
 from services.worker.kernels.attention_reference import build_rope_cache
@@ -291,12 +291,13 @@ class TritonRunner:
 
     def _prompt_step(self, host: HostStep, previous_token_ids: torch.Tensor | None) -> torch.Tensor:
         """A step with prompt tokens: its pieces replayed from the step graphs with attention launched
-        between them, or (no step graphs, or a step above their largest bucket) every kernel launched
-        from the host."""
+        between them, or (no step graphs, a step above their largest bucket, or a large step its bucket
+        would pad by more than a few percent: step_graphs.replays_graph) every kernel launched from the host."""
         st = to_device(host, self.device)
         st.tokens = resolve_token_ids(st.tokens, previous_token_ids)
-        if self.step_graphs is None or len(host.tokens) > self.step_graphs.buckets[-1]:
-            return self._forward(st)  # above the largest bucket (8192 tokens by default) the GPU work dominates
+        t = len(host.tokens)
+        if self.step_graphs is None or not replays_graph(t, self.step_graphs.bucket_for(t)):
+            return self._forward(st)  # a large step far below its bucket: the GPU work dominates (replays_graph)
         return self._logits(self.step_graphs.run(st).x, st)
 
     def _decode_through_graphs(self, host: HostStep, previous_token_ids: torch.Tensor | None) -> torch.Tensor:
