@@ -105,6 +105,11 @@ class Engine:
         self.overlap = runner.device.type == "cuda" if overlap is None else overlap
         self._in_flight: _InFlight | None = None
         self.decoder = decoder
+        # One sequence must always fit in the cache on its own: one that outgrows it preempts itself
+        # and waits for room that never comes, and every request behind it waits too.
+        if limits.max_context > limits.num_blocks * runner.block_size:
+            raise ValueError(f"max_context={limits.max_context} tokens do not fit the KV cache's {limits.num_blocks} "
+                             f"blocks of {runner.block_size}")
         self.limits = limits
         self.eos_token_ids = frozenset(eos_token_ids)
         self.blocks = BlockManager(limits.num_blocks, runner.block_size)

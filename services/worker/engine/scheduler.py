@@ -3,12 +3,14 @@
 Each step has a token budget (max_batch_tokens, the chunked-prefill budget). Running sequences
 go first, decodes (one token each) before prefill chunks so a long prompt cannot stall the tokens
 of sequences already generating; then waiting sequences are admitted in arrival order while the
-budget, the running limit and the free blocks allow. A prompt is cut to the rest of the budget only
-when the step has no prefill tokens yet (a prompt longer than the budget, or one behind many
-decodes): otherwise it waits whole for the next step, because the rest of a cut prompt runs
-through the decode attention kernel one row per token, far dearer than prefill attention. Order is by arrival everywhere (first come,
-first served): a waiting request is never overtaken by a later one, and when blocks run out the
-latest-arrived running sequence is preempted (its blocks freed, its tokens recomputed later).
+budget, the running limit and the free blocks allow (the blocks of the whole prompt, not only of
+its first chunk). A prompt is cut to the rest of the budget only when the step has no prefill
+tokens yet (a prompt longer than the budget, or one behind many decodes): otherwise it waits whole
+for the next step, because the rest of a cut prompt attends over the paged cache as a continuing
+chunk (paged_prefill_attention), dearer than plain prefill attention. Order is by arrival
+everywhere (first come, first served): a waiting request is never overtaken by a later one, and
+when blocks run out the latest-arrived running sequence is preempted (its blocks freed, its tokens
+recomputed later).
 """
 
 from __future__ import annotations
@@ -103,7 +105,10 @@ class Scheduler:
             # Keep one spare block per running sequence so that admitting does not force the
             # running ones to preempt each other on their next block boundary.
             reserve = len(self.running)
-            if self.blocks.extra_blocks(seq.block_table, n) + reserve > self.blocks.num_free:
+            # The blocks of all its tokens, not only this step's chunk: a prompt let in on its first
+            # chunk's blocks, while decodes take the rest, is preempted at a later chunk and let in
+            # again as soon as that chunk fits, prefilling its start over and over for nothing.
+            if self.blocks.extra_blocks(seq.block_table, seq.num_tokens) + reserve > self.blocks.num_free:
                 break  # first come, first served: later arrivals wait behind it
             self.waiting.pop(0)
             seq.state = SeqState.RUNNING
