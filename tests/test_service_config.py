@@ -72,6 +72,7 @@ def test_an_unknown_or_abbreviated_flag_is_refused(service, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("service, flag", [("quantizer", "--store"), ("quantizer", "--work-dir"),
+                                           ("quantizer", "--eval-data"), ("quantizer", "--calib-data"),
                                            ("quantizer", "--registry-url"), ("gateway", "--listen"),
                                            ("worker", "--host"), ("worker", "--cache-dir"), ("worker", "--store"),
                                            ("worker", "--registry-url")])

@@ -116,12 +116,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", type=nonempty, default=DEFAULT_LISTEN, help="host:port to serve gRPC on")
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
                    help="default accuracy budget: largest accepted relative perplexity increase (0.05 = 5%%)")
-    p.add_argument("--eval-data", default=None, help="default eval text (path or s3:// URI) for requests that name none")
-    p.add_argument("--calib-data", default=None,
+    p.add_argument("--eval-data", type=nonempty, default=None, help="default eval text (path or s3:// URI) for requests that name none")
+    p.add_argument("--calib-data", type=nonempty, default=None,
                    help="default calibration text (path or s3:// URI) [default: the Python standard library sources]")
     p.add_argument("--workers", type=int, default=1, help="jobs that run at once")
     p.add_argument("--max-queued", type=int, default=16, help="queued jobs before Publish answers RESOURCE_EXHAUSTED")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N or auto")
+    p.add_argument("--device", type=nonempty, default="cpu", help="torch device: cpu, cuda, cuda:N or auto")
     p.add_argument("--torch-threads", type=int, default=0,
                    help="CPU threads for torch (0 = one per core; 1 on a host shared with other heavy work)")
     p.add_argument("--overlap-eval", action=argparse.BooleanOptionalAction, default=False,

@@ -24,7 +24,8 @@ class LocalStore(ObjectStore):
         if not root.is_dir():
             if not create:
                 raise StorageError(
-                    f"local store folder {root} does not exist: create it, or open the store with create=True"
+                    f"local store folder {root} does not exist: create it first (the quantizer does with "
+                    f"--create-bucket; in code, create=True)"
                 )
             root.mkdir(parents=True, exist_ok=True)
         self.root = root
