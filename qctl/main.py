@@ -15,7 +15,10 @@ from qctl.publish_cmd import publish
 from qctl.quantize_cmd import quantize
 from qctl.up_cmd import up
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Quantize, publish, roll out and serve W4A8KV4 LLMs.")
+# rich_markup_mode=None: help texts are plain text; rich markup read "[a-z0-9._-]" or "[default: ...]" in
+# them as tags and dropped them. (Typer sets it per app, so deploy_cmd and rollout_cmd set it too.)
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
+                  help="Quantize, publish, roll out and serve W4A8KV4 LLMs.")
 app.command("quantize")(quantize)
 app.command("eval")(evaluate)
 app.command("demo")(demo)

@@ -11,7 +11,7 @@ from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, ms, 
 from qctl.tls import TLS_CA_OPTION, TLS_CERT_OPTION, TLS_KEY_OPTION, tls_settings
 from shared.rpc.qserve.v1 import gateway_pb2
 
-app = typer.Typer(no_args_is_help=True, help="Canary rollouts: start, promote, abort, status.")
+app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Canary rollouts: start, promote, abort, status.")
 DEPLOYMENT_ARG = typer.Argument(..., help="deployment name")
 
 

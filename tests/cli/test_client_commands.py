@@ -110,3 +110,15 @@ def test_publish_whose_progress_stream_ends_empty_is_one_line(monkeypatch, tmp_p
     assert result.exit_code == 1 and result.stdout == ""
     assert result.stderr.strip().splitlines()[-1].startswith("error: the quantizer ended the progress stream")
 
+
+
+def test_help_texts_keep_their_square_brackets():
+    """Help is plain text: rich markup took "[a-z0-9._-]" and "[default: ...]" in option help for tags and
+    dropped them (qctl publish --help read "registry name: , up to 64 characters")."""
+    from typer.testing import CliRunner
+
+    from qctl.main import app
+
+    for argv, text in ((["publish", "--help"], "[a-z0-9._-]"), (["up", "--help"], "[default: make a small")):
+        result = CliRunner().invoke(app, argv, terminal_width=200)
+        assert result.exit_code == 0 and text in result.output, result.output
