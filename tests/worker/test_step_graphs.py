@@ -87,6 +87,7 @@ def test_large_steps_replay_a_graph_only_when_its_bucket_pads_them_little():
     from services.worker.engine.step_graphs import LAUNCH_BOUND_TOKENS, replays_graph
 
     assert replays_graph(17, 32) and replays_graph(LAUNCH_BOUND_TOKENS - 255, LAUNCH_BOUND_TOKENS)
-    assert not replays_graph(7176, 8192) and not replays_graph(2049, 2304)
-    assert replays_graph(8000, 8192) and replays_graph(4096, 4096)
+    assert replays_graph(2049, 2304) and replays_graph(4096, 4096)
+    assert not replays_graph(7176, 8192) and not replays_graph(4097, 5120)
+    assert replays_graph(8000, 8192) and replays_graph(5000, 5120)
     assert not replays_graph(9000, None)

@@ -40,13 +40,14 @@ from services.worker.engine.step_inputs import StepTensors
 # capture and no memory of its own (one pool for all). Above 4096 a step is GPU-bound anyway.
 DEFAULT_STEP_GRAPH_TOKENS = (16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048,
                              2304, 2560, 2816, 3072, 3328, 3584, 3840, 4096, 5120, 6144, 7168, 8192)
-# Up to this many tokens a step's host launches outlast its GPU work, so a graph wins even padded
-# to its bucket (H200: 3.2-3.8x at 96-144 tokens). Above it the GPU work grows with the tokens, the
-# engine launches the next step while this one runs, and a graph saves little while its padding
-# costs in proportion: 7,176-token steps padded to the 8,192 bucket made a chn batch-256 run's
-# prompt phase 4.65 s against 4.31 s kernel by kernel (H100, session 40). So above it a step
-# replays a graph only when the padding is a small share of its tokens.
-LAUNCH_BOUND_TOKENS = 2048
+# Up to this many tokens a graph wins even padded to its bucket: the host launches of a step kernel
+# by kernel (~500, 20-50 ms of Python) outlast or rival its GPU work (H200: 3.2-3.8x at 96-144
+# tokens; 2,128 tokens padded to 2,560 still took 45 ms against 50 kernel by kernel). Above it the GPU
+# work dominates, the launches hide behind it, and the padding of the coarse buckets costs in
+# proportion: 7,176-token steps padded to the 8,192 bucket made a chn batch-256 run's prompt phase
+# 4.65 s against 4.31 s kernel by kernel (H100, session 40). So above it a step replays a graph only
+# when the padding is a small share of its tokens.
+LAUNCH_BOUND_TOKENS = 4096
 MAX_PADDING_FRACTION = 1 / 32
 
 
