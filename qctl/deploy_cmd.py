@@ -8,7 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, rpc_errors, short
-from qctl.tls import TLS_CA_OPTION, TLS_CERT_OPTION, TLS_KEY_OPTION, tls_settings
+from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import gateway_pb2
 
 app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Create and list deployments.")
@@ -34,18 +34,16 @@ def show_deployment(d: gateway_pb2.Deployment, console: Console | None = None) -
 
 @app.command("create")
 @rpc_errors
+@tls_options
 def create(
     name: str = typer.Argument(..., help="deployment name: 1-64 characters of a-z 0-9 . _ -"),
     stable: str = typer.Option(..., "--stable", help="artifact id served to all traffic"),
     baseline: str = typer.Option(..., "--baseline", help="fp16 artifact id of the same model (the fallback)"),
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
-    tls_ca: str = TLS_CA_OPTION,
-    tls_client_cert: str = TLS_CERT_OPTION,
-    tls_client_key: str = TLS_KEY_OPTION,
 ):
     """Create a deployment serving STABLE, with BASELINE as its fallback."""
-    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
+    with admin_client(gateway, token) as admin:
         deployment = admin.CreateDeployment(gateway_pb2.CreateDeploymentRequest(
             name=name, stable_artifact_id=stable, baseline_artifact_id=baseline))
     show_deployment(deployment)
@@ -53,15 +51,13 @@ def create(
 
 @app.command("ls")
 @rpc_errors
+@tls_options
 def ls(
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
-    tls_ca: str = TLS_CA_OPTION,
-    tls_client_cert: str = TLS_CERT_OPTION,
-    tls_client_key: str = TLS_KEY_OPTION,
 ):
     """List deployments."""
-    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
+    with admin_client(gateway, token) as admin:
         deployments = admin.ListDeployments(gateway_pb2.ListDeploymentsRequest()).deployments
     table = Table("deployment", "stable", "canary", "baseline", "fallback")
     for d in deployments:

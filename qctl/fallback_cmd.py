@@ -8,7 +8,7 @@ import typer
 
 from qctl.deploy_cmd import show_deployment
 from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, rpc_errors
-from qctl.tls import TLS_CA_OPTION, TLS_CERT_OPTION, TLS_KEY_OPTION, tls_settings
+from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import gateway_pb2
 
 
@@ -18,17 +18,15 @@ class Switch(str, Enum):
 
 
 @rpc_errors
+@tls_options
 def fallback(
     switch: Switch = typer.Argument(..., help="on: all traffic to the baseline; off: back to stable/canary"),
     deployment: str = typer.Argument(..., help="deployment name"),
     reason: str = typer.Option("", "--reason", help="recorded in the event log"),
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
-    tls_ca: str = TLS_CA_OPTION,
-    tls_client_cert: str = TLS_CERT_OPTION,
-    tls_client_key: str = TLS_KEY_OPTION,
 ):
     """Turn a deployment's fallback switch on or off (takes effect within a second)."""
-    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
+    with admin_client(gateway, token) as admin:
         show_deployment(admin.SetFallback(gateway_pb2.SetFallbackRequest(
             deployment=deployment, enabled=switch is Switch.on, reason=reason)))

@@ -7,7 +7,7 @@ import sys
 import typer
 
 from qctl.gateway_client import GATEWAY_OPTION, gateway_client, ms, rpc_errors, short
-from qctl.tls import TLS_CA_OPTION, TLS_CERT_OPTION, TLS_KEY_OPTION, tls_settings
+from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
 
 
@@ -22,6 +22,7 @@ def _token_ids(text: str) -> list[int]:
 
 
 @rpc_errors
+@tls_options
 def generate(
     prompt: str = typer.Argument(None, help="prompt text (tokenized by the worker); or use --token-ids"),
     deployment: str = typer.Option(..., "--deployment", "-d", help="deployment name"),
@@ -34,9 +35,6 @@ def generate(
     session_key: str = typer.Option("", "--session-key", help="same key, same version during a rollout"),
     gateway: str = GATEWAY_OPTION,
     api_key: str = typer.Option(None, "--api-key", envvar="QCTL_API_KEY", help="when the gateway requires one"),
-    tls_ca: str = TLS_CA_OPTION,
-    tls_client_cert: str = TLS_CERT_OPTION,
-    tls_client_key: str = TLS_KEY_OPTION,
 ):
     """Stream the generated text to stdout; the finish line (reason, artifact, timings) goes to stderr."""
     if (prompt is None) == (token_ids is None):
@@ -51,7 +49,7 @@ def generate(
     else:
         request.token_ids.ids.extend(_token_ids(token_ids))
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-    with tls_settings(tls_ca, tls_client_cert, tls_client_key), gateway_client(gateway) as stub:
+    with gateway_client(gateway) as stub:
         for reply in stub.Generate(request, metadata=metadata):
             sys.stdout.write(reply.text)
             sys.stdout.flush()

@@ -8,23 +8,21 @@ from rich.markup import escape
 from rich.table import Table
 
 from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, rpc_errors, short
-from qctl.tls import TLS_CA_OPTION, TLS_CERT_OPTION, TLS_KEY_OPTION, tls_settings
+from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import gateway_pb2
 
 HEALTH_STYLE = {"HEALTHY": "green", "UNHEALTHY": "red", "DRAINING": "yellow"}
 
 
 @rpc_errors
+@tls_options
 def workers(
     artifact: str = typer.Option("", "--artifact", help="only workers serving this artifact id"),
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
-    tls_ca: str = TLS_CA_OPTION,
-    tls_client_cert: str = TLS_CERT_OPTION,
-    tls_client_key: str = TLS_KEY_OPTION,
 ):
     """List the workers registered with the gateway, their health and load."""
-    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
+    with admin_client(gateway, token) as admin:
         listed = admin.ListWorkers(gateway_pb2.ListWorkersRequest(artifact_id=artifact)).workers
     if not listed:
         Console().print("no workers registered" + (f" for artifact {artifact}" if artifact else ""))
@@ -41,17 +39,15 @@ def workers(
 
 
 @rpc_errors
+@tls_options
 def events(
     deployment: str = typer.Option("", "--deployment", "-d", help="only this deployment's events"),
     limit: int = typer.Option(20, "--limit", min=1, max=1000, help="most events shown, newest first"),
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
-    tls_ca: str = TLS_CA_OPTION,
-    tls_client_cert: str = TLS_CERT_OPTION,
-    tls_client_key: str = TLS_KEY_OPTION,
 ):
     """The registry's event log, newest first: rollouts, fallback switches (with reasons and actors)."""
-    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
+    with admin_client(gateway, token) as admin:
         listed = admin.ListEvents(gateway_pb2.ListEventsRequest(deployment=deployment, limit=limit)).events
     table = Table("id", "time (UTC)", "deployment", "kind", "actor", "artifact", "detail")
     for e in listed:

@@ -10,7 +10,7 @@ from rich.table import Table
 from qctl.errors import rpc_errors
 from qctl.gateway_client import RPC_TIMEOUT_S
 from qctl.publish_cmd import QUANTIZER_OPTION, quantizer_stub
-from qctl.tls import TLS_CA_OPTION, TLS_CERT_OPTION, TLS_KEY_OPTION, tls_settings
+from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import common_pb2, quantizer_pb2
 
 Q = quantizer_pb2
@@ -18,16 +18,13 @@ STATE_STYLE = {"READY": "green", "PENDING": "yellow", "FAILED": "red"}
 
 
 @rpc_errors("quantizer")
+@tls_options
 def ls(
     quantizer: str = QUANTIZER_OPTION,
     model: str = typer.Option("", "--model", help="only this model"),
-    tls_ca: str = TLS_CA_OPTION,
-    tls_client_cert: str = TLS_CERT_OPTION,
-    tls_client_key: str = TLS_KEY_OPTION,
 ):
     """List models, versions and artifacts (state, format, GPU, perplexity fp16 -> quantized)."""
-    with tls_settings(tls_ca, tls_client_cert, tls_client_key):
-        channel, stub = quantizer_stub(quantizer)
+    channel, stub = quantizer_stub(quantizer)
     with channel:
         models = stub.ListModels(Q.ListModelsRequest(model_name=model), timeout=RPC_TIMEOUT_S).models
         listed = stub.ListArtifacts(Q.ListArtifactsRequest(model_name=model), timeout=RPC_TIMEOUT_S).artifacts

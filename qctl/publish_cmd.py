@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from qctl.errors import rpc_errors
-from qctl.tls import TLS_CA_OPTION, TLS_CERT_OPTION, TLS_KEY_OPTION, open_channel, tls_settings
+from qctl.tls import open_channel, tls_options
 from shared.formats.manifest import GPU_TARGETS
 from shared.formats.spec import FORMATS
 from shared.rpc.qserve.v1 import quantizer_pb2, quantizer_pb2_grpc
@@ -42,15 +42,13 @@ def _location(value: str | None) -> str:
 
 
 @rpc_errors("quantizer")
+@tls_options
 def publish(
     source: str = typer.Option(..., "--source", help="checkpoint folder or s3://bucket/prefix"),
     model_name: str = typer.Option(..., "--model-name", help="registry name: [a-z0-9._-], up to 64 characters"),
     format: FormatName = typer.Option(..., "--format", help="artifact format"),
     gpu_target: GpuTarget = typer.Option(..., "--gpu-target", help="GPU the artifact is bound to"),
     quantizer: str = QUANTIZER_OPTION,
-    tls_ca: str = TLS_CA_OPTION,
-    tls_client_cert: str = TLS_CERT_OPTION,
-    tls_client_key: str = TLS_KEY_OPTION,
     version_label: str = typer.Option("", "--version-label", help="human label of the model version"),
     calib: str = typer.Option(None, "--calib", help="calibration text file or s3:// URI [default: the quantizer's]"),
     calib_samples: int = typer.Option(0, min=0, max=UINT32_MAX, help="calibration windows (0: the quantizer's default)"),
@@ -93,8 +91,7 @@ def publish(
     if budget is not None:
         request.max_relative_perplexity_increase = budget
     console = Console(stderr=True)
-    with tls_settings(tls_ca, tls_client_cert, tls_client_key):
-        channel, stub = quantizer_stub(quantizer)
+    channel, stub = quantizer_stub(quantizer)
     with channel:
         job = stub.Publish(request)
         console.print(f"job {job.job_id} queued at {quantizer}")

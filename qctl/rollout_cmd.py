@@ -8,7 +8,7 @@ from rich.table import Table
 
 from qctl.deploy_cmd import show_deployment
 from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, ms, rpc_errors, short
-from qctl.tls import TLS_CA_OPTION, TLS_CERT_OPTION, TLS_KEY_OPTION, tls_settings
+from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import gateway_pb2
 
 app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Canary rollouts: start, promote, abort, status.")
@@ -17,65 +17,57 @@ DEPLOYMENT_ARG = typer.Argument(..., help="deployment name")
 
 @app.command("start")
 @rpc_errors
+@tls_options
 def start(
     deployment: str = DEPLOYMENT_ARG,
     canary: str = typer.Option(..., "--canary", help="artifact id of the canary"),
     percent: int = typer.Option(..., "--percent", min=1, max=100, help="share of traffic for the canary, 1-100"),
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
-    tls_ca: str = TLS_CA_OPTION,
-    tls_client_cert: str = TLS_CERT_OPTION,
-    tls_client_key: str = TLS_KEY_OPTION,
 ):
     """Send PERCENT of traffic to CANARY (sticky per session key). Again with the same canary: new percent."""
-    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
+    with admin_client(gateway, token) as admin:
         show_deployment(admin.StartRollout(gateway_pb2.StartRolloutRequest(
             deployment=deployment, canary_artifact_id=canary, canary_percent=percent)))
 
 
 @app.command("promote")
 @rpc_errors
+@tls_options
 def promote(
     deployment: str = DEPLOYMENT_ARG,
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
-    tls_ca: str = TLS_CA_OPTION,
-    tls_client_cert: str = TLS_CERT_OPTION,
-    tls_client_key: str = TLS_KEY_OPTION,
 ):
     """Make the canary the stable artifact (instant)."""
-    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
+    with admin_client(gateway, token) as admin:
         show_deployment(admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(deployment=deployment)))
 
 
 @app.command("abort")
 @rpc_errors
+@tls_options
 def abort(
     deployment: str = DEPLOYMENT_ARG,
     reason: str = typer.Option("", "--reason", help="recorded in the event log"),
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
-    tls_ca: str = TLS_CA_OPTION,
-    tls_client_cert: str = TLS_CERT_OPTION,
-    tls_client_key: str = TLS_KEY_OPTION,
 ):
     """Send all traffic back to the stable artifact (instant)."""
-    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
+    with admin_client(gateway, token) as admin:
         show_deployment(admin.AbortRollout(gateway_pb2.AbortRolloutRequest(deployment=deployment, reason=reason)))
 
 
 @app.command("status")
 @rpc_errors
+@tls_options
 def status(
     deployment: str = DEPLOYMENT_ARG,
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
-    tls_ca: str = TLS_CA_OPTION,
-    tls_client_cert: str = TLS_CERT_OPTION,
-    tls_client_key: str = TLS_KEY_OPTION,
 ):
     """The deployment and its arms' metrics side by side."""
-    with tls_settings(tls_ca, tls_client_cert, tls_client_key), admin_client(gateway, token) as admin:
+    with admin_client(gateway, token) as admin:
         reply = admin.RolloutStatus(gateway_pb2.RolloutStatusRequest(deployment=deployment))
     console = Console()
     show_deployment(reply.deployment, console)

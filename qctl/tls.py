@@ -2,12 +2,15 @@
 unless --tls-ca / QCTL_TLS_CA names the CA certificates that signed the server's certificate. The same
 settings serve the gateway and the quantizer commands (a command talks to one of them).
 
-A command opens its channels inside `with tls_settings(...)`: the channel helpers (admin_client,
-gateway_client, quantizer_stub) keep their (address[, token]) signatures, and `qctl up`, which calls them
-outside any such block, stays on plaintext for its own loopback stack whatever QCTL_TLS_CA holds."""
+A command decorated with @tls_options takes the three options and runs inside `with tls_settings(...)`:
+the channel helpers (admin_client, gateway_client, quantizer_stub) keep their (address[, token])
+signatures, and `qctl up`, which calls them outside any such block, stays on plaintext for its own
+loopback stack whatever QCTL_TLS_CA holds."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -43,3 +46,23 @@ def tls_settings(tls_ca: str, tls_client_cert: str, tls_client_key: str) -> Iter
 
 def open_channel(address: str) -> grpc.Channel:
     return channel(address, _current.get())
+
+
+_OPTIONS = (("tls_ca", TLS_CA_OPTION), ("tls_client_cert", TLS_CERT_OPTION), ("tls_client_key", TLS_KEY_OPTION))
+
+
+def tls_options(command):
+    """A qctl command with --tls-ca / --tls-client-cert / --tls-client-key added to its options (typer
+    reads the signature), run inside tls_settings. Put it under @rpc_errors, which prints a TlsError and
+    reads tls_ca for its hints."""
+    signature = inspect.signature(command)
+
+    @functools.wraps(command)
+    def run(*args, tls_ca: str, tls_client_cert: str, tls_client_key: str, **kwargs):
+        with tls_settings(tls_ca, tls_client_cert, tls_client_key):
+            return command(*args, **kwargs)
+
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=str)
+             for name, option in _OPTIONS]
+    run.__signature__ = signature.replace(parameters=[*signature.parameters.values(), *extra])
+    return run
