@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +55,7 @@ def _sqlite_engine(url: sa.URL) -> sa.Engine:
         dbapi_conn.isolation_level = None  # sqlite3 must not emit its own BEGIN; _on_begin does
         cursor = dbapi_conn.cursor()
         cursor.execute("PRAGMA foreign_keys = ON")
-        cursor.execute("PRAGMA journal_mode = WAL")
+        _use_wal(cursor)
         cursor.close()
 
     @sa.event.listens_for(engine, "begin")
@@ -64,6 +66,21 @@ def _sqlite_engine(url: sa.URL) -> sa.Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+def _use_wal(cursor) -> None:
+    """PRAGMA journal_mode = WAL, retried while the database is locked: two services opening a new
+    registry together race to switch its journal mode, and the loser's switch can fail at once with
+    'database is locked' instead of waiting out the busy timeout as a write does."""
+    deadline = time.monotonic() + _SQLITE_LOCK_WAIT_S
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 @dataclass
