@@ -52,10 +52,7 @@ def create(
 @app.command("ls")
 @rpc_errors
 @tls_options
-def ls(
-    gateway: str = GATEWAY_OPTION,
-    token: str = TOKEN_OPTION,
-):
+def ls(gateway: str = GATEWAY_OPTION, token: str = TOKEN_OPTION):
     """List deployments."""
     with admin_client(gateway, token) as admin:
         deployments = admin.ListDeployments(gateway_pb2.ListDeploymentsRequest()).deployments

@@ -34,11 +34,7 @@ def start(
 @app.command("promote")
 @rpc_errors
 @tls_options
-def promote(
-    deployment: str = DEPLOYMENT_ARG,
-    gateway: str = GATEWAY_OPTION,
-    token: str = TOKEN_OPTION,
-):
+def promote(deployment: str = DEPLOYMENT_ARG, gateway: str = GATEWAY_OPTION, token: str = TOKEN_OPTION):
     """Make the canary the stable artifact (instant)."""
     with admin_client(gateway, token) as admin:
         show_deployment(admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(deployment=deployment)))
@@ -61,11 +57,7 @@ def abort(
 @app.command("status")
 @rpc_errors
 @tls_options
-def status(
-    deployment: str = DEPLOYMENT_ARG,
-    gateway: str = GATEWAY_OPTION,
-    token: str = TOKEN_OPTION,
-):
+def status(deployment: str = DEPLOYMENT_ARG, gateway: str = GATEWAY_OPTION, token: str = TOKEN_OPTION):
     """The deployment and its arms' metrics side by side."""
     with admin_client(gateway, token) as admin:
         reply = admin.RolloutStatus(gateway_pb2.RolloutStatusRequest(deployment=deployment))

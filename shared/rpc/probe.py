@@ -15,8 +15,8 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.config import ServiceArgumentParser
-from shared.rpc.tls import CLIENT_FLAGS, ClientTls, TlsError, channel, load_client_tls, mismatch_hint
+from shared.config import ServiceArgumentParser, add_tls_client_arguments
+from shared.rpc.tls import ClientTls, TlsError, channel, load_client_tls, mismatch_hint
 
 
 def check(address: str, service: str = "", timeout_s: float = 3.0, tls: ClientTls | None = None) -> tuple[bool, str]:
@@ -36,10 +36,7 @@ def _parser() -> argparse.ArgumentParser:
                               description="Exit 0 when the server's health service answers SERVING, 1 otherwise.")
     p.add_argument("address", metavar="HOST:PORT")
     p.add_argument("service", nargs="?", default="", help="a service name [default: the server as a whole]")
-    ca, cert, key = CLIENT_FLAGS
-    p.add_argument(ca, default=None, metavar="FILE", help="PEM CA certificates: ask over TLS [default: plaintext]")
-    p.add_argument(cert, default=None, metavar="FILE", help="PEM client certificate (mutual TLS)")
-    p.add_argument(key, default=None, metavar="FILE", help="PEM private key of the client certificate")
+    add_tls_client_arguments(p, "servers")
     # A container's health check dials 127.0.0.1, while the service's certificate names the host that
     # other containers reach it by.
     p.add_argument("--tls-server-name", default=None, metavar="NAME",

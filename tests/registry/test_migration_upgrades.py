@@ -168,15 +168,16 @@ def test_a_database_with_registry_tables_but_no_revision_is_refused(db_url: str)
         upgrade(db_url)
 
 
-def test_services_starting_together_migrate_an_empty_database_once(db_url: str) -> None:
+def _open_together(url: str) -> list[BaseException]:
+    """Two services opening the registry at `url` at the same moment; what each raised."""
     barrier = threading.Barrier(2)
     errors: list[BaseException] = []
 
     def start() -> None:
         try:
             barrier.wait(timeout=10)
-            create_registry(db_url).close()
-        except BaseException as exc:  # reported below
+            create_registry(url).close()
+        except BaseException as exc:  # reported by the caller
             errors.append(exc)
 
     threads = [threading.Thread(target=start) for _ in range(2)]
@@ -184,6 +185,11 @@ def test_services_starting_together_migrate_an_empty_database_once(db_url: str) 
         t.start()
     for t in threads:
         t.join(timeout=60)
+    return errors
+
+
+def test_services_starting_together_migrate_an_empty_database_once(db_url: str) -> None:
+    errors = _open_together(db_url)
     assert not errors, errors
     engine = make_engine(db_url)
     try:
@@ -196,20 +202,5 @@ def test_services_opening_a_new_sqlite_registry_together_never_see_it_locked(tmp
     """Both switch a new file's journal mode to WAL at connect; the loser's switch failed at once with
     'database is locked' (about one start in 25-60 on 2 cores) instead of waiting for the winner."""
     for attempt in range(40):
-        url = f"sqlite:///{tmp_path}/registry-{attempt}.db"
-        barrier = threading.Barrier(2)
-        errors: list[BaseException] = []
-
-        def start() -> None:
-            try:
-                barrier.wait(timeout=10)
-                create_registry(url).close()
-            except BaseException as exc:  # reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=start) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        errors = _open_together(f"sqlite:///{tmp_path}/registry-{attempt}.db")
         assert not errors, (attempt, errors)
