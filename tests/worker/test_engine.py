@@ -137,6 +137,32 @@ def test_a_failing_step_ends_its_requests_with_an_error_and_frees_blocks():
     assert engine.stats().kv_blocks_used == 0 and engine.num_in_flight == 0
 
 
+class FailsOnceRunner(ScriptedRunner):
+    def step(self, batch: StepBatch) -> torch.Tensor:
+        self.fail, failing = False, self.fail
+        if failing:
+            raise RuntimeError("device lost")
+        return super().step(batch)
+
+
+def test_a_failed_step_does_not_stop_a_step_loop_with_requests_still_waiting():
+    """step() returned False after a failed step (nothing launched), so `while engine.step()` stopped
+    with the requests that had waited behind the failed ones never run."""
+    limits = EngineLimits(num_blocks=32, max_running=2, max_waiting=4, max_batch_tokens=16, max_context=64)
+    engine = Engine(FailsOnceRunner([3], fail=True), Text(), limits, eos_token_ids=(EOS,), overlap=OVERLAP["value"])
+    outs = {}
+    for i in range(4):
+        outs[i] = []
+        engine.add_request(f"r{i}", [1, 2], SamplingOptions(max_new_tokens=2), outs[i].append)
+    while engine.step():
+        pass
+    assert engine.num_in_flight == 0 and engine.stats().kv_blocks_used == 0
+    errors = [i for i in outs if outs[i][-1].error]
+    assert errors == [0, 1]
+    assert [[t for o in outs[i] for t in o.token_ids] for i in (2, 3)] == [[3, 3], [3, 3]]
+    assert all(outs[i][-1].finish.reason is FinishReason.LENGTH and not outs[i][-1].error for i in (2, 3))
+
+
 def test_chunks_given_to_the_runner_cover_the_prompt_then_one_token():
     engine = _engine([3])
     _run(engine, list(range(1, 21)), max_new_tokens=2)

@@ -217,7 +217,8 @@ class Engine:
     def step(self) -> bool:
         """One iteration on the caller's thread (tests and benchmarks drive the engine without its
         thread): schedule and launch a step, then read back the previous step's tokens (with
-        overlap) or this one's. False when there was nothing to launch or read back."""
+        overlap) or this one's. False when there was nothing to schedule or read back (a step that
+        was scheduled and failed counts as work done: its requests ended, others may be waiting)."""
         return self._iterate()
 
     def _iterate(self) -> bool:
@@ -233,7 +234,7 @@ class Engine:
             self._read_back(previous)
         if launched is not None and not self.overlap:
             self._read_back(launched)
-        return launched is not None or previous is not None
+        return bool(schedule.chunks) or previous is not None
 
     def _chunks(self, schedule: Schedule) -> list[SequenceChunk]:
         """The runner's chunks of a schedule (with the lock held)."""
