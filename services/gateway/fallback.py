@@ -9,6 +9,11 @@
 Each action is taken as actor "auto" with the measured figures as the reason, in the registry's
 event log. Turning fallback back off is a person's decision (`qctl fallback off`).
 
+An action is held off while the arm the traffic would move to has no healthy worker in this gateway's
+pool (fallback: the baseline; a canary's abort: the stable, else the baseline): a deployment whose fp16
+baseline runs no workers would otherwise go from over budget to refusing every request (UNAVAILABLE).
+It is taken on the first pass after such a worker registers, if the arm is still over budget.
+
 The window starts no earlier than the deployment's last change, so what was measured before an
 operator turned fallback off (or before a promote or a new canary) does not trip the guard again.
 The change's time in the registry is the clock of whichever replica made it; the window also starts no
@@ -23,8 +28,9 @@ import logging
 import time
 
 from services.gateway.config import FallbackBudget
-from services.gateway.deployments import DeploymentCache, DeploymentView, view_of
+from services.gateway.deployments import ArtifactRefView, DeploymentCache, DeploymentView, view_of
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.pool import WorkerPool
 from shared import registry as reg
 from shared.registry import Registry, RegistryError
 
@@ -40,12 +46,16 @@ class GuardAction(enum.Enum):
 
 
 class AutoFallback:
+    HELD_OFF_LOG_S = 30.0  # how often an action held off for want of workers is logged, per deployment
+
     def __init__(self, registry: Registry, deployments: DeploymentCache, metrics: GatewayMetrics,
-                 budget: FallbackBudget):
+                 budget: FallbackBudget, pool: WorkerPool):
         self.registry = registry
         self.deployments = deployments
         self.metrics = metrics
         self.budget = budget
+        self.pool = pool
+        self._held_off_logged: dict[tuple[str, GuardAction], float] = {}  # -> when last logged (monotonic)
 
     def arm_breach(self, view: DeploymentView, arm: str, now: float | None = None) -> str | None:
         """Why this arm ("stable" or "canary") of the deployment is over budget, or None when it is not."""
@@ -72,10 +82,29 @@ class AutoFallback:
             return None  # everything already goes to the baseline
         if view.baseline is not None and view.stable is not None and view.stable.format != "fp16":
             reason = self.arm_breach(view, "stable", now)
-            if reason is not None:
+            if reason is not None and self._can_take(view, GuardAction.FALLBACK, reason, [view.baseline]):
                 return GuardAction.FALLBACK, reason
         reason = self.arm_breach(view, "canary", now)
-        return (GuardAction.ABORT, reason) if reason is not None else None
+        if reason is not None and self._can_take(view, GuardAction.ABORT, reason, [view.stable, view.baseline]):
+            return GuardAction.ABORT, reason
+        return None
+
+    def _can_take(self, view: DeploymentView, action: GuardAction, reason: str,
+                  destinations: list[ArtifactRefView | None]) -> bool:
+        """Whether a healthy worker serves one of the artifacts the action moves traffic to (in routing
+        order); when none does, the action would refuse every moved request, so it is held off (and
+        logged now and then: the check runs twice a second)."""
+        targets = [ref for ref in destinations if ref is not None]
+        if any(self.pool.healthy(ref.artifact_id) for ref in targets):
+            return True
+        now = time.monotonic()
+        key = (view.name, action)
+        if now - self._held_off_logged.get(key, -self.HELD_OFF_LOG_S) >= self.HELD_OFF_LOG_S:
+            self._held_off_logged[key] = now
+            log.warning("deployment %s: automatic %s held off: no healthy worker serves %s, so it would refuse "
+                        "every moved request; over budget: %s", view.name, action.value,
+                        " nor ".join(ref.artifact_id for ref in targets), reason)
+        return False
 
     async def check(self) -> list[str]:
         """One pass over the deployments this gateway serves; returns the names it acted on."""

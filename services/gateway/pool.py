@@ -178,9 +178,13 @@ class WorkerPool:
         """Removes every worker whose last heartbeat is older than forget_after_s; returns them."""
         now = time.monotonic()
         gone = [w for w in self.workers.values() if now - w.last_heartbeat_mono > self.forget_after_s]
+        removed = []
         for worker in gone:
-            await self.remove(worker.worker_id)
-        return gone
+            # Each removal waits for its connection watcher to stop; a worker found silent may meanwhile
+            # have deregistered (or registered anew), and is no longer this pool's to remove.
+            if self.workers.get(worker.worker_id) is worker:
+                removed.append(await self.remove(worker.worker_id))
+        return removed
 
     def healthy(self, artifact_id: str) -> list[PooledWorker]:
         return [w for w in self.workers.values() if w.artifact.artifact_id == artifact_id and w.health is Health.HEALTHY]

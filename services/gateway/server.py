@@ -67,7 +67,7 @@ class GatewayServer:
         config = self.config
         self.registry = await asyncio.to_thread(create_registry, config.registry_url)
         self.deployments = DeploymentCache(self.registry, config.deployment_cache_s)
-        self.fallback = AutoFallback(self.registry, self.deployments, self.metrics, config.budget)
+        self.fallback = AutoFallback(self.registry, self.deployments, self.metrics, config.budget, self.pool)
         self.gateway = GatewayServicer(self.pool, self.deployments, self.metrics, ApiKeys(config.api_keys),
                                        config.max_concurrent_streams)
         admin = AdminServicer(self.registry, self.pool, self.deployments, self.metrics, AdminAuth(config.admin_tokens),
@@ -122,12 +122,18 @@ class GatewayServer:
         interval = min(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s / 4)
         while True:
             await asyncio.sleep(interval)
-            for worker in self.pool.expire():
-                log.warning("worker %s (%s) marked unhealthy: %s", worker.worker_id, worker.address,
-                            worker.failed_reason)
-            for worker in await self.pool.forget():
-                log.warning("worker %s (%s) removed from the pool: no heartbeat for %.0f s", worker.worker_id,
-                            worker.address, time.monotonic() - worker.last_heartbeat_mono)
+            try:
+                await self._expire_workers_once()
+            except Exception:  # the loop must outlive any one pass: without it a hung worker keeps its traffic
+                log.exception("checking the workers' heartbeats failed; checking again in %.1f s", interval)
+
+    async def _expire_workers_once(self) -> None:
+        for worker in self.pool.expire():
+            log.warning("worker %s (%s) marked unhealthy: %s", worker.worker_id, worker.address,
+                        worker.failed_reason)
+        for worker in await self.pool.forget():
+            log.warning("worker %s (%s) removed from the pool: no heartbeat for %.0f s", worker.worker_id,
+                        worker.address, time.monotonic() - worker.last_heartbeat_mono)
 
 
 class BackgroundGateway:

@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 import grpc
 import sqlalchemy as sa
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from services.gateway.auth import AdminAuth
 from services.gateway.deployments import ArtifactRefView, DeploymentCache, DeploymentView, timestamp, view_of
@@ -50,6 +51,14 @@ def _required(field: str, value: str) -> str:
     if not value:
         raise InvalidRequest(f"{field} is required")
     return value
+
+
+def _since(at: Timestamp) -> datetime:
+    try:
+        return at.ToDatetime(tzinfo=timezone.utc)
+    except ValueError:  # out of the calendar's range: the client's input, not the gateway's failure
+        raise InvalidRequest(f"since ({at.seconds} s, {at.nanos} ns after 1970-01-01 UTC) is not a valid time: "
+                             f"give one between 0001-01-01 and 9999-12-31 UTC, or leave it unset") from None
 
 
 def _seconds(value: float) -> Duration:
@@ -240,7 +249,7 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
         limit = request.limit or DEFAULT_EVENTS
         if limit > MAX_EVENTS:
             raise InvalidRequest(f"limit {limit} is not accepted: use 1..{MAX_EVENTS} (0 = {DEFAULT_EVENTS})")
-        since = request.since.ToDatetime(tzinfo=timezone.utc) if request.HasField("since") else None
+        since = _since(request.since) if request.HasField("since") else None
 
         def read():
             stmt = (sa.select(Event, Deployment.name).outerjoin(Deployment, Event.deployment_id == Deployment.id)

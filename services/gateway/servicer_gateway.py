@@ -148,8 +148,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                             f"({'; '.join(f.removeprefix(_FULL) for f in failures)})") from exc
                     raise
                 if failed_route is not None:
-                    self.metrics.record(deployment.name, failed_route.arm.label, failed_route.artifact.artifact_id,
-                                        Outcome(at=time.time(), server_error=True, ttft_s=None, tpot_s=None, tokens=0))
+                    self._record_failed_attempt(deployment, failed_route)
                     failed_route = None
                 tried.add(attempt.worker.worker_id)
                 worker_request = _worker_request(request, f"{worker_key}.{len(tried)}")
@@ -172,11 +171,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise
         except AdmissionFull:
             counted = False
+            # The request is shed, but a worker that failed it before the others turned out full did fail:
+            # uncounted, a canary failing under load would stay hidden from the guard.
+            if failed_route is not None:
+                self._record_failed_attempt(deployment, failed_route)
             raise
         finally:
             if counted:
                 self.metrics.record(deployment.name, trace.route.arm.label, trace.route.artifact.artifact_id,
                                     trace.outcome())
+
+    def _record_failed_attempt(self, deployment: DeploymentView, route: Route) -> None:
+        self.metrics.record(deployment.name, route.arm.label, route.artifact.artifact_id,
+                            Outcome(at=time.time(), server_error=True, ttft_s=None, tpot_s=None, tokens=0))
 
     def _pick(self, deployment: DeploymentView, trace: Trace, tried: set[str], failures: list[str]) -> PooledWorker:
         """A worker for the request's arm, else for the next of its fallback routes (router.fallback_routes)."""

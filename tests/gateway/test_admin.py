@@ -6,6 +6,7 @@ import urllib.request
 
 import grpc
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -98,6 +99,19 @@ def test_list_events_is_newest_first_and_bounded(artifacts):
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await stack.admin.ListEvents(gateway_pb2.ListEventsRequest(limit=1001), metadata=ADMIN)
             assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "1001" in raised.value.details()
+
+    run(scenario())
+
+
+def test_list_events_since_a_time_out_of_range_is_invalid_argument_naming_it(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            for seconds in (2**40, -2**40):
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await stack.admin.ListEvents(gateway_pb2.ListEventsRequest(since=Timestamp(seconds=seconds)),
+                                                 metadata=ADMIN)
+                assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "since" in raised.value.details() and str(seconds) in raised.value.details()
 
     run(scenario())
 

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
-from tests.gateway.conftest import ADMIN, gateway_stack, run, tokens_of
+from tests.gateway.conftest import ADMIN, DEPLOYMENT, gateway_stack, run, tokens_of
 from tests.gateway.fake_worker import expected_tokens
 
 
@@ -127,6 +127,28 @@ def test_workers_that_answer_full_are_tried_in_turn_and_stay_healthy(artifacts):
             assert "admission limit" in raised.value.details()
             listed = await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)
             assert {w.health for w in listed.workers} == {gateway_pb2.WORKER_HEALTH_HEALTHY}
+
+    run(scenario())
+
+
+def test_a_failure_before_the_other_workers_turned_out_full_still_counts_against_its_arm(artifacts):
+    """The canary's one free worker fails the request before any token and its other worker is at capacity:
+    the client is told to retry later (RESOURCE_EXHAUSTED), and the failure still counts as the canary's
+    error, or a canary failing under load would be invisible to the guard and to RolloutStatus."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=100), metadata=ADMIN)
+            broken = await stack.add_worker(artifacts.canary, capacity=4)
+            broken.worker.fail_before_first = True
+            busy = await stack.add_worker(artifacts.canary, capacity=1)
+            stack.gateway.pool.acquire(stack.gateway.pool.get(busy.worker_id))  # a stream open on it
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.generate()
+            assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert len(broken.worker.started) == 1 and not busy.worker.started
+            canary = stack.gateway.metrics.stats(DEPLOYMENT, artifacts.canary, since=0.0)
+            assert (canary.requests, canary.errors) == (1, 1)
 
     run(scenario())
 

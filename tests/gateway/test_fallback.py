@@ -212,6 +212,7 @@ def test_the_guard_does_not_act_on_a_deployment_changed_since_its_verdict(artifa
     canary meanwhile. The guard must not abort the new canary for the old one's figures."""
     async def scenario():
         async with gateway_stack(artifacts) as stack:
+            await stack.add_worker(artifacts.stable)  # somewhere to send an aborted canary's traffic
             with stack.gateway.registry.transaction() as session:
                 version = reg.register_model_version(session, "tiny", "e" * 64, label="v3")
                 other = reg.reserve_artifact(session, version.id, "w4a8kv4-g128", "cpu").artifact
@@ -232,10 +233,65 @@ def test_the_guard_does_not_act_on_a_deployment_changed_since_its_verdict(artifa
                 reg.start_rollout(session, DEPLOYMENT, canary_artifact_id=other_canary, percent=5, actor="ops")
             cache.put(stale)  # this gateway has not seen that change yet
             guard = AutoFallback(stack.gateway.registry, cache, stack.gateway.metrics,
-                                 FallbackBudget(max_error_rate=0.1, max_tpot_p95_s=10.0, window_s=30.0, min_requests=3))
+                                 FallbackBudget(max_error_rate=0.1, max_tpot_p95_s=10.0, window_s=30.0, min_requests=3),
+                                 stack.gateway.pool)
             await guard.check()
             deployment = await stack.deployment()
             assert deployment.canary.artifact_id == other_canary and deployment.canary_percent == 5, \
                 "the guard aborted a canary it never measured"
+
+    run(scenario())
+
+
+def _failures(stack, arm: str, artifact_id: str, count: int) -> None:
+    """Requests of this arm that failed on the serving side, as the gateway records them."""
+    for _ in range(count):
+        stack.gateway.metrics.record(DEPLOYMENT, arm, artifact_id, Outcome(
+            at=time.time(), server_error=True, ttft_s=None, tpot_s=None, tokens=0))
+
+
+# Checked by hand (guard.check()), so that what a pass decides does not depend on when the loop runs.
+HAND_RUN_GUARD = FallbackBudget(max_error_rate=0.1, max_tpot_p95_s=10.0, window_s=30.0, min_requests=3,
+                                enabled=False)
+
+
+def test_the_guard_does_not_fall_back_to_a_baseline_no_worker_serves(artifacts):
+    """A quantized stable over budget, and the fp16 baseline has no worker: fallback would turn a
+    degraded deployment into one that refuses every request. The guard holds off, and falls back once
+    a baseline worker is there."""
+    async def scenario():
+        async with gateway_stack(artifacts, budget=HAND_RUN_GUARD) as stack:
+            await stack.add_worker(artifacts.stable)
+            await asyncio.sleep(0.01)  # the failures below come after the deployment's last change
+            _failures(stack, "stable", artifacts.stable, 5)
+            guard = stack.gateway.fallback
+            assert await guard.check() == []
+            assert not (await stack.deployment()).fallback
+            assert arm_of(await stack.generate()) == gateway_pb2.ARM_STABLE
+            await stack.add_worker(artifacts.baseline)
+            assert await guard.check() == [DEPLOYMENT]
+            assert arm_of(await stack.generate()) == gateway_pb2.ARM_BASELINE
+
+    run(scenario())
+
+
+def test_the_guard_does_not_abort_a_canary_when_nothing_else_can_serve_its_traffic(artifacts):
+    """A canary at 100% over budget while neither the stable nor the baseline has a worker: aborting it
+    would send all of its traffic nowhere. Held off; aborted once a stable worker is there."""
+    async def scenario():
+        async with gateway_stack(artifacts, budget=HAND_RUN_GUARD) as stack:
+            await stack.add_worker(artifacts.canary)
+            await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=100), metadata=ADMIN)
+            await asyncio.sleep(0.01)
+            _failures(stack, "canary", artifacts.canary, 5)
+            guard = stack.gateway.fallback
+            assert await guard.check() == []
+            assert (await stack.deployment()).canary.artifact_id == artifacts.canary
+            assert arm_of(await stack.generate()) == gateway_pb2.ARM_CANARY
+            await stack.add_worker(artifacts.stable)
+            assert await guard.check() == [DEPLOYMENT]
+            assert not (await stack.deployment()).HasField("canary")
+            assert arm_of(await stack.generate()) == gateway_pb2.ARM_STABLE
 
     run(scenario())
