@@ -34,10 +34,17 @@ def start(
 @app.command("promote")
 @rpc_errors
 @tls_options
-def promote(deployment: str = DEPLOYMENT_ARG, gateway: str = GATEWAY_OPTION, token: str = TOKEN_OPTION):
+def promote(
+    deployment: str = DEPLOYMENT_ARG,
+    canary: str = typer.Option("", "--canary", help="artifact id of the canary you reviewed: refused if the rollout "
+                                                    "now has another canary (aborted and restarted meanwhile)"),
+    gateway: str = GATEWAY_OPTION,
+    token: str = TOKEN_OPTION,
+):
     """Make the canary the stable artifact (instant)."""
     with admin_client(gateway, token) as admin:
-        show_deployment(admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(deployment=deployment)))
+        show_deployment(admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(
+            deployment=deployment, canary_artifact_id=canary)))
 
 
 @app.command("abort")

@@ -118,7 +118,7 @@ def up(
                 deployment=name, canary_artifact_id=quantized_id, canary_percent=canary_percent))
             console.print(f"rollout: {format.value} {quantized_id[:12]} takes {canary_percent}% as the canary")
             _show_canary_split(gateway, name, console)
-            admin.PromoteRollout(G.PromoteRolloutRequest(deployment=name))
+            admin.PromoteRollout(G.PromoteRolloutRequest(deployment=name, canary_artifact_id=quantized_id))
             console.print(f"promoted: {format.value} {quantized_id[:12]} is now stable (fp16 stays the baseline)")
         _stream(gateway, name, prompt, new_tokens, console)
 
@@ -236,7 +236,7 @@ def _deploy_baseline(admin, name: str, baseline_id: str, workdir: Path, console:
         admin.SetFallback(G.SetFallbackRequest(deployment=name, enabled=False, reason=reason))
     if d.stable.artifact_id != baseline_id:
         admin.StartRollout(G.StartRolloutRequest(deployment=name, canary_artifact_id=baseline_id, canary_percent=100))
-        admin.PromoteRollout(G.PromoteRolloutRequest(deployment=name))
+        admin.PromoteRollout(G.PromoteRolloutRequest(deployment=name, canary_artifact_id=baseline_id))
 
 
 def _show_canary_split(gateway: str, name: str, console: Console) -> None:

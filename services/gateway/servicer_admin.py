@@ -202,7 +202,9 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
     @_admin
     async def PromoteRollout(self, request: gateway_pb2.PromoteRolloutRequest, actor: str):
         name = _required("deployment", request.deployment)
-        return (await self._change(lambda session: reg.promote(session, name, actor=actor))).to_pb()
+        expected = request.canary_artifact_id or None
+        return (await self._change(
+            lambda session: reg.promote(session, name, actor=actor, expected_canary=expected))).to_pb()
 
     @_admin
     async def AbortRollout(self, request: gateway_pb2.AbortRolloutRequest, actor: str):

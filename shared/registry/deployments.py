@@ -88,11 +88,17 @@ def set_canary_percent(session: Session, name: str, percent: int, *, actor: str)
     return deployment
 
 
-def promote(session: Session, name: str, *, actor: str) -> Deployment:
-    """The canary becomes the stable; the rollout ends."""
+def promote(session: Session, name: str, *, actor: str, expected_canary: str | None = None) -> Deployment:
+    """The canary becomes the stable; the rollout ends. With expected_canary, only if that artifact is
+    still the canary (the one the caller reviewed, not one started since)."""
     check_text("actor", actor, 128)
     deployment = _lock(session, name)
     _require_rollout(deployment, "promote")
+    if expected_canary and deployment.canary_artifact_id != expected_canary:
+        raise InvalidState(
+            f"deployment {name!r}: the canary is now {deployment.canary_artifact_id!r}, not {expected_canary!r}: "
+            f"the rollout changed since it was reviewed; check `qctl rollout status` and promote again"
+        )
     previous = deployment.stable_artifact_id
     deployment.stable_artifact_id, deployment.canary_artifact_id = deployment.canary_artifact_id, None
     deployment.canary_percent = 0

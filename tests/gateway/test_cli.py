@@ -75,7 +75,9 @@ def test_deploy_rollout_fallback_and_generate_through_qctl(gateway, artifacts):
     assert f"from baseline {artifacts.baseline[:12]}" in out.stderr
     assert qctl(gateway, "fallback", "off", "chat").exit_code == 0
 
-    promoted = qctl(gateway, "rollout", "promote", "chat")
+    stale = qctl(gateway, "rollout", "promote", "chat", "--canary", artifacts.baseline)
+    assert stale.exit_code != 0 and "FAILED_PRECONDITION" in stale.stderr and artifacts.canary in stale.stderr
+    promoted = qctl(gateway, "rollout", "promote", "chat", "--canary", artifacts.canary)
     assert promoted.exit_code == 0 and f"stable    {artifacts.canary[:12]}" in promoted.stdout
 
     workers = qctl(gateway, "workers")

@@ -95,6 +95,28 @@ def test_promote_and_abort_take_effect_at_once_and_are_logged(artifacts):
     run(scenario())
 
 
+def test_a_promote_naming_the_reviewed_canary_is_refused_once_another_canary_replaced_it(artifacts):
+    """Operator A reviews canary X; meanwhile B (or the guard) aborts X and B starts Y. A's promote of X
+    must not make the untested Y the stable."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            await start_rollout(stack, artifacts.canary, 10)
+            await stack.admin.AbortRollout(gateway_pb2.AbortRolloutRequest(deployment=DEPLOYMENT), metadata=ADMIN)
+            await start_rollout(stack, artifacts.baseline, 10)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(
+                    deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary), metadata=ADMIN)
+            assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert artifacts.baseline in raised.value.details() and artifacts.canary in raised.value.details()
+            unchanged = await stack.deployment()
+            assert unchanged.stable.artifact_id == artifacts.stable and unchanged.canary.artifact_id == artifacts.baseline
+            promoted = await stack.admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.baseline), metadata=ADMIN)
+            assert promoted.stable.artifact_id == artifacts.baseline and not promoted.HasField("canary")
+
+    run(scenario())
+
+
 def test_start_rollout_rejects_what_cannot_be_a_canary(artifacts):
     async def scenario():
         async with gateway_stack(artifacts) as stack:
