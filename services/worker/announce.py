@@ -1,8 +1,9 @@
 """Announces the worker to a gateway: RegisterWorker, Heartbeat at the interval the gateway returns,
 register again when the gateway forgot it (NOT_FOUND), DeregisterWorker on drain or stop.
 
-An unreachable or failing gateway is logged and retried with exponential backoff; it never stops
-the worker (which keeps serving direct callers).
+An unreachable or failing gateway is logged and retried with exponential backoff, never waiting longer
+than the heartbeat interval the gateway gave (a restarted gateway gets the worker back at once); it
+never stops the worker (which keeps serving direct callers).
 
 Several gateway replicas each keep their own in-memory worker pool, so the worker announces itself to
 every replica (GatewayAnnouncers): one GatewayAnnouncer each, with its own channel and task, so that a
@@ -27,6 +28,10 @@ log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 10.0
 DEREGISTER_TIMEOUT_S = 5.0
+# gRPC's own reconnection backoff (1 s growing to 120 s) answers every call with the last connection
+# failure until its next attempt, so a gateway back up waited for it on top of this loop's backoff. Capped
+# at this, each retry of the loop finds the gateway as it is now.
+MAX_RECONNECT_BACKOFF_S = 1.0
 
 
 class GatewayAnnouncer:
@@ -57,7 +62,11 @@ class GatewayAnnouncer:
         self._heartbeat_in_flight = False  # stop() cuts a heartbeat short, never a registration
 
     def start(self) -> None:
-        self._channel = aio_channel(self.gateway_address, self._tls)
+        reconnect_ms = int(1000 * min(self._min_backoff_s, MAX_RECONNECT_BACKOFF_S))
+        self._channel = aio_channel(self.gateway_address, self._tls, options=(
+            ("grpc.initial_reconnect_backoff_ms", reconnect_ms),
+            ("grpc.max_reconnect_backoff_ms", int(1000 * MAX_RECONNECT_BACKOFF_S)),
+        ))
         self._stub = gateway_pb2_grpc.AdminStub(self._channel)
         self._task = asyncio.create_task(self._run(), name=f"gateway-announcer-{self.gateway_address}")
 
@@ -95,13 +104,14 @@ class GatewayAnnouncer:
     async def _run(self) -> None:
         backoff = self._min_backoff_s
         interval = 0.0
+        failures = 0  # in a row
         while not self._stop.is_set():
             try:
                 if self.worker_id is None:
                     interval = await self._register()
                 else:
                     await self._heartbeat()
-                backoff = self._min_backoff_s
+                backoff, failures = self._min_backoff_s, 0
                 wait = interval
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND and self.worker_id is not None:
@@ -109,10 +119,19 @@ class GatewayAnnouncer:
                              self.worker_id)
                     self.worker_id = None
                     continue
-                log.warning("gateway %s: %s %s%s; retrying in %.1f s", self.gateway_address, exc.code().name,
-                            exc.details(), mismatch_hint(exc.details() or "", self._tls is not None),
-                            backoff)
-                wait, backoff = backoff, min(backoff * 2, self._max_backoff_s)
+                # Once a gateway has said how often it wants to hear from this worker, no wait is longer:
+                # a gateway that restarted has forgotten every worker and serves no traffic until each
+                # registers again; the backoff alone (up to max_backoff_s) kept it empty that long after
+                # it came back.
+                wait = min(backoff, interval) if interval else backoff
+                backoff = min(backoff * 2, self._max_backoff_s)
+                failures += 1
+                if failures & (failures - 1) == 0:  # the 1st, 2nd, 4th...: a gateway down for long, retried
+                    # every heartbeat interval, must not flood the log
+                    log.warning("gateway %s: %s %s%s; retrying in %.1f s (%d failed attempt%s in a row)",
+                                self.gateway_address, exc.code().name, exc.details(),
+                                mismatch_hint(exc.details() or "", self._tls is not None), wait, failures,
+                                "" if failures == 1 else "s")
             try:
                 await asyncio.wait_for(self._stop.wait(), wait)
             except asyncio.TimeoutError:

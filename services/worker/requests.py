@@ -46,6 +46,15 @@ def generation_from_pb(request: worker_pb2.GenerateRequest, limits: PromptLimits
             ids = [limits.bos_token_id] + ids
         if not ids:
             raise InvalidRequest(f"the prompt text {request.text[:40]!r} encodes to no tokens")
+        # Checked like token_ids: an id past the embedding table fails the whole engine step, and with it
+        # every other request in the batch. The artifact's tokenizer should never give one; if it does,
+        # this request is refused alone, with the reason.
+        beyond = next((i for i in ids if i >= limits.vocab_size), None)
+        if beyond is not None:
+            raise InvalidRequest(
+                f"the prompt text encodes to token id {beyond}, outside the model's vocabulary (ids 0.."
+                f"{limits.vocab_size - 1}): this artifact's tokenizer or BOS id does not match its model"
+            )
     else:
         ids = list(request.token_ids.ids)
         if not ids:

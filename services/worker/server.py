@@ -78,10 +78,13 @@ class WorkerServer:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         try:
-            port = listen(server, f"{self.config.host}:{self.config.port}", "--host / --port", ConfigError,
-                          self.config.tls)
+            # The metrics port first: gRPC listens on its port as soon as it is bound, and a server that
+            # never started does not let it go (stop() and garbage collection leave it bound). Bound last,
+            # it is bound only when everything else opened.
             if self.config.metrics_port is not None:
                 self.metrics_port = metrics.serve(self.config.host, self.config.metrics_port)
+            port = listen(server, f"{self.config.host}:{self.config.port}", "--host / --port", ConfigError,
+                          self.config.tls)
             await server.start()
         except BaseException:  # e.g. a port is taken
             metrics.close()

@@ -51,7 +51,10 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
     try:
         runner = load_runner(reader, device, config.block_size, max_batch_tokens=config.max_batch_tokens,
                              max_model_len=config.max_context_tokens, max_decode_batch=config.max_running_sequences)
-    except ArtifactError as exc:  # tensors missing, or not the shapes the manifest's model_config says
+    # ArtifactError: tensors missing, or not the shapes the manifest's model_config says; CheckpointError:
+    # a model_config no Llama can have (e.g. an odd head_dim). Either is the artifact's fault, refused as
+    # such: not a traceback from deep inside the model.
+    except (ArtifactError, CheckpointError) as exc:
         raise ArtifactCorrupt(f"artifact {reader.manifest.artifact_id} cannot be loaded: {exc}") from exc
     model_config = runner.config
     num_blocks = config.kv_blocks or plan_kv_blocks(
@@ -94,9 +97,17 @@ def _text_conventions(reader, model_config) -> tuple[Tokenizer, tuple[int, ...],
     try:
         tokenizer = Tokenizer(reader.tokenizer_dir)
         eos_token_ids = tuple(dict.fromkeys(model_config.eos_token_ids + generation_eos_ids(reader.tokenizer_dir)))
-        return tokenizer, eos_token_ids, prompt_adds_bos(reader.tokenizer_dir, tokenizer, model_config.bos_token_id)
+        add_bos = prompt_adds_bos(reader.tokenizer_dir, tokenizer, model_config.bos_token_id)
     except CheckpointError as exc:
         raise ArtifactCorrupt(f"artifact {reader.manifest.artifact_id}: {exc}") from exc
+    if add_bos and model_config.bos_token_id >= model_config.vocab_size:
+        # Every text prompt would start with an id past the embedding table: a worker that reports
+        # SERVING and refuses every text request. Refused before serving instead.
+        raise ArtifactCorrupt(
+            f"artifact {reader.manifest.artifact_id}: text prompts get BOS id {model_config.bos_token_id}, outside "
+            f"the model's vocabulary of {model_config.vocab_size} (model_config.bos_token_id / vocab_size)"
+        )
+    return tokenizer, eos_token_ids, add_bos
 
 
 def _capture_graphs(runner) -> None:

@@ -246,3 +246,30 @@ def test_an_announcer_whose_loop_died_still_deregisters_on_stop():
         await server.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_a_gateway_back_from_a_restart_gets_the_worker_again_within_a_heartbeat_interval(monkeypatch):
+    """A restarted gateway has forgotten every worker and routes nothing until they register again. The
+    worker retried with a backoff grown while the gateway was down (and gRPC's own reconnection backoff
+    on top): a 10 s restart left the gateway empty ~20 s more. The gateway's heartbeat interval
+    (50 ms here) now bounds each wait, and the channel's reconnection backoff is capped."""
+    monkeypatch.setattr(announce, "MAX_RECONNECT_BACKOFF_S", 0.1)
+    down_s = 3.5  # the backoff from 0.05 s has grown past 3 s by then: its next try would be at ~6.3 s
+
+    async def scenario():
+        server, admin, port = await _fake_gateway()
+        announcer = GatewayAnnouncer(f"127.0.0.1:{port}", TOKEN, "127.0.0.1:1234", "a" * 32, _load,
+                                     min_backoff_s=0.05, max_backoff_s=30.0)
+        announcer.start()
+        await _until(lambda: _heartbeats(admin) >= 1)
+        await server.stop(0)
+        await asyncio.sleep(down_s)
+        server, admin, _ = await _fake_gateway(port)
+        back = time.monotonic()
+        await _until(lambda: _heartbeats(admin) >= 1)  # NOT_FOUND, registered again, heartbeating
+        assert time.monotonic() - back < 1.5, "the worker waited out its backoff after the gateway came back"
+        assert admin.calls[0] == ("register", "127.0.0.1:1234", "a" * 32)
+        await announcer.stop()
+        await server.stop(0)
+
+    asyncio.run(scenario())
