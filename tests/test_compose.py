@@ -141,3 +141,27 @@ def test_no_secret_is_on_a_compose_command_line():
         assert not [s for s in secrets.values() if s in command], (name, command)
         registry = next(a for a in services[name]["command"] if a.startswith("--registry-url="))
         assert services[name]["environment"]["PGPASSWORD"] == "pg-s3cret" and "@postgres" in registry
+
+
+def _seconds(period: str) -> float:
+    """A compose duration as docker-compose config prints it (e.g. "45s", "1m30s")."""
+    units, total, number = {"h": 3600, "m": 60, "s": 1}, 0.0, ""
+    for char in period:
+        if char.isdigit() or char == ".":
+            number += char
+        else:
+            total, number = total + float(number) * units[char], ""
+    return total
+
+
+@pytest.mark.parametrize("name", ["quantizer", "gateway", "worker", "worker-baseline"])
+def test_a_stop_gives_each_service_its_own_graceful_stop_time(compose, name):
+    """docker stops a container with SIGTERM and kills it stop_grace_period later (10 s by default): a
+    worker draining for 30 s after deregistering was killed mid-drain, its streams cut."""
+    from services.worker.announce import DEREGISTER_TIMEOUT_S
+
+    service = compose["services"][name]
+    config = CONFIGS[_python_module(service)].from_args(service["command"][3:], environ=service.get("environment") or {})
+    needed = config.drain_grace_s + DEREGISTER_TIMEOUT_S if isinstance(config, WorkerConfig) else config.grace_s
+    assert _seconds(service.get("stop_grace_period", "10s")) >= needed + 5, \
+        f"{name}: stop_grace_period {service.get('stop_grace_period', '10s (default)')} leaves no time after {needed} s"
