@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -12,6 +12,18 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 class CheckpointError(ValueError):
     """A checkpoint folder that is missing, incomplete or not a Llama-family model."""
+
+
+def _check_keys(what: str, d: dict, cls: type) -> None:
+    fields = cls.__dataclass_fields__
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise CheckpointError(f"{what} has keys this version does not know: {', '.join(unknown)} "
+                              f"(written by a newer quantizer?); known: {', '.join(fields)}")
+    required = [name for name, f in fields.items() if f.default is MISSING and f.default_factory is MISSING]
+    missing = [name for name in required if name not in d]
+    if missing:
+        raise CheckpointError(f"{what} lacks {', '.join(missing)}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,7 +84,11 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "LlamaConfig":
+        """The inverse of to_dict (an artifact manifest's model_config). A key this code does not know (a
+        newer quantizer's) or a missing one is refused by name: a guess could run the model wrongly."""
         d = dict(d)
+        _check_keys("model_config", d, cls)
+        _check_keys("model_config.rope", d.get("rope", {}), RopeConfig)
         d["rope"] = RopeConfig(**d.get("rope", {}))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)

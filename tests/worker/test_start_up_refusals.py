@@ -79,3 +79,16 @@ def test_a_start_that_fails_on_the_metrics_port_releases_the_grpc_port(artifacts
             BackgroundWorker(config)
     with socket.socket() as again:
         again.bind(("127.0.0.1", grpc_port))  # raised EADDRINUSE: the failed worker still held it
+
+
+def test_a_model_config_key_this_version_does_not_know_is_refused_by_name(artifact_copy):
+    """A newer quantizer's manifest key made LlamaConfig(**d) raise a bare TypeError: a traceback at
+    start-up instead of the one-line refusal naming the key."""
+    _edit_model_config(artifact_copy, sliding_window=4096)
+    with pytest.raises(ArtifactCorrupt, match="keys this version does not know: sliding_window"):
+        _load(artifact_copy)
+    manifest = json.loads((artifact_copy / "manifest.json").read_text())
+    del manifest["model_config"]["sliding_window"], manifest["model_config"]["hidden_size"]
+    (artifact_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactCorrupt, match="model_config lacks hidden_size"):
+        _load(artifact_copy)
