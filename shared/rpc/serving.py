@@ -5,7 +5,10 @@ event loop on a thread when synchronous code embeds it (`qctl up`, tests)."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from http.server import HTTPServer
@@ -17,6 +20,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from shared.rpc.tls import ServerTls
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def listen(server: grpc.aio.Server, address: str, setting: str, error: type[Exception],
@@ -44,12 +48,23 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int, setting: st
 
 
 async def wait_for_stop_signal() -> None:
-    """Returns at the first SIGTERM or SIGINT (a process's cue to drain and stop)."""
+    """Returns at the first SIGTERM or SIGINT (a process's cue to drain and stop). A second one, during
+    the graceful stop that follows, ends the process at once: an operator who asks twice (Ctrl-C twice,
+    or a second `kill`) means now, not after the drain grace."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _stop_now, sig)
+
+
+def _stop_now(sig: signal.Signals) -> None:
+    # os._exit: unwinding would wait on the very work (streams, jobs, threads) the operator cut short.
+    log.warning("second %s during the graceful stop: exiting now, without finishing it", sig.name)
+    sys.stderr.flush()
+    os._exit(128 + sig)
 
 
 class BackgroundLoop:

@@ -1,5 +1,5 @@
 """`python -m services.worker.server` as a process: SIGTERM drains (the in-flight request finishes)
-and the process exits 0."""
+and the process exits 0; a second SIGTERM during the drain ends it at once."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 
@@ -16,10 +17,10 @@ from shared.rpc.qserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.conftest import REPO
 
 
-def test_sigterm_drains_then_exits(artifacts):
+def _start(artifact, kv_blocks: int):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.worker.server", "--artifact", str(artifacts["fp16"]), "--port", "0",
-         "--metrics-port", "-1", "--kv-blocks", "32", "--block-size", "4", "--drain-grace-seconds", "60",
+        [sys.executable, "-m", "services.worker.server", "--artifact", str(artifact), "--port", "0",
+         "--metrics-port", "-1", "--kv-blocks", str(kv_blocks), "--block-size", "4", "--drain-grace-seconds", "60",
          "--torch-threads", "1"],
         cwd=REPO, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -33,6 +34,11 @@ def test_sigterm_drains_then_exits(artifacts):
                 port_seen.set()
 
     threading.Thread(target=read, daemon=True).start()
+    return proc, lines, port_seen
+
+
+def test_sigterm_drains_then_exits(artifacts):
+    proc, lines, port_seen = _start(artifacts["fp16"], 32)
     try:
         assert port_seen.wait(120), "".join(lines)
         port = int(re.search(r"on port (\d+)", "".join(lines)).group(1))
@@ -48,6 +54,37 @@ def test_sigterm_drains_then_exits(artifacts):
         assert last.finish.reason == common_pb2.FINISH_REASON_LENGTH and last.finish.generated_tokens == 8
         assert proc.wait(60) == 0
         assert any("draining" in line for line in lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_second_sigterm_during_the_drain_exits_at_once(artifacts):
+    """The second signal was swallowed: the worker went on draining (up to its 60 s grace here) with no
+    way to stop it short of SIGKILL."""
+    proc, lines, port_seen = _start(artifacts["fp16"], 512)
+    try:
+        assert port_seen.wait(120), "".join(lines)
+        port = int(re.search(r"on port (\d+)", "".join(lines)).group(1))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            client = worker_pb2_grpc.WorkerStub(channel)
+            request = worker_pb2.GenerateRequest(  # ~2,000 tokens: far longer than this test waits
+                token_ids=common_pb2.TokenIds(ids=[5, 6, 7]),
+                sampling=common_pb2.SamplingParams(max_new_tokens=2000, ignore_eos=True))
+            stream = iter(client.Generate(request, timeout=120))
+            next(stream)
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while not any("draining" in line for line in lines) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert any("draining" in line for line in lines), "".join(lines)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(15) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10  # the reader thread may not have the last line yet
+        while not any("second SIGTERM" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any("second SIGTERM" in line for line in lines), "".join(lines)
     finally:
         if proc.poll() is None:
             proc.kill()
