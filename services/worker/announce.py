@@ -119,23 +119,30 @@ class GatewayAnnouncer:
                              self.worker_id)
                     self.worker_id = None
                     continue
-                # Once a gateway has said how often it wants to hear from this worker, no wait is longer:
-                # a gateway that restarted has forgotten every worker and serves no traffic until each
-                # registers again; the backoff alone (up to max_backoff_s) kept it empty that long after
-                # it came back.
-                wait = min(backoff, interval) if interval else backoff
-                backoff = min(backoff * 2, self._max_backoff_s)
-                failures += 1
-                if failures & (failures - 1) == 0:  # the 1st, 2nd, 4th...: a gateway down for long, retried
-                    # every heartbeat interval, must not flood the log
-                    log.warning("gateway %s: %s %s%s; retrying in %.1f s (%d failed attempt%s in a row)",
-                                self.gateway_address, exc.code().name, exc.details(),
-                                mismatch_hint(exc.details() or "", self._tls is not None), wait, failures,
-                                "" if failures == 1 else "s")
+                failure = (f"{exc.code().name} {exc.details()}"
+                           f"{mismatch_hint(exc.details() or '', self._tls is not None)}")
+                wait, backoff, failures = self._after_failure(failure, backoff, interval, failures + 1)
+            except Exception as exc:  # a bug here (e.g. reading the engine's load) must not silently take
+                # the worker out of the gateway's pool for good: logged with its traceback, and retried
+                wait, backoff, failures = self._after_failure(f"{type(exc).__name__}: {exc}", backoff, interval,
+                                                              failures + 1, exc_info=True)
             try:
                 await asyncio.wait_for(self._stop.wait(), wait)
             except asyncio.TimeoutError:
                 pass
+
+    def _after_failure(self, failure: str, backoff: float, interval: float, failures: int,
+                       exc_info: bool = False) -> tuple[float, float, int]:
+        """How long to wait before the next try, the next backoff, and the failures in a row (logged)."""
+        # Once a gateway has said how often it wants to hear from this worker, no wait is longer: a
+        # gateway that restarted has forgotten every worker and serves no traffic until each registers
+        # again; the backoff alone (up to max_backoff_s) kept it empty that long after it came back.
+        wait = min(backoff, interval) if interval else backoff
+        if failures & (failures - 1) == 0:  # the 1st, 2nd, 4th...: a gateway down for long, retried every
+            # heartbeat interval, must not flood the log
+            log.warning("gateway %s: %s; retrying in %.1f s (%d failed attempt%s in a row)", self.gateway_address,
+                        failure, wait, failures, "" if failures == 1 else "s", exc_info=exc_info)
+        return wait, min(backoff * 2, self._max_backoff_s), failures
 
     async def _register(self) -> float:
         response = await self._stub.RegisterWorker(

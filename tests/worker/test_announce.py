@@ -231,18 +231,27 @@ def test_a_drain_cuts_a_hung_heartbeat_short_and_still_deregisters():
     asyncio.run(scenario())
 
 
-def test_an_announcer_whose_loop_died_still_deregisters_on_stop():
-    """A bug in the loop (here: reading the engine's load raises) must not also skip the deregistration."""
-    def broken_load():
-        raise RuntimeError("engine stats unavailable")
+def test_an_error_in_the_loop_is_retried_and_the_worker_stays_announced():
+    """A bug in the loop (here: reading the engine's load raises, twice) ended the announcer's task: the
+    worker stopped heartbeating and left the gateway's pool for good, silently. It is logged and retried;
+    stop still deregisters."""
+    failures = []
+
+    def flaky_load():
+        if len(failures) < 2:
+            failures.append(True)
+            raise RuntimeError("engine stats unavailable")
+        return _load()
 
     async def scenario():
         server, admin, port = await _fake_gateway()
-        announcer = GatewayAnnouncer(f"127.0.0.1:{port}", TOKEN, "127.0.0.1:1234", "a" * 32, broken_load)
+        announcer = GatewayAnnouncer(f"127.0.0.1:{port}", TOKEN, "127.0.0.1:1234", "a" * 32, flaky_load,
+                                     min_backoff_s=0.05)
         announcer.start()
-        await _until(lambda: announcer._task.done())
+        await _until(lambda: _heartbeats(admin) >= 2)
+        assert not announcer._task.done() and len(failures) == 2
         await announcer.stop()
-        assert admin.calls == [("register", "127.0.0.1:1234", "a" * 32), ("deregister", "w1")]
+        assert admin.calls[0] == ("register", "127.0.0.1:1234", "a" * 32) and admin.calls[-1] == ("deregister", "w1")
         await server.stop(0)
 
     asyncio.run(scenario())
