@@ -78,6 +78,9 @@ class WorkerConfig:
     advertise_address: str | None = None  # host:port the gateway dials; default host:<bound port>
     metrics_port: int | None = DEFAULT_METRICS_PORT  # Prometheus /metrics; 0 picks a free port; None = off
     drain_grace_s: float = 30.0  # on SIGTERM / stop: how long in-flight requests may finish
+    # Requests in flight and no engine step for this long (a hung device): the worker reports itself
+    # draining to the gateways and NOT_SERVING to health checks until a step completes. 0 = never.
+    stall_timeout_s: float = 60.0
     # Announce to each of these gateways' Admin service (one per gateway replica: each keeps its own
     # worker pool); empty = announce to none. All take the one worker-scope token.
     gateway_addresses: tuple[str, ...] = ()
@@ -113,6 +116,9 @@ class WorkerConfig:
                 raise ConfigError(f"{name}={value} must be a port number 0-65535 (0 picks a free one)")
         if not (math.isfinite(self.drain_grace_s) and self.drain_grace_s >= 0):
             raise ConfigError(f"drain_grace_s={self.drain_grace_s} must be a finite number of seconds >= 0")
+        if not (math.isfinite(self.stall_timeout_s) and self.stall_timeout_s >= 0):
+            raise ConfigError(f"stall_timeout_s={self.stall_timeout_s} must be a finite number of seconds >= 0 "
+                              f"(0 = never)")
         if self.advertise_address is not None and not _is_host_port(self.advertise_address):
             raise ConfigError(f"advertise_address {self.advertise_address!r} is not host:port")
         self.gateway_addresses = _checked_gateways(self.gateway_addresses)
@@ -149,6 +155,7 @@ class WorkerConfig:
             advertise_address=args.advertise_address,
             metrics_port=None if args.metrics_port == -1 else args.metrics_port,
             drain_grace_s=args.drain_grace_seconds,
+            stall_timeout_s=args.stall_timeout_seconds,
             gateway_addresses=_split_gateways(args.gateway_addresses or ()),
             gateway_token=env.get("QSERVE_GATEWAY_TOKEN"),
             torch_threads=args.torch_threads,
@@ -223,6 +230,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="Prometheus /metrics HTTP port (0 picks a free one, -1 turns it off)")
     p.add_argument("--drain-grace-seconds", type=float, default=30.0,
                    help="on SIGTERM: how long in-flight requests may finish before they are aborted")
+    p.add_argument("--stall-timeout-seconds", type=float, default=60.0,
+                   help="requests in flight and no engine step for this long (a hung GPU): report draining to the "
+                        "gateways and NOT_SERVING to health checks until the engine moves again (0 = never)")
     p.add_argument("--gateway-address", action="append", dest="gateway_addresses", default=None,
                    metavar="HOST:PORT[,HOST:PORT...]",
                    help="gateway Admin host:port to register with, using the worker-scope token in "

@@ -58,6 +58,7 @@ class WorkerServer:
         self._health: health.aio.HealthServicer | None = None
         self._metrics: WorkerMetrics | None = None
         self._stopped = False
+        self._engine_watch: asyncio.Task | None = None
 
     @property
     def address(self) -> str:
@@ -101,12 +102,38 @@ class WorkerServer:
                 served.artifact.artifact_id, self._load, tls=self.config.gateway_tls,
             )
             self.announcers.start()
+        if self.config.stall_timeout_s:
+            self._engine_watch = asyncio.create_task(self._watch_engine(), name="worker-engine-watch")
         log.info("worker serving %s on port %d%s (metrics port %s)", served.artifact.artifact_id,
                  port, " over TLS" if self.config.tls else "", self.metrics_port)
         return port
 
     def _load(self):
-        return self.served.engine.stats(), self.servicer.draining
+        # A stalled worker reports itself draining: the gateways route nothing new to it, and take it back
+        # as soon as its engine moves again (it is not deregistered; its streams may yet finish).
+        return self.served.engine.stats(), self.servicer.draining or self.servicer.stalled
+
+    async def _watch_engine(self) -> None:
+        """Marks the worker stalled while requests are in flight and no engine step has completed for
+        stall_timeout_s (a hung GPU: the process, its heartbeats and its health answers carry on), and
+        well again once one does."""
+        timeout = self.config.stall_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            stalled_s = self.served.engine.stalled_s()
+            stalled = stalled_s >= timeout
+            if stalled == self.servicer.stalled:
+                continue
+            self.servicer.stalled = stalled
+            if stalled:
+                log.error("the engine has made no progress for %.0f s with %d request(s) in flight (a hung device?): "
+                          "taking no new requests, reported as draining to the gateways and NOT_SERVING to health "
+                          "checks until it moves again", stalled_s, self.served.engine.num_in_flight)
+            else:
+                log.warning("the engine is moving again: taking requests")
+            status = health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
+            for name in ("", SERVICE_NAME):
+                await self._health.set(name, status)  # ignored once a drain has begun
 
     async def drain(self, grace_s: float | None = None) -> None:
         """Stops taking work (deregistered, then UNAVAILABLE and health NOT_SERVING), lets in-flight
@@ -135,6 +162,8 @@ class WorkerServer:
         if self._stopped or self._server is None:
             return
         self._stopped = True
+        if self._engine_watch is not None:
+            self._engine_watch.cancel()
         await self.drain(grace_s)
         await self._server.stop(1.0)  # every stream has ended; let the last messages go out
         await asyncio.to_thread(self.served.engine.stop)

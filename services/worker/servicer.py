@@ -27,6 +27,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.metrics = metrics
         self.engine.on_step = metrics.observe_step
         self.draining = False
+        self.stalled = False  # set by the server's engine watch: requests in flight, no step for too long
         self.limits = PromptLimits(
             vocab_size=served.vocab_size, max_context=self.engine.limits.max_context,
             add_bos=served.add_bos, bos_token_id=served.bos_token_id,
@@ -38,6 +39,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             if self.draining:
                 raise Draining("this worker is draining and takes no new requests; send it to another worker")
+            if self.stalled:
+                raise Draining("this worker's engine has made no progress for a while (a hung device?) and takes no "
+                               "new requests; send it to another worker")
             gen = generation_from_pb(request, self.limits, self.served.tokenizer.encode)
 
             def sink(out: RequestOutput) -> None:

@@ -120,6 +120,8 @@ class Engine:
         self._cond = threading.Condition()
         self._stopping = False
         self._preemptions = 0
+        # When the engine last moved: a step launched or read back, or work arriving at an idle engine.
+        self._last_progress = time.monotonic()
         self._thread: threading.Thread | None = None
         # Called with (kind, seconds) once a step's tokens are read back: launch to tokens on the host, the
         # GPU time included (with overlap, the next step's launch too). The worker's metrics set it.
@@ -148,6 +150,8 @@ class Engine:
             seq = Sequence(next(self._ids), request_id, list(prompt_ids), sampling, max_tokens=max_tokens)
             if not sampling.greedy:
                 seq.generator = new_generator(sampling, self.runner.device)
+            if not self._live:  # an idle engine has been waiting for work, not stalled
+                self._last_progress = time.monotonic()
             self._live[request_id] = _Live(seq, IncrementalDetokenizer(self.decoder, sampling.stop, prompt_ids), sink)
             self.scheduler.add(seq)
             self._cond.notify()
@@ -171,6 +175,12 @@ class Engine:
                 kv_blocks_used=self.blocks.num_used,
                 preemptions=self._preemptions,
             )
+
+    def stalled_s(self) -> float:
+        """How long requests have been in flight with no step launched or read back (0 when idle): a
+        device that hangs shows here, while the process and its heartbeats carry on."""
+        with self._cond:
+            return time.monotonic() - self._last_progress if self._live else 0.0
 
     @property
     def num_in_flight(self) -> int:
@@ -234,7 +244,10 @@ class Engine:
             self._read_back(previous)
         if launched is not None and not self.overlap:
             self._read_back(launched)
-        return bool(schedule.chunks) or previous is not None
+        moved = bool(schedule.chunks) or previous is not None
+        if moved:
+            self._last_progress = time.monotonic()
+        return moved
 
     def _chunks(self, schedule: Schedule) -> list[SequenceChunk]:
         """The runner's chunks of a schedule (with the lock held)."""
