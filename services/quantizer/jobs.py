@@ -14,6 +14,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 from services.quantizer.board import JobBoard, Update
 from services.quantizer.allocation import BindingFailed
@@ -23,6 +24,7 @@ from services.quantizer.publish_spec import PublishSpec
 from services.quantizer.views import ArtifactDetails, ArtifactView, JobView, Stage
 from shared.registry import (
     JobState,
+    NotFound,
     QuantJob,
     RegistryError,
     create_job,
@@ -77,8 +79,10 @@ class JobRunner:
     # ---- lifecycle ----
 
     def start(self) -> list[str]:
-        """Fails what dead quantizers left running, then starts heartbeating; -> the failed job ids."""
+        """Fails what dead quantizers left running and removes their work folders, then starts
+        heartbeating; -> the failed job ids."""
         failed = self._sweep_orphans()
+        self._remove_ended_work_dirs()
         self._heartbeats.start()
         return failed
 
@@ -131,7 +135,7 @@ class JobRunner:
 
     def _execute(self, job_id: str) -> None:
         live = self._live[job_id]
-        work_dir = self.config.work_dir / "jobs" / job_id
+        work_dir = self._jobs_dir / job_id
         pipeline = Pipeline(self.services, live.spec, job_id, _Reporter(self, job_id), work_dir)
         try:
             with self.services.registry.transaction() as session:
@@ -207,6 +211,7 @@ class JobRunner:
                 self._sweep_orphans()
                 for job_id, (pipeline, error) in list(self._unsettled.items()):
                     self._fail(job_id, pipeline, error)
+                self._remove_ended_work_dirs()
             except Exception as exc:  # a registry outage must not kill the heartbeat thread
                 log.warning("heartbeat failed: %s", exc)
 
@@ -220,6 +225,31 @@ class JobRunner:
         for job_id in ids:
             log.warning("failed job %s: %s", job_id, ORPHAN_REASON)
         return ids
+
+    # ---- work folders ----
+
+    @property
+    def _jobs_dir(self) -> Path:
+        return self.config.work_dir / "jobs"
+
+    def _remove_ended_work_dirs(self) -> None:
+        """Deletes the work folders of jobs that have ended: a job removes its own folder (a downloaded
+        checkpoint, the artifact before upload: gigabytes) when it ends, but a quantizer killed mid-job
+        cannot, and the disk would fill up with them. A folder is kept while its job is QUEUED or RUNNING
+        (another quantizer may share this work_dir) and when the registry does not know the job."""
+        try:
+            names = sorted(path.name for path in self._jobs_dir.iterdir() if path.is_dir())
+        except FileNotFoundError:
+            return
+        with self._lock:
+            names = [name for name in names if name not in self._live]
+        if not names:
+            return
+        with self.services.registry.sessions() as session:
+            ended = [name for name in names if _has_ended(session, name)]
+        for job_id in ended:
+            log.info("removing the work folder of ended job %s", job_id)
+            shutil.rmtree(self._jobs_dir / job_id, ignore_errors=True)
 
 
 class _Reporter:
@@ -237,6 +267,13 @@ class _Reporter:
                  message: str = "", remaining_s: float | None = None) -> None:
         self.check()
         self._runner._progress(self._job_id, stage, block_index, block_count, message, remaining_s)
+
+
+def _has_ended(session, job_id: str) -> bool:
+    try:
+        return get_job(session, job_id).state not in (JobState.QUEUED, JobState.RUNNING)
+    except NotFound:  # not a job of this registry: not ours to delete
+        return False
 
 
 def _describe(exc: BaseException) -> str:

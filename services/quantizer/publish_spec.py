@@ -150,6 +150,14 @@ def _check_source(source: str, format: str, config: QuantizerConfig) -> str:
         check_group_divisibility(model_config, format_spec(format))
     except CheckpointError as exc:
         raise InvalidRequest(f"source {source!r}: {exc}") from exc
+    except (ValueError, TypeError, ArithmeticError, OSError) as exc:
+        # LlamaConfig checks that the keys it needs are there, not their types or ranges: a value of the
+        # wrong type (a string, a null) or a zero head count fails inside its arithmetic, and the client
+        # would get UNKNOWN naming neither the source nor its config.json.
+        raise InvalidRequest(
+            f"source {source!r}: its config.json cannot be used as a Llama configuration "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
     return str(folder.resolve())
 
 

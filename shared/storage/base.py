@@ -225,16 +225,12 @@ class ObjectStore(abc.ABC):
 
     def purge_staging(self, older_than_s: float = 3600.0) -> int:
         """Delete staging objects of publishes that started more than older_than_s ago (crashed or
-        cut off from the store); returns how many objects were deleted."""
-        cutoff_ms = (time.time() - older_than_s) * 1000
-        attempts = {info.key[len(STAGING_ROOT) :].split("/", 1)[0] for info in self.list(STAGING_ROOT)}
+        cut off from the store), and what a store keeps of their unfinished writes; returns how many
+        objects (and unfinished writes) were deleted."""
+        attempts = {staging_attempt(info.key) for info in self.list(STAGING_ROOT)}
         deleted = 0
         for attempt in sorted(attempts):
-            started_ms = attempt.split("-", 1)[0]
-            if not started_ms.isdigit():
-                log.warning("leaving %s alone: not a staging folder written by publish_folder", attempt)
-                continue
-            if int(started_ms) <= cutoff_ms:
+            if staging_attempt_is_stale(attempt, older_than_s):
                 deleted += self.delete_prefix(f"{STAGING_ROOT}{attempt}/")
         return deleted
 
@@ -256,6 +252,20 @@ class ObjectStore(abc.ABC):
                 leftover.append(self.uri(final))
             return leftover
         return []
+
+
+def staging_attempt(key: str) -> str:
+    """The publish attempt a key under STAGING_ROOT belongs to: '<millis>-<id>'."""
+    return key[len(STAGING_ROOT) :].split("/", 1)[0]
+
+
+def staging_attempt_is_stale(attempt: str, older_than_s: float) -> bool:
+    """Whether a publish attempt started more than older_than_s ago (its name starts with its start time)."""
+    started_ms = attempt.split("-", 1)[0]
+    if not started_ms.isdigit():
+        log.warning("leaving %s alone: not a staging folder written by publish_folder", attempt)
+        return False
+    return int(started_ms) <= (time.time() - older_than_s) * 1000
 
 
 def _check_same(where: str, stored: ObjectInfo, reference: ObjectInfo, *, what: str, check_sha: bool) -> None:

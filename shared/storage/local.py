@@ -7,6 +7,7 @@ so a reader never sees a partial object. Keys map to paths under root and cannot
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -109,6 +110,26 @@ class LocalStore(ObjectStore):
         except OSError as exc:
             raise StorageError(f"cannot move {self.uri(src_key)} to {self.uri(dst_key)}: {exc}") from exc
         self._prune(src.parent)
+
+    def purge_staging(self, older_than_s: float = 3600.0) -> int:
+        """Also deletes partial writes older than older_than_s from .tmp/: a writer killed mid-copy
+        (a multi-GB shard) leaves its temporary file there, where nothing else ever removes it."""
+        deleted = super().purge_staging(older_than_s)
+        cutoff = time.time() - older_than_s
+        try:
+            partials = list(self._tmp.iterdir())
+        except FileNotFoundError:
+            return deleted
+        for path in partials:
+            try:
+                if path.is_file() and path.stat().st_mtime <= cutoff:
+                    path.unlink()
+                    deleted += 1
+            except FileNotFoundError:  # renamed into place or removed meanwhile
+                continue
+            except OSError as exc:
+                raise StorageError(f"cannot delete the partial write {path}: {exc}") from exc
+        return deleted
 
     def _path(self, key: str) -> Path:
         check_key(key)

@@ -18,11 +18,11 @@ import botocore.exceptions
 from boto3.exceptions import Boto3Error
 from boto3.s3.transfer import TransferConfig
 
-from .base import ObjectInfo, ObjectStore
+from .base import ObjectInfo, ObjectStore, staging_attempt, staging_attempt_is_stale
 from .config import StorageConfig
 from .errors import InvalidKey, ObjectNotFound, StorageError
 from .hashing import sha256_file
-from .keys import check_key, check_prefix
+from .keys import STAGING_ROOT, check_key, check_prefix
 
 SHA256_META = "sha256"  # stored as the x-amz-meta-sha256 header
 DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
@@ -138,6 +138,39 @@ class S3Store(ObjectStore):
         with self._errors(f"copy to {self.uri(dst_key)} of", src_key):
             self._client.copy(source, self.bucket, self._full(dst_key), Config=self._transfer)
         self.delete(src_key)
+
+    def purge_staging(self, older_than_s: float = 3600.0) -> int:
+        """Also aborts the unfinished multipart uploads of stale publish attempts: a publisher killed
+        mid-upload leaves its parts stored (and billed) but listed nowhere, not even as an object."""
+        deleted = super().purge_staging(older_than_s)
+        aborted = 0
+        for key, upload_id in self._multipart_uploads(STAGING_ROOT):
+            if staging_attempt_is_stale(staging_attempt(key), older_than_s) and self._abort_upload(key, upload_id):
+                aborted += 1
+        return deleted + aborted
+
+    def _abort_upload(self, key: str, upload_id: str) -> bool:
+        """-> False when the upload is gone already (another quantizer purging at the same time)."""
+        with self._errors("abort of the unfinished multipart upload of", key):
+            try:
+                self._client.abort_multipart_upload(Bucket=self.bucket, Key=self.prefix + key, UploadId=upload_id)
+            except botocore.exceptions.ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") == "NoSuchUpload":
+                    return False
+                raise
+        return True
+
+    def _multipart_uploads(self, prefix: str) -> list[tuple[str, str]]:
+        """(key, upload id) of every multipart upload started under prefix and neither completed nor aborted."""
+        found = []
+        with self._errors("listing of the multipart uploads under", prefix):
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=self.prefix + prefix
+            )
+            for page in pages:
+                for upload in page.get("Uploads", []):
+                    found.append((upload["Key"][len(self.prefix) :], upload["UploadId"]))
+        return found
 
     def _full(self, key: str) -> str:
         return self.prefix + check_key(key)

@@ -1,0 +1,50 @@
+"""What a publisher killed mid-write leaves outside the staging objects, and purge_staging removing it."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from shared.storage import STAGING_ROOT, LocalStore, open_store
+from shared.storage.local import TMP_DIR
+
+HOUR_S = 3600
+
+
+def _start_upload(client, bucket: str, key: str) -> str:
+    """A multipart upload with one part sent, as a publisher killed before completing it leaves it."""
+    upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=b"x" * 1024)
+    return upload_id
+
+
+def test_purge_staging_aborts_the_unfinished_uploads_of_old_attempts(moto_endpoint, s3_config, s3_client):
+    config = s3_config(moto_endpoint, prefix="models")
+    store = open_store(config, create=True)
+    client = s3_client(moto_endpoint)
+    now_ms = int(time.time() * 1000)
+    old_key = f"models/{STAGING_ROOT}{now_ms - 2 * HOUR_S * 1000}-dead/weights/layer0.bin"
+    live_key = f"models/{STAGING_ROOT}{now_ms}-live/weights/layer0.bin"
+    _start_upload(client, config.bucket, old_key)
+    live_id = _start_upload(client, config.bucket, live_key)
+    # The killed attempt completed no object: only its multipart upload says it was ever there.
+    assert store.list(STAGING_ROOT) == []
+
+    assert store.purge_staging(older_than_s=HOUR_S) == 1
+
+    left = client.list_multipart_uploads(Bucket=config.bucket).get("Uploads", [])
+    assert [(u["Key"], u["UploadId"]) for u in left] == [(live_key, live_id)]  # a publish still going on
+
+
+def test_purge_staging_removes_old_partial_writes_of_a_local_store(tmp_path):
+    store = LocalStore(tmp_path / "store", create=True)
+    killed, writing = store.root / TMP_DIR / "killed-mid-copy", store.root / TMP_DIR / "being-written"
+    killed.write_bytes(b"half a shard")
+    writing.write_bytes(b"a shard on its way")
+    two_hours_ago = time.time() - 2 * HOUR_S
+    os.utime(killed, (two_hours_ago, two_hours_ago))
+
+    assert store.purge_staging(older_than_s=HOUR_S) == 1
+
+    assert not killed.exists()
+    assert writing.exists()
