@@ -26,6 +26,10 @@ def _check_keys(what: str, d: dict, cls: type) -> None:
         raise CheckpointError(f"{what} lacks {', '.join(missing)}")
 
 
+# This class's field names where config.json calls them otherwise, for messages.
+_HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
+
+
 @dataclass(slots=True, frozen=True)
 class RopeConfig:
     theta: float = 10000.0
@@ -54,6 +58,15 @@ class LlamaConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
 
     def __post_init__(self) -> None:
+        # config.json is user input: a string, a null or a zero here would fail later, deep in the arithmetic.
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CheckpointError(f"{_HF_NAMES.get(name, name)}={value!r} must be a positive integer")
+        if isinstance(self.rms_norm_eps, bool) or not isinstance(self.rms_norm_eps, (int, float)) \
+                or not self.rms_norm_eps > 0:
+            raise CheckpointError(f"rms_norm_eps={self.rms_norm_eps!r} must be a positive number")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"num_attention_heads={self.num_heads} is not a multiple of "
@@ -110,7 +123,7 @@ class LlamaConfig:
             num_layers=hf["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            head_dim=hf.get("head_dim") or _per_head(hf["hidden_size"], heads),
             vocab_size=hf["vocab_size"],
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
@@ -127,7 +140,7 @@ class LlamaConfig:
             raise CheckpointError(f"{folder} has no config.json; expected a Hugging Face checkpoint folder")
         try:
             hf = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path} is not valid JSON: {e}") from e
         if not isinstance(hf, dict):
             raise CheckpointError(f"{path} is not a JSON object; expected a Hugging Face model configuration")
@@ -135,6 +148,12 @@ class LlamaConfig:
             return cls.from_hf(hf)
         except KeyError as e:
             raise CheckpointError(f"{path} lacks required key {e.args[0]!r}") from e
+
+
+def _per_head(hidden_size, heads) -> int:
+    """hidden_size / heads; 0 (refused by LlamaConfig, naming the bad value) when either is not a positive int."""
+    valid = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hidden_size, heads))
+    return hidden_size // heads if valid else 0
 
 
 def _check_llama_family(hf: dict) -> None:

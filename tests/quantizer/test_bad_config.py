@@ -26,6 +26,8 @@ DROP = object()  # the key is removed
         {"num_attention_heads": None},
         {"hidden_size": "512"},
         {"rope_scaling": [1]},
+        {"vocab_size": "4096"},  # passed Publish, failed later inside the job
+        {"num_hidden_layers": 2.5},
     ],
 )
 def test_a_config_json_with_unusable_values_is_invalid_argument(quantizer, request_for, tmp_path, changes):
@@ -42,5 +44,5 @@ def test_a_config_json_with_unusable_values_is_invalid_argument(quantizer, reque
         quantizer.stub.Publish(request_for(source))
 
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"source {str(source)!r}: its config.json cannot be used" in raised.value.details()
+    assert raised.value.details().startswith(f"source {str(source)!r}: ")
     assert "\n" not in raised.value.details()
