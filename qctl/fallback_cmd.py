@@ -23,10 +23,12 @@ def fallback(
     switch: Switch = typer.Argument(..., help="on: all traffic to the baseline; off: back to stable/canary"),
     deployment: str = typer.Argument(..., help="deployment name"),
     reason: str = typer.Option("", "--reason", help="recorded in the event log"),
+    force: bool = typer.Option(False, "--force", help="on: even when no healthy worker serves the baseline (every "
+                                                      "request would be refused)"),
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
 ):
     """Turn a deployment's fallback switch on or off (takes effect within a second)."""
     with admin_client(gateway, token) as admin:
         show_deployment(admin.SetFallback(gateway_pb2.SetFallbackRequest(
-            deployment=deployment, enabled=switch is Switch.on, reason=reason)))
+            deployment=deployment, enabled=switch is Switch.on, reason=reason, force=force)))

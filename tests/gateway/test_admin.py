@@ -18,7 +18,7 @@ from tests.gateway.conftest import ADMIN, DEPLOYMENT, WORKER, gateway_stack, run
 def test_admin_calls_need_a_known_token_of_the_right_scope(artifacts):
     async def scenario():
         async with gateway_stack(artifacts) as stack:
-            request = gateway_pb2.SetFallbackRequest(deployment=DEPLOYMENT, enabled=True)
+            request = gateway_pb2.SetFallbackRequest(deployment=DEPLOYMENT, enabled=True, force=True)  # no workers
             cases = ((None, grpc.StatusCode.UNAUTHENTICATED),
                      ((("authorization", "admin-secret"),), grpc.StatusCode.UNAUTHENTICATED),  # no Bearer
                      ((("authorization", "Bearer wrong"),), grpc.StatusCode.UNAUTHENTICATED),
@@ -87,7 +87,7 @@ def test_list_events_is_newest_first_and_bounded(artifacts):
         async with gateway_stack(artifacts) as stack:
             for enabled in (True, False, True):
                 await stack.admin.SetFallback(gateway_pb2.SetFallbackRequest(
-                    deployment=DEPLOYMENT, enabled=enabled, reason=f"r{enabled}"), metadata=ADMIN)
+                    deployment=DEPLOYMENT, enabled=enabled, reason=f"r{enabled}", force=True), metadata=ADMIN)
             events = (await stack.admin.ListEvents(gateway_pb2.ListEventsRequest(limit=2), metadata=ADMIN)).events
             assert [e.kind for e in events] == ["fallback_on", "fallback_off"]
             assert events[0].event_id > events[1].event_id and events[0].deployment == DEPLOYMENT

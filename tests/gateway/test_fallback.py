@@ -10,6 +10,7 @@ import time
 import uuid
 
 import grpc
+import pytest
 
 from services.gateway.config import FallbackBudget
 from services.gateway.fallback import AutoFallback
@@ -21,9 +22,9 @@ from tests.gateway.conftest import ADMIN, DEPLOYMENT, arm_of, gateway_stack, run
 KEYS = [f"k{i}" for i in range(30)]
 
 
-async def set_fallback(stack, enabled: bool, reason: str) -> gateway_pb2.Deployment:
+async def set_fallback(stack, enabled: bool, reason: str, force: bool = False) -> gateway_pb2.Deployment:
     return await stack.admin.SetFallback(gateway_pb2.SetFallbackRequest(
-        deployment=DEPLOYMENT, enabled=enabled, reason=reason), metadata=ADMIN)
+        deployment=DEPLOYMENT, enabled=enabled, reason=reason, force=force), metadata=ADMIN)
 
 
 async def events(stack) -> list[gateway_pb2.Event]:
@@ -63,7 +64,7 @@ def test_a_switch_made_through_another_gateway_takes_effect_within_a_second(arti
             await serving.add_worker(artifacts.baseline, tokens=1)
             assert arm_of(await serving.generate(max_new_tokens=1)) == gateway_pb2.ARM_STABLE
             switched = time.monotonic()
-            await set_fallback(other, True, "from the other gateway")
+            await set_fallback(other, True, "from the other gateway", force=True)  # its pool is empty
             while arm_of(await serving.generate(max_new_tokens=1)) != gateway_pb2.ARM_BASELINE:
                 assert time.monotonic() - switched < 1.0, "fallback did not take effect within a second"
                 await asyncio.sleep(0.02)
@@ -293,5 +294,26 @@ def test_the_guard_does_not_abort_a_canary_when_nothing_else_can_serve_its_traff
             assert await guard.check() == [DEPLOYMENT]
             assert not (await stack.deployment()).HasField("canary")
             assert arm_of(await stack.generate()) == gateway_pb2.ARM_STABLE
+
+    run(scenario())
+
+
+def test_fallback_on_is_refused_while_no_worker_serves_the_baseline_unless_forced(artifacts):
+    """With fallback on, every request goes to the baseline: with no baseline worker, every request is
+    refused. The switch is refused (FAILED_PRECONDITION, naming the remedies) unless forced."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            await stack.add_worker(artifacts.stable)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await set_fallback(stack, True, "drill")
+            assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"no healthy worker serves artifact {artifacts.baseline}" in raised.value.details()
+            assert "force" in raised.value.details()
+            assert not (await stack.deployment()).fallback
+            assert arm_of(await stack.generate(max_new_tokens=1)) == gateway_pb2.ARM_STABLE
+            assert (await set_fallback(stack, True, "drill", force=True)).fallback
+            await set_fallback(stack, False, "back")
+            await stack.add_worker(artifacts.baseline)
+            assert (await set_fallback(stack, True, "drill")).fallback
 
     run(scenario())

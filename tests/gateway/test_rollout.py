@@ -105,13 +105,13 @@ def test_a_promote_naming_the_reviewed_canary_is_refused_once_another_canary_rep
             await start_rollout(stack, artifacts.baseline, 10)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await stack.admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(
-                    deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary), metadata=ADMIN)
+                    deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, force=True), metadata=ADMIN)
             assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert artifacts.baseline in raised.value.details() and artifacts.canary in raised.value.details()
             unchanged = await stack.deployment()
             assert unchanged.stable.artifact_id == artifacts.stable and unchanged.canary.artifact_id == artifacts.baseline
             promoted = await stack.admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(
-                deployment=DEPLOYMENT, canary_artifact_id=artifacts.baseline), metadata=ADMIN)
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.baseline, force=True), metadata=ADMIN)
             assert promoted.stable.artifact_id == artifacts.baseline and not promoted.HasField("canary")
 
     run(scenario())
@@ -162,5 +162,37 @@ def test_rollout_status_shows_both_arms_side_by_side(artifacts):
             assert status.stable.ttft_p95.ToNanoseconds() >= status.stable.ttft_p50.ToNanoseconds() > 0
             assert status.stable.healthy_workers == 1 and status.baseline.healthy_workers == 0
             assert status.window_start.ToSeconds() > 0
+
+    run(scenario())
+
+
+def test_a_promote_that_would_send_all_traffic_to_an_artifact_no_worker_serves_is_refused(artifacts):
+    """A canary whose workers all died (RolloutStatus: no requests, no healthy workers) was promoted all
+    the same, and its traffic went to the baseline or was refused. Refused now, unless forced."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            await stack.add_worker(artifacts.stable)
+            await start_rollout(stack, artifacts.canary, 10)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(deployment=DEPLOYMENT),
+                                                 metadata=ADMIN)
+            assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"no healthy worker serves artifact {artifacts.canary}" in raised.value.details()
+            assert (await stack.deployment()).stable.artifact_id == artifacts.stable  # nothing changed
+            await stack.add_worker(artifacts.canary)
+            promoted = await stack.admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(deployment=DEPLOYMENT),
+                                                        metadata=ADMIN)
+            assert promoted.stable.artifact_id == artifacts.canary
+
+    run(scenario())
+
+
+def test_a_forced_promote_goes_through_without_workers(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            await start_rollout(stack, artifacts.canary, 10)
+            promoted = await stack.admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(
+                deployment=DEPLOYMENT, force=True), metadata=ADMIN)
+            assert promoted.stable.artifact_id == artifacts.canary
 
     run(scenario())
