@@ -36,7 +36,11 @@ def make_engine(url: str) -> sa.Engine:
         if parsed.drivername == "postgresql":  # the bare scheme means psycopg2, which is not a dependency
             parsed = parsed.set(drivername="postgresql+psycopg")
         # search_path etc. can ride in the URL: ...?options=-csearch_path%3Dregistry
-        return sa.create_engine(parsed, pool_pre_ping=True)
+        # READ COMMITTED whatever the server's default_transaction_isolation: the repository relies on
+        # it. A lookup after a lost insert race must see the winner's committed row, and a row locked
+        # FOR UPDATE is read as the other writer committed it; under REPEATABLE READ or SERIALIZABLE
+        # both end in an IntegrityError or a serialization failure instead of the registry's answer.
+        return sa.create_engine(parsed, pool_pre_ping=True, isolation_level="READ COMMITTED")
     shown = parsed.render_as_string(hide_password=True)
     raise InvalidValue(f"registry URL {shown!r}: backend {backend!r} is not supported; use {_ACCEPTED_URLS}")
 

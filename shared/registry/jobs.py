@@ -137,14 +137,24 @@ def fail_orphaned_jobs(
     if not isinstance(stale_after, timedelta) or stale_after < timedelta(0):
         raise InvalidValue(f"stale_after {stale_after!r} is not accepted: use a timedelta >= 0")
     cutoff = (now or utcnow()) - stale_after
+    orphaned = (QuantJob.state.in_(_ACTIVE), QuantJob.owner != current_owner, QuantJob.heartbeat_at <= cutoff)
+    candidates = session.execute(sa.select(QuantJob.id, QuantJob.artifact_id).where(*orphaned)).all()
+    # Artifacts before jobs: the order in which a quantizer finishing (mark_artifact_ready, then
+    # finish_job) or failing its job takes them. Taking the job first deadlocked on PostgreSQL with an
+    # owner that was slow, not dead, finishing just then (the job's events also key-share its artifact).
+    artifact_ids = sorted({artifact_id for _, artifact_id in candidates if artifact_id is not None})
+    for artifact_id in artifact_ids:
+        get_artifact(session, artifact_id, for_update=True)
     stmt = (
         sa.select(QuantJob)
-        .where(QuantJob.state.in_(_ACTIVE), QuantJob.owner != current_owner, QuantJob.heartbeat_at <= cutoff)
+        .where(QuantJob.id.in_([job_id for job_id, _ in candidates]), *orphaned)  # again, now under the lock
         .order_by(QuantJob.created_at, QuantJob.id)
         .with_for_update()
         .execution_options(populate_existing=True)
     )
-    orphans = list(session.scalars(stmt))
+    # A job that got an artifact since the first read (a claim committed in between) is left to the
+    # next sweep: locking that artifact now, after its job, is the order that deadlocks.
+    orphans = [job for job in session.scalars(stmt) if job.artifact_id is None or job.artifact_id in artifact_ids]
     for job in orphans:
         error = f"{reason} (owner {job.owner!r} last seen {job.heartbeat_at.isoformat()})"
         _fail(session, job, error, actor=current_owner)

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -79,14 +81,48 @@ def upgrade(url_or_engine: str | sa.Engine, target: str = "head") -> None:
     owned = isinstance(url_or_engine, str)
     engine = make_engine(url_or_engine) if owned else url_or_engine
     try:
-        with engine.begin() as conn:
+        with engine.connect() as conn, _sqlite_foreign_keys_off(conn), conn.begin():
             if conn.dialect.name == "postgresql":
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
             refuse_unknown_schema(conn)  # under the lock: what another process migrated meanwhile counts
             command.upgrade(alembic_config(conn), target)
+            _refuse_dangling_references(conn, target)
     finally:
         if owned:
             engine.dispose()
+
+
+@contextmanager
+def _sqlite_foreign_keys_off(conn: sa.Connection) -> Iterator[None]:
+    """SQLite alters a table by rebuilding it (alembic batch mode: copy, drop the old, rename the copy),
+    and with foreign keys enforced, dropping a table that other rows refer to fails: any migration that
+    alters artifacts, jobs, versions or deployments would fail with 'FOREIGN KEY constraint failed' on
+    every registry in use. SQLite's own recipe for such changes: foreign keys off around the
+    transaction, checked before it commits (_refuse_dangling_references), on again after. The pragma
+    does nothing inside a transaction, hence on the driver connection, before BEGIN."""
+    if conn.dialect.name != "sqlite":
+        yield
+        return
+    driver = conn.connection.driver_connection
+    driver.execute("PRAGMA foreign_keys = OFF")
+    try:
+        yield
+    finally:  # the connection goes back to the pool, and the registry's sessions rely on the checks
+        driver.execute("PRAGMA foreign_keys = ON")
+
+
+def _refuse_dangling_references(conn: sa.Connection, target: str) -> None:
+    """What SQLite did not check while the migrations ran with foreign keys off, checked at the end,
+    before the commit: a migration that left a row referring to a missing one is rolled back whole."""
+    if conn.dialect.name != "sqlite":
+        return  # PostgreSQL checked every statement
+    dangling = conn.exec_driver_sql("PRAGMA foreign_key_check").all()
+    if dangling:
+        shown = ", ".join(f"{table} row {rowid} -> {parent}" for table, rowid, parent, _ in dangling[:5])
+        raise InvalidState(
+            f"migrating the registry at {conn.engine.url.render_as_string(hide_password=True)!r} to {target!r} "
+            f"would leave {len(dangling)} row(s) referring to missing rows ({shown}); nothing was changed"
+        )
 
 
 def revision(engine: sa.Engine, message: str, autogenerate: bool = True) -> None:
