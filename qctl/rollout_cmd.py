@@ -22,13 +22,14 @@ def start(
     deployment: str = DEPLOYMENT_ARG,
     canary: str = typer.Option(..., "--canary", help="artifact id of the canary"),
     percent: int = typer.Option(..., "--percent", min=1, max=100, help="share of traffic for the canary, 1-100"),
+    force: bool = typer.Option(False, "--force", help="start it even if the automatic guard aborted it last"),
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
 ):
     """Send PERCENT of traffic to CANARY (sticky per session key). Again with the same canary: new percent."""
     with admin_client(gateway, token) as admin:
         show_deployment(admin.StartRollout(gateway_pb2.StartRolloutRequest(
-            deployment=deployment, canary_artifact_id=canary, canary_percent=percent)))
+            deployment=deployment, canary_artifact_id=canary, canary_percent=percent, force=force)))
 
 
 @app.command("promote")

@@ -17,6 +17,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from services.gateway.auth import AdminAuth
 from services.gateway.deployments import ArtifactRefView, DeploymentCache, DeploymentView, timestamp, view_of
+from services.gateway.fallback import ACTOR as GUARD_ACTOR
 from services.gateway.errors import MAPPED, InvalidRequest, NoWorker, Precondition, status_of
 from services.gateway.metrics import ArmStats, GatewayMetrics
 from services.gateway.pool import WorkerPool
@@ -59,6 +60,17 @@ def _since(at: Timestamp) -> datetime:
     except ValueError:  # out of the calendar's range: the client's input, not the gateway's failure
         raise InvalidRequest(f"since ({at.seconds} s, {at.nanos} ns after 1970-01-01 UTC) is not a valid time: "
                              f"give one between 0001-01-01 and 9999-12-31 UTC, or leave it unset") from None
+
+
+def _refuse_restart_of_auto_aborted(session, deployment, canary: str) -> None:
+    last = reg.last_rollout_event(session, deployment)
+    if last is not None and last.kind is reg.EventKind.ABORT and last.actor == GUARD_ACTOR \
+            and last.detail.get("canary") == canary:
+        raise Precondition(
+            f"canary {canary} of deployment {deployment.name!r} was aborted by the automatic guard at "
+            f"{last.at:%Y-%m-%d %H:%M:%S} UTC ({last.detail.get('reason') or 'over budget'}); it is not "
+            f"started again without force (qctl rollout start --force) once you have looked at why"
+        )
 
 
 def _seconds(value: float) -> Duration:
@@ -187,9 +199,11 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
             raise InvalidRequest(f"canary_percent {percent} is not accepted: use 1..100")
 
         def start(session):
-            deployment = reg.get_deployment(session, name)
+            deployment = reg.get_deployment(session, name, for_update=True)
             if deployment.canary_artifact_id == canary:  # the same canary again: a new percentage
                 return reg.set_canary_percent(session, name, percent, actor=actor)
+            if deployment.canary_artifact_id is None and not request.force:
+                _refuse_restart_of_auto_aborted(session, deployment, canary)
             canary_model = reg.get_artifact(session, canary).model_version.model.name
             stable_model = reg.get_artifact(session, deployment.stable_artifact_id).model_version.model.name
             if canary_model != stable_model:

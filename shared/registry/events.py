@@ -116,6 +116,14 @@ def list_events(
     return [_record(event, name) for event, name in session.execute(stmt)]
 
 
+def last_rollout_event(session: Session, deployment: Deployment) -> EventRecord | None:
+    """The deployment's latest rollout start, promote or abort (None before its first rollout)."""
+    kinds = (EventKind.ROLLOUT_START.value, EventKind.PROMOTE.value, EventKind.ABORT.value)
+    event = session.scalars(sa.select(Event).where(Event.deployment_id == deployment.id, Event.kind.in_(kinds))
+                            .order_by(Event.id.desc()).limit(1)).first()
+    return None if event is None else _record(event, deployment.name)
+
+
 def _record(event: Event, deployment_name: str | None) -> EventRecord:
     return EventRecord(
         id=event.id,

@@ -118,6 +118,18 @@ def test_a_canary_breaking_the_error_budget_is_aborted_and_the_stable_keeps_serv
             assert "error rate" in reason and artifacts.canary in reason
             assert arm_of(await stack.generate()) == gateway_pb2.ARM_STABLE
 
+            # A start (or a percentage change meant for the canary just aborted) does not bring it back
+            # unless forced: the guard's decision is undone only on purpose.
+            restart = gateway_pb2.StartRolloutRequest(deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary,
+                                                      canary_percent=50)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.admin.StartRollout(restart, metadata=ADMIN)
+            assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "aborted by the automatic guard" in raised.value.details() and "error rate" in raised.value.details()
+            assert not (await stack.deployment()).HasField("canary")
+            restart.force = True
+            assert (await stack.admin.StartRollout(restart, metadata=ADMIN)).canary_percent == 50
+
     run(scenario())
 
 

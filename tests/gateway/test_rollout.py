@@ -117,6 +117,17 @@ def test_a_promote_naming_the_reviewed_canary_is_refused_once_another_canary_rep
     run(scenario())
 
 
+def test_a_canary_a_person_aborted_can_be_started_again_without_force(artifacts):
+    """Only the automatic guard's abort asks for force: an operator's own abort is their decision."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            await start_rollout(stack, artifacts.canary, 10)
+            await stack.admin.AbortRollout(gateway_pb2.AbortRolloutRequest(deployment=DEPLOYMENT), metadata=ADMIN)
+            assert (await start_rollout(stack, artifacts.canary, 20)).canary_percent == 20
+
+    run(scenario())
+
+
 def test_start_rollout_rejects_what_cannot_be_a_canary(artifacts):
     async def scenario():
         async with gateway_stack(artifacts) as stack:
