@@ -198,9 +198,14 @@ class DeploymentCache:
                 entry = self._entries.get(name)
                 if entry is not None and entry[0] is None:  # an unknown name nobody asks for any more
                     del self._entries[name]
-            if self._used:
+            # Names the registry said do not exist are not re-read in the background: a client sending
+            # random names would have grown every refresh's query with them (for IDLE_S each). A request
+            # for one reads it again itself once its entry is max_age_s old, so a deployment created
+            # meanwhile is still found.
+            known = [name for name in self._used if (entry := self._entries.get(name)) is None or entry[0] is not None]
+            if known:
                 try:
-                    await self._read(list(self._used))
+                    await self._read(known)
                 except Exception:  # a registry outage: requests read it themselves (for_routing)
                     log.warning("refreshing deployments from the registry failed", exc_info=True)
 

@@ -299,3 +299,37 @@ def test_the_deployment_cache_forgets_unknown_names_once_idle(artifacts):
             registry.close()
 
     run(scenario())
+
+
+def test_the_background_refresh_does_not_re_read_names_that_do_not_exist(artifacts, monkeypatch):
+    """Every unknown name a client sent was re-read by each refresh (twice per max_age) for IDLE_S: random
+    names made every refresh's registry query grow with them. A request still re-reads a stale one."""
+    read_names: list[list[str]] = []
+    read = deployments_module.read_deployments
+
+    def recording(registry, names):
+        read_names.append(list(names))
+        return read(registry, names)
+
+    monkeypatch.setattr(deployments_module, "read_deployments", recording)
+
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:  # creates the deployment
+            cache = DeploymentCache(stack.gateway.registry, max_age_s=0.05)
+            await cache.get(DEPLOYMENT)
+            for i in range(20):
+                with pytest.raises(NotFound):
+                    await cache.get(f"nope-{i}")
+            read_names.clear()
+            refresh = asyncio.create_task(cache.refresh())
+            await asyncio.sleep(0.2)
+            refresh.cancel()
+            await asyncio.gather(refresh, return_exceptions=True)
+            assert read_names, "the refresh never ran"
+            assert all(names == [DEPLOYMENT] for names in read_names), read_names[:2]
+            read_names.clear()
+            with pytest.raises(NotFound):  # stale: the request reads the name again itself
+                await cache.get("nope-3")
+            assert read_names == [["nope-3"]]
+
+    run(scenario())
