@@ -295,6 +295,8 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
             if since is not None:
                 stmt = stmt.where(Event.at >= since)
             with self.registry.transaction() as session:
+                if request.deployment:  # a misspelt name is NOT_FOUND, not an empty history
+                    reg.get_deployment(session, request.deployment)
                 return [gateway_pb2.Event(event_id=e.id, time=timestamp(e.at), deployment=name or "", kind=e.kind,
                                           detail=e.detail, actor=e.actor, artifact_id=e.artifact_id or "")
                         for e, name in session.execute(stmt)]

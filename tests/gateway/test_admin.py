@@ -82,6 +82,19 @@ def test_create_deployment_validates_the_name_and_the_artifacts(artifacts):
     run(scenario())
 
 
+def test_list_events_of_a_deployment_that_does_not_exist_is_not_found(artifacts):
+    """It answered an empty list: a misspelt name looked like a deployment with no history."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.admin.ListEvents(gateway_pb2.ListEventsRequest(deployment="caht"), metadata=ADMIN)
+            assert raised.value.code() == grpc.StatusCode.NOT_FOUND and "'caht'" in raised.value.details()
+            assert (await stack.admin.ListEvents(gateway_pb2.ListEventsRequest(deployment=DEPLOYMENT),
+                                                 metadata=ADMIN)).events
+
+    run(scenario())
+
+
 def test_list_events_is_newest_first_and_bounded(artifacts):
     async def scenario():
         async with gateway_stack(artifacts) as stack:
