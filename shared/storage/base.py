@@ -186,6 +186,7 @@ class ObjectStore(abc.ABC):
             raise ObjectNotFound(f"no objects under {self.uri(src)}")
         try:
             local_dir.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_partial_downloads(local_dir.parent)
             tmp_dir = Path(tempfile.mkdtemp(prefix=f".{local_dir.name}.partial-", dir=local_dir.parent))
         except OSError as exc:
             raise StorageError(f"cannot create {local_dir}: {exc}") from exc
@@ -279,6 +280,28 @@ def _check_same(where: str, stored: ObjectInfo, reference: ObjectInfo, *, what: 
             f"verification of {where} failed: the object's sha256 is {stored.sha256}, "
             f"the {what}'s {reference.sha256}"
         )
+
+
+PARTIAL_DOWNLOAD_MAX_AGE_S = 3600.0
+
+
+def remove_stale_partial_downloads(parent: Path, older_than_s: float = PARTIAL_DOWNLOAD_MAX_AGE_S) -> int:
+    """Removes the hidden folders of downloads into parent that nothing has written to for older_than_s:
+    a process killed mid-download (a worker's multi-GB artifact) leaves one behind, and nothing else
+    would ever remove it. A download in progress keeps writing, so its newest file stays recent (another
+    worker sharing the cache may be downloading right now). Returns how many were removed."""
+    cutoff = time.time() - older_than_s
+    removed = 0
+    for folder in parent.glob(".*.partial-*"):
+        try:
+            newest = max((p.stat().st_mtime for p in folder.rglob("*")), default=folder.stat().st_mtime)
+            if folder.is_dir() and max(newest, folder.stat().st_mtime) <= cutoff:
+                shutil.rmtree(folder)
+                removed += 1
+                log.info("removed %s: a download abandoned over %.0f s ago", folder, older_than_s)
+        except OSError:  # renamed into place, or removed by another process, meanwhile
+            continue
+    return removed
 
 
 def _holds(folder: Path, objects: list[ObjectInfo], src: str) -> bool:

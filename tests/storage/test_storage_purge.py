@@ -48,3 +48,28 @@ def test_purge_staging_removes_old_partial_writes_of_a_local_store(tmp_path):
 
     assert not killed.exists()
     assert writing.exists()
+
+
+def test_a_download_removes_the_folders_that_abandoned_downloads_left_beside_it(tmp_path):
+    """A worker killed mid-download left its hidden `.<id>.partial-*` folder (gigabytes) in the cache for
+    good. The next download into that cache removes the ones untouched for an hour, never one in progress."""
+    store = LocalStore(tmp_path / "store", create=True)
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "weights.bin").write_bytes(b"w" * 100)
+    store.put_file(source / "weights.bin", "art/weights.bin")
+    cache = tmp_path / "cache"
+    abandoned, in_progress = cache / ".old.partial-ab12", cache / ".new.partial-cd34"
+    for folder in (abandoned, in_progress):
+        (folder / "sub").mkdir(parents=True)
+        (folder / "sub" / "shard.bin").write_bytes(b"x" * 10)
+    two_hours_ago = time.time() - 7200
+    for path in (abandoned / "sub" / "shard.bin", abandoned / "sub", abandoned):
+        os.utime(path, (two_hours_ago, two_hours_ago))
+    os.utime(in_progress, (two_hours_ago, two_hours_ago))  # an old folder whose file is still being written
+
+    store.download_folder("art", cache / "art")
+
+    assert (cache / "art" / "weights.bin").read_bytes() == b"w" * 100
+    assert not abandoned.exists()
+    assert (in_progress / "sub" / "shard.bin").exists()
