@@ -13,6 +13,8 @@ from shared.rpc.qserve.v1 import common_pb2, worker_pb2
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+# Each generated token is checked against them on the engine's thread, which every request shares.
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,7 +75,9 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, vocab_size: int) -> Sampling
         raise InvalidRequest(f"temperature={pb.temperature} must be a finite number >= 0 (0 = greedy)")
     if not math.isfinite(pb.top_p) or not 0 <= pb.top_p <= 1:
         raise InvalidRequest(f"top_p={pb.top_p} must be in (0, 1], or 0 for no limit")
-    stop_ids = tuple(pb.stop_token_ids)
+    stop_ids = tuple(dict.fromkeys(pb.stop_token_ids))
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"{len(stop_ids)} stop token ids given; at most {MAX_STOP_TOKEN_IDS}")
     _check_vocab("stop token id", stop_ids, vocab_size)
     if len(pb.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"{len(pb.stop)} stop strings given; at most {MAX_STOP_STRINGS}")

@@ -94,6 +94,7 @@ def test_abort_ends_the_stream_with_reason_abort(client):
         (_request(top_p=1.5), ["top_p=1.5", "(0, 1]"]),
         (_request(stop_token_ids=[5000]), ["stop token id 5000", "0..4095"]),
         (_request(stop=["ok", ""]), ["stop string ''"]),
+        (_request(stop_token_ids=list(range(300))), ["300 stop token ids", "at most 256"]),
     ],
 )
 def test_bad_requests_are_invalid_argument_naming_the_value(client, request_pb, words):
