@@ -42,6 +42,7 @@ from shared.storage import StorageError
 
 log = logging.getLogger(__name__)
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name  # qserve.v1.Worker
 DRAIN_POLL_S = 0.02
 
@@ -97,6 +98,10 @@ class WorkerServer:
             served, servicer, server, health_servicer, metrics)
         self.port = port
         if self.config.gateway_addresses:
+            if self.config.advertise_address is None and self.config.host in WILDCARD_HOSTS:
+                log.warning("announcing %s to the gateways: a wildcard address only a gateway on this host can "
+                            "dial; set --advertise-address to the host:port the gateways reach this worker at",
+                            self.address)
             self.announcers = GatewayAnnouncers(
                 self.config.gateway_addresses, self.config.gateway_token, self.config.advertise_address or self.address,
                 served.artifact.artifact_id, self._load, tls=self.config.gateway_tls,

@@ -149,6 +149,22 @@ def test_a_worker_announces_itself_and_deregisters_when_draining(artifacts):
     asyncio.run(scenario())
 
 
+def test_a_worker_on_a_wildcard_host_without_an_advertised_address_says_the_gateways_cannot_dial_it(artifacts, caplog):
+    """--host 0.0.0.0 and no --advertise-address: the worker announced 0.0.0.0:port, which only a gateway on
+    the same host can dial; every other gateway marked it broken with no hint why."""
+    async def scenario():
+        server, admin, port = await _fake_gateway()
+        worker = WorkerServer(WorkerConfig(artifact=str(artifacts["fp16"]), host="0.0.0.0", port=0, metrics_port=None,
+                                           kv_blocks=16, gateway_addresses=(f"127.0.0.1:{port}",), gateway_token=TOKEN))
+        with caplog.at_level("WARNING", logger="services.worker.server"):
+            await worker.start()
+        await worker.stop(grace_s=0)
+        await server.stop(0)
+
+    asyncio.run(scenario())
+    assert any("--advertise-address" in r.getMessage() for r in caplog.records)
+
+
 def _heartbeats(admin: FakeAdmin) -> int:
     return sum(c[0] == "heartbeat" for c in admin.calls)
 
