@@ -24,6 +24,7 @@ from shared.registry import (
     retry_artifact,
 )
 from shared.registry.models import Artifact
+from tests.registry.pg_waits import wait_until_blocked
 
 SHA = "e" * 64
 
@@ -97,18 +98,7 @@ def _wait_until_blocked(registry: Registry, loser_pid: list[int], is_postgres: b
     if not is_postgres:  # SQLite: the loser waits in BEGIN IMMEDIATE; nothing to observe from here
         time.sleep(0.2)
         return
-    deadline = time.monotonic() + 10
-    with registry.engine.connect() as conn:
-        while time.monotonic() < deadline:
-            if loser_pid:
-                wait = conn.execute(
-                    sa.text("SELECT wait_event_type FROM pg_stat_activity WHERE pid = :pid"), {"pid": loser_pid[0]}
-                ).scalar()
-                if wait == "Lock":
-                    return
-            conn.rollback()
-            time.sleep(0.01)
-    pytest.fail("the second publish never blocked on the first one's row")
+    wait_until_blocked(registry, loser_pid, "the second publish never blocked on the first one's row")
 
 
 def test_pending_becomes_ready_with_its_evaluation(session: Session, version: ModelVersion) -> None:

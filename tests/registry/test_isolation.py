@@ -8,7 +8,6 @@ failure instead of the winner's row or its own change applied after the other's.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from urllib.parse import quote
 
@@ -28,6 +27,7 @@ from shared.registry import (
     set_canary_percent,
     start_rollout,
 )
+from tests.registry.pg_waits import wait_until_blocked
 from tests.conftest import fresh_postgres_schema
 
 pytestmark = pytest.mark.postgres
@@ -69,25 +69,10 @@ def _second_writer_after_the_first(
         first(session)
         thread = threading.Thread(target=run_second)
         thread.start()
-        _wait_until_blocked(registry, pid)
+        wait_until_blocked(registry, pid, "the second writer never waited on the first one")
     thread.join(timeout=30)
     assert not thread.is_alive()
     return outcome[0]
-
-
-def _wait_until_blocked(registry: Registry, pid: list[int]) -> None:
-    deadline = time.monotonic() + 10
-    with registry.engine.connect() as conn:
-        while time.monotonic() < deadline:
-            if pid:
-                wait = conn.execute(
-                    sa.text("SELECT wait_event_type FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid[0]}
-                ).scalar()
-                if wait == "Lock":
-                    return
-            conn.rollback()
-            time.sleep(0.01)
-    pytest.fail("the second writer never waited on the first one")
 
 
 def test_the_loser_of_a_reservation_race_gets_the_winners_row(strict_registry: Registry) -> None:

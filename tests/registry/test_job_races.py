@@ -6,10 +6,8 @@ order, or on PostgreSQL each waits for the other and one of them dies with a dea
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 
-import pytest
 import sqlalchemy as sa
 
 from shared.registry import (
@@ -28,6 +26,7 @@ from shared.registry import (
     start_job,
 )
 from shared.registry.models import utcnow
+from tests.registry.pg_waits import wait_until_blocked
 
 SLOW, SWEEPER = "host-a:101:boot1", "host-b:202:boot1"
 
@@ -38,22 +37,6 @@ def _running_job(registry: Registry, version: ModelVersion) -> tuple[str, str]:
         job = create_job(session, owner=SLOW, artifact_id=artifact.id)
         start_job(session, job.id, owner=SLOW)
         return job.id, artifact.id
-
-
-def _wait_until_blocked(registry: Registry, pid: list[int]) -> None:
-    """Returns once the backend `pid[0]` waits for a row lock (PostgreSQL only)."""
-    deadline = time.monotonic() + 10
-    with registry.engine.connect() as conn:
-        while time.monotonic() < deadline:
-            if pid:
-                wait = conn.execute(
-                    sa.text("SELECT wait_event_type FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid[0]}
-                ).scalar()
-                if wait == "Lock":
-                    return
-            conn.rollback()
-            time.sleep(0.01)
-    pytest.fail("the sweep never blocked on the finishing transaction")
 
 
 def test_a_sweep_racing_the_job_it_judges_orphaned_as_it_finishes_never_deadlocks(
@@ -93,7 +76,7 @@ def test_a_sweep_racing_the_job_it_judges_orphaned_as_it_finishes_never_deadlock
     for t in threads:
         t.start()
     if is_postgres:  # the sweep is inside fail_orphaned_jobs, waiting on a lock the finisher holds
-        _wait_until_blocked(registry, sweep_pid)
+        wait_until_blocked(registry, sweep_pid, "the sweep never blocked on the finishing transaction")
     finish_now.set()
     for t in threads:
         t.join(timeout=30)
