@@ -7,7 +7,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, rpc_errors, short
+from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, rpc_errors
+from qctl.output import id_column, table_console
 from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import gateway_pb2
 
@@ -15,7 +16,7 @@ app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Create and 
 
 
 def _ref(r) -> str:
-    return f"{short(r.artifact_id)} ({r.format}, {r.gpu_target})"
+    return f"{r.artifact_id} ({r.format}, {r.gpu_target})"
 
 
 def show_deployment(d: gateway_pb2.Deployment, console: Console | None = None) -> None:
@@ -56,9 +57,9 @@ def ls(gateway: str = GATEWAY_OPTION, token: str = TOKEN_OPTION):
     """List deployments."""
     with admin_client(gateway, token) as admin:
         deployments = admin.ListDeployments(gateway_pb2.ListDeploymentsRequest()).deployments
-    table = Table("deployment", "stable", "canary", "baseline", "fallback")
+    table = Table("deployment", id_column("stable"), id_column("canary"), id_column("baseline"), "fallback")
     for d in deployments:
-        canary = f"{short(d.canary.artifact_id)} {d.canary_percent}%" if d.HasField("canary") else "-"
-        table.add_row(d.name, short(d.stable.artifact_id), canary, short(d.baseline.artifact_id),
+        canary = f"{d.canary.artifact_id} {d.canary_percent}%" if d.HasField("canary") else "-"
+        table.add_row(d.name, d.stable.artifact_id, canary, d.baseline.artifact_id,
                       "[red]ON[/]" if d.fallback else "off")
-    Console().print(table if deployments else "no deployments")
+    table_console().print(table if deployments else "no deployments")

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from shared.formats.manifest import GPU_TARGETS
 
 
 def resolve_device(device: str) -> str:
+    """'auto' -> cuda when a GPU is visible, else cpu; cpu, cuda and cuda:N as given (ValueError otherwise).
+    The torch reference backend runs on nothing else, and torch's own error for a name it does not know
+    ('tpu', 'gpu') surfaced as a RuntimeError traceback once the checkpoint was loaded."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not re.fullmatch(r"cuda:[0-9]+", device):
+        raise ValueError(f"device {device!r} is not supported; accepted: auto, cpu, cuda, cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for but no CUDA GPU is visible; use --device cpu")
     return device

@@ -16,7 +16,9 @@ from shared.model.config import CheckpointError
 from shared.quant.calibration import CalibrationError
 from shared.rpc.tls import TlsError, mismatch_hint
 
-USER_ERRORS = (CheckpointError, CalibrationError, ArtifactError, ManifestError, FormatError, FileNotFoundError, ValueError)
+# OSError: a path the user gave that cannot be written or read (--out or --workdir under a file, a folder without
+# permission, a full disk); FileNotFoundError is one. It was a traceback but for a missing file.
+USER_ERRORS = (CheckpointError, CalibrationError, ArtifactError, ManifestError, FormatError, OSError, ValueError)
 
 
 def user_errors(fn):

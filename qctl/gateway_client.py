@@ -54,7 +54,3 @@ def gateway_client(address: str) -> Iterator[gateway_pb2_grpc.GatewayStub]:
 
 def ms(duration: Duration) -> str:
     return f"{duration.ToNanoseconds() / 1e6:.1f} ms"
-
-
-def short(artifact_id: str) -> str:
-    return artifact_id[:12]

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from qctl.gateway_client import GATEWAY_OPTION, gateway_client, ms, rpc_errors, short
+from qctl.gateway_client import GATEWAY_OPTION, gateway_client, ms, rpc_errors
 from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
 
@@ -58,6 +58,6 @@ def generate(
                 arm = gateway_pb2.Arm.Name(reply.arm).removeprefix("ARM_").lower()
                 reason = common_pb2.FinishReason.Name(f.reason).removeprefix("FINISH_REASON_").lower()
                 print(file=sys.stdout)
-                print(f"[{reason}] {f.generated_tokens} tokens from {arm} {short(reply.artifact_id)}; "
+                print(f"[{reason}] {f.generated_tokens} tokens from {arm} {reply.artifact_id}; "
                       f"ttft {ms(f.timings.time_to_first_token)}, tpot {ms(f.timings.time_per_output_token)}, "
                       f"total {ms(f.timings.total)}", file=sys.stderr)

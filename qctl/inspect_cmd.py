@@ -7,7 +7,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, rpc_errors, short
+from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, rpc_errors
+from qctl.output import id_column, table_console
 from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import gateway_pb2
 
@@ -27,15 +28,15 @@ def workers(
     if not listed:
         Console().print("no workers registered" + (f" for artifact {artifact}" if artifact else ""))
         return
-    table = Table("worker", "address", "artifact", "format", "health", "in flight / capacity", "running",
+    table = Table("worker", "address", id_column("artifact"), "format", "health", "in flight / capacity", "running",
                   "waiting", "kv blocks free", "last heartbeat")
     for w in listed:
         health = gateway_pb2.WorkerHealth.Name(w.health).removeprefix("WORKER_HEALTH_")
-        table.add_row(escape(w.worker_id), escape(w.address), short(w.artifact.artifact_id), w.artifact.format,
+        table.add_row(escape(w.worker_id), escape(w.address), w.artifact.artifact_id, w.artifact.format,
                       f"[{HEALTH_STYLE.get(health, 'white')}]{health}[/]", f"{w.in_flight} / {w.capacity}",
                       str(w.running_requests), str(w.waiting_requests), str(w.kv_blocks_free),
                       w.last_heartbeat.ToDatetime().strftime("%H:%M:%S"))
-    Console().print(table)
+    table_console().print(table)
 
 
 @rpc_errors
@@ -49,8 +50,8 @@ def events(
     """The registry's event log, newest first: rollouts, fallback switches (with reasons and actors)."""
     with admin_client(gateway, token) as admin:
         listed = admin.ListEvents(gateway_pb2.ListEventsRequest(deployment=deployment, limit=limit)).events
-    table = Table("id", "time (UTC)", "deployment", "kind", "actor", "artifact", "detail")
+    table = Table("id", "time (UTC)", "deployment", "kind", "actor", id_column("artifact"), "detail")
     for e in listed:
         table.add_row(str(e.event_id), e.time.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"), escape(e.deployment),
-                      escape(e.kind), escape(e.actor), short(e.artifact_id), escape(e.detail))
-    Console().print(table if listed else "no events")
+                      escape(e.kind), escape(e.actor), e.artifact_id, escape(e.detail))
+    table_console().print(table if listed else "no events")

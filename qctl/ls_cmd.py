@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from qctl.errors import rpc_errors
 from qctl.gateway_client import RPC_TIMEOUT_S
+from qctl.output import id_column, table_console
 from qctl.publish_cmd import QUANTIZER_OPTION, quantizer_stub
 from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import common_pb2, quantizer_pb2
@@ -29,11 +29,11 @@ def ls(
         models = stub.ListModels(Q.ListModelsRequest(model_name=model), timeout=RPC_TIMEOUT_S).models
         listed = stub.ListArtifacts(Q.ListArtifactsRequest(model_name=model), timeout=RPC_TIMEOUT_S).artifacts
         artifacts = {a.artifact_id: a for a in listed}
-    console = Console()
+    console = table_console()
     if not models:
         console.print("no models registered" + (f" under the name {model!r}" if model else ""))
         return
-    table = Table("model", "version", "artifact", "state", "format", "gpu", "ppl fp16 -> quantized", "note")
+    table = Table("model", "version", id_column("artifact"), "state", "format", "gpu", "ppl fp16 -> quantized", "note")
     for m in models:
         for version in m.versions:
             label = escape(version.version_label)

@@ -26,6 +26,7 @@ FormatName = Enum("FormatName", {name: name for name in FORMATS}, type=str)
 GpuTarget = Enum("GpuTarget", {name: name for name in GPU_TARGETS}, type=str)
 Q = quantizer_pb2
 UINT32_MAX = 2**32 - 1  # the request's counts are uint32 fields
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 
 
 def quantizer_stub(address: str) -> tuple[grpc.Channel, quantizer_pb2_grpc.QuantizerStub]:
@@ -74,7 +75,8 @@ def publish(
     rtn: bool = typer.Option(False, "--rtn", help="every QoQ step off: plain round-to-nearest (fast; for tests "
                              "and smoke runs). A step switched on explicitly stays on."),
 ):
-    """Publish a checkpoint as an evaluated artifact; prints its id. Exit 1 when the job fails."""
+    """Publish a checkpoint as an evaluated artifact; prints its id. Exit 1 when the job fails; Ctrl-C stops
+    following the job, which keeps running."""
     steps = {"smooth_attention": smooth_attention, "rotation": rotation, "smoothing": smoothing,
              "reorder": reorder, "clipping": clipping, "gptq": gptq, "rotate_values": rotate_values,
              "kv_range_search": kv_range_search, "compensate_inputs": compensate_inputs, "key_feedback": key_feedback}
@@ -96,7 +98,14 @@ def publish(
         job = stub.Publish(request)
         console.print(f"job {job.job_id} queued at {quantizer}")
         job_id = job.job_id
-        job = follow_job(stub, job_id, console)
+        try:
+            job = follow_job(stub, job_id, console)
+        except KeyboardInterrupt:
+            # Ctrl-C stops the watching, not the job (the quantizer has no cancel): say so, or the user takes
+            # the job for cancelled while it goes on to publish an artifact.
+            print(f"interrupted: job {job_id} keeps running on the quantizer at {quantizer}; `qctl ls` shows "
+                  f"its artifact's state", file=sys.stderr)
+            raise typer.Exit(code=EXIT_INTERRUPTED) from None
     if job is None:  # the stream ended before its first snapshot
         print(f"error: the quantizer ended the progress stream of job {job_id} without its state; "
               f"it may still run: see `qctl ls`", file=sys.stderr)

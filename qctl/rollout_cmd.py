@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from qctl.deploy_cmd import show_deployment
-from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, ms, rpc_errors, short
+from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, ms, rpc_errors
+from qctl.output import table_console
 from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import gateway_pb2
 
@@ -71,13 +71,13 @@ def status(deployment: str = DEPLOYMENT_ARG, gateway: str = GATEWAY_OPTION, toke
     """The deployment and its arms' metrics side by side."""
     with admin_client(gateway, token) as admin:
         reply = admin.RolloutStatus(gateway_pb2.RolloutStatusRequest(deployment=deployment))
-    console = Console()
+    console = table_console()
     show_deployment(reply.deployment, console)
     arms = [(name, getattr(reply, name)) for name in ("stable", "canary", "baseline") if reply.HasField(name)]
     window = reply.window_start.ToDatetime().strftime("%Y-%m-%d %H:%M:%S UTC")
     table = Table("", *(name for name, _ in arms), title=f"since {window}")
     rows = (
-        ("artifact", lambda m: f"{short(m.artifact.artifact_id)} {m.artifact.format}"),
+        ("artifact", lambda m: f"{m.artifact.artifact_id} {m.artifact.format}"),
         ("healthy workers", lambda m: str(m.healthy_workers)),
         ("requests", lambda m: str(m.requests)),
         ("errors", lambda m: f"{m.errors} ({m.error_rate:.1%})"),

@@ -108,18 +108,18 @@ def up(
 
         budget = _worker_budget(device)
         for artifact_id in (baseline_id, quantized_id):
-            console.print(f"starting a worker for {artifact_id[:12]}")
+            console.print(f"starting a worker for {artifact_id}")
             _start_worker(stack, artifact_id, budget, device, console)
         with admin_client(gateway, stack.admin_token) as admin:
             _wait_for_workers(admin, {baseline_id, quantized_id})
             _deploy_baseline(admin, name, baseline_id, workdir, console)
-            console.print(f"deployment [bold]{name}[/]: stable = fp16 {baseline_id[:12]}")
+            console.print(f"deployment [bold]{name}[/]: stable = fp16 {baseline_id}")
             admin.StartRollout(G.StartRolloutRequest(
                 deployment=name, canary_artifact_id=quantized_id, canary_percent=canary_percent))
-            console.print(f"rollout: {format.value} {quantized_id[:12]} takes {canary_percent}% as the canary")
+            console.print(f"rollout: {format.value} {quantized_id} takes {canary_percent}% as the canary")
             _show_canary_split(gateway, name, console)
             admin.PromoteRollout(G.PromoteRolloutRequest(deployment=name, canary_artifact_id=quantized_id))
-            console.print(f"promoted: {format.value} {quantized_id[:12]} is now stable (fp16 stays the baseline)")
+            console.print(f"promoted: {format.value} {quantized_id} is now stable (fp16 stays the baseline)")
         _stream(gateway, name, prompt, new_tokens, console)
 
         if once:
@@ -186,7 +186,7 @@ def _publish(quantizer: str, model: Path, name: str, fmt: str, gpu_target: str, 
     if job is None or job.state != Q.JOB_STATE_SUCCEEDED:
         raise StackError(f"publishing {fmt} failed: {job.error if job else 'the progress stream ended empty'}")
     e = job.artifact.evaluation
-    console.print(f"  {fmt} artifact {job.artifact.artifact_id[:12]} READY: perplexity {e.perplexity_quantized:.3f} "
+    console.print(f"  {fmt} artifact {job.artifact.artifact_id} READY: perplexity {e.perplexity_quantized:.3f} "
                   f"vs fp16 {e.perplexity_fp16:.3f} ({e.perplexity_quantized / e.perplexity_fp16 - 1:+.2%})")
     return job.artifact.artifact_id
 
@@ -196,10 +196,10 @@ def _start_worker(stack: LocalStack, artifact_id: str, budget: int | None, devic
     timeout_s = WORKER_START_S[device]
     doing = "loading" if device == "cpu" else "loading, compiling kernels and capturing CUDA graphs (minutes the first time)"
     try:
-        with console.status(f"worker {artifact_id[:12]}: {doing}"):
+        with console.status(f"worker {artifact_id}: {doing}"):
             stack.start_worker(artifact_id, budget, timeout_s=timeout_s)
     except concurrent.futures.TimeoutError:
-        raise StackError(f"the worker for {artifact_id[:12]} did not start in {timeout_s:.0f} s") from None
+        raise StackError(f"the worker for {artifact_id} did not start in {timeout_s:.0f} s") from None
 
 
 def _wait_for_workers(admin, artifact_ids: set[str]) -> None:
@@ -225,8 +225,8 @@ def _deploy_baseline(admin, name: str, baseline_id: str, workdir: Path, console:
             raise
     d = admin.GetDeployment(G.GetDeploymentRequest(deployment=name))
     if d.baseline.artifact_id != baseline_id:
-        raise StackError(f"deployment {name!r} in {workdir} has baseline {d.baseline.artifact_id[:12]}, not this "
-                         f"run's fp16 artifact {baseline_id[:12]} (another checkpoint of that name): use another "
+        raise StackError(f"deployment {name!r} in {workdir} has baseline {d.baseline.artifact_id}, not this "
+                         f"run's fp16 artifact {baseline_id} (another checkpoint of that name): use another "
                          f"--workdir")
     console.print(f"deployment {name} exists from an earlier run in {workdir}: resetting it to the fp16 baseline")
     reason = "qctl up: restarting the demo"
@@ -277,7 +277,7 @@ def _stream(gateway: str, name: str, prompt: str, new_tokens: int, console: Cons
                 ttft = f.timings.time_to_first_token.ToTimedelta().total_seconds() * 1000
                 tpot = f.timings.time_per_output_token.ToTimedelta().total_seconds() * 1000
                 console.print(f"  {f.generated_tokens} tokens from {G.Arm.Name(reply.arm).removeprefix('ARM_').lower()} "
-                              f"{reply.artifact_id[:12]}; ttft {ttft:.0f} ms, {tpot:.1f} ms/token")
+                              f"{reply.artifact_id}; ttft {ttft:.0f} ms, {tpot:.1f} ms/token")
 
 
 def _wait_for_interrupt() -> None:
