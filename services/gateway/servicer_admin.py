@@ -221,8 +221,9 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
             view = await self._read(name)
             canary = view.canary.artifact_id if view.canary is not None else None
             if canary is not None and expected in (None, canary):
-                self._require_workers(canary, f"promoted, canary {canary} would get all of deployment {name!r}'s "
-                                              f"traffic", "start its workers first, or promote with force")
+                self._require_workers(canary, f"promoted, it would take all of the traffic of deployment {name!r} "
+                                              f"(served by the baseline, if any, or refused)",
+                                      "start its workers first, or promote with force")
                 expected = canary  # the promote is of the canary just checked, not of one started since
         return (await self._change(
             lambda session: reg.promote(session, name, actor=actor, expected_canary=expected))).to_pb()
@@ -240,7 +241,7 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
             view = await self._read(name)
             if view.baseline is not None and not view.fallback:
                 self._require_workers(view.baseline.artifact_id, f"with fallback on, every request to deployment "
-                                      f"{name!r} would go to baseline {view.baseline.artifact_id}",
+                                      f"{name!r} would go to it and be refused",
                                       "start its workers first, abort the rollout instead, or turn fallback on "
                                       "with force")
         return (await self._change(lambda session: reg.set_fallback(
@@ -249,8 +250,8 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
     def _require_workers(self, artifact_id: str, consequence: str, remedy: str) -> None:
         """Refuses a change that would send traffic to an artifact no healthy worker of this gateway serves."""
         if not self.pool.healthy(artifact_id):
-            raise Precondition(f"no healthy worker serves artifact {artifact_id} at this gateway: {consequence} "
-                               f"and every one of those requests would be refused; {remedy}")
+            raise Precondition(f"no healthy worker serves artifact {artifact_id} at this gateway: {consequence}; "
+                               f"{remedy}")
 
     @_admin
     async def RolloutStatus(self, request: gateway_pb2.RolloutStatusRequest, actor: str):
