@@ -187,7 +187,7 @@ class ObjectStore(abc.ABC):
         try:
             local_dir.parent.mkdir(parents=True, exist_ok=True)
             remove_stale_partial_downloads(local_dir.parent)
-            tmp_dir = Path(tempfile.mkdtemp(prefix=f".{local_dir.name}.partial-", dir=local_dir.parent))
+            tmp_dir = Path(tempfile.mkdtemp(prefix=f".{local_dir.name}{DOWNLOAD_SUFFIX}", dir=local_dir.parent))
         except OSError as exc:
             raise StorageError(f"cannot create {local_dir}: {exc}") from exc
         try:
@@ -283,16 +283,20 @@ def _check_same(where: str, stored: ObjectInfo, reference: ObjectInfo, *, what: 
 
 
 PARTIAL_DOWNLOAD_MAX_AGE_S = 3600.0
+# The hidden folder a download fills before it is renamed into place: named apart from the artifact
+# writer's `.partial-` staging, which may share the parent and must never be swept from here.
+DOWNLOAD_SUFFIX = ".download-"
 
 
 def remove_stale_partial_downloads(parent: Path, older_than_s: float = PARTIAL_DOWNLOAD_MAX_AGE_S) -> int:
-    """Removes the hidden folders of downloads into parent that nothing has written to for older_than_s:
+    """Removes the hidden folders of downloads into parent that nothing has written to for older_than_s
+    (only those download_folder names, DOWNLOAD_SUFFIX):
     a process killed mid-download (a worker's multi-GB artifact) leaves one behind, and nothing else
     would ever remove it. A download in progress keeps writing, so its newest file stays recent (another
     worker sharing the cache may be downloading right now). Returns how many were removed."""
     cutoff = time.time() - older_than_s
     removed = 0
-    for folder in parent.glob(".*.partial-*"):
+    for folder in parent.glob(f".*{DOWNLOAD_SUFFIX}*"):
         try:
             newest = max((p.stat().st_mtime for p in folder.rglob("*")), default=folder.stat().st_mtime)
             if folder.is_dir() and max(newest, folder.stat().st_mtime) <= cutoff:

@@ -17,8 +17,8 @@ DEAD, ALIVE = "quantizer@gone:4242:deadbeef", "quantizer@other:7:cafe"
 def _work_dir_of(work_dir: Path, job_id: str) -> Path:
     """A job folder as the pipeline leaves it when its process is killed mid-download."""
     folder = work_dir / "jobs" / job_id
-    (folder / "source" / ".source.partial-1234").mkdir(parents=True)
-    (folder / "source" / ".source.partial-1234" / "model.safetensors").write_bytes(b"\0" * 4096)
+    (folder / "source" / ".source.download-1234").mkdir(parents=True)
+    (folder / "source" / ".source.download-1234" / "model.safetensors").write_bytes(b"\0" * 4096)
     return folder
 
 

@@ -51,7 +51,7 @@ def test_purge_staging_removes_old_partial_writes_of_a_local_store(tmp_path):
 
 
 def test_a_download_removes_the_folders_that_abandoned_downloads_left_beside_it(tmp_path):
-    """A worker killed mid-download left its hidden `.<id>.partial-*` folder (gigabytes) in the cache for
+    """A worker killed mid-download left its hidden `.<id>.download-*` folder (gigabytes) in the cache for
     good. The next download into that cache removes the ones untouched for an hour, never one in progress."""
     store = LocalStore(tmp_path / "store", create=True)
     source = tmp_path / "src"
@@ -59,17 +59,21 @@ def test_a_download_removes_the_folders_that_abandoned_downloads_left_beside_it(
     (source / "weights.bin").write_bytes(b"w" * 100)
     store.put_file(source / "weights.bin", "art/weights.bin")
     cache = tmp_path / "cache"
-    abandoned, in_progress = cache / ".old.partial-ab12", cache / ".new.partial-cd34"
-    for folder in (abandoned, in_progress):
+    abandoned, in_progress = cache / ".old.download-ab12", cache / ".new.download-cd34"
+    writer_staging = cache / ".other.partial-ef56"  # an artifact writer's: never the downloader's to remove
+    for folder in (abandoned, in_progress, writer_staging):
         (folder / "sub").mkdir(parents=True)
         (folder / "sub" / "shard.bin").write_bytes(b"x" * 10)
     two_hours_ago = time.time() - 7200
     for path in (abandoned / "sub" / "shard.bin", abandoned / "sub", abandoned):
         os.utime(path, (two_hours_ago, two_hours_ago))
     os.utime(in_progress, (two_hours_ago, two_hours_ago))  # an old folder whose file is still being written
+    for path in (writer_staging / "sub" / "shard.bin", writer_staging / "sub", writer_staging):
+        os.utime(path, (two_hours_ago, two_hours_ago))
 
     store.download_folder("art", cache / "art")
 
     assert (cache / "art" / "weights.bin").read_bytes() == b"w" * 100
     assert not abandoned.exists()
     assert (in_progress / "sub" / "shard.bin").exists()
+    assert (writer_staging / "sub" / "shard.bin").exists()
