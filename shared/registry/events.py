@@ -91,7 +91,10 @@ def list_events(
     after_id: int = 0,
     limit: int = 100,
 ) -> list[EventRecord]:
-    """Events in the order they were appended; pass the last seen id as `after_id` to tail the log."""
+    """Events in the order they were appended; `after_id` lists those after an id already seen. Not a
+    gap-free tail on PostgreSQL: ids are taken at insert, not at commit, so an event whose transaction
+    commits after a later-numbered one's can appear behind an id a reader already passed (SQLite has one
+    writer at a time: there it is gap-free). Nothing in the services tails the log this way."""
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
         raise InvalidValue(f"event limit {limit!r} is not accepted: use an integer from 1 to 10000")
     check_key("event id to list after", after_id, int)
