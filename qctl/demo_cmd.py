@@ -8,20 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import typer
 from rich.console import Console
 
 from qctl.errors import user_errors
 from qctl.quantize_cmd import FormatName
-from shared.formats.artifact import ArtifactReader
-from shared.model.checkpoint import HfCheckpoint
-from shared.model.demo import write_demo_checkpoint
-from shared.model.load import artifact_model, fp_model
-from shared.model.perplexity import perplexity, windows_of
-from shared.model.tokenizer import Tokenizer
-from shared.quant.calibration import default_calibration_text
-from shared.quant.quantize_model import QuantizeSettings, quantize_checkpoint
 
 
 @user_errors
@@ -33,6 +24,18 @@ def demo(
     new_tokens: int = typer.Option(24, help="tokens to generate"),
 ):
     """Quantize -> verify -> evaluate -> generate, on the CPU reference backend."""
+    # Imported here, not at the top: they import torch, which only this command's run needs.
+    import torch
+
+    from shared.formats.artifact import ArtifactReader
+    from shared.model.checkpoint import HfCheckpoint
+    from shared.model.demo import write_demo_checkpoint
+    from shared.model.load import artifact_model, fp_model
+    from shared.model.perplexity import perplexity, windows_of
+    from shared.model.tokenizer import Tokenizer
+    from shared.quant.calibration import default_calibration_text
+    from shared.quant.quantize_model import QuantizeSettings, quantize_checkpoint
+
     console = Console(stderr=True)
     if model is None:
         model = workdir / "demo-model"

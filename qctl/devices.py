@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import re
 
-import torch
-
 from shared.formats.manifest import GPU_TARGETS
 
 
@@ -13,6 +11,7 @@ def resolve_device(device: str) -> str:
     """'auto' -> cuda when a GPU is visible, else cpu; cpu, cuda and cuda:N as given (ValueError otherwise).
     The torch reference backend runs on nothing else, and torch's own error for a name it does not know
     ('tpu', 'gpu') surfaced as a RuntimeError traceback once the checkpoint was loaded."""
+    import torch  # here, not at the top: qctl imports this module for every command, --help included
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda") and not re.fullmatch(r"cuda:[0-9]+", device):
@@ -26,6 +25,7 @@ def resolve_gpu_target(target: str) -> str:
     """'auto' -> 'smXY' of the visible GPU (when the project has a target for it), else 'cpu'."""
     if target != "auto":
         return target
+    import torch  # here, not at the top: see resolve_device
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         name = f"sm{major}{minor}"

@@ -9,16 +9,17 @@ import grpc
 import typer
 
 from qctl.tls import FLAGS as TLS_FLAGS
-from shared.formats.artifact import ArtifactError
-from shared.formats.manifest import ManifestError
-from shared.formats.weights import FormatError
-from shared.model.config import CheckpointError
-from shared.quant.calibration import CalibrationError
 from shared.rpc.tls import TlsError, mismatch_hint
 
+# The errors a user causes with a bad checkpoint, calibration file, artifact, manifest or format
+# (shared.model.config.CheckpointError, shared.quant.calibration.CalibrationError,
+# shared.formats.artifact.ArtifactError, shared.formats.manifest.ManifestError, shared.formats.weights.FormatError)
+# are all ValueErrors, caught as such: naming them here imported torch (through artifact, weights and calibration)
+# into every qctl command, --help included, for 2-3 s. tests/cli/test_start_up_imports.py checks that they
+# still are ValueErrors.
 # OSError: a path the user gave that cannot be written or read (--out or --workdir under a file, a folder without
 # permission, a full disk); FileNotFoundError is one. It was a traceback but for a missing file.
-USER_ERRORS = (CheckpointError, CalibrationError, ArtifactError, ManifestError, FormatError, OSError, ValueError)
+USER_ERRORS = (OSError, ValueError)
 
 
 def user_errors(fn):

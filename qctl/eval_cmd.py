@@ -11,12 +11,7 @@ from rich.progress import Progress
 
 from qctl.devices import resolve_device
 from qctl.errors import user_errors
-from shared.formats.artifact import ArtifactReader
-from shared.model.checkpoint import HfCheckpoint
 from shared.model.config import LlamaConfig
-from shared.model.load import artifact_model, fp_model
-from shared.model.perplexity import perplexity, windows_of
-from shared.model.tokenizer import Tokenizer, check_token_ids
 
 
 @user_errors
@@ -31,6 +26,13 @@ def evaluate(
     as_json: bool = typer.Option(False, "--json", help='print {"ppl": ..., "tokens": ...} only'),
 ):
     """Perplexity over the whole file in non-overlapping windows."""
+    # Imported here, not at the top: they import torch, which only this command's run needs.
+    from shared.formats.artifact import ArtifactReader
+    from shared.model.checkpoint import HfCheckpoint
+    from shared.model.load import artifact_model, fp_model
+    from shared.model.perplexity import perplexity, windows_of
+    from shared.model.tokenizer import Tokenizer, check_token_ids
+
     if batch_size < 1:  # before the (long) model load; perplexity() checks it too
         raise ValueError(f"batch size must be at least 1, got {batch_size}")
     dev = resolve_device(device)

@@ -12,11 +12,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from qctl.devices import resolve_device, resolve_gpu_target
 from qctl.errors import user_errors
 from shared.formats.spec import FORMATS, format_spec
-from shared.quant.calibration import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, CalibrationError
 from shared.quant.options import QoQOptions
-from shared.quant.quantize_model import QuantizeSettings, needs_calibration, quantize_checkpoint
 
 FormatName = Enum("FormatName", {name: name for name in FORMATS}, type=str)
+# shared.quant.calibration's DEFAULT_SAMPLES and DEFAULT_SEQ_LEN, written out: that module imports torch, which
+# the option defaults would load into every qctl command, --help included (tests/cli/test_start_up_imports.py
+# checks that they are equal).
+DEFAULT_SAMPLES = 64
+DEFAULT_SEQ_LEN = 512
 
 
 @user_errors
@@ -48,6 +51,10 @@ def quantize(
     seed: int = typer.Option(0, help="seed of the rotations and the token subsample"),
 ):
     """Quantize a checkpoint into an artifact folder (manifest.json + safetensors)."""
+    # Imported here, not at the top: they import torch, which only this command's run needs.
+    from shared.quant.calibration import CalibrationError
+    from shared.quant.quantize_model import QuantizeSettings, needs_calibration, quantize_checkpoint
+
     if rtn:
         options = QoQOptions.rtn()
     else:

@@ -18,9 +18,9 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
-import torch
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -29,13 +29,12 @@ from qctl.devices import resolve_device, resolve_gpu_target
 from qctl.errors import user_errors
 from qctl.gateway_client import admin_client, gateway_client
 from qctl.publish_cmd import FormatName, follow_job, quantizer_stub
-from qctl.stack import LocalStack
 from services.worker.errors import WorkerError
-from shared.model.demo import write_demo_checkpoint
-from shared.quant.calibration import default_calibration_text
-from shared.registry import RegistryError
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2, quantizer_pb2
 from shared.storage import StorageError
+
+if TYPE_CHECKING:
+    from qctl.stack import LocalStack
 
 Q, G = quantizer_pb2, gateway_pb2
 SESSIONS = 20  # session keys sent during the canary, to show the split and its stickiness
@@ -52,6 +51,9 @@ def stack_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        # Imported when `qctl up` runs, not with qctl: shared.registry loads SQLAlchemy and alembic (half a second).
+        from shared.registry import RegistryError
+
         try:
             return fn(*args, **kwargs)
         except grpc.RpcError as exc:
@@ -87,6 +89,10 @@ def up(
     once: bool = typer.Option(False, "--once", help="stop after the demo instead of serving until Ctrl-C"),
 ):
     """Quantizer + gateway + workers on loopback: publish, roll out, stream tokens; then keep serving."""
+    # Imported here, not at the top: the services' servers import torch and the registry, which only
+    # this command's run needs.
+    from qctl.stack import LocalStack
+
     console = Console(stderr=True)
     workdir = workdir.resolve()
     device = resolve_device(device)
@@ -141,6 +147,8 @@ def _model(model: Path | None, workdir: Path, console: Console) -> tuple[Path, b
         if not (model / "config.json").is_file():
             raise FileNotFoundError(f"--model {model} has no config.json: give a Hugging Face Llama checkpoint folder")
         return model.resolve(), False
+    from shared.model.demo import write_demo_checkpoint  # here, not at the top: it imports torch
+
     model = workdir / "demo-model"
     if not (model / "config.json").is_file():
         console.print(f"no --model given: writing a small random-weight Llama to {model} (no download); "
@@ -154,6 +162,8 @@ def _worker_budget(device: str) -> int | None:
     left to its default would take most of the GPU for itself). None on the CPU: the default."""
     if device == "cpu":
         return None
+    import torch  # here, not at the top: qctl imports this module for every command, --help included
+
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     return int(free * WORKER_GPU_SHARE)
 
@@ -162,6 +172,8 @@ def _builtin_eval_text(workdir: Path) -> Path:
     """Held-out text for the accuracy check: the tail of the built-in text (calibration reads its head)."""
     path = workdir / "eval.txt"
     if not path.is_file():
+        from shared.quant.calibration import default_calibration_text  # here, not at the top: it imports torch
+
         _, text = default_calibration_text(max_bytes=400_000)
         workdir.mkdir(parents=True, exist_ok=True)
         path.write_text(text[-60_000:], encoding="utf-8")
