@@ -34,20 +34,24 @@ def _start(artifact, kv_blocks: int):
                 port_seen.set()
 
     threading.Thread(target=read, daemon=True).start()
-    return proc, lines, port_seen
+    if not port_seen.wait(120):
+        proc.kill()
+        proc.wait()
+        raise AssertionError("".join(lines))
+    return proc, lines, int(re.search(r"on port (\d+)", "".join(lines)).group(1))
+
+
+def _generate(channel, max_new_tokens: int, timeout_s: float):
+    request = worker_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[5, 6, 7]),
+                                         sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+    return iter(worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=timeout_s))
 
 
 def test_sigterm_drains_then_exits(artifacts):
-    proc, lines, port_seen = _start(artifacts["fp16"], 32)
+    proc, lines, port = _start(artifacts["fp16"], 32)
     try:
-        assert port_seen.wait(120), "".join(lines)
-        port = int(re.search(r"on port (\d+)", "".join(lines)).group(1))
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            client = worker_pb2_grpc.WorkerStub(channel)
-            request = worker_pb2.GenerateRequest(
-                token_ids=common_pb2.TokenIds(ids=[5, 6, 7]),
-                sampling=common_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True))
-            stream = iter(client.Generate(request, timeout=60))
+            stream = _generate(channel, 8, timeout_s=60)
             next(stream)
             proc.send_signal(signal.SIGTERM)
             last = list(stream)[-1]
@@ -63,16 +67,10 @@ def test_sigterm_drains_then_exits(artifacts):
 def test_a_second_sigterm_during_the_drain_exits_at_once(artifacts):
     """The second signal was swallowed: the worker went on draining (up to its 60 s grace here) with no
     way to stop it short of SIGKILL."""
-    proc, lines, port_seen = _start(artifacts["fp16"], 512)
+    proc, lines, port = _start(artifacts["fp16"], 512)
     try:
-        assert port_seen.wait(120), "".join(lines)
-        port = int(re.search(r"on port (\d+)", "".join(lines)).group(1))
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            client = worker_pb2_grpc.WorkerStub(channel)
-            request = worker_pb2.GenerateRequest(  # ~2,000 tokens: far longer than this test waits
-                token_ids=common_pb2.TokenIds(ids=[5, 6, 7]),
-                sampling=common_pb2.SamplingParams(max_new_tokens=2000, ignore_eos=True))
-            stream = iter(client.Generate(request, timeout=120))
+            stream = _generate(channel, 2000, timeout_s=120)  # ~2,000 tokens: far longer than this test waits
             next(stream)
             proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 30
