@@ -69,4 +69,5 @@ def _unreachable(exc: grpc.RpcError) -> bool:
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         return True
     details = (exc.details() or "").lower()
-    return exc.code() == grpc.StatusCode.UNAVAILABLE and ("connect" in details or "dns" in details)
+    # grpc says "DNS resolution failed" or "errors resolving <host>" for a name that does not resolve
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and any(word in details for word in ("connect", "dns", "resolv"))

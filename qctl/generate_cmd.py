@@ -49,6 +49,16 @@ def generate(
     else:
         request.token_ids.ids.extend(_token_ids(token_ids))
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+    try:
+        _stream(gateway, request, metadata)
+    except KeyboardInterrupt:
+        # The partial text ends its line, and the shell's prompt does not land after it.
+        print(file=sys.stdout)
+        print("interrupted", file=sys.stderr)
+        raise typer.Exit(code=130) from None
+
+
+def _stream(gateway: str, request: gateway_pb2.GatewayGenerateRequest, metadata) -> None:
     with gateway_client(gateway) as stub:
         for reply in stub.Generate(request, metadata=metadata):
             sys.stdout.write(reply.text)

@@ -29,7 +29,7 @@ def workers(
         Console().print("no workers registered" + (f" for artifact {artifact}" if artifact else ""))
         return
     table = Table("worker", "address", id_column("artifact"), "format", "health", "in flight / capacity", "running",
-                  "waiting", "kv blocks free", "last heartbeat")
+                  "waiting", "kv blocks free", "last heartbeat (UTC)")
     for w in listed:
         health = gateway_pb2.WorkerHealth.Name(w.health).removeprefix("WORKER_HEALTH_")
         table.add_row(escape(w.worker_id), escape(w.address), w.artifact.artifact_id, w.artifact.format,
