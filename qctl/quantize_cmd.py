@@ -12,14 +12,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from qctl.devices import resolve_device, resolve_gpu_target
 from qctl.errors import user_errors
 from shared.formats.spec import FORMATS, format_spec
-from shared.quant.options import QoQOptions
+from shared.quant.options import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, QoQOptions
 
 FormatName = Enum("FormatName", {name: name for name in FORMATS}, type=str)
-# shared.quant.calibration's DEFAULT_SAMPLES and DEFAULT_SEQ_LEN, written out: that module imports torch, which
-# the option defaults would load into every qctl command, --help included (tests/cli/test_start_up_imports.py
-# checks that they are equal).
-DEFAULT_SAMPLES = 64
-DEFAULT_SEQ_LEN = 512
 
 
 @user_errors

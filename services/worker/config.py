@@ -114,11 +114,10 @@ class WorkerConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ConfigError(f"{name}={value} must be a port number 0-65535 (0 picks a free one)")
-        if not (math.isfinite(self.drain_grace_s) and self.drain_grace_s >= 0):
-            raise ConfigError(f"drain_grace_s={self.drain_grace_s} must be a finite number of seconds >= 0")
-        if not (math.isfinite(self.stall_timeout_s) and self.stall_timeout_s >= 0):
-            raise ConfigError(f"stall_timeout_s={self.stall_timeout_s} must be a finite number of seconds >= 0 "
-                              f"(0 = never)")
+        for name, zero in (("drain_grace_s", ""), ("stall_timeout_s", " (0 = never)")):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name}={value} must be a finite number of seconds >= 0{zero}")
         if self.advertise_address is not None and not _is_host_port(self.advertise_address):
             raise ConfigError(f"advertise_address {self.advertise_address!r} is not host:port")
         self.gateway_addresses = _checked_gateways(self.gateway_addresses)

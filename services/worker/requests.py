@@ -51,12 +51,8 @@ def generation_from_pb(request: worker_pb2.GenerateRequest, limits: PromptLimits
         # Checked like token_ids: an id past the embedding table fails the whole engine step, and with it
         # every other request in the batch. The artifact's tokenizer should never give one; if it does,
         # this request is refused alone, with the reason.
-        beyond = next((i for i in ids if i >= limits.vocab_size), None)
-        if beyond is not None:
-            raise InvalidRequest(
-                f"the prompt text encodes to token id {beyond}, outside the model's vocabulary (ids 0.."
-                f"{limits.vocab_size - 1}): this artifact's tokenizer or BOS id does not match its model"
-            )
+        _check_vocab("token id", ids, limits.vocab_size,
+                     " (from the prompt text: this artifact's tokenizer or BOS id does not match its model)")
     else:
         ids = list(request.token_ids.ids)
         if not ids:
@@ -96,7 +92,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, vocab_size: int) -> Sampling
     )
 
 
-def _check_vocab(what: str, ids, vocab_size: int) -> None:
-    bad = [i for i in ids if i >= vocab_size]
-    if bad:
-        raise InvalidRequest(f"{what} {bad[0]} is outside the vocabulary: ids are 0..{vocab_size - 1}")
+def _check_vocab(what: str, ids, vocab_size: int, why: str = "") -> None:
+    bad = next((i for i in ids if i >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"{what} {bad} is outside the vocabulary: ids are 0..{vocab_size - 1}{why}")

@@ -92,10 +92,9 @@ class WorkerServer:
             metrics.close()
             await asyncio.to_thread(served.engine.stop)
             raise
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.served, self.servicer, self._server, self._health, self._metrics = (
             served, servicer, server, health_servicer, metrics)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.port = port
         if self.config.gateway_addresses:
             if self.config.advertise_address is None and self.config.host in WILDCARD_HOSTS:
@@ -136,9 +135,13 @@ class WorkerServer:
                           "checks until it moves again", stalled_s, self.served.engine.num_in_flight)
             else:
                 log.warning("the engine is moving again: taking requests")
-            status = health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
-            for name in ("", SERVICE_NAME):
-                await self._health.set(name, status)  # ignored once a drain has begun
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING if stalled
+                                   else health_pb2.HealthCheckResponse.SERVING)
+
+    async def _set_health(self, status) -> None:
+        """The server as a whole and the Worker service; ignored once a drain has begun."""
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
 
     async def drain(self, grace_s: float | None = None) -> None:
         """Stops taking work (deregistered, then UNAVAILABLE and health NOT_SERVING), lets in-flight

@@ -62,7 +62,7 @@ class LlamaConfig:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "vocab_size", "max_position_embeddings"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _is_positive_int(value):
                 raise CheckpointError(f"{_HF_NAMES.get(name, name)}={value!r} must be a positive integer")
         if isinstance(self.rms_norm_eps, bool) or not isinstance(self.rms_norm_eps, (int, float)) \
                 or not self.rms_norm_eps > 0:
@@ -150,10 +150,13 @@ class LlamaConfig:
             raise CheckpointError(f"{path} lacks required key {e.args[0]!r}") from e
 
 
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _per_head(hidden_size, heads) -> int:
     """hidden_size / heads; 0 (refused by LlamaConfig, naming the bad value) when either is not a positive int."""
-    valid = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hidden_size, heads))
-    return hidden_size // heads if valid else 0
+    return hidden_size // heads if _is_positive_int(hidden_size) and _is_positive_int(heads) else 0
 
 
 def _check_llama_family(hf: dict) -> None:

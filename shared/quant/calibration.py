@@ -11,9 +11,7 @@ from pathlib import Path
 import torch
 
 from shared.model.tokenizer import Tokenizer
-
-DEFAULT_SAMPLES = 64
-DEFAULT_SEQ_LEN = 512
+from shared.quant.options import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN  # noqa: F401  (re-exported)
 
 
 class CalibrationError(ValueError):

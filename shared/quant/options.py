@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+# Calibration windows sampled from the text, and their length in tokens. Here, beside the other
+# options, rather than in shared.quant.calibration (which re-exports them): that module imports torch,
+# and qctl's option defaults must not load it into every command.
+DEFAULT_SAMPLES = 64
+DEFAULT_SEQ_LEN = 512
+
 
 @dataclass(slots=True, frozen=True)
 class QoQOptions:

@@ -60,8 +60,8 @@ __all__ = [
     "Reservation", "abort_rollout", "append_event", "create_deployment", "create_job", "create_registry",
     "current_revision", "fail_job", "fail_orphaned_jobs", "find_artifact", "find_ready_by_digest", "finish_job",
     "get_artifact", "get_deployment", "get_job", "get_model_version", "get_or_create_model", "head_revision",
-    "heartbeat", "last_rollout_event", "list_artifacts", "list_deployments", "list_events", "list_jobs", "list_model_versions",
-    "make_engine", "mark_artifact_failed", "mark_artifact_ready", "object_prefix", "promote",
+    "heartbeat", "last_rollout_event", "list_artifacts", "list_deployments", "list_events", "list_jobs",
+    "list_model_versions", "make_engine", "mark_artifact_failed", "mark_artifact_ready", "object_prefix", "promote",
     "register_model_version", "report_progress", "reserve_artifact", "retry_artifact", "set_baseline",
     "set_canary_percent", "set_fallback", "sqlite_url", "start_job", "start_rollout", "upgrade",
 ]

@@ -289,17 +289,17 @@ DOWNLOAD_SUFFIX = ".download-"
 
 
 def remove_stale_partial_downloads(parent: Path, older_than_s: float = PARTIAL_DOWNLOAD_MAX_AGE_S) -> int:
-    """Removes the hidden folders of downloads into parent that nothing has written to for older_than_s
-    (only those download_folder names, DOWNLOAD_SUFFIX):
-    a process killed mid-download (a worker's multi-GB artifact) leaves one behind, and nothing else
-    would ever remove it. A download in progress keeps writing, so its newest file stays recent (another
-    worker sharing the cache may be downloading right now). Returns how many were removed."""
+    """Removes the hidden folders download_folder fills (DOWNLOAD_SUFFIX) in parent that nothing has
+    written to for older_than_s: a process killed mid-download (a worker's multi-GB artifact) leaves one
+    behind, and nothing else would ever remove it. A download in progress keeps writing, so its newest
+    file stays recent (another worker sharing the cache may be downloading right now). Returns how many
+    were removed."""
     cutoff = time.time() - older_than_s
     removed = 0
     for folder in parent.glob(f".*{DOWNLOAD_SUFFIX}*"):
         try:
-            newest = max((p.stat().st_mtime for p in folder.rglob("*")), default=folder.stat().st_mtime)
-            if folder.is_dir() and max(newest, folder.stat().st_mtime) <= cutoff:
+            newest = max((p.stat().st_mtime for p in [folder, *folder.rglob("*")]))
+            if folder.is_dir() and newest <= cutoff:
                 shutil.rmtree(folder)
                 removed += 1
                 log.info("removed %s: a download abandoned over %.0f s ago", folder, older_than_s)

@@ -102,15 +102,15 @@ class S3Store(ObjectStore):
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         check_prefix(prefix)
-        found = []
-        with self._errors("listing of", prefix):
-            pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self.prefix + prefix
-            )
-            for page in pages:
-                for obj in page.get("Contents", []):
-                    found.append(ObjectInfo(obj["Key"][len(self.prefix) :], obj["Size"], None))
+        found = [ObjectInfo(obj["Key"][len(self.prefix) :], obj["Size"], None)
+                 for obj in self._listed("list_objects_v2", "Contents", prefix, "listing of")]
         return sorted(found, key=lambda info: info.key)
+
+    def _listed(self, operation: str, field: str, prefix: str, what: str) -> list[dict]:
+        """The `field` entries of every page of a paginated listing under prefix."""
+        with self._errors(what, prefix):
+            pages = self._client.get_paginator(operation).paginate(Bucket=self.bucket, Prefix=self.prefix + prefix)
+            return [entry for page in pages for entry in page.get(field, [])]
 
     def delete(self, key: str) -> None:
         with self._errors("delete of", key):
@@ -162,15 +162,8 @@ class S3Store(ObjectStore):
 
     def _multipart_uploads(self, prefix: str) -> list[tuple[str, str]]:
         """(key, upload id) of every multipart upload started under prefix and neither completed nor aborted."""
-        found = []
-        with self._errors("listing of the multipart uploads under", prefix):
-            pages = self._client.get_paginator("list_multipart_uploads").paginate(
-                Bucket=self.bucket, Prefix=self.prefix + prefix
-            )
-            for page in pages:
-                for upload in page.get("Uploads", []):
-                    found.append((upload["Key"][len(self.prefix) :], upload["UploadId"]))
-        return found
+        uploads = self._listed("list_multipart_uploads", "Uploads", prefix, "listing of the multipart uploads under")
+        return [(upload["Key"][len(self.prefix) :], upload["UploadId"]) for upload in uploads]
 
     def _full(self, key: str) -> str:
         return self.prefix + check_key(key)

@@ -49,12 +49,3 @@ def test_the_user_errors_qctl_catches_as_value_errors_are_value_errors():
 
     for error in (CheckpointError, CalibrationError, ArtifactError, ManifestError, FormatError):
         assert issubclass(error, USER_ERRORS), error
-
-
-def test_quantize_calibration_defaults_are_the_calibrations():
-    """qctl.quantize_cmd writes them out so as not to import shared.quant.calibration (torch) for its options."""
-    from qctl import quantize_cmd
-    from shared.quant import calibration
-
-    assert (quantize_cmd.DEFAULT_SAMPLES, quantize_cmd.DEFAULT_SEQ_LEN) == (calibration.DEFAULT_SAMPLES,
-                                                                           calibration.DEFAULT_SEQ_LEN)
