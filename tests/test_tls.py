@@ -295,3 +295,47 @@ def test_the_health_probe_over_tls_checks_the_certificate_name(certs, capsys):
         loop.call(named.stop(0), 30.0)
         loop.close()
 
+
+
+def test_a_server_picks_up_renewed_certificate_files_and_keeps_serving_through_a_half_written_rotation(
+        tmp_path, certs, caplog, capsys):
+    """A renewed certificate is served to new connections without a restart; a rotation caught half way
+    (the new certificate beside the old key) is logged and the old pair stays in service."""
+    cert, key = tmp_path / "server.pem", tmp_path / "server-key.pem"
+
+    def install(source: Path, target: Path) -> None:  # as a mounted secret updates: a new file swapped in
+        staged = target.with_suffix(".new")
+        staged.write_bytes(source.read_bytes())
+        staged.replace(target)
+
+    install(certs.server_cert, cert)
+    install(certs.server_key, key)
+    renewed = make_certs(tmp_path / "renewed")  # another CA: a connection tells which pair was served
+
+    async def serve():
+        server = grpc.aio.server()
+        servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        port = listen(server, "127.0.0.1:0", "test", RuntimeError, load_server_tls(cert, key, None))
+        await server.start()
+        await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        return server, f"127.0.0.1:{port}"
+
+    loop = BackgroundLoop("tls-reload-test")
+    server, address = loop.call(serve(), 30.0)
+    try:
+        assert probe.main([address, "--tls-ca", str(certs.ca)]) == 0
+        with caplog.at_level(logging.INFO, logger="shared.rpc.tls"):
+            install(renewed.server_cert, cert)  # the key is not there yet
+            assert probe.main([address, "--tls-ca", str(certs.ca)]) == 0
+            assert probe.main([address, "--tls-ca", str(certs.ca)]) == 0  # refused once, not re-read per connection
+            warnings = [r for r in caplog.records if "cannot be served" in r.getMessage()]
+            assert len(warnings) == 1 and "is not the private key of the certificate" in warnings[0].getMessage()
+            install(renewed.server_key, key)
+            assert probe.main([address, "--tls-ca", str(renewed.ca)]) == 0
+            assert probe.main([address, "--tls-ca", str(certs.ca)]) == 1  # the old CA no longer verifies it
+            assert any("TLS certificate reloaded from" in r.getMessage() for r in caplog.records)
+        capsys.readouterr()
+    finally:
+        loop.call(server.stop(0), 30.0)
+        loop.close()

@@ -8,10 +8,18 @@ same PEM parsing) so that such a setting is refused at once, in one line naming 
 
 A client verifies the server's certificate against the host part of the address it dials (the gateway
 dials a worker's advertised host:port, a worker its --gateway-address): certificates are issued for that
-DNS name or IP address (subjectAltName; grpc matches IP entries for an IP literal)."""
+DNS name or IP address (subjectAltName; grpc matches IP entries for an IP literal).
+
+A server picks up renewed certificate files without a restart (cert-manager, a mounted secret): before
+each new connection's handshake it compares the files' stat signatures with the ones it serves and, when
+they changed, loads and checks them as at start-up. A set that does not load (a rotation caught half
+written: the new certificate beside the old key) is logged and the server keeps its current one, trying
+again once the files change again. Connections already open keep the certificate they began with."""
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import ssl
 from collections.abc import Sequence
@@ -20,6 +28,7 @@ from pathlib import Path
 
 import grpc
 
+log = logging.getLogger(__name__)
 # What a service calls its client settings; qctl passes its own names (its flags and variables).
 CLIENT_FLAGS = ("--tls-ca", "--tls-client-cert", "--tls-client-key")
 _CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----")
@@ -34,15 +43,68 @@ class TlsError(ValueError):
 class ServerTls:
     """A server's certificate chain and key; with client_ca, clients must present a certificate it signed."""
 
-    cert_file: str  # for messages and repr; the bytes below are what is served
+    cert_file: str  # for messages, repr and reloading; the bytes below are what is served
+    key_file: str
     client_ca_file: str | None
     cert_chain: bytes = field(repr=False)
     private_key: bytes = field(repr=False)
     client_ca: bytes | None = field(default=None, repr=False)
+    flags: tuple[str, str, str] = ("--tls-cert", "--tls-key", "--tls-client-ca")
 
     def credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(self.private_key, self.cert_chain)], root_certificates=self.client_ca,
-                                           require_client_auth=self.client_ca is not None)
+        """Credentials that serve these bytes and reload the files when they change (module docstring)."""
+        return grpc.dynamic_ssl_server_credentials(self._configuration(), _Reloader(self),
+                                                   require_client_authentication=self.client_ca is not None)
+
+    def _configuration(self) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration([(self.private_key, self.cert_chain)],
+                                                         root_certificates=self.client_ca)
+
+    def files(self) -> tuple[str, ...]:
+        return (self.cert_file, self.key_file) + ((self.client_ca_file,) if self.client_ca_file else ())
+
+
+class _Reloader:
+    """grpc's certificate fetcher: called before every new connection's handshake (on a grpc thread), so it
+    only stats the files unless they changed; it must not raise (grpc would fail that handshake)."""
+
+    def __init__(self, tls: ServerTls) -> None:
+        self._tls = tls
+        self._served = _signature(tls.files())
+        self._refused: tuple | None = None  # the signature of a set that did not load: not retried until it changes
+
+    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+        try:
+            signature = _signature(self._tls.files())
+            if signature in (self._served, self._refused):
+                return None
+            try:
+                tls = load_server_tls(self._tls.cert_file, self._tls.key_file, self._tls.client_ca_file,
+                                      self._tls.flags)
+            except TlsError as exc:
+                self._refused = signature
+                log.warning("TLS certificate files changed but cannot be served; keeping the current ones: %s", exc)
+                return None
+            assert tls is not None  # the same paths as at start-up: a certificate and a key are set
+            self._tls, self._served, self._refused = tls, signature, None
+            log.info("TLS certificate reloaded from %s", ", ".join(tls.files()))
+            return tls._configuration()
+        except Exception:  # noqa: BLE001 - an exception here would fail the client's handshake
+            log.exception("checking the TLS certificate files for a change failed; keeping the current ones")
+            return None
+
+
+def _signature(paths: Sequence[str]) -> tuple:
+    """What changes when a file is rewritten or its symlink is swapped (a mounted secret's update); a file
+    that cannot be stat'ed counts as a change, which the reload then reports."""
+    signature = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+            signature.append((st.st_ino, st.st_mtime_ns, st.st_size))
+        except OSError as exc:
+            signature.append(exc.errno)
+    return tuple(signature)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +154,10 @@ def load_server_tls(cert: Path | str | None, key: Path | str | None, client_ca: 
     chain, private_key = _read(cert, cert_flag, "certificate"), _read(key, key_flag, "private key")
     _check_pair(cert, key, cert_flag, key_flag)
     if client_ca is None:
-        return ServerTls(str(cert), None, chain, private_key)
+        return ServerTls(str(cert), str(key), None, chain, private_key, flags=tuple(flags))
     ca = _read(client_ca, ca_flag, "certificate")
     _check_ca(ca, client_ca, ca_flag)
-    return ServerTls(str(cert), str(client_ca), chain, private_key, ca)
+    return ServerTls(str(cert), str(key), str(client_ca), chain, private_key, ca, tuple(flags))
 
 
 def load_client_tls(ca: Path | str | None, cert: Path | str | None, key: Path | str | None,
