@@ -335,3 +335,42 @@ def test_each_step_is_reported_once_with_its_kind_when_its_tokens_are_read_back(
     _run(engine, [1, 2], max_new_tokens=3)
     assert [kind for kind, _ in steps] == ["prompt", "decode", "decode"]
     assert all(seconds >= 0 for _, seconds in steps)
+
+
+class NaNRunner(ScriptedRunner):
+    """Scripted, except that a sequence whose prompt begins with POISON gets a NaN in its logits once
+    its context passes NAN_AFTER tokens (a broken artifact's overflow)."""
+
+    POISON, NAN_AFTER = 9, 4
+
+    def __init__(self, script: list[int]):
+        super().__init__(script)
+        self.poisoned: set[int] = set()
+
+    def step(self, batch: StepBatch) -> torch.Tensor:
+        logits = super().step(batch)
+        for row, ch in enumerate(c for c in batch.chunks if c.want_logits):
+            if ch.start_position == 0 and ch.token_ids[0] == self.POISON:
+                self.poisoned.add(ch.seq_id)
+            if ch.seq_id in self.poisoned and ch.start_position + len(ch.token_ids) > self.NAN_AFTER:
+                logits[row, 5] = float("nan")
+        return logits
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 3}], ids=["greedy", "sampled"])
+def test_non_finite_logits_fail_their_request_alone(sampling, caplog):
+    """A NaN row was streamed as its argmax (greedy: here the NaN's own index), or, sampled, failed the
+    whole step in torch.multinomial (on CUDA a device-side assert that ends every request of the worker)."""
+    limits = EngineLimits(num_blocks=32, max_running=4, max_waiting=4, max_batch_tokens=16, max_context=64)
+    engine = Engine(NaNRunner([3]), Text(), limits, eos_token_ids=(EOS,), overlap=OVERLAP["value"])
+    outs = {"bad": [], "good": []}
+    engine.add_request("good", [1, 2], SamplingOptions(max_new_tokens=6, **sampling), outs["good"].append)
+    engine.add_request("bad", [NaNRunner.POISON, 2], SamplingOptions(max_new_tokens=6, **sampling), outs["bad"].append)
+    while engine.step():
+        pass
+    bad_tokens = [t for o in outs["bad"] for t in o.token_ids]
+    assert outs["bad"][-1].error and "non-finite logits" in outs["bad"][-1].error and outs["bad"][-1].finish is None
+    assert bad_tokens == [3, 3, 3]  # contexts of 2, 3 and 4 tokens; the 5-token context's logits hold the NaN
+    assert [t for o in outs["good"] for t in o.token_ids] == [3] * 6 and outs["good"][-1].finish.reason is FinishReason.LENGTH
+    assert engine.stats().kv_blocks_used == 0 and engine.num_in_flight == 0
+    assert "held a NaN or an inf for 1 of 2 sequences ('bad')" in caplog.text

@@ -2,7 +2,7 @@
 
 import torch
 
-from services.worker.engine.sampler import filter_logits, new_generator, sample
+from services.worker.engine.sampler import NON_FINITE, filter_logits, finite_rows, ids_for_host, new_generator, sample
 from services.worker.engine.sequence import SamplingOptions
 
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])  # token 1 most likely, then 3, 2, 0
@@ -70,3 +70,15 @@ def test_a_tiny_temperature_samples_the_argmax_instead_of_failing_the_step():
     for temperature in (1e-38, 1e-45, 1e-20):
         opt = SamplingOptions(temperature=temperature, top_k=3, top_p=0.9, seed=0)
         assert _draws(opt, logits[0], 3) == [1, 1, 1]
+
+
+def test_a_non_finite_row_is_marked_for_the_host_and_sampling_it_does_not_raise():
+    logits = torch.randn(3, 50)
+    logits[1, 7], logits[2, 0] = float("nan"), float("inf")
+    opts = [SamplingOptions(temperature=1.0, seed=0)] * 3
+    finite = finite_rows(logits)
+    ids = sample(logits, opts, [new_generator(o, torch.device("cpu")) for o in opts], finite)
+    assert finite.tolist() == [True, False, False]
+    assert ((0 <= ids) & (ids < 50)).all()  # valid token ids on the device: the next step embeds them
+    host = ids_for_host(ids, finite).tolist()
+    assert host[0] == int(ids[0]) and host[1:] == [NON_FINITE, NON_FINITE]

@@ -35,7 +35,7 @@ from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.detokenizer import Decoder, IncrementalDetokenizer
 from services.worker.engine.outputs import EngineStats, FinishInfo, RequestOutput
 from services.worker.engine.runner import ModelRunner, SequenceChunk, StepBatch
-from services.worker.engine.sampler import new_generator, sample
+from services.worker.engine.sampler import NON_FINITE, finite_rows, ids_for_host, new_generator, sample
 from services.worker.engine.scheduler import Schedule, Scheduler
 from services.worker.engine.sequence import FinishReason, SamplingOptions, Sequence
 from services.worker.errors import DuplicateRequest, QueueFull
@@ -272,8 +272,9 @@ class Engine:
         batch = StepBatch(chunks, previous.token_ids if previous is not None else None)
         try:
             logits = self.runner.step(batch)  # (len(due), V) fp32 on the runner's device
-            ids = sample(logits, [c.seq.sampling for c in due], [c.seq.generator for c in due])
-            host_ids = _HostIds(ids)
+            finite = finite_rows(logits)
+            ids = sample(logits, [c.seq.sampling for c in due], [c.seq.generator for c in due], finite)
+            host_ids = _HostIds(ids_for_host(ids, finite))
         except Exception as exc:  # a failed step ends its requests, never the worker
             log.exception("model step failed for %d sequences", len(schedule.chunks))
             self._fail([c.seq for c in schedule.chunks], f"model step failed: {type(exc).__name__}: {exc}")
@@ -303,12 +304,21 @@ class Engine:
         if self.on_step is not None:
             self.on_step(step.kind, time.monotonic() - step.launched_at)
         with self._cond:
+            broken = []
             for seq, index, row in step.placed:
                 live = self._live.get(seq.request_id)
                 if live is None or live.seq is not seq or seq.output_ids[index] != placeholder(row):
                     continue
+                if tokens[row] == NON_FINITE:
+                    broken.append(seq)
+                    continue
                 seq.output_ids[index] = tokens[row]
                 self._on_token(live, index)
+            if broken:
+                log.error("the model's logits held a NaN or an inf for %d of %d sequences (%s); failing them",
+                          len(broken), len(step.placed), ", ".join(repr(seq.request_id) for seq in broken[:8]))
+                self._fail(broken, "the model produced non-finite logits (NaN or inf): the artifact or the "
+                                   "device is broken")
 
     # ---- with the lock held ----
 

@@ -3,6 +3,12 @@
 Greedy rows take the argmax. Sampled rows scale by temperature, keep the top_k most likely
 tokens, then the smallest set whose probability reaches top_p, and draw from what is left with
 the request's own generator: a seeded request gets the same tokens whatever else is in the batch.
+
+A row whose logits hold a NaN or an inf (a broken artifact, an overflow, a failing device) is marked
+NON_FINITE in the ids read back to the host, and the engine fails that request alone: streaming its
+argmax would hand the client garbage that no health check or canary guard sees. Its sampled rows draw
+from a harmless stand-in row meanwhile: torch.multinomial over NaN probabilities is a device-side
+assert on CUDA, which would end every request of the worker, not just this one.
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from services.worker.engine.sequence import SamplingOptions
+
+NON_FINITE = -1  # a read-back id: the row's logits were not finite (never a token id, nor fed to a step)
 
 
 def new_generator(options: SamplingOptions, device: torch.device) -> torch.Generator:
@@ -42,16 +50,34 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return scaled
 
 
-def sample(logits: torch.Tensor, options: list[SamplingOptions], generators: list[torch.Generator | None]) -> torch.Tensor:
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """(n, V) -> (n,) bool, on the logits' device without a sync: True where the row holds no NaN or inf.
+    One row sum is enough (a NaN or an inf anywhere makes it non-finite; finite logits cannot overflow
+    fp32 in a sum over a vocabulary)."""
+    return torch.isfinite(logits.sum(dim=-1))
+
+
+def ids_for_host(ids: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """The ids to read back: NON_FINITE where the row's logits were not (the device ids, fed to the next
+    step, stay valid token ids: argmax of a NaN row is still an index)."""
+    return torch.where(finite, ids, NON_FINITE)
+
+
+def sample(logits: torch.Tensor, options: list[SamplingOptions], generators: list[torch.Generator | None],
+           finite: torch.Tensor | None = None) -> torch.Tensor:
     """logits (n, V) fp32 on the runner's device, one row per sequence -> (n,) int64 token ids on
-    that device (no read-back: the engine can launch the next step first)."""
+    that device (no read-back: the engine can launch the next step first). finite: finite_rows(logits),
+    computed here when a row is sampled and it is not given."""
     n = logits.shape[0]
     chosen = torch.argmax(logits, dim=-1)  # (n,) int64: the greedy answer for every row
     for i in range(n):
         opt = options[i]
         if opt.greedy:
             continue
-        filtered = filter_logits(logits[i], opt.temperature, opt.top_k, opt.top_p)
+        if finite is None:
+            finite = finite_rows(logits)
+        row = torch.where(finite[i], logits[i], 0.0)  # a non-finite row: uniform, its request fails on read-back
+        filtered = filter_logits(row, opt.temperature, opt.top_k, opt.top_p)
         probs = torch.softmax(filtered, dim=-1)
         chosen[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
     return chosen
