@@ -43,6 +43,11 @@ class ArtifactCorrupt(ArtifactRefused):
     code = grpc.StatusCode.DATA_LOSS
 
 
+class ArtifactBroken(ArtifactRefused):
+    """Loads, but its start-up self-check generation fails or its logits are NaN / inf on this worker
+    (bad scales, a kernel that breaks on its shapes): refused before it is announced to any gateway."""
+
+
 class ArtifactNotFound(ArtifactRefused):
     code = grpc.StatusCode.NOT_FOUND
 

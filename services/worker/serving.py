@@ -12,7 +12,8 @@ from services.worker.config import CPU_DEFAULT_BUDGET, GPU_DEFAULT_FRACTION, Con
 from services.worker.engine.capacity import plan_kv_blocks
 from services.worker.engine.engine import Engine, EngineLimits
 from services.worker.engine.loading import LoadedArtifact, load_runner, open_artifact, runner_formats, worker_gpu_target
-from services.worker.errors import ArtifactCorrupt
+from services.worker.engine.sequence import SamplingOptions
+from services.worker.errors import ArtifactBroken, ArtifactCorrupt
 from shared.formats.artifact import ArtifactError
 from shared.model.config import CheckpointError
 from shared.model.tokenizer import Tokenizer, generation_eos_ids, prompt_adds_bos
@@ -20,6 +21,9 @@ from shared.model.tokenizer import Tokenizer, generation_eos_ids, prompt_adds_bo
 log = logging.getLogger(__name__)
 # How often a start-up that is still capturing CUDA graphs says how far it is.
 GRAPH_PROGRESS_LOG_S = 15.0
+# The start-up self-check: a prompt of this many token ids spread over the vocabulary, then greedy tokens.
+SELF_CHECK_PROMPT_TOKENS = 16
+SELF_CHECK_NEW_TOKENS = 4
 
 
 @dataclass(slots=True)
@@ -79,6 +83,7 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
     engine = Engine(runner, tokenizer, limits, eos_token_ids, overlap=config.overlap_steps)
     if config.capture_graphs:
         _capture_graphs(runner)
+    _self_check(engine, reader.manifest.artifact_id, model_config.vocab_size)
     log.info("artifact %s (%s, %s) on %s: %d KV blocks of %d tokens, context %d",
              reader.manifest.artifact_id, reader.manifest.format, reader.manifest.gpu_target, gpu_name,
              num_blocks, config.block_size, max_context)
@@ -108,6 +113,27 @@ def _text_conventions(reader, model_config) -> tuple[Tokenizer, tuple[int, ...],
             f"the model's vocabulary of {model_config.vocab_size} (model_config.bos_token_id / vocab_size)"
         )
     return tokenizer, eos_token_ids, add_bos
+
+
+def _self_check(engine: Engine, artifact_id: str, vocab_size: int) -> None:
+    """Generates a few tokens through the engine, on the kernels and graphs it will serve with, before
+    the worker is announced: an artifact whose logits come out NaN / inf (the quantizer's accuracy check
+    ran the reference numerics, not this GPU's kernels) or whose steps fail is refused here, instead of
+    registering and failing (or garbling) every request routed to it. Raises ArtifactBroken."""
+    step = max(1, vocab_size // SELF_CHECK_PROMPT_TOKENS)
+    prompt = [(1 + i * step) % vocab_size for i in range(SELF_CHECK_PROMPT_TOKENS)]
+    outputs = []
+    engine.add_request("start-up-self-check", prompt,
+                       SamplingOptions(max_new_tokens=SELF_CHECK_NEW_TOKENS, ignore_eos=True), outputs.append)
+    t0 = time.perf_counter()
+    while engine.step():  # on this thread: the engine's own thread starts once the worker serves
+        pass
+    last = outputs[-1] if outputs else None
+    if last is None or last.error is not None or last.finish is None:
+        why = last.error if last is not None and last.error else "it did not finish"
+        raise ArtifactBroken(f"artifact {artifact_id} failed the start-up self-check ({SELF_CHECK_NEW_TOKENS} "
+                             f"greedy tokens after a {len(prompt)}-token prompt): {why}")
+    log.info("self-check: %d tokens generated in %.2f s", last.finish.generated_tokens, time.perf_counter() - t0)
 
 
 def _capture_graphs(runner) -> None:
