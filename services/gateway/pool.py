@@ -7,7 +7,14 @@ A worker is known by its address, but the process behind an address can change: 
 silently, so a request routed on the old entry would be served by the new process with the wrong
 model. The pool therefore watches each worker's connection: once the connection that was up drops, the
 worker gets no requests until it proves it is the same process, alive: its next heartbeat (a new
-process has no worker_id; it registers anew, which replaces the entry)."""
+process has no worker_id; it registers anew, which replaces the entry).
+
+A worker that will not finish the streams open on it has them ended at once, rather than left waiting
+for their clients' deadlines: one whose heartbeat says its engine stalled (a hung device: the process
+and its heartbeats carry on), and one whose heartbeats stopped. Each open stream registers a callback
+with acquire() (removed by release()), which the pool calls then; the stream's owner cancels its worker
+call, and retries the request elsewhere when it can (servicer_gateway). A draining worker's streams are
+left alone: they are moving, and finishing them is the point of a drain."""
 
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -37,6 +45,13 @@ class Health(enum.Enum):
     HEALTHY = gateway_pb2.WORKER_HEALTH_HEALTHY
     UNHEALTHY = gateway_pb2.WORKER_HEALTH_UNHEALTHY
     DRAINING = gateway_pb2.WORKER_HEALTH_DRAINING
+    # Its heartbeat says its engine has stopped moving with requests in flight: no new requests, and its
+    # open streams are ended (see the module docstring). WorkerHealth has no such value, so ListWorkers
+    # shows it UNHEALTHY: it gets no new requests and, unlike a DRAINING one, finishes nothing in flight.
+    STALLED = "stalled"
+
+    def to_pb(self) -> int:
+        return gateway_pb2.WORKER_HEALTH_UNHEALTHY if self is Health.STALLED else self.value
 
 
 @dataclass(slots=True, eq=False)
@@ -57,11 +72,14 @@ class PooledWorker:
     waiting_requests: int = 0
     kv_blocks_free: int = 0
     watcher: asyncio.Task | None = None  # watches the connection (WorkerPool._watch)
+    # One callback per open stream that asked to be ended should the worker be unable to finish it
+    # (WorkerPool.acquire); called with the reason, and removed, by WorkerPool._end_streams.
+    stream_enders: set[Callable[[str], None]] = field(default_factory=set)
 
     def to_pb(self) -> gateway_pb2.WorkerStatus:
         return gateway_pb2.WorkerStatus(
             worker_id=self.worker_id, address=self.address, artifact=self.artifact.to_pb(), capacity=self.capacity,
-            health=self.health.value, in_flight=self.in_flight, running_requests=self.running_requests,
+            health=self.health.to_pb(), in_flight=self.in_flight, running_requests=self.running_requests,
             waiting_requests=self.waiting_requests, kv_blocks_free=self.kv_blocks_free,
             last_heartbeat=timestamp(self.last_heartbeat), registered_at=timestamp(self.registered_at),
         )
@@ -135,12 +153,23 @@ class WorkerPool:
                               f"register again with RegisterWorker")
         return worker
 
-    def heartbeat(self, worker_id: str, running: int, waiting: int, kv_blocks_free: int, draining: bool) -> None:
+    def heartbeat(self, worker_id: str, running: int, waiting: int, kv_blocks_free: int, draining: bool,
+                  stalled: bool = False) -> None:
+        """stalled wins over draining (a stalled worker reports both, for gateways that predate stalled)."""
         worker = self.get(worker_id)
         worker.running_requests, worker.waiting_requests, worker.kv_blocks_free = running, waiting, kv_blocks_free
         worker.last_heartbeat, worker.last_heartbeat_mono = datetime.now(timezone.utc), time.monotonic()
-        worker.health = Health.DRAINING if draining else Health.HEALTHY
+        was_stalled = worker.health is Health.STALLED
+        worker.health = Health.STALLED if stalled else Health.DRAINING if draining else Health.HEALTHY
         worker.failed_reason = ""
+        if stalled:
+            if not was_stalled:
+                log.warning("worker %s (%s) reports its engine stalled: no new requests, ending its %d open "
+                            "stream(s)", worker.worker_id, worker.address, len(worker.stream_enders))
+            # Every heartbeat while stalled, not only the first: cheap (usually none left), and sure.
+            self._end_streams(worker, "its engine stalled (no progress with requests in flight)")
+        elif was_stalled:
+            log.warning("worker %s (%s): its engine moves again; taking requests", worker.worker_id, worker.address)
 
     async def remove(self, worker_id: str) -> PooledWorker:
         """No new requests; the channel stays open while streams are in flight (release closes it)."""
@@ -152,11 +181,17 @@ class WorkerPool:
             await worker.channel.close()
         return worker
 
-    def acquire(self, worker: PooledWorker) -> None:
+    def acquire(self, worker: PooledWorker, end: Callable[[str], None] | None = None) -> None:
+        """A stream opened on the worker. end(reason), when given, is called (once, at most) if the worker
+        turns out unable to finish it: stalled, or its heartbeats stopped. release() with the same end
+        unregisters it."""
         worker.in_flight += 1
+        if end is not None:
+            worker.stream_enders.add(end)
 
-    async def release(self, worker: PooledWorker) -> None:
+    async def release(self, worker: PooledWorker, end: Callable[[str], None] | None = None) -> None:
         worker.in_flight -= 1
+        worker.stream_enders.discard(end)  # already gone if the pool ended the stream
         if worker.in_flight == 0 and self.workers.get(worker.worker_id) is not worker:
             await worker.channel.close()  # removed while streams were open: the last one closes it
 
@@ -165,14 +200,26 @@ class WorkerPool:
             worker.health, worker.failed_reason = Health.UNHEALTHY, reason
 
     def expire(self) -> list[PooledWorker]:
-        """Marks unhealthy every worker whose heartbeat is overdue; returns those newly marked."""
+        """Marks unhealthy every worker whose heartbeat is overdue, and ends the streams open on it;
+        returns those newly marked."""
         now = time.monotonic()
-        expired = [w for w in self.workers.values()
-                   if w.health is not Health.UNHEALTHY and now - w.last_heartbeat_mono > self.heartbeat_timeout_s]
+        overdue = [w for w in self.workers.values() if now - w.last_heartbeat_mono > self.heartbeat_timeout_s]
+        expired = [w for w in overdue if w.health is not Health.UNHEALTHY]
         for worker in expired:
             worker.health = Health.UNHEALTHY
             worker.failed_reason = f"no heartbeat for {now - worker.last_heartbeat_mono:.1f} s"
+        # Every overdue worker, not only those newly marked: one already unhealthy for another reason (a
+        # failed request, a lost connection) that has also stopped heartbeating will not finish them either.
+        for worker in overdue:
+            self._end_streams(worker, f"no heartbeat for {now - worker.last_heartbeat_mono:.1f} s")
         return expired
+
+    def _end_streams(self, worker: PooledWorker, reason: str) -> None:
+        """Calls, and unregisters, the enders of the streams open on the worker. Each is removed before it
+        is called, so a stream is ended once whatever triggers follow (a stalled worker's heartbeats, then
+        their expiry)."""
+        while worker.stream_enders:
+            worker.stream_enders.pop()(reason)
 
     async def forget(self) -> list[PooledWorker]:
         """Removes every worker whose last heartbeat is older than forget_after_s; returns them."""

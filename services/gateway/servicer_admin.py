@@ -136,7 +136,7 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
     @_admin
     async def Heartbeat(self, request: gateway_pb2.HeartbeatRequest, actor: str):
         self.pool.heartbeat(request.worker_id, request.running_requests, request.waiting_requests,
-                            request.kv_blocks_free, request.draining)
+                            request.kv_blocks_free, request.draining, request.stalled)
         return gateway_pb2.HeartbeatResponse()
 
     @_admin

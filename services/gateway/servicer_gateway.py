@@ -9,7 +9,9 @@ of its own arm and artifact (the request's final outcome is counted where it end
 whose workers fail every request before the first token would show no errors, only traffic moved
 elsewhere, and the automatic guard would never take it out. A client that cancels has its worker call
 cancelled and an explicit Worker.Abort sent, so the worker frees the KV blocks even if the cancellation
-is lost on the way."""
+is lost on the way. A worker that will not finish a stream (its heartbeat says its engine stalled, or its
+heartbeats stopped: WorkerPool) has it ended the same way and counted as a failed attempt, under the
+rules above: without that the client would wait for its deadline. A draining worker's are left to finish."""
 
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class Attempt:
     worker: PooledWorker
     finished: bool = False  # the worker ended the request (a final message, or a refusal for the client)
     failure: str = ""  # why the worker failed it, naming the worker
+    lost: str = ""  # why the pool ended it: the worker will not finish it (stalled, or no heartbeats)
 
 
 @dataclass(slots=True)
@@ -211,10 +214,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """Streams one attempt; sets attempt.finished, or attempt.failure when the worker failed. Raises
         WorkerRejected for a refusal that is the client's to fix."""
         worker = attempt.worker
-        self.pool.acquire(worker)
+        call = worker.stub.Generate(worker_request)
+
+        def lose(reason: str) -> None:
+            # Called by the pool when the worker will not finish this stream. Cancelling the call ends the
+            # read below at once, whether it is waiting on the worker or resumes after a yield: no polling.
+            attempt.lost = reason
+            call.cancel()
+
+        self.pool.acquire(worker, lose)
         trace.worker_started = time.monotonic()
         artifact_id, arm = trace.route.artifact.artifact_id, trace.route.arm.value
-        call = worker.stub.Generate(worker_request)
         try:
             async for reply in call:
                 if reply.token_ids and trace.first_token_at is None:
@@ -230,6 +240,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     return
                 yield out
             attempt.failure = f"{worker.address}: the stream ended without a final message"
+        except asyncio.CancelledError:
+            # grpc.aio ends the read of a call cancelled locally (by lose()) with CancelledError too; only
+            # this task's own cancellation (the client went away, the gateway is stopping) goes on as one.
+            if not attempt.lost or asyncio.current_task().cancelling():
+                raise
+            attempt.failure = f"{worker.address}: {attempt.lost}"
         except grpc.aio.AioRpcError as err:
             code = err.code()
             if code in _CLIENT_CODES:
@@ -238,11 +254,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             attempt.failure = (_FULL if code is grpc.StatusCode.RESOURCE_EXHAUSTED else "") + \
                 f"{worker.address}: {code.name}: {err.details()}"
         finally:
-            if not attempt.finished and not attempt.failure:
-                # The client went away (or the gateway is stopping): stop the worker's work now.
+            if not attempt.finished and (attempt.lost or not attempt.failure):
+                # The client went away (or the gateway is stopping), or the pool gave up on the worker: stop
+                # the worker's work now (a worker that merely stalled frees the request's KV blocks).
                 call.cancel()
                 self._send_abort(worker, worker_request.request_id)
-            await self.pool.release(worker)
+            await self.pool.release(worker, lose)
         # a full worker is busy, not broken: it stays eligible for other requests
         if not attempt.failure.startswith(_FULL):
             self.pool.mark_failed(worker, attempt.failure)

@@ -46,12 +46,16 @@ class GatewayAnnouncer:
         min_backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
         tls: ClientTls | None = None,  # the worker's --tls-ca (and client certificate); None = plaintext
+        # Whether the engine is stalled now (HeartbeatRequest.stalled: the gateways end the streams open on
+        # this worker, as they must not for a drain); None = never.
+        stalled: Callable[[], bool] | None = None,
     ):
         self.gateway_address = gateway_address
         self._tls = tls
         self.worker_address = worker_address
         self.artifact_id = artifact_id
         self._load = load
+        self._stalled = stalled or (lambda: False)
         self._metadata = (("authorization", f"Bearer {token}"),)
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
@@ -157,12 +161,13 @@ class GatewayAnnouncer:
 
     async def _heartbeat(self) -> None:
         stats, draining = self._load()
+        stalled = self._stalled()
         self._heartbeat_in_flight = True
         try:
             await self._stub.Heartbeat(
                 gateway_pb2.HeartbeatRequest(
                     worker_id=self.worker_id, running_requests=stats.running, waiting_requests=stats.waiting,
-                    kv_blocks_free=stats.kv_blocks_free, draining=draining,
+                    kv_blocks_free=stats.kv_blocks_free, draining=draining, stalled=stalled,
                 ),
                 metadata=self._metadata, timeout=RPC_TIMEOUT_S,
             )
@@ -181,9 +186,11 @@ class GatewayAnnouncers:
         artifact_id: str,
         load: Callable[[], tuple[EngineStats, bool]],
         tls: ClientTls | None = None,  # the same for every gateway
+        stalled: Callable[[], bool] | None = None,
         **backoff: float,  # min_backoff_s / max_backoff_s of each GatewayAnnouncer
     ):
-        self.announcers = tuple(GatewayAnnouncer(address, token, worker_address, artifact_id, load, tls=tls, **backoff)
+        self.announcers = tuple(GatewayAnnouncer(address, token, worker_address, artifact_id, load, tls=tls,
+                                                 stalled=stalled, **backoff)
                                 for address in gateway_addresses)
 
     def start(self) -> None:

@@ -104,6 +104,7 @@ class WorkerServer:
             self.announcers = GatewayAnnouncers(
                 self.config.gateway_addresses, self.config.gateway_token, self.config.advertise_address or self.address,
                 served.artifact.artifact_id, self._load, tls=self.config.gateway_tls,
+                stalled=lambda: self.servicer.stalled,
             )
             self.announcers.start()
         if self.config.stall_timeout_s:
@@ -114,7 +115,9 @@ class WorkerServer:
 
     def _load(self):
         # A stalled worker reports itself draining: the gateways route nothing new to it, and take it back
-        # as soon as its engine moves again (it is not deregistered; its streams may yet finish).
+        # as soon as its engine moves again (it is not deregistered). It reports stalled as well
+        # (GatewayAnnouncer's `stalled`): a gateway that knows the field ends the streams open on it, which
+        # would otherwise wait for their clients' deadlines; draining is kept for gateways that do not.
         return self.served.engine.stats(), self.servicer.draining or self.servicer.stalled
 
     async def _watch_engine(self) -> None:
@@ -131,7 +134,7 @@ class WorkerServer:
             self.servicer.stalled = stalled
             if stalled:
                 log.error("the engine has made no progress for %.0f s with %d request(s) in flight (a hung device?): "
-                          "taking no new requests, reported as draining to the gateways and NOT_SERVING to health "
+                          "taking no new requests, reported as stalled to the gateways and NOT_SERVING to health "
                           "checks until it moves again", stalled_s, self.served.engine.num_in_flight)
             else:
                 log.warning("the engine is moving again: taking requests")

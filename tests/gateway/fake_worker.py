@@ -1,5 +1,5 @@
 """A small Worker service for gateway tests: deterministic tokens at a set pace, and switches that
-make it fail before or after the first token; it records what the gateway asked of it."""
+make it fail before or after the first token, or hang; it records what the gateway asked of it."""
 
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.max_running, self.max_waiting = max_running, max_waiting
         self.fail_before_first = False  # every Generate fails UNAVAILABLE before any token
         self.fail_after: int | None = None  # every Generate fails UNAVAILABLE after this many tokens
+        # every Generate stops after this many tokens and waits until cancelled (a hung device)
+        self.hang_after: int | None = None
+        self.hung: list[str] = []  # request ids of Generate calls that reached hang_after
         self.full = False  # every Generate answers RESOURCE_EXHAUSTED (its admission queue is full)
         self.started: list[str] = []  # request ids of Generate calls, in arrival order
         self.finished: list[str] = []
@@ -55,6 +58,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             for i, token in enumerate(ids):
                 if self.fail_after is not None and i == self.fail_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"fake worker failing after {i} tokens")
+                if self.hang_after is not None and i == self.hang_after:
+                    self.hung.append(request.request_id)
+                    await asyncio.Event().wait()
                 await asyncio.sleep(self.delay_s)
                 reply = worker_pb2.GenerateResponse(request_id=request.request_id, token_ids=[token], text=f"<{token}>")
                 if i == count - 1:

@@ -27,6 +27,7 @@ class FakeAdmin(gateway_pb2_grpc.AdminServicer):
         self.calls: list[tuple] = []
         self.known: set[str] = set()
         self.auth: set[str | None] = set()
+        self.stalled: list[bool] = []  # HeartbeatRequest.stalled of each heartbeat
         self._n = 0
 
     async def RegisterWorker(self, request, context):
@@ -44,6 +45,7 @@ class FakeAdmin(gateway_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown worker {request.worker_id}")
         self.calls.append(("heartbeat", request.worker_id, request.running_requests, request.kv_blocks_free,
                            request.draining))
+        self.stalled.append(request.stalled)
         return gateway_pb2.HeartbeatResponse()
 
     async def DeregisterWorker(self, request, context):
@@ -107,6 +109,28 @@ def test_register_heartbeat_reregister_and_deregister():
         await announcer.stop()
         assert admin.calls[-1] == ("deregister", "w2")
         assert admin.auth == {f"Bearer {TOKEN}"}
+        await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_heartbeats_say_whether_the_engine_is_stalled():
+    """Separate from draining: a gateway ends a stalled worker's streams, and leaves a draining one's."""
+    stalled = False
+
+    async def scenario():
+        nonlocal stalled
+        server, admin, port = await _fake_gateway()
+        announcer = GatewayAnnouncer(f"127.0.0.1:{port}", TOKEN, "127.0.0.1:1234", "a" * 32, _load,
+                                     stalled=lambda: stalled)
+        announcer.start()
+        await _until(lambda: admin.stalled)
+        stalled = True
+        await _until(lambda: admin.stalled[-1])
+        stalled = False
+        await _until(lambda: not admin.stalled[-1])
+        assert admin.stalled[0] is False and True in admin.stalled
+        await announcer.stop()
         await server.stop(0)
 
     asyncio.run(scenario())
