@@ -62,3 +62,37 @@ def test_an_idle_engine_is_never_stalled(start_worker):
     assert _health(channel) == health_pb2.HealthCheckResponse.SERVING and not w.server.servicer.stalled
     list(client.Generate(_request(max_new_tokens=2), timeout=30))  # work after a long idle is not stalled
     channel.close()
+
+
+def test_a_hung_step_keeps_the_engine_stalled_after_its_requests_are_aborted(start_worker):
+    """The gateway ends a stalled worker's streams (their Abort empties the engine): with nothing in flight
+    the engine read as idle, the worker as healthy within a second, and new requests went into the hang."""
+    w = start_worker("fp16", stall_timeout_s=0.3)
+    engine = w.server.served.engine
+    step, hang, release = engine.runner.step, threading.Event(), threading.Event()
+
+    def step_that_may_hang(batch):
+        if hang.is_set():
+            release.wait(60)
+        return step(batch)
+
+    engine.runner.step = step_that_may_hang
+    channel, client = stub(w)
+    stream = client.Generate(_request(ignore_eos=True, max_new_tokens=40), timeout=60)
+    next(iter(stream))
+    hang.set()
+    _wait_for(lambda: _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING, 10.0, "NOT_SERVING")
+    stream.cancel()  # as the gateway does: the worker aborts the request
+    _wait_for(lambda: engine.num_in_flight == 0, 5.0, "the request aborted")
+    threading.Event().wait(1.0)  # several stall timeouts and health-watch rounds
+    assert engine.stalled_s() > 0.3 and w.server.servicer.stalled
+    assert _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as refused:
+        list(client.Generate(_request(max_new_tokens=2), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    hang.clear()
+    release.set()
+    _wait_for(lambda: _health(channel) == health_pb2.HealthCheckResponse.SERVING, 10.0, "SERVING again")
+    assert list(client.Generate(_request(max_new_tokens=2), timeout=30))[-1].finish.generated_tokens == 2
+    channel.close()

@@ -122,6 +122,10 @@ class Engine:
         self._preemptions = 0
         # When the engine last moved: a step launched or read back, or work arriving at an idle engine.
         self._last_progress = time.monotonic()
+        # True while an iteration runs (a step launching, or its tokens being read back). A step that hangs
+        # keeps the engine stalled after every request in it was aborted (the gateway ends a stalled
+        # worker's streams): otherwise the worker would read as idle and take new requests into the hang.
+        self._in_iteration = False
         self._thread: threading.Thread | None = None
         # Called with (kind, seconds) once a step's tokens are read back: launch to tokens on the host, the
         # GPU time included (with overlap, the next step's launch too). The worker's metrics set it.
@@ -150,7 +154,7 @@ class Engine:
             seq = Sequence(next(self._ids), request_id, list(prompt_ids), sampling, max_tokens=max_tokens)
             if not sampling.greedy:
                 seq.generator = new_generator(sampling, self.runner.device)
-            if not self._live:  # an idle engine has been waiting for work, not stalled
+            if not self._live and not self._in_iteration:  # an idle engine was waiting for work, not stalled
                 self._last_progress = time.monotonic()
             self._live[request_id] = _Live(seq, IncrementalDetokenizer(self.decoder, sampling.stop, prompt_ids), sink)
             self.scheduler.add(seq)
@@ -177,10 +181,10 @@ class Engine:
             )
 
     def stalled_s(self) -> float:
-        """How long requests have been in flight with no step launched or read back (0 when idle): a
-        device that hangs shows here, while the process and its heartbeats carry on."""
+        """How long requests have been in flight, or an iteration has been running, with no step launched or
+        read back (0 when idle): a device that hangs shows here, while the process and its heartbeats carry on."""
         with self._cond:
-            return time.monotonic() - self._last_progress if self._live else 0.0
+            return time.monotonic() - self._last_progress if self._live or self._in_iteration else 0.0
 
     @property
     def num_in_flight(self) -> int:
@@ -232,6 +236,13 @@ class Engine:
         return self._iterate()
 
     def _iterate(self) -> bool:
+        self._in_iteration = True
+        try:
+            return self._iterate_once()
+        finally:
+            self._in_iteration = False
+
+    def _iterate_once(self) -> bool:
         with self._cond:
             schedule = self._schedule()
             # Under the same lock as the schedule: an abort right after it gives the sequence a new,
