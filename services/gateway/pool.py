@@ -214,6 +214,13 @@ class WorkerPool:
             self._end_streams(worker, f"no heartbeat for {now - worker.last_heartbeat_mono:.1f} s")
         return expired
 
+    def excuse(self, seconds: float) -> None:
+        """Moves every worker's heartbeat clock on by `seconds` (never past now): time in which the gateway
+        itself was not running, and so could not have heard a heartbeat."""
+        now = time.monotonic()
+        for worker in self.workers.values():
+            worker.last_heartbeat_mono = min(now, worker.last_heartbeat_mono + seconds)
+
     def _end_streams(self, worker: PooledWorker, reason: str) -> None:
         """Calls, and unregisters, the enders of the streams open on the worker. Each is removed before it
         is called, so a stream is ended once whatever triggers follow (a stalled worker's heartbeats, then

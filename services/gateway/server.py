@@ -120,9 +120,20 @@ class GatewayServer:
 
     async def _expire_workers(self) -> None:
         interval = min(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s / 4)
+        loop = asyncio.get_running_loop()
         while True:
+            due = loop.time() + interval
             await asyncio.sleep(interval)
+            late = loop.time() - due
             try:
+                if late > interval:
+                    # This gateway was not running (a pause of its process, a starved host): heartbeats that
+                    # arrived meanwhile are still queued behind this wake-up. Its own pause is not the
+                    # workers' silence: without the credit every worker would expire, and the streams open
+                    # on them be ended, because the gateway stopped listening.
+                    log.warning("the gateway's event loop was held up %.1f s; the workers' heartbeat clocks are "
+                                "moved on by as much", late)
+                    self.pool.excuse(late)
                 await self._expire_workers_once()
             except Exception:  # the loop must outlive any one pass: without it a hung worker keeps its traffic
                 log.exception("checking the workers' heartbeats failed; checking again in %.1f s", interval)

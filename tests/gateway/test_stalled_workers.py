@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 
 import grpc
 import pytest
@@ -157,6 +158,29 @@ def test_the_streams_of_a_worker_whose_heartbeats_stop_are_ended(artifacts, deli
                     assert pool.get(stuck.worker_id).health is Health.HEALTHY
                     await _served_by(stack, stuck)
             _assert_no_stream_left(pool)
+
+    run(scenario())
+
+
+def test_a_pause_of_the_gateway_itself_does_not_expire_its_workers_nor_end_their_streams(artifacts):
+    """The gateway's own event loop held up past the heartbeat timeout (a paused process, a starved host):
+    its workers' heartbeats wait in its queue behind the expiry pass, which found every worker silent and
+    ended every stream the gateway had open."""
+    interval_s = 0.05
+
+    async def scenario():
+        async with gateway_stack(artifacts, heartbeat_interval_s=interval_s, heartbeat_timeout_s=0.3) as stack:
+            server = await stack.add_worker(artifacts.stable, tokens=TOKENS)
+            server.worker.hang_after = 2  # a long generation, still running when the gateway pauses
+            async with _heartbeating(stack, server, interval_s):
+                call, _ = await _start_stuck_stream(stack, server, 2)
+                time.sleep(0.8)  # the whole event loop stops: nothing runs, nothing is heard
+                await asyncio.sleep(0.5)  # the expiry passes after the pause, with the heartbeats resuming
+                worker = stack.gateway.pool.get(server.worker_id)
+                assert worker.health is Health.HEALTHY and server.worker.cancelled == []
+                assert len(worker.stream_enders) == 1, "the open stream was ended"
+            call.cancel()
+            await _until(lambda: stack.gateway.pool.get(server.worker_id).in_flight == 0)
 
     run(scenario())
 
