@@ -1,0 +1,77 @@
+"""The worker's start-up self-check on a GPU (TritonRunner, CUDA graphs): an artifact loads through
+load_served_model (which generates a few tokens before serving), then a copy whose final RMSNorm weight
+holds an inf (every file's sha256 re-listed, so only the self-check can catch it) must be refused.
+
+    python3 bench/self_check_gpu.py --artifact ARTIFACT_DIR --out bench/results/<gpu>/worker_self_check.json
+
+ARTIFACT_DIR: any artifact bound to this GPU (e.g. `qctl quantize --model ... --gpu-target sm90`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.worker.config import WorkerConfig
+from services.worker.errors import ArtifactBroken
+from services.worker.serving import load_served_model
+from shared.formats.artifact import HEAD_FILE
+from shared.storage.hashing import sha256_file
+
+
+def poison(artifact: Path, out: Path) -> Path:
+    """A copy of the artifact whose final norm weight holds an inf, the manifest's sha256 of it updated."""
+    bad = Path(shutil.copytree(artifact, out / "poisoned"))
+    tensors = load_file(bad / HEAD_FILE)
+    name = next(k for k in tensors if "norm" in k)
+    tensors[name][0] = float("inf")
+    save_file(tensors, bad / HEAD_FILE)
+    size, digest = sha256_file(bad / HEAD_FILE)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    next(f for f in manifest["files"] if f["path"] == HEAD_FILE).update(size=size, sha256=digest)
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    return bad
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--artifact", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path)
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    served = load_served_model(WorkerConfig(artifact=str(args.artifact), device="cuda", metrics_port=None))
+    load_s = time.perf_counter() - t0
+    del served
+    with tempfile.TemporaryDirectory() as tmp:
+        bad = poison(args.artifact, Path(tmp))
+        try:
+            load_served_model(WorkerConfig(artifact=str(bad), device="cuda", metrics_port=None))
+            refusal = None
+        except ArtifactBroken as exc:
+            refusal = str(exc)
+    result = {
+        "command": "python3 bench/self_check_gpu.py " + shlex.join(sys.argv[1:]),
+        "gpu": torch.cuda.get_device_name(),
+        "artifact": str(args.artifact),
+        "load_with_self_check_s": load_s,
+        "poisoned_refusal": refusal,
+        "checks": [{"name": "an artifact whose logits are not finite is refused at start-up", "value": int(refusal is not None),
+                    "target": 1, "op": ">=", "met": refusal is not None}],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+    return 0 if refusal is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
