@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from qctl import deploy_cmd, rollout_cmd
+from qctl import deploy_cmd, jobs_cmd, rollout_cmd
 from qctl.demo_cmd import demo
 from qctl.eval_cmd import evaluate
 from qctl.fallback_cmd import fallback
@@ -24,6 +24,7 @@ app.command("eval")(evaluate)
 app.command("demo")(demo)
 app.command("publish")(publish)
 app.command("ls")(ls)
+app.add_typer(jobs_cmd.app, name="jobs")
 app.add_typer(deploy_cmd.app, name="deploy")
 app.add_typer(rollout_cmd.app, name="rollout")
 app.command("fallback")(fallback)

@@ -101,10 +101,10 @@ def publish(
         try:
             job = follow_job(stub, job_id, console)
         except KeyboardInterrupt:
-            # Ctrl-C stops the watching, not the job (the quantizer has no cancel): say so, or the user takes
-            # the job for cancelled while it goes on to publish an artifact.
-            print(f"interrupted: job {job_id} keeps running on the quantizer at {quantizer}; `qctl ls` shows "
-                  f"its artifact's state", file=sys.stderr)
+            # Ctrl-C stops the watching, not the job: say so, or the user takes the job for cancelled while it
+            # goes on to publish an artifact.
+            print(f"interrupted: job {job_id} keeps running on the quantizer at {quantizer}; `qctl jobs list` "
+                  f"shows it, `qctl jobs cancel {job_id}` stops it", file=sys.stderr)
             raise typer.Exit(code=EXIT_INTERRUPTED) from None
     if job is None:  # the stream ended before its first snapshot
         print(f"error: the quantizer ended the progress stream of job {job_id} without its state; "

@@ -28,6 +28,8 @@ API = {
         "GetArtifact": ("GetArtifactRequest", "ArtifactInfo", False),
         "ListArtifacts": ("ListArtifactsRequest", "ListArtifactsResponse", False),
         "ListModels": ("ListModelsRequest", "ListModelsResponse", False),
+        "ListJobs": ("ListJobsRequest", "ListJobsResponse", False),
+        "CancelJob": ("CancelJobRequest", "Job", False),
     },
     (worker_pb2, "Worker"): {
         "Generate": ("GenerateRequest", "GenerateResponse", True),
@@ -136,6 +138,7 @@ def test_enums_have_the_documented_values():
     }
     assert set(quantizer_pb2.JobState.keys()) == {
         "JOB_STATE_UNSPECIFIED", "JOB_STATE_QUEUED", "JOB_STATE_RUNNING", "JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED",
+        "JOB_STATE_CANCELLED",
     }
     # stages are numbered in pipeline order
     stages = [quantizer_pb2.JobStage.Value(f"JOB_STAGE_{s}") for s in

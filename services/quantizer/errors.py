@@ -18,7 +18,12 @@ class QueueFull(QuantizerError):
 
 
 class JobCancelled(QuantizerError):
-    """The quantizer is stopping; the job ends FAILED with this reason."""
+    """The job must stop at this step: the quantizer is stopping (the job ends FAILED with this reason) or
+    an operator cancelled it (CancelJob: it ends CANCELLED)."""
+
+
+class JobEnded(QuantizerError):
+    """CancelJob of a job that has already ended (FAILED_PRECONDITION); the message names its state."""
 
 
 class AccuracyBudgetExceeded(QuantizerError):

@@ -1,8 +1,9 @@
-"""The job runner: a thread pool of pipelines, their progress in the registry, heartbeats, orphans.
+"""The job runner: a thread pool of pipelines, their progress in the registry, heartbeats, orphans, cancels.
 
 Every job is a registry row owned by this process (config.owner). A heartbeat thread keeps the rows
 of live jobs fresh and fails the jobs of owners that stopped heartbeating (a killed quantizer), at
-start-up and then periodically, so that their bindings can be published again.
+start-up and then periodically, so that their bindings can be published again. It also polls for cancels
+of this process's jobs, which CancelJob may have recorded on another quantizer (see cancels.py).
 """
 
 from __future__ import annotations
@@ -11,22 +12,27 @@ import logging
 import shutil
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 from services.quantizer.board import JobBoard, Update
 from services.quantizer.allocation import BindingFailed
-from services.quantizer.errors import AccuracyBudgetExceeded, JobCancelled, QuantizerError, QueueFull
+from services.quantizer.cancels import Cancels
+from services.quantizer.errors import AccuracyBudgetExceeded, JobCancelled, JobEnded, QuantizerError, QueueFull
+from services.quantizer.job_admin import CancelOrder, JobFilter
 from services.quantizer.pipeline import Pipeline, Services
 from services.quantizer.publish_spec import PublishSpec
 from services.quantizer.views import ArtifactDetails, ArtifactView, JobView, Stage
 from shared.registry import (
+    InvalidState,
     JobState,
     NotFound,
     QuantJob,
     RegistryError,
+    cancel_job,
+    cancel_requests,
     create_job,
     fail_job,
     fail_orphaned_jobs,
@@ -34,6 +40,7 @@ from shared.registry import (
     get_artifact,
     get_job,
     heartbeat,
+    list_jobs,
     report_progress,
     start_job,
 )
@@ -57,6 +64,7 @@ class _Live:
     spec: PublishSpec
     stage: Stage | None = None
     remaining_s: float | None = None
+    future: Future | None = None  # its turn in the pool: cancelled when the job is cancelled while queued
 
 
 class JobRunner:
@@ -68,6 +76,7 @@ class JobRunner:
         self._live: dict[str, _Live] = {}
         self._requests: OrderedDict[str, PublishSpec] = OrderedDict()
         self._unsettled: dict[str, tuple[Pipeline | None, str]] = {}  # failures the registry did not take yet
+        self.cancels = Cancels()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         # Set once no job runs any more: until then heartbeats go on (also while stopping), or another
@@ -111,22 +120,42 @@ class JobRunner:
                     f"{self.config.max_queued} queued); retry later"
                 )
             with self.services.registry.transaction() as session:
-                job = create_job(session, owner=self.config.owner)
+                job = create_job(session, owner=self.config.owner, model_name=spec.model_name)
                 job_id = job.id
             # Only a committed job takes a queue slot: a failed commit must not leave a slot taken forever.
-            self._live[job_id] = _Live(spec)
+            live = self._live[job_id] = _Live(spec)
             self._requests[job_id] = spec
             while len(self._requests) > KEEP_REQUESTS:
                 self._requests.popitem(last=False)
             view = JobView.from_row(job, None, spec)  # a new job: no artifact yet, nothing left to estimate
             self.board.post(Update(view, "queued"))
-            self._pool.submit(self._execute, job.id)
+            live.future = self._pool.submit(self._execute, job.id)
         return view
 
     def view(self, job_id: str) -> JobView:
         """The job's current snapshot (raises the registry's NotFound for an unknown id)."""
         with self.services.registry.sessions() as session:
             return self._view(session, get_job(session, job_id))
+
+    def jobs(self, where: JobFilter) -> list[JobView]:
+        """Jobs of every quantizer sharing the registry, newest first."""
+        with self.services.registry.sessions() as session:
+            rows = list_jobs(session, states=where.states or None, model_name=where.model_name or None,
+                             newest_first=True, limit=where.limit)
+            return [self._view(session, job) for job in rows]
+
+    def cancel(self, order: CancelOrder) -> JobView:
+        """Cancels a job of any quantizer sharing the registry (see shared.registry.cancel_job). This process
+        acts on its own jobs at once; another quantizer acts on its jobs at its next heartbeat."""
+        try:
+            with self.services.registry.transaction() as session:
+                job = cancel_job(session, order.job_id, actor=order.actor, reason=order.reason)
+                view = self._view(session, job)
+        except InvalidState as exc:  # the job has ended
+            raise JobEnded(str(exc)) from None
+        log.info("job %s: %s", order.job_id, view.error)
+        self._act_on_cancel(job.id, view)
+        return view
 
     def artifact_details(self, artifact_id: str) -> ArtifactDetails | None:
         return self.details.get(artifact_id)
@@ -138,10 +167,8 @@ class JobRunner:
         work_dir = self._jobs_dir / job_id
         pipeline = Pipeline(self.services, live.spec, job_id, _Reporter(self, job_id), work_dir)
         try:
-            with self.services.registry.transaction() as session:
-                job = start_job(session, job_id, owner=self.config.owner)
-                view = self._view(session, job)
-            self.board.post(Update(view, "started"))
+            if not self._start(job_id):
+                return
             artifact_id = pipeline.run(lambda session, artifact_id: finish_job(session, job_id, artifact_id=artifact_id))
             self._keep_details(pipeline)
             self._post_now(job_id, f"published artifact {artifact_id}")
@@ -155,7 +182,23 @@ class JobRunner:
         finally:
             with self._lock:
                 self._live.pop(job_id, None)
+            self.cancels.forget(job_id)
             shutil.rmtree(work_dir, ignore_errors=True)
+
+    def _start(self, job_id: str) -> bool:
+        """QUEUED -> RUNNING; False when the job ended while it waited for a worker (cancelled, on any quantizer,
+        after this process's last heartbeat): nothing ran, so there is nothing to clean up."""
+        try:
+            with self.services.registry.transaction() as session:
+                view = self._view(session, start_job(session, job_id, owner=self.config.owner))
+        except InvalidState:
+            view = self.view(job_id)
+            if not view.done:
+                raise
+            self.board.post(Update(view, view.error or f"the job ended {view.state.value} before it started"))
+            return False
+        self.board.post(Update(view, "started"))
+        return True
 
     def _keep_details(self, pipeline: Pipeline) -> None:
         if pipeline.claim is not None and pipeline.details is not None:
@@ -165,11 +208,15 @@ class JobRunner:
         error = _shorten(error)
         try:
             with self.services.registry.transaction() as session:
+                job = get_job(session, job_id)
+                if job.cancel_reason is not None and job.state in (JobState.QUEUED, JobState.RUNNING):
+                    # It stopped because it was cancelled: that is the reason, not how the stop surfaced (a
+                    # refused finish, an interrupted upload); also for the artifact's failure reason.
+                    error = job.cancel_reason
                 if pipeline is not None:
                     pipeline.fail(session, error)
-                job = get_job(session, job_id)
                 if job.state in (JobState.QUEUED, JobState.RUNNING):
-                    fail_job(session, job_id, error)
+                    fail_job(session, job_id, error)  # ends it CANCELLED when a cancel was requested
                 view = self._view(session, job)
         except Exception as exc:  # the registry itself is failing: the heartbeat loop tries again
             log.warning("could not record the failure of job %s (%s): %s", job_id, error, exc)
@@ -190,6 +237,39 @@ class JobRunner:
             job = report_progress(session, job_id, stage=stage.value, block_index=block_index, block_count=block_count)
             view = self._view(session, job)
         self.board.post(Update(view, message))
+        if job.cancel_reason is not None:  # the row says so before the heartbeat loop would
+            self._act_on_cancel(job_id, view)
+
+    # ---- cancels ----
+
+    def _act_on_cancel(self, job_id: str, view: JobView) -> None:
+        """What this process does about a cancel of a job it holds: drop it from the queue, or have its
+        pipeline stop at its next step. Nothing for a job of another quantizer."""
+        if view.state == JobState.CANCELLED:
+            self._drop_queued(job_id)
+        elif view.state == JobState.RUNNING and job_id in self._live and self.cancels.note(job_id, view.error):
+            log.info("job %s: stopping it at its next step (%s)", job_id, view.error)
+            self.board.post(Update(view, f"stopping: {view.error}"))
+
+    def _drop_queued(self, job_id: str) -> None:
+        """A job cancelled while queued gives its place back (if its turn came meanwhile, _start sees it ended)."""
+        with self._lock:
+            live = self._live.get(job_id)
+            if live is None or live.future is None or not live.future.cancel():
+                return
+            self._live.pop(job_id, None)
+        self._post_now(job_id, "cancelled before it started")
+
+    def _notice_cancels(self) -> None:
+        """Acts on the cancels of this process's jobs that CancelJob recorded on another quantizer."""
+        with self._lock:
+            job_ids = list(self._live)
+        if not job_ids:
+            return
+        with self.services.registry.sessions() as session:
+            views = [self._view(session, job) for job in cancel_requests(session, job_ids)]
+        for view in views:
+            self._act_on_cancel(view.job_id, view)
 
     def _post_now(self, job_id: str, message: str) -> None:
         self.board.post(Update(self.view(job_id), message))
@@ -208,6 +288,7 @@ class JobRunner:
             try:
                 with self.services.registry.transaction() as session:
                     heartbeat(session, self.config.owner)
+                self._notice_cancels()
                 self._sweep_orphans()
                 for job_id, (pipeline, error) in list(self._unsettled.items()):
                     self._fail(job_id, pipeline, error)
@@ -262,11 +343,13 @@ class _Reporter:
     def check(self) -> None:
         if self._runner._stopping.is_set():
             raise JobCancelled("the quantizer is stopping; publish again")
+        self._runner.cancels.check(self._job_id)
 
     def progress(self, stage: Stage, block_index: int = 0, block_count: int = 0, *,
                  message: str = "", remaining_s: float | None = None) -> None:
         self.check()
         self._runner._progress(self._job_id, stage, block_index, block_count, message, remaining_s)
+        self.check()  # a cancel this report read from the registry stops the job at this step
 
 
 def _has_ended(session, job_id: str) -> bool:

@@ -12,7 +12,8 @@ from sqlalchemy.exc import OperationalError
 
 from services.quantizer.board import Update
 from services.quantizer.catalog import ArtifactFilter, artifact_view, artifact_views, model_views
-from services.quantizer.errors import InvalidRequest, MissingInput, QueueFull
+from services.quantizer.errors import InvalidRequest, JobEnded, MissingInput, QueueFull
+from services.quantizer.job_admin import CancelOrder, JobFilter
 from services.quantizer.jobs import JobRunner
 from services.quantizer.publish_spec import PublishSpec
 from services.quantizer.views import JobView, artifact_state_from_pb
@@ -28,6 +29,7 @@ _CODES = (
     (MissingInput, grpc.StatusCode.NOT_FOUND),
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (JobEnded, grpc.StatusCode.FAILED_PRECONDITION),
     (OperationalError, grpc.StatusCode.UNAVAILABLE),  # the registry's database cannot be reached
 )
 
@@ -117,6 +119,17 @@ class QuantizerServicer(quantizer_pb2_grpc.QuantizerServicer):
         views = await asyncio.to_thread(model_views, self.services.registry, request.model_name,
                                         self.runner.artifact_details)
         return quantizer_pb2.ListModelsResponse(models=[v.to_pb() for v in views])
+
+    @_statuses
+    async def ListJobs(self, request: quantizer_pb2.ListJobsRequest, context) -> quantizer_pb2.ListJobsResponse:
+        views = await asyncio.to_thread(self.runner.jobs, JobFilter.from_pb(request))
+        return quantizer_pb2.ListJobsResponse(jobs=[v.to_pb() for v in views])
+
+    @_statuses
+    async def CancelJob(self, request: quantizer_pb2.CancelJobRequest, context) -> quantizer_pb2.Job:
+        order = CancelOrder.from_pb(request, context.peer())
+        view = await asyncio.to_thread(self.runner.cancel, order)
+        return view.to_pb()
 
 
 def _required(field: str, value: str) -> str:

@@ -32,7 +32,12 @@ class Stage(str, enum.Enum):
 
 _ARTIFACT_STATES = {state: common_pb2.ArtifactState.Value(f"ARTIFACT_STATE_{state.name}") for state in ArtifactState}
 _JOB_STATES = {state: quantizer_pb2.JobState.Value(f"JOB_STATE_{state.name}") for state in JobState}
-TERMINAL = (JobState.SUCCEEDED, JobState.FAILED)
+TERMINAL = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+def job_state_from_pb(value: int) -> JobState | None:
+    """None for UNSPECIFIED or a number this version does not know."""
+    return next((state for state, pb in _JOB_STATES.items() if pb == value), None)
 
 
 def artifact_state_from_pb(value: int) -> ArtifactState | None:
@@ -163,6 +168,8 @@ class JobView:
     artifact: ArtifactView | None
     request: PublishSpec | None  # None for a job this process did not accept (another quantizer's)
     created_at: datetime
+    model_name: str = ""
+    cancel_requested_at: datetime | None = None
 
     @property
     def done(self) -> bool:
@@ -182,10 +189,13 @@ class JobView:
             block_count=job.block_count,
             elapsed=max(elapsed, timedelta(0)),
             remaining=timedelta(seconds=remaining_s) if running and remaining_s is not None else None,
-            error=job.error or "",
+            # A pending cancel shows who asked and why before the job has ended (CANCELLED keeps the same text).
+            error=job.error or job.cancel_reason or "",
             artifact=artifact,
             request=request,
             created_at=job.created_at,
+            model_name=job.model_name or (artifact.model_name if artifact is not None else ""),
+            cancel_requested_at=job.cancel_requested_at,
         )
 
     def to_pb(self) -> quantizer_pb2.Job:
@@ -193,8 +203,10 @@ class JobView:
             job_id=self.job_id, state=_JOB_STATES[self.state],
             stage=self.stage.to_pb() if self.stage else quantizer_pb2.JOB_STAGE_UNSPECIFIED,
             block_index=self.block_index, block_count=self.block_count, error=self.error,
-            elapsed=_duration(self.elapsed), created_at=_timestamp(self.created_at),
+            elapsed=_duration(self.elapsed), created_at=_timestamp(self.created_at), model_name=self.model_name,
         )
+        if self.cancel_requested_at is not None:
+            job.cancel_requested_at.CopyFrom(_timestamp(self.cancel_requested_at))
         if self.remaining is not None:
             job.estimated_remaining.CopyFrom(_duration(self.remaining))
         if self.artifact is not None:

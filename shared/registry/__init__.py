@@ -32,6 +32,8 @@ from shared.registry.deployments import (
 from shared.registry.errors import Conflict, InvalidState, InvalidValue, NotFound, RegistryError
 from shared.registry.events import EventKind, EventRecord, append_event, last_rollout_event, list_events
 from shared.registry.jobs import (
+    cancel_job,
+    cancel_requests,
     create_job,
     fail_job,
     fail_orphaned_jobs,
@@ -57,7 +59,7 @@ from shared.registry.models import (
 __all__ = [
     "Artifact", "ArtifactState", "Conflict", "Deployment", "Event", "EventKind", "EventRecord", "InvalidState",
     "InvalidValue", "JobState", "Model", "ModelVersion", "NotFound", "QuantJob", "Registry", "RegistryError",
-    "Reservation", "abort_rollout", "append_event", "create_deployment", "create_job", "create_registry",
+    "Reservation", "abort_rollout", "append_event", "cancel_job", "cancel_requests", "create_deployment", "create_job", "create_registry",
     "current_revision", "fail_job", "fail_orphaned_jobs", "find_artifact", "find_ready_by_digest", "finish_job",
     "get_artifact", "get_deployment", "get_job", "get_model_version", "get_or_create_model", "head_revision",
     "heartbeat", "last_rollout_event", "list_artifacts", "list_deployments", "list_events", "list_jobs",

@@ -36,6 +36,8 @@ class EventKind(str, enum.Enum):
     JOB_STARTED = "job_started"
     JOB_SUCCEEDED = "job_succeeded"
     JOB_FAILED = "job_failed"
+    JOB_CANCEL_REQUESTED = "job_cancel_requested"
+    JOB_CANCELLED = "job_cancelled"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,13 @@
-"""Quantization jobs: QUEUED -> RUNNING -> SUCCEEDED | FAILED (and QUEUED -> FAILED).
+"""Quantization jobs: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED (and QUEUED -> FAILED | CANCELLED).
 
 A job is held by an `owner`, a string naming one quantizer process (host, pid and a per-boot id, so a
 restarted process is a new owner). The owner calls heartbeat() while it lives; when a quantizer starts
-it calls fail_orphaned_jobs() to fail what a dead process left QUEUED or RUNNING, with its artifact."""
+it calls fail_orphaned_jobs() to fail what a dead process left QUEUED or RUNNING, with its artifact.
+
+cancel_job() ends a QUEUED job at once; a RUNNING one only gets a cancel request, because only its owner
+can stop its pipeline and clean up (work folder, uploaded objects). The owner learns of it through
+cancel_requests() and ends the job with fail_job(), which then records CANCELLED. A job asked to stop
+can no longer succeed (finish_job refuses it), so nothing is published after a cancel."""
 
 from __future__ import annotations
 
@@ -19,15 +24,22 @@ from shared.registry.events import EventKind, append_event
 from shared.registry.models import ArtifactState, JobState, QuantJob, utcnow
 
 _ACTIVE = (JobState.QUEUED, JobState.RUNNING)
+MAX_LIST_LIMIT = 10_000
+MAX_CANCEL_REASON = 1000  # the operator's "why"; the stored reason adds "cancelled by <actor>: "
 
 
-def create_job(session: Session, *, owner: str, artifact_id: str | None = None) -> QuantJob:
+def create_job(
+    session: Session, *, owner: str, artifact_id: str | None = None, model_name: str | None = None
+) -> QuantJob:
+    """A QUEUED job. `model_name` is the model it publishes (list_jobs filters on it)."""
     check_text("job owner", owner, 256)
+    if model_name is not None:
+        check_segment("model name", model_name)
     if artifact_id is not None:
         get_artifact(session, artifact_id)
     now = utcnow()
     job = QuantJob(
-        id=new_id(), state=JobState.QUEUED, owner=owner, artifact_id=artifact_id,
+        id=new_id(), state=JobState.QUEUED, owner=owner, artifact_id=artifact_id, model_name=model_name,
         block_index=0, block_count=0, heartbeat_at=now, created_at=now, updated_at=now,
     )
     session.add(job)
@@ -44,13 +56,29 @@ def get_job(session: Session, job_id: str) -> QuantJob:
 
 
 def list_jobs(
-    session: Session, *, states: Iterable[JobState] | None = None, owner: str | None = None
+    session: Session,
+    *,
+    states: Iterable[JobState] | None = None,
+    owner: str | None = None,
+    model_name: str | None = None,
+    newest_first: bool = False,
+    limit: int | None = None,
 ) -> list[QuantJob]:
-    stmt = sa.select(QuantJob).order_by(QuantJob.created_at, QuantJob.id)
+    """Jobs matching every filter given, oldest first (or newest first), at most `limit` of them."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIST_LIMIT):
+        raise InvalidValue(f"job limit {limit!r} is not accepted: use an integer from 1 to {MAX_LIST_LIMIT}")
+    if newest_first:
+        stmt = sa.select(QuantJob).order_by(QuantJob.created_at.desc(), QuantJob.id.desc())
+    else:
+        stmt = sa.select(QuantJob).order_by(QuantJob.created_at, QuantJob.id)
     if states is not None:
         stmt = stmt.where(QuantJob.state.in_([JobState(s) for s in states]))
     if owner is not None:
-        stmt = stmt.where(QuantJob.owner == owner)
+        stmt = stmt.where(QuantJob.owner == check_key("job owner", owner))
+    if model_name is not None:
+        stmt = stmt.where(QuantJob.model_name == check_key("model name", model_name))
+    if limit is not None:
+        stmt = stmt.limit(limit)
     return list(session.scalars(stmt))
 
 
@@ -100,9 +128,16 @@ def heartbeat(session: Session, owner: str, *, now: datetime | None = None) -> i
 
 
 def finish_job(session: Session, job_id: str, *, artifact_id: str | None = None) -> QuantJob:
-    """RUNNING -> SUCCEEDED. The artifact it produced (given here or at creation) must be READY."""
+    """RUNNING -> SUCCEEDED. The artifact it produced (given here or at creation) must be READY, and no
+    cancel may have been requested: the caller marks the artifact READY in the same transaction, and this
+    refusal rolls that back too, so a cancel that won the job's lock leaves nothing published."""
     job = _lock(session, job_id)
     _require(job, (JobState.RUNNING,), "finish_job")
+    if job.cancel_requested_at is not None:
+        raise InvalidState(
+            f"job {job.id} cannot succeed: it was asked to stop ({job.cancel_reason}); end it with fail_job, "
+            f"which records it CANCELLED"
+        )
     artifact_id = artifact_id or job.artifact_id
     if artifact_id is not None:
         artifact = get_artifact(session, artifact_id)
@@ -119,7 +154,9 @@ def finish_job(session: Session, job_id: str, *, artifact_id: str | None = None)
 
 
 def fail_job(session: Session, job_id: str, error: str) -> QuantJob:
-    """QUEUED or RUNNING -> FAILED with `error`. The artifact, if any, is left to the caller."""
+    """QUEUED or RUNNING -> FAILED with `error`; or -> CANCELLED, with the cancel's reason as its error,
+    when a cancel was requested (the job stopped as asked, whatever it stopped with). The artifact, if
+    any, is left to the caller."""
     check_text("job error", error, 10_000)
     job = _lock(session, job_id)
     _require(job, _ACTIVE, "fail_job")
@@ -158,19 +195,73 @@ def fail_orphaned_jobs(
     for job in orphans:
         error = f"{reason} (owner {job.owner!r} last seen {job.heartbeat_at.isoformat()})"
         _fail(session, job, error, actor=current_owner)
-        if job.artifact_id is not None and get_artifact(session, job.artifact_id).state == ArtifactState.PENDING:
-            why = f"quantization job {job.id} failed: {error}"
-            mark_artifact_failed(session, job.artifact_id, why, actor=current_owner)
+        _fail_pending_artifact(session, job, actor=current_owner)
     session.flush()
     return orphans
 
 
+def cancel_job(session: Session, job_id: str, *, actor: str, reason: str = "") -> QuantJob:
+    """Cancels the job for `actor` (who asks) because of `reason` (may be empty).
+
+    QUEUED -> CANCELLED at once (with its PENDING artifact, if it has one, FAILED). RUNNING: records the
+    request; the owner stops the job at its next step and ends it with fail_job (CANCELLED). A job asked
+    already is returned as it is (the first request's who and why stand). An ended job: InvalidState."""
+    check_text("actor", actor, 128)
+    if not isinstance(reason, str) or len(reason) > MAX_CANCEL_REASON:
+        raise InvalidValue(f"cancel reason {reason!r:.80} is not accepted: use at most {MAX_CANCEL_REASON} characters")
+    # Artifact before job, the order in which finishing and failing take them (see fail_orphaned_jobs).
+    artifact_id = get_job(session, job_id).artifact_id
+    if artifact_id is not None:
+        get_artifact(session, artifact_id, for_update=True)
+    job = _lock(session, job_id)
+    if job.state not in _ACTIVE:
+        raise InvalidState(f"job {job.id} has already ended: it is {job.state.value}; only a QUEUED or RUNNING job "
+                           f"can be cancelled")
+    if job.cancel_requested_at is not None:
+        return job
+    now = utcnow()
+    job.cancel_requested_at, job.updated_at = now, now
+    reason = reason.strip()
+    job.cancel_reason = f"cancelled by {actor}" + (f": {reason}" if reason else "")
+    if job.state == JobState.QUEUED:  # nothing runs yet: nothing for an owner to clean up
+        _fail(session, job, job.cancel_reason, actor=actor)
+        _fail_pending_artifact(session, job, actor=actor)
+    else:
+        append_event(session, EventKind.JOB_CANCEL_REQUESTED, actor=actor, job_id=job.id,
+                     artifact_id=job.artifact_id, detail={"reason": reason})
+    session.flush()
+    return job
+
+
+def cancel_requests(session: Session, job_ids: Iterable[str]) -> list[QuantJob]:
+    """Those of these jobs that were cancelled or asked to stop: what their owner has to act on."""
+    ids = [check_key("quantization job id", job_id) for job_id in job_ids]
+    if not ids:
+        return []
+    stmt = (
+        sa.select(QuantJob).where(QuantJob.id.in_(ids), QuantJob.cancel_requested_at.is_not(None))
+        .order_by(QuantJob.created_at, QuantJob.id).execution_options(populate_existing=True)
+    )
+    return list(session.scalars(stmt))
+
+
 def _fail(session: Session, job: QuantJob, error: str, *, actor: str) -> None:
     now = utcnow()
-    job.state, job.error, job.finished_at, job.updated_at = JobState.FAILED, error, now, now
-    append_event(session, EventKind.JOB_FAILED, actor=actor, job_id=job.id, artifact_id=job.artifact_id,
-                 detail={"error": error})
+    if job.cancel_requested_at is not None:
+        detail = {"error": job.cancel_reason} | ({} if error == job.cancel_reason else {"stopped_with": error})
+        job.state, job.error, kind = JobState.CANCELLED, job.cancel_reason, EventKind.JOB_CANCELLED
+    else:
+        job.state, job.error, kind, detail = JobState.FAILED, error, EventKind.JOB_FAILED, {"error": error}
+    job.finished_at = job.updated_at = now
+    append_event(session, kind, actor=actor, job_id=job.id, artifact_id=job.artifact_id, detail=detail)
     session.flush()
+
+
+def _fail_pending_artifact(session: Session, job: QuantJob, *, actor: str) -> None:
+    """An ended job's PENDING artifact FAILED too, so that its binding can be retried."""
+    if job.artifact_id is not None and get_artifact(session, job.artifact_id).state == ArtifactState.PENDING:
+        ended = "was cancelled" if job.state == JobState.CANCELLED else "failed"
+        mark_artifact_failed(session, job.artifact_id, f"quantization job {job.id} {ended}: {job.error}", actor=actor)
 
 
 def _require(job: QuantJob, states: tuple[JobState, ...], action: str) -> None:

@@ -57,6 +57,7 @@ class JobState(str, enum.Enum):
     RUNNING = "RUNNING"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
+    CANCELLED = "CANCELLED"  # an operator cancelled it (migration 0002)
 
 
 def _state_type(enum_cls: type[enum.Enum]) -> sa.Enum:
@@ -138,7 +139,9 @@ class Artifact(Base):
 
 class QuantJob(Base):
     """A quantization run. `owner` names the quantizer process (host, pid, boot id) that holds it;
-    `heartbeat_at` is refreshed while that process lives, so a restart can fail what a dead one left."""
+    `heartbeat_at` is refreshed while that process lives, so a restart can fail what a dead one left.
+    A cancel of a RUNNING job is a request (`cancel_requested_at`, `cancel_reason`) that its owner acts
+    on, since only the owner can stop its pipeline and clean up after it."""
 
     __tablename__ = "quant_jobs"
     __table_args__ = (
@@ -162,6 +165,11 @@ class QuantJob(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # The model the job publishes, known before its artifact is (ListJobs filters on it across quantizers).
+    # NULL only for jobs created before migration 0002 without an artifact.
+    model_name: Mapped[str | None] = mapped_column(sa.String(128))
+    cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    cancel_reason: Mapped[str | None] = mapped_column(sa.Text)  # "cancelled by <who>[: <why>]": the end error
 
 
 class Deployment(Base):

@@ -36,3 +36,4 @@ def test_ctrl_c_while_following_a_publish_says_the_job_keeps_running(monkeypatch
     assert result.stdout == ""  # no id: scripts capturing it see none
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("interrupted: job j1 keeps running on the quantizer at q.example:50061"), result.stderr
+    assert "`qctl jobs cancel j1` stops it" in last

@@ -21,12 +21,14 @@ SCRIPT = textwrap.dedent("""
     runner = CliRunner()
     for args in ([], ["quantize"], ["eval"], ["demo"], ["up"], ["publish"], ["ls"], ["deploy"], ["deploy", "create"],
                  ["deploy", "ls"], ["rollout"], ["rollout", "start"], ["rollout", "promote"], ["rollout", "abort"],
-                 ["rollout", "status"], ["fallback"], ["workers"], ["events"], ["generate"]):
+                 ["rollout", "status"], ["fallback"], ["workers"], ["events"], ["generate"], ["jobs"],
+                 ["jobs", "list"], ["jobs", "cancel"]):
         result = runner.invoke(app, [*args, "--help"])
         assert result.exit_code == 0, (args, result.output)
     # A light command run to its end, through its error handling: nothing listens on port 1.
-    result = runner.invoke(app, ["ls", "--quantizer", "127.0.0.1:1"])
-    assert result.exit_code == 2 and "cannot reach the quantizer" in result.stderr, result.output
+    for args in (["ls"], ["jobs", "list"], ["jobs", "cancel", "some-job"]):
+        result = runner.invoke(app, [*args, "--quantizer", "127.0.0.1:1"])
+        assert result.exit_code == 2 and "cannot reach the quantizer" in result.stderr, (args, result.output)
     print(" ".join(name for name in sys.argv[1:] if name in sys.modules))
 """)
 

@@ -11,7 +11,7 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 from typer.testing import CliRunner
 
-from qctl import deploy_cmd, generate_cmd, inspect_cmd, ls_cmd, rollout_cmd
+from qctl import deploy_cmd, generate_cmd, inspect_cmd, jobs_cmd, ls_cmd, rollout_cmd
 from qctl.main import app
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2, quantizer_pb2
 
@@ -73,6 +73,15 @@ def _ls(monkeypatch):
     return ["ls"], (CANARY,)
 
 
+def _jobs_list(monkeypatch):
+    Q = quantizer_pb2
+    job = Q.Job(job_id=STABLE, state=Q.JOB_STATE_RUNNING, model_name="tiny",
+                artifact=common_pb2.ArtifactInfo(artifact_id=CANARY))
+    stub = SimpleNamespace(ListJobs=lambda request, **kw: Q.ListJobsResponse(jobs=[job]))
+    monkeypatch.setattr(jobs_cmd, "quantizer_stub", lambda address: (_Channel(), stub))
+    return ["jobs", "list"], (STABLE, CANARY)
+
+
 class _Channel:
     def __enter__(self):
         return self
@@ -81,7 +90,7 @@ class _Channel:
         return False
 
 
-@pytest.mark.parametrize("command", [_deploy_ls, _rollout_status, _workers, _events, _ls])
+@pytest.mark.parametrize("command", [_deploy_ls, _rollout_status, _workers, _events, _ls, _jobs_list])
 def test_tables_written_to_a_pipe_show_whole_artifact_ids(monkeypatch, command):
     argv, ids = command(monkeypatch)
     result = runner.invoke(app, argv, env=PIPED)

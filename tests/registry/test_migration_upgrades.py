@@ -32,7 +32,7 @@ from shared.registry.migrate import alembic_config
 from shared.registry.models import Base
 
 T0 = datetime(2025, 12, 1, 12, 0, tzinfo=timezone.utc)
-STABLE, CANARY, BASELINE, FAILED, PENDING, JOB = (c * 32 for c in "scbfpj")
+STABLE, CANARY, BASELINE, FAILED, PENDING, JOB, CANCELLED_JOB, CANCELLING_JOB = (c * 32 for c in "scbfpjkl")
 
 
 def _insert(conn: sa.Connection, table: str, **row: object) -> int | None:
@@ -74,9 +74,19 @@ def _seed_0001(conn: sa.Connection) -> None:
             detail="{}")
 
 
+def _seed_0002(conn: sa.Connection) -> None:
+    """As at 0001, plus a cancelled job and a running one an operator asked to stop."""
+    _seed_0001(conn)
+    for job_id, state, requested in ((CANCELLED_JOB, "CANCELLED", None), (CANCELLING_JOB, "RUNNING", T0)):
+        _insert(conn, "quant_jobs", id=job_id, state=state, block_index=0, block_count=0, owner="host-a:101:boot1",
+                model_name="tiny-llama", heartbeat_at=T0, created_at=T0, updated_at=T0, cancel_requested_at=requested,
+                cancel_reason="cancelled by alice: wrong checkpoint",
+                error="cancelled by alice: wrong checkpoint" if state == "CANCELLED" else None)
+
+
 # Rows written at each revision with that revision's schema. A new migration adds its own entry
 # (test_every_revision_has_seed_rows says so), so that an upgrade from it is tested with data too.
-SEEDS: dict[str, Callable[[sa.Connection], None]] = {"0001": _seed_0001}
+SEEDS: dict[str, Callable[[sa.Connection], None]] = {"0001": _seed_0001, "0002": _seed_0002}
 
 
 def _revisions() -> list[str]:
