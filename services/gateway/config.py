@@ -38,6 +38,21 @@ class FallbackBudget:
     enabled: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class Quarantine:
+    """A worker that fails after_failures requests in a row (none finished in between) gets no requests for
+    first_s seconds, though it heartbeats, provided another healthy worker serves its artifact; each further
+    quarantine of the same run of failures lasts twice as long, at most max_s (WorkerPool.mark_failed)."""
+
+    after_failures: int = 3  # 0 = off: a failed worker is back on its next heartbeat, as without quarantine
+    first_s: float = 5.0
+    max_s: float = 300.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.after_failures > 0
+
+
 @dataclass(slots=True)
 class GatewayConfig:
     # sqlite:///path/registry.db or postgresql+psycopg://user@host/db; out of repr: a URL may carry a password
@@ -56,6 +71,7 @@ class GatewayConfig:
     deployment_cache_s: float = 0.25  # how stale a deployment read from the registry may be
     worker_info_timeout_s: float = 5.0  # RegisterWorker's call to the worker's Info
     budget: FallbackBudget = field(default_factory=FallbackBudget)
+    quarantine: Quarantine = field(default_factory=Quarantine)  # of workers failing request after request
     fallback_check_s: float = 0.5  # how often the automatic fallback looks at the windows
     grace_s: float = 5.0  # graceful stop: in-flight streams get this long
     tls: ServerTls | None = None  # serve over TLS (clients may have to present a certificate); None = plaintext
@@ -105,6 +121,17 @@ class GatewayConfig:
             raise ConfigError(f"fallback window {b.window_s} must be a positive number of seconds")
         if b.min_requests < 1:
             raise ConfigError(f"fallback min_requests={b.min_requests} must be at least 1")
+        q = self.quarantine
+        if isinstance(q.after_failures, bool) or not isinstance(q.after_failures, int) or q.after_failures < 0:
+            raise ConfigError(f"--quarantine-after-failures {q.after_failures} must be a whole number of failed "
+                              f"requests in a row, at least 1, or 0 (quarantine off)")
+        if not _positive(q.first_s):
+            raise ConfigError(f"--quarantine-s {q.first_s} must be a positive number of seconds")
+        if not _positive(q.max_s):
+            raise ConfigError(f"--quarantine-max-s {q.max_s} must be a positive number of seconds")
+        if q.max_s < q.first_s:
+            raise ConfigError(f"--quarantine-max-s {q.max_s} is shorter than --quarantine-s {q.first_s}: the "
+                              f"longest quarantine cannot be shorter than the first")
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> GatewayConfig:
@@ -131,6 +158,8 @@ class GatewayConfig:
                 window_s=args.fallback_window_s, min_requests=args.fallback_min_requests,
                 enabled=args.auto_fallback,
             ),
+            quarantine=Quarantine(after_failures=args.quarantine_after_failures, first_s=args.quarantine_s,
+                                  max_s=args.quarantine_max_s),
             grace_s=args.grace_s,
             tls=server_tls_from_args(args, ConfigError),
             worker_tls=client_tls_from_args(args, ConfigError),
@@ -186,6 +215,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fallback-window-s", type=float, default=30.0, help="window the budgets are measured over")
     p.add_argument("--fallback-min-requests", type=int, default=20,
                    help="finished requests in the window below which the budgets are not judged")
+    p.add_argument("--quarantine-after-failures", type=int, default=3,
+                   help="a worker that fails this many requests in a row gets no requests for --quarantine-s "
+                        "though it heartbeats, while another healthy worker serves its artifact (the last one "
+                        "is never quarantined: the guard and fallback judge the artifact by its failures); "
+                        "0 turns quarantine off")
+    p.add_argument("--quarantine-s", type=float, default=5.0,
+                   help="length of a worker's first quarantine; each further one of the same run of failures "
+                        "(no request finished in between) lasts twice as long")
+    p.add_argument("--quarantine-max-s", type=float, default=300.0, help="the longest a quarantine lasts")
     p.add_argument("--grace-s", type=float, default=5.0, help="graceful-stop time for in-flight streams")
     add_tls_server_arguments(p)
     add_tls_client_arguments(p, "workers")

@@ -14,7 +14,16 @@ for their clients' deadlines: one whose heartbeat says its engine stalled (a hun
 and its heartbeats carry on), and one whose heartbeats stopped. Each open stream registers a callback
 with acquire() (removed by release()), which the pool calls then; the stream's owner cancels its worker
 call, and retries the request elsewhere when it can (servicer_gateway). A draining worker's streams are
-left alone: they are moving, and finishing them is the point of a drain."""
+left alone: they are moving, and finishing them is the point of a drain.
+
+A failed request marks its worker unhealthy until its next heartbeat. A worker that fails request after
+request while its heartbeats carry on (a GPU with ECC errors producing non-finite logits, a broken local
+cache) would so get traffic back every heartbeat interval, forever. The pool counts each worker's failed
+requests in a row (mark_failed; one it finishes, mark_succeeded, clears the count) and, at
+Quarantine.after_failures, quarantines it: its heartbeats leave it unhealthy for Quarantine.first_s, each
+further quarantine of the same run twice as long (at most max_s). Once the time is over its next heartbeat
+makes it healthy on probation: one more failure quarantines it again, one finished request clears its record.
+Only a worker with a healthy peer serving its artifact is quarantined (see _quarantine for why)."""
 
 from __future__ import annotations
 
@@ -31,6 +40,7 @@ from datetime import datetime, timezone
 
 import grpc
 
+from services.gateway.config import Quarantine
 from services.gateway.deployments import ArtifactRefView, timestamp
 from services.gateway.errors import AdmissionFull, NoWorker, UnknownName
 from shared.rpc.qserve.v1 import gateway_pb2, worker_pb2_grpc
@@ -67,6 +77,12 @@ class PooledWorker:
     last_heartbeat_mono: float
     health: Health = Health.HEALTHY
     failed_reason: str = ""  # why it was marked unhealthy by a failed request; cleared by a heartbeat
+    # Its record of failures (WorkerPool.mark_failed / mark_succeeded), clean for a new registration:
+    failure_streak: int = 0  # failed requests in a row, none finished in between
+    quarantines: int = 0  # quarantines since the streak began; the next one lasts twice as long as the last
+    quarantined_until: float = 0.0  # time.monotonic(); 0 = not quarantined
+    quarantine_reason: str = ""  # its failed_reason while quarantined
+    quarantine_declined: bool = False  # logged once per streak that it was not quarantined: no healthy peer
     in_flight: int = 0
     running_requests: int = 0
     waiting_requests: int = 0
@@ -92,6 +108,7 @@ class WorkerPool:
     # must not pile up in ListWorkers with their channels open. One that comes back registers again.
     forget_after_s: float = 300.0
     worker_tls: ClientTls | None = None  # the gateway's --tls-ca (and client certificate); None = plaintext
+    quarantine: Quarantine = field(default_factory=Quarantine)
     workers: dict[str, PooledWorker] = field(default_factory=dict)  # by worker_id
 
     async def add(self, address: str, artifact: ArtifactRefView, capacity: int) -> PooledWorker:
@@ -100,8 +117,14 @@ class WorkerPool:
         await self.forget_replaced(address, artifact.artifact_id)
         existing = self.by_address(address)
         if existing is not None:
+            # Registering again is a new process at the address (a worker that heartbeats does not
+            # register): the old one's failures, and any quarantine, are not its own.
+            if existing.quarantined_until:
+                log.warning("worker %s (%s) registered again (a new process): its quarantine is lifted",
+                            existing.worker_id, address)
             existing.capacity, existing.health, existing.failed_reason = capacity, Health.HEALTHY, ""
             existing.last_heartbeat, existing.last_heartbeat_mono = now, mono
+            _clear_record(existing)
             return existing
         channel = self.dial(address, _CHANNEL_OPTIONS)
         worker = PooledWorker(
@@ -162,6 +185,8 @@ class WorkerPool:
         was_stalled = worker.health is Health.STALLED
         worker.health = Health.STALLED if stalled else Health.DRAINING if draining else Health.HEALTHY
         worker.failed_reason = ""
+        if worker.health is Health.HEALTHY and worker.quarantined_until and self._still_quarantined(worker):
+            worker.health, worker.failed_reason = Health.UNHEALTHY, worker.quarantine_reason
         if stalled:
             if not was_stalled:
                 log.warning("worker %s (%s) reports its engine stalled: no new requests, ending its %d open "
@@ -196,8 +221,75 @@ class WorkerPool:
             await worker.channel.close()  # removed while streams were open: the last one closes it
 
     def mark_failed(self, worker: PooledWorker, reason: str) -> None:
+        """A request failed on the worker (not one it refused as full: a full worker is busy, not failing).
+        Unhealthy until its next heartbeat; quarantined once it has failed too many in a row."""
+        worker.failure_streak += 1
         if worker.health is Health.HEALTHY:
             worker.health, worker.failed_reason = Health.UNHEALTHY, reason
+        if self.quarantine.enabled and worker.failure_streak >= self.quarantine.after_failures:
+            self._quarantine(worker, reason)
+
+    def mark_succeeded(self, worker: PooledWorker) -> None:
+        """The worker finished a request (its final message): whatever failed before, it serves. Its record
+        is cleared, a quarantine included (it takes requests again from its next heartbeat)."""
+        if worker.quarantined_until:
+            log.warning("worker %s (%s) finished a request: its quarantine is lifted, requests again from its "
+                        "next heartbeat", worker.worker_id, worker.address)
+        _clear_record(worker)
+
+    def _quarantine(self, worker: PooledWorker, reason: str) -> None:
+        """Quarantines the worker, whose streak of failures has reached the threshold, unless it is already
+        quarantined (its requests still in flight failing too) or no other healthy worker serves its artifact.
+
+        That last condition is the point of this design. A quarantine hides one bad worker among good peers;
+        it must not hide a bad artifact. The canary guard (fallback.AutoFallback) judges an artifact by the
+        failures of its requests: quarantining the only workers of a bad canary would send its traffic to the
+        stable (router.fallback_routes), the canary would stop failing, and the guard would never gather the
+        errors it needs to abort it; a bad stable without peers would get no traffic at all, where today its
+        failures move requests to the baseline and trip the fallback budget. So the last healthy worker of an
+        artifact keeps failing in the open, back on each heartbeat as without quarantine."""
+        if worker.quarantined_until and time.monotonic() < worker.quarantined_until:
+            return
+        if self.workers.get(worker.worker_id) is not worker:
+            return  # removed meanwhile (its last stream failing): it gets no requests anyway
+        if not self._healthy_peers(worker):
+            if not worker.quarantine_declined:
+                worker.quarantine_declined = True
+                log.warning("worker %s (%s) failed %d requests in a row but is the last healthy worker of artifact "
+                            "%s: not quarantined, so that the artifact's failures stay visible to the canary guard "
+                            "and the fallback budget; last failure: %r", worker.worker_id, worker.address,
+                            worker.failure_streak, worker.artifact.artifact_id, reason)
+            return
+        policy = self.quarantine
+        seconds = min(policy.first_s * 2 ** min(worker.quarantines, 64), policy.max_s)
+        worker.quarantines += 1
+        worker.quarantined_until = time.monotonic() + seconds
+        worker.quarantine_reason = (f"quarantined for {seconds:g} s after {worker.failure_streak} consecutive "
+                                    f"failed requests: {reason}")
+        worker.quarantine_declined = False
+        if worker.health is Health.UNHEALTHY:
+            worker.failed_reason = worker.quarantine_reason
+        # %r: the worker's error text (a CUDA error spans lines) stays one line
+        log.warning("worker %s (%s) quarantined for %g s after %d consecutive failed requests (another healthy worker "
+                    "serves artifact %s): no requests until then, heartbeats or not; last failure: %r",
+                    worker.worker_id, worker.address, seconds, worker.failure_streak, worker.artifact.artifact_id,
+                    reason)
+
+    def _still_quarantined(self, worker: PooledWorker) -> bool:
+        """For a heartbeat of a quarantined worker: whether the quarantine holds, else it is lifted (its
+        time is over, or it has become the last healthy worker of its artifact: see _quarantine)."""
+        if time.monotonic() < worker.quarantined_until and self._healthy_peers(worker):
+            return True
+        why = ("its quarantine is over" if time.monotonic() >= worker.quarantined_until else
+               f"no other healthy worker serves artifact {worker.artifact.artifact_id}: quarantine lifted early")
+        worker.quarantined_until, worker.quarantine_reason = 0.0, ""
+        log.warning("worker %s (%s): %s; taking requests on probation (failing one before it finishes one "
+                    "quarantines it again, for longer, while another worker serves its artifact)", worker.worker_id,
+                    worker.address, why)
+        return False
+
+    def _healthy_peers(self, worker: PooledWorker) -> list[PooledWorker]:
+        return [w for w in self.healthy(worker.artifact.artifact_id) if w is not worker]
 
     def expire(self) -> list[PooledWorker]:
         """Marks unhealthy every worker whose heartbeat is overdue, and ends the streams open on it;
@@ -262,6 +354,11 @@ class WorkerPool:
             await _stop_watching(worker)
             await worker.channel.close()
         self.workers.clear()
+
+
+def _clear_record(worker: PooledWorker) -> None:
+    worker.failure_streak = worker.quarantines = 0
+    worker.quarantined_until, worker.quarantine_reason, worker.quarantine_declined = 0.0, "", False
 
 
 async def _stop_watching(worker: PooledWorker) -> None:

@@ -48,7 +48,7 @@ class GatewayServer:
         self.metrics_port: int | None = None
         self.metrics = GatewayMetrics()
         self.pool = WorkerPool(heartbeat_timeout_s=config.heartbeat_timeout_s, forget_after_s=config.worker_forget_s,
-                               worker_tls=config.worker_tls)
+                               worker_tls=config.worker_tls, quarantine=config.quarantine)
         self.registry: Registry | None = None
         self.deployments: DeploymentCache | None = None
         self.fallback: AutoFallback | None = None

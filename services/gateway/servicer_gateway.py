@@ -11,7 +11,12 @@ elsewhere, and the automatic guard would never take it out. A client that cancel
 cancelled and an explicit Worker.Abort sent, so the worker frees the KV blocks even if the cancellation
 is lost on the way. A worker that will not finish a stream (its heartbeat says its engine stalled, or its
 heartbeats stopped: WorkerPool) has it ended the same way and counted as a failed attempt, under the
-rules above: without that the client would wait for its deadline. A draining worker's are left to finish."""
+rules above: without that the client would wait for its deadline. A draining worker's are left to finish.
+
+Each failed attempt also counts towards its worker's quarantine (WorkerPool.mark_failed), and each request
+a worker finishes clears that count (mark_succeeded). A worker that answered full (RESOURCE_EXHAUSTED) or
+refused the request for the client's reason does neither: it is busy, or it validated the request and said
+no, which shows nothing about whether it can generate (see _relay)."""
 
 from __future__ import annotations
 
@@ -234,6 +239,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                                           text=reply.text, artifact_id=artifact_id, arm=arm)
                 if reply.HasField("finish"):
                     attempt.finished = True
+                    self.pool.mark_succeeded(worker)
                     trace.generated = reply.finish.generated_tokens
                     out.finish.CopyFrom(self._finish(reply.finish, trace))
                     yield out
@@ -249,6 +255,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except grpc.aio.AioRpcError as err:
             code = err.code()
             if code in _CLIENT_CODES:
+                # Neither a failure of the worker nor proof that it works: no mark_failed, no mark_succeeded.
+                # A worker refuses such requests while validating them, before its engine runs; a worker whose
+                # generation is broken (non-finite logits on a faulty GPU) refuses them just as well, and a
+                # client sending bad requests must not keep clearing its record and so its quarantine.
                 attempt.finished = True
                 raise WorkerRejected(code, err.details() or code.name) from None
             attempt.failure = (_FULL if code is grpc.StatusCode.RESOURCE_EXHAUSTED else "") + \
