@@ -21,6 +21,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere, as the other bench scripts
+
 from services.worker.config import WorkerConfig
 from services.worker.errors import ArtifactBroken
 from services.worker.serving import load_served_model
