@@ -3,16 +3,21 @@ a windowed record per (deployment, artifact) that RolloutStatus and the automati
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 RECORDS_KEPT = 20_000  # per (deployment, artifact): the newest requests; older ones fall out of every window
 # From ms-scale TPOT to a TTFT behind a long queue: the gateway's TTFT holds the worker's (whose buckets
 # reach 60 s) plus routing, and past the last finite bucket histogram_quantile only answers its bound.
+# The values of qserve_gateway_workers' health label (PooledWorker.health_label), each exported even at 0.
+WORKER_HEALTH_LABELS = ("healthy", "draining", "stalled", "quarantined", "unhealthy")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -73,6 +78,11 @@ class GatewayMetrics:
                                 "status, by status code", ("code",), registry=self.registry)
         self._windows: dict[tuple[str, str], deque[Outcome]] = {}
 
+    def watch_workers(self, health_labels: Callable[[], Iterable[str]]) -> None:
+        """Exports qserve_gateway_workers{health}, counted at each scrape from health_labels() (one label
+        per registered worker, WORKER_HEALTH_LABELS)."""
+        self.registry.register(_WorkersByHealth(health_labels))
+
     def record(self, deployment: str, arm: str, artifact_id: str, outcome: Outcome) -> None:
         labels = (deployment, arm, artifact_id)
         self.requests.labels(*labels).inc()
@@ -111,3 +121,20 @@ class GatewayMetrics:
             tpot_p50_s=quantile(tpots, 0.5), tpot_p95_s=quantile(tpots, 0.95),
             generated_tokens=sum(o.tokens for o in outcomes),
         )
+
+
+class _WorkersByHealth:
+    """A collector rather than a Gauge kept up to date: health changes in many places (heartbeats, failed
+    requests, expiry, quarantines running out), and a count taken at scrape time cannot miss one."""
+
+    def __init__(self, health_labels: Callable[[], Iterable[str]]):
+        self._health_labels = health_labels
+
+    def collect(self):
+        family = GaugeMetricFamily("qserve_gateway_workers", "Workers registered with this gateway, by health "
+                                   "(stalled: its engine stopped moving; quarantined: failing request after "
+                                   "request among healthy peers)", labels=["health"])
+        counts = collections.Counter(self._health_labels())
+        for label in WORKER_HEALTH_LABELS:
+            family.add_metric([label], counts.get(label, 0))
+        yield family

@@ -92,10 +92,24 @@ class PooledWorker:
     # (WorkerPool.acquire); called with the reason, and removed, by WorkerPool._end_streams.
     stream_enders: set[Callable[[str], None]] = field(default_factory=set)
 
+    def health_label(self) -> str:
+        """Its health for the workers gauge (GatewayMetrics.watch_pool): a quarantined worker apart from
+        other unhealthy ones, so that an alert can tell a bad GPU among peers from a lost worker."""
+        if self.health is Health.UNHEALTHY and self.quarantined_until > time.monotonic():
+            return "quarantined"
+        return self.health.name.lower()
+
+    def health_reason(self) -> str:
+        """Why it gets no requests ('' when healthy or draining): what ListWorkers and qctl show."""
+        if self.health is Health.STALLED:
+            return "its engine stalled (no progress with requests in flight)"
+        return self.failed_reason if self.health is Health.UNHEALTHY else ""
+
     def to_pb(self) -> gateway_pb2.WorkerStatus:
         return gateway_pb2.WorkerStatus(
             worker_id=self.worker_id, address=self.address, artifact=self.artifact.to_pb(), capacity=self.capacity,
-            health=self.health.to_pb(), in_flight=self.in_flight, running_requests=self.running_requests,
+            health=self.health.to_pb(), health_reason=self.health_reason(), in_flight=self.in_flight,
+            running_requests=self.running_requests,
             waiting_requests=self.waiting_requests, kv_blocks_free=self.kv_blocks_free,
             last_heartbeat=timestamp(self.last_heartbeat), registered_at=timestamp(self.registered_at),
         )

@@ -49,6 +49,8 @@ class GatewayServer:
         self.metrics = GatewayMetrics()
         self.pool = WorkerPool(heartbeat_timeout_s=config.heartbeat_timeout_s, forget_after_s=config.worker_forget_s,
                                worker_tls=config.worker_tls, quarantine=config.quarantine)
+        # The scrape runs on the metrics server's thread: list() copies the pool's dict in one step.
+        self.metrics.watch_workers(lambda: [w.health_label() for w in list(self.pool.workers.values())])
         self.registry: Registry | None = None
         self.deployments: DeploymentCache | None = None
         self.fallback: AutoFallback | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 import pytest
@@ -13,7 +14,7 @@ from prometheus_client import generate_latest
 
 from services.gateway.metrics import GatewayMetrics, Outcome
 from shared.rpc.qserve.v1 import gateway_pb2
-from tests.gateway.conftest import ADMIN, DEPLOYMENT, arm_of, gateway_stack, run
+from tests.gateway.conftest import ADMIN, DEPLOYMENT, WORKER, arm_of, gateway_stack, run
 from tests.prometheus_scrape import bucket_bounds, check_conventions, families, scrape_text, series_labels, value
 
 KEYS = [f"user-{i}" for i in range(40)]
@@ -186,3 +187,25 @@ def test_a_failed_attempt_is_one_log_line_whatever_the_client_or_worker_sent(art
         run(scenario(), timeout_s=60)
     failed = [r.getMessage() for r in caplog.records if "failed after" in r.getMessage()]
     assert failed and all("\n" not in message for message in failed), failed
+
+
+def test_the_workers_gauge_counts_each_health_at_scrape_time(artifacts):
+    """Stalled and quarantined workers were visible only in logs: no alert could fire on them."""
+    async def scenario():
+        async with gateway_stack(artifacts, metrics_port=0, metrics_host="127.0.0.1") as stack:
+            servers = [await stack.add_worker(artifacts.stable) for _ in range(4)]
+            beats = [dict(draining=True), dict(stalled=True, draining=True), {}, {}]
+            for server, beat in zip(servers, beats):
+                await stack.admin.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=server.worker_id, **beat),
+                                            metadata=WORKER)
+            pool = stack.gateway.pool
+            pool.mark_failed(pool.get(servers[3].worker_id), "boom")
+            fams = await scrape(stack)
+            check_conventions(fams, "qserve_gateway_")
+            counts = {h: value(fams, "qserve_gateway_workers", health=h)
+                      for h in ("healthy", "draining", "stalled", "quarantined", "unhealthy")}
+            assert counts == {"healthy": 1, "draining": 1, "stalled": 1, "quarantined": 0, "unhealthy": 1}
+            pool.get(servers[3].worker_id).quarantined_until = time.monotonic() + 60
+            assert value(await scrape(stack), "qserve_gateway_workers", health="quarantined") == 1
+
+    run(scenario())

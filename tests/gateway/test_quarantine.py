@@ -70,6 +70,9 @@ def test_a_worker_failing_every_request_among_a_healthy_peer_is_quarantined_then
             assert worker.failure_streak == 3 and worker.quarantined_until > time.monotonic()
             assert re.fullmatch(rf"quarantined for 0\.5 s after 3 consecutive failed requests: {FAILURE}",
                                 worker.failed_reason), worker.failed_reason
+            listed = await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)
+            reasons = {w.worker_id: w.health_reason for w in listed.workers}
+            assert reasons[bad.worker_id] == worker.failed_reason and reasons[peer.worker_id] == ""  # qctl workers
 
             # its heartbeats do not bring it back while the quarantine lasts: every request goes to the peer
             for _ in range(3):

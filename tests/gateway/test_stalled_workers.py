@@ -127,6 +127,9 @@ def test_the_streams_of_a_worker_reported_stalled_are_ended(artifacts, delivered
             listed = {w.worker_id: w.health for w in
                       (await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)).workers}
             assert listed[stuck.worker_id] == gateway_pb2.WORKER_HEALTH_UNHEALTHY  # not DRAINING
+            reasons = {w.worker_id: w.health_reason for w in
+                       (await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)).workers}
+            assert reasons[stuck.worker_id] == "its engine stalled (no progress with requests in flight)"
 
             # its engine moves again: new traffic, as before the stall
             stuck.worker.hang_after = None
