@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.worker.server import SERVICE_NAME
 from tests.worker.conftest import stub
+from tests.worker.hanging import hang_steps
 from tests.worker.test_service import _idle, _request, _wait_for
 
 
@@ -23,14 +24,7 @@ def _health(channel) -> int:
 def test_a_stalled_engine_takes_no_new_work_until_it_moves_again(start_worker):
     w = start_worker("fp16", stall_timeout_s=0.5)
     runner = w.server.served.engine.runner
-    step, hang, release = runner.step, threading.Event(), threading.Event()
-
-    def step_that_may_hang(batch):
-        if hang.is_set():
-            release.wait(60)
-        return step(batch)
-
-    runner.step = step_that_may_hang
+    hang, release = hang_steps(runner)
     channel, client = stub(w)
     assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
     stream = iter(client.Generate(_request(ignore_eos=True, max_new_tokens=40), timeout=60))
@@ -69,14 +63,7 @@ def test_a_hung_step_keeps_the_engine_stalled_after_its_requests_are_aborted(sta
     the engine read as idle, the worker as healthy within a second, and new requests went into the hang."""
     w = start_worker("fp16", stall_timeout_s=0.3)
     engine = w.server.served.engine
-    step, hang, release = engine.runner.step, threading.Event(), threading.Event()
-
-    def step_that_may_hang(batch):
-        if hang.is_set():
-            release.wait(60)
-        return step(batch)
-
-    engine.runner.step = step_that_may_hang
+    hang, release = hang_steps(engine.runner)
     channel, client = stub(w)
     stream = client.Generate(_request(ignore_eos=True, max_new_tokens=40), timeout=60)
     next(iter(stream))

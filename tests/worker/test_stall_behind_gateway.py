@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import threading
 import time
 
 import grpc
@@ -20,6 +19,7 @@ from services.worker.server import WorkerServer
 from shared.registry import sqlite_url
 from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.worker.conftest import deploy_artifact
+from tests.worker.hanging import hang_steps
 from tests.worker.test_drain_behind_gateway import ADMIN, TOKENS, _registered, _request, _until
 
 STALL_TIMEOUT_S = 0.5
@@ -39,14 +39,7 @@ def test_a_stream_on_a_worker_whose_engine_hangs_ends_promptly(artifacts, tmp_pa
                                            stall_timeout_s=STALL_TIMEOUT_S))
         await worker.start()
         runner = worker.served.engine.runner
-        step, hang, release = runner.step, threading.Event(), threading.Event()
-
-        def step_that_may_hang(batch):
-            if hang.is_set():
-                release.wait(60)
-            return step(batch)
-
-        runner.step = step_that_may_hang
+        hang, release = hang_steps(runner)
         channel = grpc.aio.insecure_channel(gateway.address)
         client, admin = gateway_pb2_grpc.GatewayStub(channel), gateway_pb2_grpc.AdminStub(channel)
 
