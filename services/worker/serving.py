@@ -120,8 +120,10 @@ def _self_check(engine: Engine, artifact_id: str, vocab_size: int) -> None:
     the worker is announced: an artifact whose logits come out NaN / inf (the quantizer's accuracy check
     ran the reference numerics, not this GPU's kernels) or whose steps fail is refused here, instead of
     registering and failing (or garbling) every request routed to it. Raises ArtifactBroken."""
-    step = max(1, vocab_size // SELF_CHECK_PROMPT_TOKENS)
-    prompt = [(1 + i * step) % vocab_size for i in range(SELF_CHECK_PROMPT_TOKENS)]
+    # A context window shorter than the check (a toy model, a tiny --kv-blocks) gets a shorter prompt.
+    length = max(1, min(SELF_CHECK_PROMPT_TOKENS, engine.limits.max_context - SELF_CHECK_NEW_TOKENS))
+    step = max(1, vocab_size // length)
+    prompt = [(1 + i * step) % vocab_size for i in range(length)]
     outputs = []
     engine.add_request("start-up-self-check", prompt,
                        SamplingOptions(max_new_tokens=SELF_CHECK_NEW_TOKENS, ignore_eos=True), outputs.append)

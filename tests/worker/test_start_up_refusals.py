@@ -117,3 +117,9 @@ def test_an_artifact_whose_logits_are_not_finite_fails_the_start_up_self_check(a
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert main(["--artifact", str(artifact_copy), "--port", "0", "--metrics-port", "-1", "--kv-blocks", "8"]) == 2
     assert "start-up self-check" in capsys.readouterr().err
+
+
+def test_a_context_window_shorter_than_the_self_check_still_starts(artifact_copy):
+    """The self-check's prompt shrinks to the window (here 8 KV-cache tokens: a 4-token prompt, 4 new)."""
+    served = load_served_model(WorkerConfig(artifact=str(artifact_copy), kv_blocks=2, block_size=4, metrics_port=None))
+    assert served.engine.limits.max_context == 8 and served.engine.num_in_flight == 0
