@@ -249,7 +249,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except asyncio.CancelledError:
             # grpc.aio ends the read of a call cancelled locally (by lose()) with CancelledError too; only
             # this task's own cancellation (the client went away, the gateway is stopping) goes on as one.
-            if not attempt.lost or asyncio.current_task().cancelling():
+            if not attempt.lost or _cancelling(asyncio.current_task()):
                 raise
             attempt.failure = f"{worker.address}: {attempt.lost}"
         except grpc.aio.AioRpcError as err:
@@ -301,6 +301,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             timings=common_pb2.Timings(queue=_duration(queue), time_to_first_token=_duration(ttft),
                                        time_per_output_token=_duration(tpot), total=_duration(total)),
         )
+
+
+def _cancelling(task: asyncio.Task) -> bool:
+    """Whether the task itself is being cancelled. Python 3.10 (pyproject allows it) has no Task.cancelling():
+    there a cancelled read with attempt.lost set is taken for a lost stream, so a client that leaves at that
+    very moment may have its request tried once more elsewhere, for nobody (rare, and only on 3.10)."""
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling()) if cancelling is not None else False
 
 
 def _unavailable(deployment: DeploymentView, chosen: Route, fallbacks: list[Route], failures: list[str]) -> str:
