@@ -20,6 +20,8 @@ from shared.rpc.tls import TlsError, mismatch_hint
 # OSError: a path the user gave that cannot be written or read (--out or --workdir under a file, a folder without
 # permission, a full disk); FileNotFoundError is one. It was a traceback but for a missing file.
 USER_ERRORS = (OSError, ValueError)
+# What to give when a service answers UNAUTHENTICATED (the gateway's commands require --token already).
+TOKEN_HINTS = {"quantizer": "give one of the quantizer's tokens with --quantizer-token or QCTL_QUANTIZER_TOKEN"}
 
 
 def user_errors(fn):
@@ -55,7 +57,9 @@ def rpc_errors(service: str):
                     print(f"error: cannot reach the {service} at {address} ({exc.code().name}): {exc.details()}"
                           f"{hint}", file=sys.stderr)
                 else:
-                    print(f"error: {service} {address}: {exc.details()} ({exc.code().name})", file=sys.stderr)
+                    hint = TOKEN_HINTS.get(service) if exc.code() == grpc.StatusCode.UNAUTHENTICATED else None
+                    print(f"error: {service} {address}: {exc.details()} ({exc.code().name})"
+                          f"{f'; {hint}' if hint else ''}", file=sys.stderr)
                 raise typer.Exit(code=2) from None
 
         return wrapper

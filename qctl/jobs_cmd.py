@@ -15,7 +15,7 @@ from rich.table import Table
 from qctl.errors import rpc_errors
 from qctl.gateway_client import RPC_TIMEOUT_S
 from qctl.output import id_column, table_console
-from qctl.publish_cmd import QUANTIZER_OPTION, quantizer_stub
+from qctl.publish_cmd import QUANTIZER_OPTION, QUANTIZER_TOKEN_OPTION, quantizer_stub
 from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import quantizer_pb2
 
@@ -36,11 +36,12 @@ def list_jobs(
     limit: int = typer.Option(20, "--limit", min=1, max=1000, help="most jobs shown, newest first"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON list of jobs instead of a table"),
     quantizer: str = QUANTIZER_OPTION,
+    quantizer_token: str = QUANTIZER_TOKEN_OPTION,
 ):
     """List publish jobs, newest first: state, stage, model, artifact, and why a job failed or was cancelled."""
     request = Q.ListJobsRequest(states=[Q.JobState.Value(f"JOB_STATE_{s.value.upper()}") for s in state or ()],
                                 model_name=model, limit=limit)
-    channel, stub = quantizer_stub(quantizer)
+    channel, stub = quantizer_stub(quantizer, quantizer_token)
     with channel:
         jobs = stub.ListJobs(request, timeout=RPC_TIMEOUT_S).jobs
     if as_json:
@@ -70,10 +71,11 @@ def cancel(
     by: str = typer.Option(None, "--by", help="who asks, recorded likewise [default: user@host]"),
     as_json: bool = typer.Option(False, "--json", help="print the job as JSON"),
     quantizer: str = QUANTIZER_OPTION,
+    quantizer_token: str = QUANTIZER_TOKEN_OPTION,
 ):
     """Cancel a queued or running publish job. A queued job ends at once; a running one stops at its next step
     (within about a heartbeat of its quantizer), deleting what it wrote; its artifact ends FAILED."""
-    channel, stub = quantizer_stub(quantizer)
+    channel, stub = quantizer_stub(quantizer, quantizer_token)
     with channel:
         job = stub.CancelJob(Q.CancelJobRequest(job_id=job_id, reason=reason, requested_by=_whoami() if by is None else by),
                              timeout=RPC_TIMEOUT_S)

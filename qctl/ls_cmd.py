@@ -9,7 +9,7 @@ from rich.table import Table
 from qctl.errors import rpc_errors
 from qctl.gateway_client import RPC_TIMEOUT_S
 from qctl.output import id_column, table_console
-from qctl.publish_cmd import QUANTIZER_OPTION, quantizer_stub
+from qctl.publish_cmd import QUANTIZER_OPTION, QUANTIZER_TOKEN_OPTION, quantizer_stub
 from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import common_pb2, quantizer_pb2
 
@@ -21,10 +21,11 @@ STATE_STYLE = {"READY": "green", "PENDING": "yellow", "FAILED": "red"}
 @tls_options
 def ls(
     quantizer: str = QUANTIZER_OPTION,
+    quantizer_token: str = QUANTIZER_TOKEN_OPTION,
     model: str = typer.Option("", "--model", help="only this model"),
 ):
     """List models, versions and artifacts (state, format, GPU, perplexity fp16 -> quantized)."""
-    channel, stub = quantizer_stub(quantizer)
+    channel, stub = quantizer_stub(quantizer, quantizer_token)
     with channel:
         models = stub.ListModels(Q.ListModelsRequest(model_name=model), timeout=RPC_TIMEOUT_S).models
         listed = stub.ListArtifacts(Q.ListArtifactsRequest(model_name=model), timeout=RPC_TIMEOUT_S).artifacts

@@ -3,6 +3,7 @@ print the artifact id (stdout: the id alone, so scripts can capture it)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from enum import Enum
 from pathlib import Path
@@ -17,11 +18,16 @@ from qctl.errors import rpc_errors
 from qctl.tls import open_channel, tls_options
 from shared.formats.manifest import GPU_TARGETS
 from shared.formats.spec import FORMATS
+from shared.rpc.bearer import bearer_metadata
 from shared.rpc.qserve.v1 import quantizer_pb2, quantizer_pb2_grpc
 
 DEFAULT_QUANTIZER = "127.0.0.1:50061"
 QUANTIZER_OPTION = typer.Option(DEFAULT_QUANTIZER, "--quantizer", envvar="QCTL_QUANTIZER",
                                 help="host:port of the quantizer service")
+QUANTIZER_TOKEN_OPTION = typer.Option("", "--quantizer-token", envvar="QCTL_QUANTIZER_TOKEN", show_default=False,
+                                      help="bearer token for the quantizer, one of its QSERVE_QUANTIZER_TOKENS "
+                                           "(scope read for listing, publish to publish or cancel); unset or "
+                                           "empty: none sent, for a quantizer without tokens")
 FormatName = Enum("FormatName", {name: name for name in FORMATS}, type=str)
 GpuTarget = Enum("GpuTarget", {name: name for name in GPU_TARGETS}, type=str)
 Q = quantizer_pb2
@@ -29,10 +35,22 @@ UINT32_MAX = 2**32 - 1  # the request's counts are uint32 fields
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 
 
-def quantizer_stub(address: str) -> tuple[grpc.Channel, quantizer_pb2_grpc.QuantizerStub]:
-    """Over TLS inside qctl.tls.tls_settings with a CA, else plaintext."""
+class _WithToken:
+    """A Quantizer stub that sends `authorization: Bearer <token>` with every call."""
+
+    def __init__(self, stub: quantizer_pb2_grpc.QuantizerStub, token: str):
+        self._stub, self._metadata = stub, bearer_metadata(token)
+
+    def __getattr__(self, rpc: str):
+        return functools.partial(getattr(self._stub, rpc), metadata=self._metadata)
+
+
+def quantizer_stub(address: str, token: str = "") -> tuple[grpc.Channel, quantizer_pb2_grpc.QuantizerStub]:
+    """Over TLS inside qctl.tls.tls_settings with a CA, else plaintext; with a token (--quantizer-token) on
+    every call, none when it is empty."""
     channel = open_channel(address)
-    return channel, quantizer_pb2_grpc.QuantizerStub(channel)
+    stub = quantizer_pb2_grpc.QuantizerStub(channel)
+    return channel, _WithToken(stub, token) if token else stub
 
 
 def _location(value: str | None) -> str:
@@ -50,6 +68,7 @@ def publish(
     format: FormatName = typer.Option(..., "--format", help="artifact format"),
     gpu_target: GpuTarget = typer.Option(..., "--gpu-target", help="GPU the artifact is bound to"),
     quantizer: str = QUANTIZER_OPTION,
+    quantizer_token: str = QUANTIZER_TOKEN_OPTION,
     version_label: str = typer.Option("", "--version-label", help="human label of the model version"),
     calib: str = typer.Option(None, "--calib", help="calibration text file or s3:// URI [default: the quantizer's]"),
     calib_samples: int = typer.Option(0, min=0, max=UINT32_MAX, help="calibration windows (0: the quantizer's default)"),
@@ -93,7 +112,7 @@ def publish(
     if budget is not None:
         request.max_relative_perplexity_increase = budget
     console = Console(stderr=True)
-    channel, stub = quantizer_stub(quantizer)
+    channel, stub = quantizer_stub(quantizer, quantizer_token)
     with channel:
         job = stub.Publish(request)
         console.print(f"job {job.job_id} queued at {quantizer}")

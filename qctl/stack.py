@@ -13,7 +13,7 @@ from pathlib import Path
 
 from services.gateway.config import AdminToken, GatewayConfig
 from services.gateway.server import BackgroundGateway
-from services.quantizer.config import QuantizerConfig
+from services.quantizer.config import QuantizerConfig, QuantizerToken
 from services.quantizer.server import BackgroundQuantizer
 from services.worker.config import WorkerConfig
 from services.worker.server import BackgroundWorker
@@ -31,6 +31,7 @@ class LocalStack:
     device: str  # "cpu" (torch reference backend) or "cuda"
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(16), repr=False)
     worker_token: str = field(default_factory=lambda: secrets.token_urlsafe(16), repr=False)
+    quantizer_token: str = field(default_factory=lambda: secrets.token_urlsafe(16), repr=False)  # scope publish
     quantizer: BackgroundQuantizer | None = None
     gateway: BackgroundGateway | None = None
     workers: list[BackgroundWorker] = field(default_factory=list)
@@ -47,7 +48,7 @@ class LocalStack:
         self.quantizer = BackgroundQuantizer(QuantizerConfig(
             registry_url=self.registry_url, store=self.store, create_bucket=True,
             work_dir=self.workdir / "quantizer", listen=f"{LOOPBACK}:0", default_eval_data=str(eval_data),
-            device=self.device, orphan_after_s=0,
+            device=self.device, orphan_after_s=0, tokens={"operator": QuantizerToken(self.quantizer_token, "publish")},
         ))
         return self.quantizer.address
 

@@ -109,8 +109,10 @@ def up(
         console.print(f"  quantizer {quantizer}, gateway {gateway}")
 
         small = dict(num_samples=8, seq_len=256) if demo else {}  # the random demo model learns nothing more
-        baseline_id = _publish(quantizer, model, name, "fp16", gpu_target, eval_windows, {}, console)
-        quantized_id = _publish(quantizer, model, name, format.value, gpu_target, eval_windows, small, console)
+        token = stack.quantizer_token
+        baseline_id = _publish(quantizer, token, model, name, "fp16", gpu_target, eval_windows, {}, console)
+        quantized_id = _publish(quantizer, token, model, name, format.value, gpu_target, eval_windows, small,
+                                console)
 
         budget = _worker_budget(device)
         for artifact_id in (baseline_id, quantized_id):
@@ -132,7 +134,8 @@ def up(
             return
         console.print(
             f"\n[bold]serving[/]; in another shell:\n"
-            f"  export QCTL_GATEWAY={gateway} QCTL_TOKEN={stack.admin_token} QCTL_QUANTIZER={quantizer}\n"
+            f"  export QCTL_GATEWAY={gateway} QCTL_TOKEN={stack.admin_token} QCTL_QUANTIZER={quantizer} "
+            f"QCTL_QUANTIZER_TOKEN={stack.quantizer_token}\n"
             f"  qctl generate -d {name} 'def main():'    qctl rollout status {name}    qctl fallback on {name}\n"
             f"Ctrl-C stops the stack."
         )
@@ -185,14 +188,14 @@ def _deployment_name(text: str) -> str:
     return name or "model"
 
 
-def _publish(quantizer: str, model: Path, name: str, fmt: str, gpu_target: str, eval_windows: int,
+def _publish(quantizer: str, token: str, model: Path, name: str, fmt: str, gpu_target: str, eval_windows: int,
              calibration: dict, console: Console) -> str:
     request = Q.PublishRequest(
         source=str(model), model_name=name, format=fmt, gpu_target=gpu_target,
         calibration=Q.Calibration(**calibration), eval=Q.EvalData(seq_len=256, max_windows=eval_windows),
     )
     console.print(f"[bold]publishing[/] {model.name} as {fmt}")
-    channel, stub = quantizer_stub(quantizer)
+    channel, stub = quantizer_stub(quantizer, token)
     with channel:
         job = follow_job(stub, stub.Publish(request).job_id, console)
     if job is None or job.state != Q.JOB_STATE_SUCCEEDED:

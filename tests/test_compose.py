@@ -68,6 +68,16 @@ def test_each_service_command_parses_with_the_services_own_config(compose, name)
         assert scopes == {"admin", "worker"}
 
 
+def test_the_quantizer_requires_a_publish_token_from_the_environment(compose):
+    """Without tokens anyone reaching port 50061 could publish models and cancel jobs."""
+    quantizer = compose["services"]["quantizer"]
+    assert "QSERVE_QUANTIZER_TOKENS" not in " ".join(quantizer["command"])
+    tokens = QuantizerConfig.from_args(quantizer["command"][3:], environ=quantizer["environment"]).tokens
+    assert {(name, t.token, t.scope) for name, t in tokens.items()} == {("ops", "change-me-quantizer", "publish")}
+    header = (REPO / "docker-compose.yml").read_text().split("\nx-image", 1)[0]
+    assert "QCTL_QUANTIZER_TOKEN" in header and "QSERVE_QUANTIZER_TOKEN" in header
+
+
 def test_the_worker_token_is_one_the_gateway_accepts_for_workers(compose):
     gateway = compose["services"]["gateway"]
     tokens = GatewayConfig.from_args(gateway["command"][3:], environ=gateway["environment"]).admin_tokens

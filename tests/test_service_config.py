@@ -131,7 +131,8 @@ def test_secrets_are_not_in_a_config_repr(tmp_path):
     """A config object that ends up in a log line or a test failure must not carry a secret with it."""
     registry = f"postgresql+psycopg://qserve:{SECRET}@db:5432/qserve"
     env = {"QSERVE_ADMIN_TOKENS": f"ops={SECRET}-a:admin,w={SECRET}-w:worker", "QSERVE_API_KEYS": f"{SECRET}-k",
-           "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": SECRET, "QSERVE_GATEWAY_TOKEN": SECRET}
+           "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": SECRET, "QSERVE_GATEWAY_TOKEN": SECRET,
+           "QSERVE_QUANTIZER_TOKENS": f"ci={SECRET}-q:publish"}
     configs = [
         QuantizerConfig.from_args(["--registry-url", registry, "--store", "s3://bucket"], environ=env),
         GatewayConfig.from_args(["--registry-url", registry], environ=env),
@@ -140,6 +141,33 @@ def test_secrets_are_not_in_a_config_repr(tmp_path):
     ]
     for config in configs:
         assert SECRET not in repr(config), repr(config)
+
+
+def test_the_quantizer_reads_scoped_caller_tokens_from_its_environment(tmp_path):
+    config = QuantizerConfig.from_args(_base("quantizer", tmp_path),
+                                       environ={"QSERVE_QUANTIZER_TOKENS": " ci = a:b:publish , dash=xyz:read "})
+    assert {name: (t.token, t.scope) for name, t in config.tokens.items()} == {"ci": ("a:b", "publish"),
+                                                                                "dash": ("xyz", "read")}
+    assert QuantizerConfig.from_args(_base("quantizer", tmp_path), environ={}).tokens == {}  # off: as before
+    assert QuantizerConfig.from_args(_base("quantizer", tmp_path),
+                                     environ={"QSERVE_QUANTIZER_TOKENS": " , "}).tokens == {}
+
+
+@pytest.mark.parametrize("value, expected", [
+    (f"ci={SECRET}", "entry ci=... is not name=token:scope"),  # no scope: the token must not be echoed
+    (f"{SECRET}", "entry (no '=') is not name=token:scope"),
+    (f"={SECRET}:publish", "is not name=token:scope"),
+    ("ci=:publish", "is not name=token:scope"),
+    (f"ci={SECRET}:admin", "token 'ci' has scope 'admin'; accepted scopes: publish, read"),
+    (f"ci={SECRET}:publish,ci={SECRET}-2:read", "token name 'ci' appears twice"),
+    (f"ci={SECRET}:publish,dash={SECRET}:read", "token 'dash' reuses another name's token"),
+    (f"{'n' * 129}={SECRET}:read", "at most 128 are accepted"),
+])
+def test_a_bad_quantizer_token_setting_is_one_line_naming_it(value, expected, tmp_path, capsys):
+    message = _refusal("quantizer", _base("quantizer", tmp_path), capsys,
+                       environ={"QSERVE_QUANTIZER_TOKENS": value})
+    assert message.startswith("error: QSERVE_QUANTIZER_TOKENS: ") and expected in message, message
+    assert SECRET not in message
 
 
 def test_no_service_takes_a_secret_on_its_command_line():

@@ -10,17 +10,9 @@ from collections.abc import Iterable, Mapping
 
 from services.gateway.config import AdminToken
 from services.gateway.errors import Forbidden, Unauthenticated
+from shared.rpc.bearer import bearer, find_token
 
 WORKER_RPCS = frozenset({"RegisterWorker", "Heartbeat", "DeregisterWorker"})
-_SCHEME = "bearer "
-
-
-def bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-    """The token of an `authorization: Bearer <token>` header; None when absent or malformed."""
-    for key, value in metadata or ():
-        if key.lower() == "authorization" and isinstance(value, str) and value[:len(_SCHEME)].lower() == _SCHEME:
-            return value[len(_SCHEME):].strip() or None
-    return None
 
 
 class AdminAuth:
@@ -33,12 +25,10 @@ class AdminAuth:
         if token is None:
             raise Unauthenticated(f"Admin.{rpc} needs metadata `authorization: Bearer <token>` with an admin "
                                   f"or worker token")
-        # Every entry is compared (constant time) so the reply time does not reveal a near match.
-        matches = [(name, entry.scope) for name, entry in self._tokens.items()
-                   if hmac.compare_digest(entry.token.encode(), token.encode())]
-        if not matches:
+        found = find_token(token, self._tokens, lambda entry: entry.token)  # constant time, every entry
+        if found is None:
             raise Unauthenticated(f"Admin.{rpc}: the bearer token is not one this gateway knows")
-        name, scope = matches[0]
+        name, scope = found[0], found[1].scope
         if scope == "admin" or (scope == "worker" and rpc in WORKER_RPCS):
             return name
         raise Forbidden(f"Admin.{rpc}: token {name!r} has scope {scope!r}, which allows only "

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from shared.config import (ServiceArgumentParser, add_registry_argument, add_tls_client_arguments,
                            add_tls_server_arguments, client_tls_from_args, nonempty, server_tls_from_args)
+from shared.rpc.bearer import ScopedToken, check_scoped_tokens, parse_scoped_tokens
 from shared.rpc.tls import ClientTls, ServerTls
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -20,10 +21,8 @@ class ConfigError(ValueError):
     """A gateway setting that cannot work; the message names it and what is accepted."""
 
 
-@dataclass(frozen=True, slots=True)
-class AdminToken:
-    token: str = field(repr=False)
-    scope: str  # "admin": every Admin rpc; "worker": RegisterWorker, Heartbeat, DeregisterWorker
+# "admin": every Admin rpc; "worker": RegisterWorker, Heartbeat, DeregisterWorker
+AdminToken = ScopedToken
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,15 +85,7 @@ class GatewayConfig:
         self.metrics_host = self.metrics_host or host
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics port {self.metrics_port} must be 0..65535 (0 = a free port) or unset (off)")
-        seen_tokens: set[str] = set()
-        for name, entry in self.admin_tokens.items():
-            if not name or not entry.token:
-                raise ConfigError(f"admin token {name!r}: both a name and a non-empty token are required")
-            if entry.scope not in SCOPES:
-                raise ConfigError(f"admin token {name!r} has scope {entry.scope!r}; accepted scopes: {', '.join(SCOPES)}")
-            if entry.token in seen_tokens:
-                raise ConfigError(f"admin token {name!r} reuses another name's token; every name needs its own")
-            seen_tokens.add(entry.token)
+        check_scoped_tokens(self.admin_tokens, "admin token", SCOPES, ConfigError)
         if any(not key for key in self.api_keys):
             raise ConfigError("an API key is empty; give non-empty keys or none (no key needed)")
         if self.max_concurrent_streams < 1:
@@ -168,18 +159,7 @@ class GatewayConfig:
 
 def parse_admin_tokens(text: str) -> dict[str, AdminToken]:
     """`name=token:scope,...` -> {name: AdminToken}; the error names the entry that does not parse."""
-    tokens: dict[str, AdminToken] = {}
-    for entry in filter(None, (e.strip() for e in text.split(","))):
-        name, eq, rest = entry.partition("=")
-        token, colon, scope = rest.rpartition(":")
-        if not eq or not colon or not name or not token:
-            # Never the token: without a ':' what rpartition calls the scope is the token itself.
-            shown = (f"{name}=...:{scope}" if colon else f"{name}=...") if eq else "(no '=')"
-            raise ConfigError(f"admin token entry {shown} is not name=token:scope (scope one of {', '.join(SCOPES)})")
-        if name in tokens:
-            raise ConfigError(f"admin token name {name!r} appears twice")
-        tokens[name] = AdminToken(token=token, scope=scope)
-    return tokens
+    return parse_scoped_tokens(text, "admin token", SCOPES, ConfigError)
 
 
 def _positive(value: float) -> bool:

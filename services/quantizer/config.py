@@ -13,16 +13,25 @@ from pathlib import Path
 
 from shared.config import (ServiceArgumentParser, add_registry_argument, add_store_arguments, add_tls_server_arguments,
                            nonempty, nonempty_path, server_tls_from_args, store_from_args)
+from shared.rpc.bearer import ScopedToken, check_scoped_tokens, parse_scoped_tokens
 from shared.rpc.tls import ServerTls
 from shared.storage import StorageConfig
 
 DEFAULT_LISTEN = "127.0.0.1:50061"
 DEFAULT_BUDGET = 0.05  # largest accepted perplexity_quantized / perplexity_fp16 - 1
 DEVICES = ("cpu", "cuda", "auto")
+TOKENS_ENV = "QSERVE_QUANTIZER_TOKENS"
+# "publish": every Quantizer rpc; "read": GetJob, WatchJob, GetArtifact, ListArtifacts, ListModels, ListJobs.
+SCOPES = ("publish", "read")
+MAX_TOKEN_NAME = 128  # the name is the actor of the events a call records: the registry's actor column
 
 
 class ConfigError(ValueError):
     """A quantizer setting that cannot work; the message names it and what is accepted."""
+
+
+QuantizerToken = ScopedToken  # scope: one of SCOPES
+_WHAT = f"{TOKENS_ENV}: token"  # how errors name an entry of the setting
 
 
 @dataclass(slots=True)
@@ -48,6 +57,9 @@ class QuantizerConfig:
     orphan_after_s: float = 60.0  # another owner's job with no heartbeat for this long is failed
     grace_s: float = 10.0  # graceful stop: in-flight rpcs get this long, running jobs are cancelled
     tls: ServerTls | None = None  # serve over TLS (clients may have to present a certificate); None = plaintext
+    # name -> token and scope, from QSERVE_QUANTIZER_TOKENS; the name is the actor recorded for Publish and
+    # CancelJob. Empty: every caller is accepted (as before tokens existed; mTLS may still guard the port).
+    tokens: Mapping[str, QuantizerToken] = field(default_factory=dict)
     owner: str = field(default_factory=lambda: f"quantizer@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
 
     def __post_init__(self) -> None:
@@ -75,11 +87,13 @@ class QuantizerConfig:
         if 0 < self.orphan_after_s <= self.heartbeat_s:
             raise ConfigError(f"orphan_after_s={self.orphan_after_s} must exceed heartbeat_s={self.heartbeat_s} (or be 0 "
                               f"with a single quantizer): other quantizers' live jobs would be failed between beats")
+        check_scoped_tokens(self.tokens, _WHAT, SCOPES, ConfigError, max_name=MAX_TOKEN_NAME)
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> QuantizerConfig:
-        """Settings from the command line; S3 credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
-        (read here, once: credentials never go on a command line)."""
+        """Settings from the command line; S3 credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and
+        caller tokens from the environment (read here, once: secrets never go on a command line):
+            QSERVE_QUANTIZER_TOKENS  name=token:scope[,name=token:scope...]   e.g. ci=s3cret:publish,dash=abc:read"""
         env = os.environ if environ is None else environ
         args = _parser().parse_args(argv)
         store = store_from_args(args, env, ConfigError)
@@ -101,13 +115,22 @@ class QuantizerConfig:
             orphan_after_s=args.orphan_after_s,
             grace_s=args.grace_s,
             tls=server_tls_from_args(args, ConfigError),
+            tokens=parse_tokens(env.get(TOKENS_ENV, "")),
         )
+
+
+def parse_tokens(text: str) -> dict[str, QuantizerToken]:
+    """`name=token:scope,...` (the gateway's QSERVE_ADMIN_TOKENS format) -> {name: QuantizerToken}; the error
+    names the setting and the entry that does not parse, never the token."""
+    return parse_scoped_tokens(text, _WHAT, SCOPES, ConfigError)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = ServiceArgumentParser(
         prog="python -m services.quantizer.server",
-        description="The quantizer service: Publish checkpoints as evaluated, GPU-bound artifacts.",
+        description="The quantizer service: Publish checkpoints as evaluated, GPU-bound artifacts. Caller tokens "
+                    "come from QSERVE_QUANTIZER_TOKENS=name=token:scope,... (scope publish: every rpc; read: the "
+                    "read-only ones); unset: every caller is accepted.",
     )
     add_registry_argument(p, required=True)
     add_store_arguments(p, required=True)

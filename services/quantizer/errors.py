@@ -28,3 +28,11 @@ class JobEnded(QuantizerError):
 
 class AccuracyBudgetExceeded(QuantizerError):
     """The quantized perplexity is above what the accuracy budget allows."""
+
+
+class Unauthenticated(QuantizerError):
+    """Tokens are configured and the call carries none, or one this quantizer does not know (UNAUTHENTICATED)."""
+
+
+class Forbidden(QuantizerError):
+    """The caller's token has a scope that does not allow this rpc (PERMISSION_DENIED)."""

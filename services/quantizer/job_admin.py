@@ -43,17 +43,27 @@ class CancelOrder:
     reason: str
 
     @classmethod
-    def from_pb(cls, request: quantizer_pb2.CancelJobRequest, peer: str) -> CancelOrder:
-        """`peer` (the caller's address) stands in for an empty requested_by."""
+    def from_pb(cls, request: quantizer_pb2.CancelJobRequest, peer: str, caller: str | None = None) -> CancelOrder:
+        """`caller`: the name of the caller's token (None with tokens off), the actor; requested_by then goes
+        into the reason ("cancelled by <token name>: for <requested_by>: <reason>"). With tokens off the actor
+        is requested_by, or `peer` (the caller's address) for an empty one."""
         if not request.job_id:
             raise InvalidRequest("job_id is required")
-        actor = request.requested_by.strip() or peer or "unknown caller"
-        if len(actor) > MAX_ACTOR:
-            raise InvalidRequest(f"requested_by has {len(actor)} characters; at most {MAX_ACTOR} are accepted")
+        requested_by = request.requested_by.strip()
+        who = requested_by or ("" if caller else peer or "unknown caller")  # the actor with tokens off
+        if len(who) > MAX_ACTOR:
+            raise InvalidRequest(f"requested_by has {len(who)} characters; at most {MAX_ACTOR} are accepted")
         if len(request.reason) > MAX_CANCEL_REASON:
             raise InvalidRequest(f"reason has {len(request.reason)} characters; at most {MAX_CANCEL_REASON} are "
                                  f"accepted")
-        return cls(request.job_id, actor, request.reason)
+        if caller is None:
+            return cls(request.job_id, who, request.reason)
+        reason = request.reason.strip()
+        if requested_by:
+            reason = f"for {requested_by}" + (f": {reason}" if reason else "")
+            # The registry caps the stored reason; cut the operator's text, never who asked.
+            reason = reason if len(reason) <= MAX_CANCEL_REASON else reason[:MAX_CANCEL_REASON - 3] + "..."
+        return cls(request.job_id, caller, reason)
 
 
 def _state_name(value: int) -> str:

@@ -110,7 +110,9 @@ class JobRunner:
 
     # ---- the API the servicer uses ----
 
-    def submit(self, spec: PublishSpec) -> JobView:
+    def submit(self, spec: PublishSpec, requested_by: str | None = None) -> JobView:
+        """`requested_by`: the caller's token name, recorded as the actor of the job's JOB_QUEUED event
+        (None, tokens off: that actor is this quantizer, config.owner, as the job's owner)."""
         with self._lock:
             if self._stopping.is_set():
                 raise QueueFull("the quantizer is stopping; publish to another quantizer or retry later")
@@ -120,7 +122,7 @@ class JobRunner:
                     f"{self.config.max_queued} queued); retry later"
                 )
             with self.services.registry.transaction() as session:
-                job = create_job(session, owner=self.config.owner, model_name=spec.model_name)
+                job = create_job(session, owner=self.config.owner, model_name=spec.model_name, actor=requested_by)
                 job_id = job.id
             # Only a committed job takes a queue slot: a failed commit must not leave a slot taken forever.
             live = self._live[job_id] = _Live(spec)

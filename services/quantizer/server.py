@@ -10,6 +10,7 @@ gracefully: health turns NOT_SERVING, running jobs end FAILED ("the quantizer is
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import sys
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.quantizer.config import ConfigError, QuantizerConfig
+from services.quantizer.config import TOKENS_ENV, ConfigError, QuantizerConfig
 from services.quantizer.evaluate import Fp16PerplexityCache
 from services.quantizer.jobs import JobRunner
 from services.quantizer.pipeline import Services
@@ -94,6 +95,13 @@ async def start(config: QuantizerConfig) -> RunningQuantizer:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("quantizer %s serving on port %d%s (store %s)", config.owner, port, " over TLS" if config.tls else "",
              store.uri())
+    if config.tokens:
+        log.info("caller tokens required: %d configured (%s)", len(config.tokens), TOKENS_ENV)
+    elif not is_loopback(config.listen):
+        who = ("any client with a certificate signed by --tls-client-ca" if config.tls and config.tls.client_ca
+               else "anyone who can reach this port")
+        log.warning("no caller tokens (%s unset) while listening on %s: %s can publish models and cancel jobs; "
+                    "set %s=name=token:scope,... (scopes publish, read)", TOKENS_ENV, config.listen, who, TOKENS_ENV)
     return RunningQuantizer(server, runner, health_servicer, registry, port, config.grace_s)
 
 
@@ -127,6 +135,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, StorageError, RegistryError, SQLAlchemyError, OSError) as exc:
         return fail(exc)
     return 0
+
+
+def is_loopback(listen: str) -> bool:
+    """Whether host:port names a loopback host (127.0.0.0/8, ::1, localhost): only this machine can call it."""
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name, or 0.0.0.0-style wildcards are addresses: not loopback
+        return False
 
 
 def _purge_staging(store) -> None:

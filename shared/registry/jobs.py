@@ -29,10 +29,14 @@ MAX_CANCEL_REASON = 1000  # the operator's "why"; the stored reason adds "cancel
 
 
 def create_job(
-    session: Session, *, owner: str, artifact_id: str | None = None, model_name: str | None = None
+    session: Session, *, owner: str, artifact_id: str | None = None, model_name: str | None = None,
+    actor: str | None = None,
 ) -> QuantJob:
-    """A QUEUED job. `model_name` is the model it publishes (list_jobs filters on it)."""
+    """A QUEUED job. `model_name` is the model it publishes (list_jobs filters on it); `actor`, who asked
+    for it, is the actor of its JOB_QUEUED event (default: the owner)."""
     check_text("job owner", owner, 256)
+    if actor is not None:
+        check_text("actor", actor, 128)
     if model_name is not None:
         check_segment("model name", model_name)
     if artifact_id is not None:
@@ -44,7 +48,7 @@ def create_job(
     )
     session.add(job)
     session.flush()
-    append_event(session, EventKind.JOB_QUEUED, actor=owner, job_id=job.id, artifact_id=artifact_id)
+    append_event(session, EventKind.JOB_QUEUED, actor=actor or owner, job_id=job.id, artifact_id=artifact_id)
     return job
 
 

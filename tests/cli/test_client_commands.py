@@ -59,7 +59,7 @@ def test_ls_failure_reason_with_brackets_is_printed_verbatim(monkeypatch):
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(ls_cmd, "quantizer_stub", lambda address: (Channel(), stub))
+    monkeypatch.setattr(ls_cmd, "quantizer_stub", lambda address, token="": (Channel(), stub))
     result = runner.invoke(app, ["ls"], env={"COLUMNS": "400"})
     assert result.exit_code == 0, result.output
     assert REASON in result.stdout
@@ -77,7 +77,7 @@ def _fake_quantizer(monkeypatch, updates):
 
     stub = SimpleNamespace(Publish=lambda request, **kw: quantizer_pb2.Job(job_id="j1"),
                            WatchJob=lambda request, **kw: iter(updates))
-    monkeypatch.setattr(publish_cmd, "quantizer_stub", lambda address: (Channel(), stub))
+    monkeypatch.setattr(publish_cmd, "quantizer_stub", lambda address, token="": (Channel(), stub))
 
 
 def _publish_args(tmp_path):

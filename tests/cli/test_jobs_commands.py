@@ -50,7 +50,7 @@ def _fake(monkeypatch, **replies) -> list:
         return rpc
 
     stub = SimpleNamespace(**{name: answer(reply) for name, reply in replies.items()})
-    monkeypatch.setattr(jobs_cmd, "quantizer_stub", lambda address: (_Channel(), stub))
+    monkeypatch.setattr(jobs_cmd, "quantizer_stub", lambda address, token="": (_Channel(), stub))
     return requests
 
 

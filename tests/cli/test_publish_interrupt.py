@@ -29,7 +29,7 @@ def _progress_then_ctrl_c(request, **kwargs):
 
 def test_ctrl_c_while_following_a_publish_says_the_job_keeps_running(monkeypatch, tmp_path):
     stub = SimpleNamespace(Publish=lambda request, **kw: Q.Job(job_id="j1"), WatchJob=_progress_then_ctrl_c)
-    monkeypatch.setattr(publish_cmd, "quantizer_stub", lambda address: (_Channel(), stub))
+    monkeypatch.setattr(publish_cmd, "quantizer_stub", lambda address, token="": (_Channel(), stub))
     result = CliRunner().invoke(app, ["publish", "--source", str(tmp_path), "--model-name", "tiny", "--format",
                                       "w4a8kv4-g128", "--gpu-target", "cpu", "--quantizer", "q.example:50061"])
     assert result.exit_code == 130, result.output

@@ -83,3 +83,30 @@ def test_a_worker_that_does_not_start_in_time_ends_up_with_one_line(tmp_path, mo
     assert result.exit_code == 1, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert "Traceback" not in result.stderr and last.startswith("error: the worker for ") and "did not start in 300 s" in last
+
+
+def test_the_up_stack_quantizer_takes_only_its_generated_token(tmp_path):
+    """`qctl up` matches what it does for the gateway: a generated token (scope publish), used by its own calls
+    and printed in its `export` line; a call without it is refused."""
+    import grpc
+
+    from qctl.publish_cmd import quantizer_stub
+    from qctl.stack import LocalStack
+    from shared.rpc.qserve.v1 import quantizer_pb2
+
+    stack = LocalStack(tmp_path, "cpu")
+    try:
+        address = stack.start_quantizer(tmp_path / "eval.txt")
+        channel, stub = quantizer_stub(address, stack.quantizer_token)
+        with channel:
+            assert not stub.ListJobs(quantizer_pb2.ListJobsRequest(), timeout=30).jobs
+        channel, stub = quantizer_stub(address)
+        with channel:
+            try:
+                stub.ListJobs(quantizer_pb2.ListJobsRequest(), timeout=30)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
+            else:
+                raise AssertionError("the stack's quantizer answered a call without its token")
+    finally:
+        stack.stop()

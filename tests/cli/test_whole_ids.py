@@ -69,7 +69,7 @@ def _ls(monkeypatch):
         artifact_id=CANARY, state=common_pb2.ARTIFACT_STATE_READY,
         evaluation=common_pb2.Evaluation(perplexity_fp16=5.0, perplexity_quantized=5.1))])
     stub = SimpleNamespace(ListModels=lambda request, **kw: models, ListArtifacts=lambda request, **kw: artifacts)
-    monkeypatch.setattr(ls_cmd, "quantizer_stub", lambda address: (_Channel(), stub))
+    monkeypatch.setattr(ls_cmd, "quantizer_stub", lambda address, token="": (_Channel(), stub))
     return ["ls"], (CANARY,)
 
 
@@ -78,7 +78,7 @@ def _jobs_list(monkeypatch):
     job = Q.Job(job_id=STABLE, state=Q.JOB_STATE_RUNNING, model_name="tiny",
                 artifact=common_pb2.ArtifactInfo(artifact_id=CANARY))
     stub = SimpleNamespace(ListJobs=lambda request, **kw: Q.ListJobsResponse(jobs=[job]))
-    monkeypatch.setattr(jobs_cmd, "quantizer_stub", lambda address: (_Channel(), stub))
+    monkeypatch.setattr(jobs_cmd, "quantizer_stub", lambda address, token="": (_Channel(), stub))
     return ["jobs", "list"], (STABLE, CANARY)
 
 
