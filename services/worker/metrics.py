@@ -63,7 +63,7 @@ class WorkerMetrics:
         self.queue = Histogram("qserve_worker_queue_time_seconds", "Arrival to the first scheduling step.",
                                buckets=_LATENCY_BUCKETS, registry=r)
         self.finished = Counter("qserve_worker_requests", "Finished requests by finish reason (error: ended by an "
-                                "engine error).", ["reason"], registry=r)
+                                "engine error; non_finite_logits: by NaN / inf logits).", ["reason"], registry=r)
         self.rejected = Counter("qserve_worker_rejected_requests", "Generate calls refused, by status code.",
                                 ["code"], registry=r)
         self.generated = Counter("qserve_worker_generated_tokens", "Tokens generated.", registry=r)
@@ -77,8 +77,10 @@ class WorkerMetrics:
         """Engine.on_step: runs on the engine's thread (prometheus_client's metrics are thread-safe)."""
         self.step.labels(kind).observe(seconds)
 
-    def observe_error(self) -> None:
-        self.finished.labels("error").inc()
+    def observe_error(self, non_finite: bool = False) -> None:
+        # Apart from other engine errors: NaN / inf logits on an artifact that passed its start-up self-check
+        # point at the device (or at prompts its numerics cannot take), the alert a failing GPU needs.
+        self.finished.labels("non_finite_logits" if non_finite else "error").inc()
 
     def observe_finish(self, finish: FinishInfo) -> None:
         self.finished.labels(finish.reason.name.lower()).inc()

@@ -50,7 +50,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if out.finish is not None:
                     self.metrics.observe_finish(out.finish)
                 elif out.error is not None:
-                    self.metrics.observe_error()
+                    self.metrics.observe_error(out.non_finite)
                 loop.call_soon_threadsafe(queue.put_nowait, out)
 
             self.engine.add_request(gen.request_id, gen.prompt_ids, gen.sampling, sink)

@@ -161,3 +161,18 @@ def test_latency_buckets_reach_from_milliseconds_to_a_minute():
         assert bounds[-1] >= 60 or name.endswith("per_output_token_seconds"), (name, bounds)
         assert bounds[0] <= 0.005, (name, bounds)
     assert bucket_bounds(fams, "qserve_worker_time_per_output_token_seconds")[0] <= 0.001
+
+
+def test_requests_failed_by_non_finite_logits_are_counted_apart(worker, client, scrape):
+    """A GPU turning out NaNs after start-up (the self-check passed) showed as a generic engine error."""
+    runner = worker.server.served.engine.runner
+    step = runner.step
+    runner.step = lambda batch: step(batch).fill_(float("nan"))
+    before = scrape()
+    with pytest.raises(grpc.RpcError) as failed:
+        list(client.Generate(_request(max_new_tokens=4), timeout=60))
+    assert failed.value.code() == grpc.StatusCode.INTERNAL and "non-finite logits" in failed.value.details()
+    runner.step = step
+    delta = _delta(_counts(before), _counts(scrape()))
+    assert delta == {"qserve_worker_requests_total[('reason', 'non_finite_logits')]": 1,
+                     "qserve_worker_step_seconds_count[('kind', 'prompt')]": 1}, delta

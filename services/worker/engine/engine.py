@@ -329,7 +329,7 @@ class Engine:
                 log.error("the model's logits held a NaN or an inf for %d of %d sequences (%s); failing them",
                           len(broken), len(step.placed), ", ".join(repr(seq.request_id) for seq in broken[:8]))
                 self._fail(broken, "the model produced non-finite logits (NaN or inf): the artifact or the "
-                                   "device is broken")
+                                   "device is broken", non_finite=True)
 
     # ---- with the lock held ----
 
@@ -377,7 +377,7 @@ class Engine:
         seq.finish_reason = reason
         _deliver(live, RequestOutput(seq.request_id, token_ids, text, _finish_info(seq, reason)))
 
-    def _fail(self, seqs: list[Sequence], message: str) -> None:
+    def _fail(self, seqs: list[Sequence], message: str, non_finite: bool = False) -> None:
         with self._cond:
             for seq in seqs:
                 live = self._live.get(seq.request_id)
@@ -385,7 +385,7 @@ class Engine:
                     continue
                 self._live.pop(seq.request_id)
                 self.scheduler.finish(seq)
-                _deliver(live, RequestOutput(seq.request_id, error=message))
+                _deliver(live, RequestOutput(seq.request_id, error=message, non_finite=non_finite))
 
 
 def _deliver(live: _Live, out: RequestOutput) -> None:

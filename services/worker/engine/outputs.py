@@ -25,6 +25,7 @@ class RequestOutput:
     text: str = ""
     finish: FinishInfo | None = None  # set on the last output only
     error: str | None = None  # the step failed for this request (the last output; no finish)
+    non_finite: bool = False  # the error is the model's NaN / inf logits (the metrics count those apart)
 
 
 @dataclass(slots=True, frozen=True)
