@@ -78,6 +78,9 @@ def publish(
     eval_data: str = typer.Option(None, "--eval-data", help="eval text file or s3:// URI [default: the quantizer's]"),
     eval_seq_len: int = typer.Option(0, min=0, max=UINT32_MAX, help="eval window length (0: 512)"),
     eval_max_windows: int = typer.Option(0, min=0, max=UINT32_MAX, help="score at most this many eval windows (0: all)"),
+    calib_sha256: str = typer.Option("", "--calib-sha256", help="pin the calibration file's content: the job fails "
+                                     "if it reads otherwise (`sha256sum FILE`)"),
+    eval_sha256: str = typer.Option("", "--eval-sha256", help="pin the eval file's content likewise"),
     smooth_attention: bool = typer.Option(None, "--smooth-attention/--no-smooth-attention", help="SmoothAttention"),
     rotation: bool = typer.Option(None, "--rotation/--no-rotation", help="Hadamard rotation of block inputs"),
     smoothing: bool = typer.Option(None, "--smoothing/--no-smoothing", help="smoothing of block outputs"),
@@ -105,9 +108,11 @@ def publish(
     request = Q.PublishRequest(
         source=_location(source), model_name=model_name, version_label=version_label, format=format.value,
         gpu_target=gpu_target.value,
-        calibration=Q.Calibration(data=_location(calib), num_samples=calib_samples, seq_len=calib_seq_len),
+        calibration=Q.Calibration(data=_location(calib), num_samples=calib_samples, seq_len=calib_seq_len,
+                                  sha256=calib_sha256),
         qoq=Q.QoQOptions(**qoq),
-        eval=Q.EvalData(data=_location(eval_data), seq_len=eval_seq_len, max_windows=eval_max_windows),
+        eval=Q.EvalData(data=_location(eval_data), seq_len=eval_seq_len, max_windows=eval_max_windows,
+                        sha256=eval_sha256),
     )
     if budget is not None:
         request.max_relative_perplexity_increase = budget

@@ -17,6 +17,10 @@ class QueueFull(QuantizerError):
     """Every worker is busy and the queue is full (RESOURCE_EXHAUSTED)."""
 
 
+class InputChanged(QuantizerError):
+    """A calibration or eval file whose content is not the sha256 the request pinned: the job fails."""
+
+
 class JobCancelled(QuantizerError):
     """The job must stop at this step: the quantizer is stopping (the job ends FAILED with this reason) or
     an operator cancelled it (CancelJob: it ends CANCELLED)."""

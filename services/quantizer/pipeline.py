@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from services.quantizer.allocation import Binding, Claim, claim_binding
 from services.quantizer.config import QuantizerConfig
-from services.quantizer.errors import AccuracyBudgetExceeded, JobCancelled
+from services.quantizer.errors import AccuracyBudgetExceeded, InputChanged, JobCancelled
 from services.quantizer.evaluate import (
     EvalWindows,
     Fp16PerplexityCache,
@@ -154,6 +154,8 @@ class Pipeline:
     def _quantize(self, folder: Path, num_layers: int) -> Path:
         spec = self.spec
         calib = local_file(spec.calib_data, self.work_dir / "calib", self.services.config.store) if spec.calib_data else None
+        if calib is not None:
+            _check_pinned(calib, spec.calib_sha256, "calibration.data", spec.calib_data)
         out = self.work_dir / "artifact"
         started = time.monotonic()
 
@@ -182,6 +184,7 @@ class Pipeline:
     def _eval_windows(self, folder: Path) -> EvalWindows:
         spec = self.spec
         text = local_file(spec.eval_data, self.work_dir / "eval", self.services.config.store)
+        _check_pinned(text, spec.eval_sha256, "eval.data", spec.eval_data)
         return eval_windows(text, spec.eval_name, folder, spec.eval_seq_len, spec.eval_max_windows)
 
     def _quantize_and_fp16_eval(self, folder: Path, checkpoint: HfCheckpoint, model_version: str,
@@ -329,3 +332,14 @@ class Pipeline:
         except Exception as exc:
             log.warning("could not read the state of artifact %s after a failed register: %s", artifact_id, exc)
             return False
+
+
+def _check_pinned(path: Path, pinned: str, what: str, uri: str) -> None:
+    """Raises InputChanged when the request pinned the file's sha256 and the file read is not that content:
+    an artifact calibrated or evaluated on other text than the caller reviewed must not be published."""
+    if not pinned:
+        return
+    digest = sha256_file(path)
+    if digest != pinned:
+        raise InputChanged(f"{what} {uri} has sha256 {digest}, not the {pinned} the request pinned: the file "
+                           f"changed since; check it, then publish again with its new sha256 (or none)")

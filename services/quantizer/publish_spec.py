@@ -20,6 +20,7 @@ from shared.storage import InvalidConfig, StorageConfig
 
 MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 VERSION_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 QOQ_STEPS = ("smooth_attention", "rotation", "smoothing", "reorder", "clipping", "gptq", "rotate_values",
              "kv_range_search", "compensate_inputs", "key_feedback")  # the proto's switches
 DEFAULT_EVAL_SEQ_LEN = 512
@@ -44,6 +45,8 @@ class PublishSpec:
     eval_name: str
     eval_seq_len: int
     eval_max_windows: int  # 0 = every window of the text
+    calib_sha256: str = ""  # the content the request pinned (lowercase hex); '' = not pinned
+    eval_sha256: str = ""
 
     @property
     def options(self) -> QoQOptions:
@@ -81,6 +84,10 @@ class PublishSpec:
                 )
         source = _check_source(req.source, req.format, config)
         calib_data = req.calibration.data or config.default_calib_data or ""
+        calib_sha256 = _pinned("calibration.sha256", req.calibration.sha256)
+        if calib_sha256 and not calib_data:
+            raise InvalidRequest("calibration.sha256 pins a file: give calibration.data too (the built-in "
+                                 "calibration text is not pinned)")
         if calib_data:
             _check_text_file("calibration.data", calib_data, config)
         eval_data = req.eval.data or config.default_eval_data or ""
@@ -89,6 +96,7 @@ class PublishSpec:
                 "eval.data is required: every artifact is evaluated (give a text file path or s3:// URI, "
                 "or start the quantizer with --eval-data)"
             )
+        eval_sha256 = _pinned("eval.sha256", req.eval.sha256)
         _check_text_file("eval.data", eval_data, config)
         eval_name = req.eval.name or _stem(eval_data)
         if not eval_name.strip() or len(eval_name) > MAX_EVAL_NAME:
@@ -112,6 +120,8 @@ class PublishSpec:
             eval_name=eval_name,
             eval_seq_len=_count("eval.seq_len", req.eval.seq_len, DEFAULT_EVAL_SEQ_LEN, 2, MAX_SEQ_LEN),
             eval_max_windows=req.eval.max_windows,
+            calib_sha256=calib_sha256,
+            eval_sha256=eval_sha256,
         )
 
     def to_pb(self) -> quantizer_pb2.PublishRequest:
@@ -122,12 +132,14 @@ class PublishSpec:
             format=self.format,
             gpu_target=self.gpu_target,
             calibration=quantizer_pb2.Calibration(
-                data=self.calib_data, num_samples=self.calib_samples, seq_len=self.calib_seq_len
+                data=self.calib_data, num_samples=self.calib_samples, seq_len=self.calib_seq_len,
+                sha256=self.calib_sha256,
             ),
             qoq=quantizer_pb2.QoQOptions(**self.qoq),
             max_relative_perplexity_increase=self.budget,
             eval=quantizer_pb2.EvalData(
-                data=self.eval_data, name=self.eval_name, seq_len=self.eval_seq_len, max_windows=self.eval_max_windows
+                data=self.eval_data, name=self.eval_name, seq_len=self.eval_seq_len, max_windows=self.eval_max_windows,
+                sha256=self.eval_sha256,
             ),
         )
 
@@ -184,6 +196,15 @@ def _count(what: str, value: int, default: int, low: int, high: int) -> int:
     if not low <= value <= high:
         raise InvalidRequest(f"{what}={value} is out of range: use {low} to {high}, or 0 for the default ({default})")
     return value
+
+
+def _pinned(what: str, digest: str) -> str:
+    """A pinned sha256, lowercased ('' = not pinned); INVALID_ARGUMENT for anything but 64 hex digits."""
+    digest = digest.strip().lower()
+    if digest and not SHA256_HEX.fullmatch(digest):
+        raise InvalidRequest(f"{what} {digest[:80]!r} is not a sha256: give 64 hex digits (`sha256sum FILE`), or "
+                             f"leave it empty")
+    return digest
 
 
 def _stem(uri: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import socket
@@ -53,6 +54,9 @@ def _gpt2(folder):
         ({"eval": Q.EvalData()}, INVALID, "eval.data is required"),
         ({"calibration": Q.Calibration(data="/no/calib.txt")}, NOT_FOUND, "calibration.data file '/no/calib.txt'"),
         ({"calibration": Q.Calibration(seq_len=1)}, INVALID, "calibration.seq_len=1 is out of range"),
+        ({"eval": Q.EvalData(data="/no/eval.txt", sha256="abc")}, INVALID, "eval.sha256 'abc' is not a sha256"),
+        ({"calibration": Q.Calibration(sha256="a" * 64)}, INVALID, "calibration.sha256 pins a file: give "
+                                                                   "calibration.data too"),
         ({"format": "fp16", "qoq": Q.QoQOptions(rotation=True)}, INVALID,
          "QoQ steps rotation were enabled for format 'fp16'"),
     ],
@@ -192,3 +196,24 @@ def test_an_eval_name_the_registry_cannot_record_is_refused_at_publish(quantizer
     error = _error(quantizer.stub.Publish, request)
     assert error.code() == INVALID
     assert "eval.name" in error.details()
+
+
+def test_a_calibration_or_eval_file_that_changed_since_it_was_pinned_fails_the_job(quantizer, small_model,
+                                                                                   request_for, small_texts):
+    """A replaced S3 object (here a local file) was used as read: an artifact calibrated or evaluated on text
+    other than the caller reviewed. The pinned digests that match publish as before."""
+    calib, evaluation = small_texts
+    calib_sha, eval_sha = (hashlib.sha256(path.read_bytes()).hexdigest() for path in (calib, evaluation))
+    stale = "0" * 64
+    for pins, what in (((calib_sha, stale), "eval.data"), ((stale, eval_sha), "calibration.data")):
+        request = request_for(small_model)
+        request.calibration.sha256, request.eval.sha256 = pins
+        job, _ = quantizer.publish(request)
+        assert job.state == Q.JOB_STATE_FAILED, job
+        assert f"{what} " in job.error and f"not the {stale} the request pinned" in job.error, job.error
+        assert job.artifact.state != common_pb2.ARTIFACT_STATE_READY
+    request = request_for(small_model)
+    request.calibration.sha256, request.eval.sha256 = calib_sha.upper(), eval_sha  # hex in either case
+    job, _ = quantizer.publish(request)
+    assert job.state == Q.JOB_STATE_SUCCEEDED, job.error
+    assert job.request.calibration.sha256 == calib_sha and job.request.eval.sha256 == eval_sha
