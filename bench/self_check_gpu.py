@@ -31,18 +31,18 @@ from shared.formats.artifact import HEAD_FILE
 from shared.storage.hashing import sha256_file
 
 
-def poison(artifact: Path, out: Path) -> Path:
-    """A copy of the artifact whose final norm weight holds an inf, the manifest's sha256 of it updated."""
-    bad = Path(shutil.copytree(artifact, out / "poisoned"))
-    tensors = load_file(bad / HEAD_FILE)
+def poison_final_norm(artifact: Path) -> None:
+    """Puts an inf in the artifact's final norm weight, in place, and lists the file's new sha256 and size in
+    its manifest: every file check passes, and only running the model shows it broken (inf * 0 and
+    inf - inf make the logits NaN). tests/worker/test_start_up_refusals.py uses it too."""
+    tensors = load_file(artifact / HEAD_FILE)
     name = next(k for k in tensors if "norm" in k)
     tensors[name][0] = float("inf")
-    save_file(tensors, bad / HEAD_FILE)
-    size, digest = sha256_file(bad / HEAD_FILE)
-    manifest = json.loads((bad / "manifest.json").read_text())
+    save_file(tensors, artifact / HEAD_FILE)
+    size, digest = sha256_file(artifact / HEAD_FILE)
+    manifest = json.loads((artifact / "manifest.json").read_text())
     next(f for f in manifest["files"] if f["path"] == HEAD_FILE).update(size=size, sha256=digest)
-    (bad / "manifest.json").write_text(json.dumps(manifest))
-    return bad
+    (artifact / "manifest.json").write_text(json.dumps(manifest))
 
 
 def main() -> int:
@@ -55,7 +55,8 @@ def main() -> int:
     load_s = time.perf_counter() - t0
     del served
     with tempfile.TemporaryDirectory() as tmp:
-        bad = poison(args.artifact, Path(tmp))
+        bad = Path(shutil.copytree(args.artifact, Path(tmp) / "poisoned"))
+        poison_final_norm(bad)
         try:
             load_served_model(WorkerConfig(artifact=str(bad), device="cuda", metrics_port=None))
             refusal = None

@@ -25,7 +25,7 @@ class AdminAuth:
         if token is None:
             raise Unauthenticated(f"Admin.{rpc} needs metadata `authorization: Bearer <token>` with an admin "
                                   f"or worker token")
-        found = find_token(token, self._tokens, lambda entry: entry.token)  # constant time, every entry
+        found = find_token(token, self._tokens)  # constant time, every entry
         if found is None:
             raise Unauthenticated(f"Admin.{rpc}: the bearer token is not one this gateway knows")
         name, scope = found[0], found[1].scope

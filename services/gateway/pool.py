@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 _CHANNEL_OPTIONS = (("grpc.client_idle_timeout_ms", 2**31 - 1),)
 
 
+# Why a stalled worker gets no requests and loses its open streams (ListWorkers, the streams' failure).
+STALLED_REASON = "its engine stalled (no progress with requests in flight)"
+
+
 class Health(enum.Enum):
     HEALTHY = gateway_pb2.WORKER_HEALTH_HEALTHY
     UNHEALTHY = gateway_pb2.WORKER_HEALTH_UNHEALTHY
@@ -93,7 +97,7 @@ class PooledWorker:
     stream_enders: set[Callable[[str], None]] = field(default_factory=set)
 
     def health_label(self) -> str:
-        """Its health for the workers gauge (GatewayMetrics.watch_pool): a quarantined worker apart from
+        """Its health for the workers gauge (GatewayMetrics.watch_workers): a quarantined worker apart from
         other unhealthy ones, so that an alert can tell a bad GPU among peers from a lost worker."""
         if self.health is Health.UNHEALTHY and self.quarantined_until > time.monotonic():
             return "quarantined"
@@ -102,7 +106,7 @@ class PooledWorker:
     def health_reason(self) -> str:
         """Why it gets no requests ('' when healthy or draining): what ListWorkers and qctl show."""
         if self.health is Health.STALLED:
-            return "its engine stalled (no progress with requests in flight)"
+            return STALLED_REASON
         return self.failed_reason if self.health is Health.UNHEALTHY else ""
 
     def to_pb(self) -> gateway_pb2.WorkerStatus:
@@ -206,7 +210,7 @@ class WorkerPool:
                 log.warning("worker %s (%s) reports its engine stalled: no new requests, ending its %d open "
                             "stream(s)", worker.worker_id, worker.address, len(worker.stream_enders))
             # Every heartbeat while stalled, not only the first: cheap (usually none left), and sure.
-            self._end_streams(worker, "its engine stalled (no progress with requests in flight)")
+            self._end_streams(worker, STALLED_REASON)
         elif was_stalled:
             log.warning("worker %s (%s): its engine moves again; taking requests", worker.worker_id, worker.address)
 

@@ -30,7 +30,7 @@ class QuantizerAuth:
         if token is None:
             raise Unauthenticated(f"Quantizer.{rpc} needs metadata `authorization: Bearer <token>` with one of "
                                   f"this quantizer's tokens ({TOKENS_ENV})")
-        found = find_token(token, self._tokens, lambda entry: entry.token)
+        found = find_token(token, self._tokens)
         if found is None:
             raise Unauthenticated(f"Quantizer.{rpc}: the bearer token is not one this quantizer knows (its "
                                   f"{TOKENS_ENV})")

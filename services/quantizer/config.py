@@ -13,6 +13,7 @@ from pathlib import Path
 
 from shared.config import (ServiceArgumentParser, add_registry_argument, add_store_arguments, add_tls_server_arguments,
                            nonempty, nonempty_path, server_tls_from_args, store_from_args)
+from shared.registry.models import MAX_ACTOR
 from shared.rpc.bearer import ScopedToken, check_scoped_tokens, parse_scoped_tokens
 from shared.rpc.tls import ServerTls
 from shared.storage import StorageConfig
@@ -23,7 +24,6 @@ DEVICES = ("cpu", "cuda", "auto")
 TOKENS_ENV = "QSERVE_QUANTIZER_TOKENS"
 # "publish": every Quantizer rpc; "read": GetJob, WatchJob, GetArtifact, ListArtifacts, ListModels, ListJobs.
 SCOPES = ("publish", "read")
-MAX_TOKEN_NAME = 128  # the name is the actor of the events a call records: the registry's actor column
 
 
 class ConfigError(ValueError):
@@ -87,7 +87,8 @@ class QuantizerConfig:
         if 0 < self.orphan_after_s <= self.heartbeat_s:
             raise ConfigError(f"orphan_after_s={self.orphan_after_s} must exceed heartbeat_s={self.heartbeat_s} (or be 0 "
                               f"with a single quantizer): other quantizers' live jobs would be failed between beats")
-        check_scoped_tokens(self.tokens, _WHAT, SCOPES, ConfigError, max_name=MAX_TOKEN_NAME)
+        # max_name: a token's name is the actor its calls record
+        check_scoped_tokens(self.tokens, _WHAT, SCOPES, ConfigError, max_name=MAX_ACTOR)
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> QuantizerConfig:

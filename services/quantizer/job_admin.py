@@ -8,11 +8,11 @@ from services.quantizer.errors import InvalidRequest
 from services.quantizer.views import job_state_from_pb
 from shared.registry import JobState
 from shared.registry.jobs import MAX_CANCEL_REASON
+from shared.registry.models import MAX_ACTOR
 from shared.rpc.qserve.v1 import quantizer_pb2
 
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000  # the cap ListEvents has: an answer of at most a few MB
-MAX_ACTOR = 128  # the registry's actor column
 
 
 @dataclass(slots=True, frozen=True)

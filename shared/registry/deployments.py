@@ -13,7 +13,7 @@ from shared.registry._rows import check_canary_percent, check_key, check_segment
 from shared.registry.artifacts import get_artifact
 from shared.registry.errors import Conflict, InvalidState, InvalidValue, NotFound
 from shared.registry.events import EventKind, append_event
-from shared.registry.models import Artifact, ArtifactState, Deployment, utcnow
+from shared.registry.models import MAX_ACTOR, Artifact, ArtifactState, Deployment, utcnow
 
 BASELINE_FORMAT = "fp16"  # what the fallback switch serves: the unquantized model
 
@@ -21,7 +21,7 @@ BASELINE_FORMAT = "fp16"  # what the fallback switch serves: the unquantized mod
 def create_deployment(
     session: Session, name: str, *, stable_artifact_id: str, baseline_artifact_id: str | None = None, actor: str
 ) -> Deployment:
-    check_text("actor", actor, 128)
+    check_text("actor", actor, MAX_ACTOR)
     check_segment("deployment name", name)
     stable = _ready(session, stable_artifact_id, "stable")
     if baseline_artifact_id is not None:
@@ -57,7 +57,7 @@ def list_deployments(session: Session) -> list[Deployment]:
 
 def start_rollout(session: Session, name: str, *, canary_artifact_id: str, percent: int, actor: str) -> Deployment:
     """Sends `percent` of traffic (sticky per session key, decided by the gateway) to the canary."""
-    check_text("actor", actor, 128)
+    check_text("actor", actor, MAX_ACTOR)
     check_key("artifact id", canary_artifact_id)
     check_canary_percent(percent)
     deployment = _lock(session, name)
@@ -77,7 +77,7 @@ def start_rollout(session: Session, name: str, *, canary_artifact_id: str, perce
 
 
 def set_canary_percent(session: Session, name: str, percent: int, *, actor: str) -> Deployment:
-    check_text("actor", actor, 128)
+    check_text("actor", actor, MAX_ACTOR)
     check_canary_percent(percent)
     deployment = _lock(session, name)
     _require_rollout(deployment, "set_canary_percent")
@@ -91,7 +91,7 @@ def set_canary_percent(session: Session, name: str, percent: int, *, actor: str)
 def promote(session: Session, name: str, *, actor: str, expected_canary: str | None = None) -> Deployment:
     """The canary becomes the stable; the rollout ends. With expected_canary, only if that artifact is
     still the canary (the one the caller reviewed, not one started since)."""
-    check_text("actor", actor, 128)
+    check_text("actor", actor, MAX_ACTOR)
     deployment = _lock(session, name)
     _require_rollout(deployment, "promote")
     if expected_canary and deployment.canary_artifact_id != expected_canary:
@@ -109,7 +109,7 @@ def promote(session: Session, name: str, *, actor: str, expected_canary: str | N
 
 def abort_rollout(session: Session, name: str, *, actor: str, reason: str = "") -> Deployment:
     """The canary gets no more traffic; the stable stays."""
-    check_text("actor", actor, 128)
+    check_text("actor", actor, MAX_ACTOR)
     deployment = _lock(session, name)
     _require_rollout(deployment, "abort_rollout")
     canary = deployment.canary_artifact_id
@@ -119,7 +119,7 @@ def abort_rollout(session: Session, name: str, *, actor: str, reason: str = "") 
 
 
 def set_baseline(session: Session, name: str, baseline_artifact_id: str, *, actor: str) -> Deployment:
-    check_text("actor", actor, 128)
+    check_text("actor", actor, MAX_ACTOR)
     baseline = _ready(session, baseline_artifact_id, "baseline")
     deployment = _lock(session, name)
     _same_model(baseline, _stable(session, deployment), "baseline", name)
@@ -135,7 +135,7 @@ def set_baseline(session: Session, name: str, baseline_artifact_id: str, *, acto
 def set_fallback(session: Session, name: str, on: bool, *, actor: str, reason: str = "") -> Deployment:
     """On: all traffic goes to the baseline. Turning it to the state it already has changes nothing
     and logs nothing (the gateway's automatic switch may ask repeatedly)."""
-    check_text("actor", actor, 128)
+    check_text("actor", actor, MAX_ACTOR)
     if not isinstance(on, bool):
         raise InvalidValue(f"fallback switch {on!r} is not accepted: use True (on) or False (off)")
     deployment = _lock(session, name)

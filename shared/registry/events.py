@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from shared.registry._rows import check_key, check_text
 from shared.registry.errors import InvalidValue
-from shared.registry.models import Deployment, Event
+from shared.registry.models import MAX_ACTOR, Deployment, Event
 
 
 class EventKind(str, enum.Enum):
@@ -64,7 +64,7 @@ def append_event(
 ) -> None:
     """Adds one event to the session's transaction: it commits or rolls back with the change it records."""
     kind = EventKind(kind)
-    check_text("actor", actor, 128)
+    check_text("actor", actor, MAX_ACTOR)
     try:
         detail_json = json.dumps(dict(detail or {}), sort_keys=True)
     except TypeError as exc:

@@ -21,7 +21,7 @@ from shared.registry._rows import MAX_INT, check_key, check_segment, check_text,
 from shared.registry.artifacts import get_artifact, mark_artifact_failed
 from shared.registry.errors import InvalidState, InvalidValue, NotFound
 from shared.registry.events import EventKind, append_event
-from shared.registry.models import ArtifactState, JobState, QuantJob, utcnow
+from shared.registry.models import MAX_ACTOR, ArtifactState, JobState, QuantJob, utcnow
 
 _ACTIVE = (JobState.QUEUED, JobState.RUNNING)
 MAX_LIST_LIMIT = 10_000
@@ -36,7 +36,7 @@ def create_job(
     for it, is the actor of its JOB_QUEUED event (default: the owner)."""
     check_text("job owner", owner, 256)
     if actor is not None:
-        check_text("actor", actor, 128)
+        check_text("actor", actor, MAX_ACTOR)
     if model_name is not None:
         check_segment("model name", model_name)
     if artifact_id is not None:
@@ -210,7 +210,7 @@ def cancel_job(session: Session, job_id: str, *, actor: str, reason: str = "") -
     QUEUED -> CANCELLED at once (with its PENDING artifact, if it has one, FAILED). RUNNING: records the
     request; the owner stops the job at its next step and ends it with fail_job (CANCELLED). A job asked
     already is returned as it is (the first request's who and why stand). An ended job: InvalidState."""
-    check_text("actor", actor, 128)
+    check_text("actor", actor, MAX_ACTOR)
     if not isinstance(reason, str) or len(reason) > MAX_CANCEL_REASON:
         raise InvalidValue(f"cancel reason {reason!r:.80} is not accepted: use at most {MAX_CANCEL_REASON} characters")
     # Artifact before job, the order in which finishing and failing take them (see fail_orphaned_jobs).

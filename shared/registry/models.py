@@ -20,6 +20,8 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
+MAX_ACTOR = 128  # characters of an event's actor (who made the change: a token's name, a quantizer owner)
+
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
@@ -213,7 +215,7 @@ class Event(Base):
     artifact_id: Mapped[str | None] = mapped_column(sa.ForeignKey("artifacts.id"), index=True)
     job_id: Mapped[str | None] = mapped_column(sa.ForeignKey("quant_jobs.id"))
     detail: Mapped[str] = mapped_column(sa.Text, default="{}")  # JSON object
-    actor: Mapped[str] = mapped_column(sa.String(128))
+    actor: Mapped[str] = mapped_column(sa.String(MAX_ACTOR))
 
 
 @sa.event.listens_for(Event, "before_update")

@@ -7,10 +7,8 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 _SCHEME = "bearer "
-T = TypeVar("T")
 
 
 def bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
@@ -26,12 +24,12 @@ def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def find_token(presented: str, tokens: Mapping[str, T], secret_of) -> tuple[str, T] | None:
+def find_token(presented: str, tokens: Mapping[str, ScopedToken]) -> tuple[str, ScopedToken] | None:
     """(name, entry) of the configured token equal to `presented`; None when none is. Every entry is
     compared (constant time, hmac.compare_digest) so the reply time does not reveal a near match."""
     found = None
     for name, entry in tokens.items():
-        if hmac.compare_digest(secret_of(entry).encode(), presented.encode()) and found is None:
+        if hmac.compare_digest(entry.token.encode(), presented.encode()) and found is None:
             found = (name, entry)
     return found
 

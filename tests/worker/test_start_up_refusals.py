@@ -97,21 +97,10 @@ def test_a_model_config_key_this_version_does_not_know_is_refused_by_name(artifa
 def test_an_artifact_whose_logits_are_not_finite_fails_the_start_up_self_check(artifact_copy, capsys):
     """Its files pass every sha256 check (the manifest lists the poisoned file's own), so it loaded,
     registered and answered every request with garbage (or, sampled, failed the batch)."""
-    from safetensors.torch import load_file, save_file
-
+    from bench.self_check_gpu import poison_final_norm
     from services.worker.errors import ArtifactBroken
-    from shared.formats.artifact import HEAD_FILE
-    from shared.storage.hashing import sha256_file
 
-    tensors = load_file(artifact_copy / HEAD_FILE)
-    name = next(k for k in tensors if "norm" in k)
-    tensors[name][0] = float("inf")  # one channel: inf * 0 and inf - inf make the logits NaN
-    save_file(tensors, artifact_copy / HEAD_FILE)
-    size, digest = sha256_file(artifact_copy / HEAD_FILE)
-    manifest = json.loads((artifact_copy / "manifest.json").read_text())
-    entry = next(f for f in manifest["files"] if f["path"] == HEAD_FILE)
-    entry.update(size=size, sha256=digest)
-    (artifact_copy / "manifest.json").write_text(json.dumps(manifest))
+    poison_final_norm(artifact_copy)
     with pytest.raises(ArtifactBroken, match="failed the start-up self-check .*non-finite logits") as err:
         _load(artifact_copy)
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
