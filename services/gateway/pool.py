@@ -247,6 +247,12 @@ class WorkerPool:
         if self.quarantine.enabled and worker.failure_streak >= self.quarantine.after_failures:
             self._quarantine(worker, reason)
 
+    def mark_draining(self, worker: PooledWorker) -> None:
+        """The worker refused a request because it drains: no new requests until a heartbeat says otherwise
+        (a worker that is unhealthy or quarantined stays so)."""
+        if worker.health is Health.HEALTHY:
+            worker.health = Health.DRAINING
+
     def mark_succeeded(self, worker: PooledWorker) -> None:
         """The worker finished a request (its final message): whatever failed before, it serves. Its record
         is cleared, a quarantine included (it takes requests again from its next heartbeat)."""

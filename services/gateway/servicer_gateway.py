@@ -14,9 +14,10 @@ heartbeats stopped: WorkerPool) has it ended the same way and counted as a faile
 rules above: without that the client would wait for its deadline. A draining worker's are left to finish.
 
 Each failed attempt also counts towards its worker's quarantine (WorkerPool.mark_failed), and each request
-a worker finishes clears that count (mark_succeeded). A worker that answered full (RESOURCE_EXHAUSTED) or
-refused the request for the client's reason does neither: it is busy, or it validated the request and said
-no, which shows nothing about whether it can generate (see _relay)."""
+a worker finishes clears that count (mark_succeeded). A worker that answered full (RESOURCE_EXHAUSTED), that
+refused the request because it has begun to drain (before its heartbeat said so), or that refused it for the
+client's reason does neither, and its refusal is not counted as a failed attempt: it is busy, leaving, or it
+validated the request and said no, which shows nothing about whether it can generate (see _relay)."""
 
 from __future__ import annotations
 
@@ -39,12 +40,14 @@ from services.gateway.metrics import GatewayMetrics, Outcome
 from services.gateway.pool import PooledWorker, WorkerPool
 from services.gateway.router import Arm, Route
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2
+from shared.rpc.refusal import refused_for_draining
 
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 2.0
 # Worker answers that are about the request itself: the client gets them as they are, no retry.
 _FULL = "admission full: "  # marks the failure of a worker that answered RESOURCE_EXHAUSTED
+_DRAINING = "draining: "  # marks the refusal of a worker that has begun to drain (shared.rpc.refusal)
 _CLIENT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS})
 
@@ -151,7 +154,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 try:
                     attempt = Attempt(self._pick(deployment, trace, tried, failures))
                 except NoWorker as exc:
-                    if failures and all(f.startswith(_FULL) for f in failures):  # alive, only busy
+                    busy = [f for f in failures if not f.startswith(_DRAINING)]
+                    if busy and all(f.startswith(_FULL) for f in busy):  # alive, only busy
                         raise AdmissionFull(f"every worker tried is at its admission limit; retry later "
                                             f"({'; '.join(f.removeprefix(_FULL) for f in failures)})") from exc
                     raise
@@ -166,7 +170,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if attempt.finished:
                     return
                 failures.append(attempt.failure)
-                if not attempt.failure.startswith(_FULL):  # a full worker is busy, not failing
+                if not _routine(attempt.failure):
                     failed_route = trace.route
                 if trace.delivered:
                     raise NoWorker(
@@ -261,8 +265,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 # client sending bad requests must not keep clearing its record and so its quarantine.
                 attempt.finished = True
                 raise WorkerRejected(code, err.details() or code.name) from None
-            attempt.failure = (_FULL if code is grpc.StatusCode.RESOURCE_EXHAUSTED else "") + \
-                f"{worker.address}: {code.name}: {err.details()}"
+            if refused_for_draining(err):
+                # Asked in the moment between the start of its drain and the heartbeat that says so.
+                self.pool.mark_draining(worker)
+                attempt.failure = f"{_DRAINING}{worker.address}: {err.details()}"
+            else:
+                attempt.failure = (_FULL if code is grpc.StatusCode.RESOURCE_EXHAUSTED else "") + \
+                    f"{worker.address}: {code.name}: {err.details()}"
         finally:
             if not attempt.finished and (attempt.lost or not attempt.failure):
                 # The client went away (or the gateway is stopping), or the pool gave up on the worker: stop
@@ -270,8 +279,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 call.cancel()
                 self._send_abort(worker, worker_request.request_id)
             await self.pool.release(worker, lose)
-        # a full worker is busy, not broken: it stays eligible for other requests
-        if not attempt.failure.startswith(_FULL):
+        if not _routine(attempt.failure):
             self.pool.mark_failed(worker, attempt.failure)
         # %r: the client's request id and the worker's error text (a CUDA error spans lines) stay one line.
         log.warning("request %r on worker %s failed after %d tokens: %r", request_id, worker.address,
@@ -301,6 +309,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             timings=common_pb2.Timings(queue=_duration(queue), time_to_first_token=_duration(ttft),
                                        time_per_output_token=_duration(tpot), total=_duration(total)),
         )
+
+
+def _routine(failure: str) -> bool:
+    """A full worker is busy and a draining one is leaving; neither is broken: no mark_failed, and the
+    attempt is not counted as a failure of its arm."""
+    return failure.startswith((_FULL, _DRAINING))
 
 
 def _cancelling(task: asyncio.Task) -> bool:

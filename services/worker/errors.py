@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import grpc
 
+from shared.rpc.refusal import DRAINING_METADATA
+
 
 class WorkerError(Exception):
     code = grpc.StatusCode.INTERNAL
+    trailing_metadata: tuple[tuple[str, str], ...] = ()
 
 
 class InvalidRequest(WorkerError, ValueError):
@@ -24,6 +27,15 @@ class QueueFull(WorkerError):
 
 
 class Draining(WorkerError):
+    """Shutting down: a routine refusal, marked as such so that the gateway does not count it as a failure."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    trailing_metadata = DRAINING_METADATA
+
+
+class Stalled(WorkerError):
+    """The engine made no progress for too long (a hung device?): a failure, unlike Draining."""
+
     code = grpc.StatusCode.UNAVAILABLE
 
 

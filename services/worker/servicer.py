@@ -11,7 +11,7 @@ import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from services.worker.engine.outputs import FinishInfo, RequestOutput
-from services.worker.errors import Draining, InvalidRequest, WorkerError
+from services.worker.errors import Draining, InvalidRequest, Stalled, WorkerError
 from services.worker.metrics import WorkerMetrics
 from services.worker.requests import PromptLimits, generation_from_pb
 from services.worker.serving import ServedModel
@@ -40,7 +40,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if self.draining:
                 raise Draining("this worker is draining and takes no new requests; send it to another worker")
             if self.stalled:
-                raise Draining("this worker's engine has made no progress for a while (a hung device?) and takes no "
+                raise Stalled("this worker's engine has made no progress for a while (a hung device?) and takes no "
                                "new requests; send it to another worker")
             gen = generation_from_pb(request, self.limits, self.served.tokenizer.encode)
 
@@ -56,7 +56,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.engine.add_request(gen.request_id, gen.prompt_ids, gen.sampling, sink)
         except WorkerError as exc:
             self.metrics.rejected.labels(exc.code.name).inc()
-            await context.abort(exc.code, str(exc))
+            await context.abort(exc.code, str(exc), exc.trailing_metadata)
         done = False
         try:
             while not done:

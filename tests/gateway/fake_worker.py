@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from shared.rpc.qserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from shared.rpc.refusal import DRAINING_METADATA
 
 VOCAB = 4096
 
@@ -33,6 +34,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.hang_after: int | None = None
         self.hung: list[str] = []  # request ids of Generate calls that reached hang_after
         self.full = False  # every Generate answers RESOURCE_EXHAUSTED (its admission queue is full)
+        # every Generate is refused as a draining worker refuses it (UNAVAILABLE + shared.rpc.refusal's metadata)
+        self.refuse_draining = False
         self.started: list[str] = []  # request ids of Generate calls, in arrival order
         self.finished: list[str] = []
         self.cancelled: list[str] = []  # Generate calls whose caller went away
@@ -43,6 +46,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.started.append(request.request_id)
         if self.full:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake worker's waiting queue is full")
+        if self.refuse_draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker draining", DRAINING_METADATA)
         if self.fail_before_first:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker failing before the first token")
         if request.WhichOneof("prompt") == "text":

@@ -8,6 +8,8 @@ import re
 import grpc
 import pytest
 
+from services.gateway.config import Quarantine
+from services.gateway.pool import Health
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
 from tests.gateway.conftest import ADMIN, DEPLOYMENT, gateway_stack, run, tokens_of
 from tests.gateway.fake_worker import expected_tokens
@@ -127,6 +129,35 @@ def test_workers_that_answer_full_are_tried_in_turn_and_stay_healthy(artifacts):
             assert "admission limit" in raised.value.details()
             listed = await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)
             assert {w.health for w in listed.workers} == {gateway_pb2.WORKER_HEALTH_HEALTHY}
+
+    run(scenario())
+
+
+def test_a_worker_refusing_as_it_begins_to_drain_is_not_counted_as_failing(artifacts):
+    """Between the start of a worker's drain and the heartbeat that says so, the gateway may send it a request;
+    its refusal (UNAVAILABLE marked draining) sends the request elsewhere, is no error of the arm (a routine
+    drain would count against a canary's guard) and leaves the worker draining, not unhealthy. An UNAVAILABLE
+    without the mark is a failure, counted."""
+    async def scenario():
+        async with gateway_stack(artifacts, quarantine=Quarantine(after_failures=1, first_s=30, max_s=60)) as stack:
+            leaving = await stack.add_worker(artifacts.stable, tokens=2, capacity=2)
+            other = await stack.add_worker(artifacts.stable, tokens=2, capacity=2)
+            stack.gateway.pool.acquire(stack.gateway.pool.get(other.worker_id))  # half full: the other is picked first
+            leaving.worker.refuse_draining = True
+            assert len(await stack.generate("p")) == 2
+            assert len(leaving.worker.started) == 1
+            assert await stack.generate("q") and len(leaving.worker.started) == 1  # not asked again
+            stable = stack.gateway.metrics.stats(DEPLOYMENT, artifacts.stable, since=0.0)
+            assert (stable.requests, stable.errors) == (2, 0)
+            pooled = stack.gateway.pool.get(leaving.worker_id)
+            assert pooled.health is Health.DRAINING and pooled.failure_streak == 0 and not pooled.quarantined_until
+            # the heartbeat that follows says draining; once it serves again, an unmarked UNAVAILABLE counts
+            stack.gateway.pool.heartbeat(leaving.worker_id, 0, 0, 1, draining=False)
+            leaving.worker.refuse_draining, leaving.worker.fail_before_first = False, True
+            assert len(await stack.generate("r")) == 2
+            stable = stack.gateway.metrics.stats(DEPLOYMENT, artifacts.stable, since=0.0)
+            assert (stable.requests, stable.errors) == (4, 1)
+            assert pooled.failure_streak == 1
 
     run(scenario())
 

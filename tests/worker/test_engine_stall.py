@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.worker.server import SERVICE_NAME
+from shared.rpc.refusal import REFUSAL_KEY
 from tests.worker.conftest import stub
 from tests.worker.hanging import hang_steps
 from tests.worker.test_service import _idle, _request, _wait_for
@@ -35,6 +36,7 @@ def test_a_stalled_engine_takes_no_new_work_until_it_moves_again(start_worker):
     with pytest.raises(grpc.RpcError) as refused:
         list(client.Generate(_request(max_new_tokens=2), timeout=10))
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "no progress" in refused.value.details()
+    assert REFUSAL_KEY not in dict(refused.value.trailing_metadata())  # a failure, not a routine refusal
 
     hang.clear()
     release.set()  # the device answers again

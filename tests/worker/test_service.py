@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.formats.artifact import ArtifactReader
 from shared.rpc.qserve.v1 import common_pb2, worker_pb2
+from shared.rpc.refusal import DRAINING, REFUSAL_KEY
 from tests.worker.conftest import generate, stub
 
 PROMPT = [17, 300, 42, 9, 1200, 77]
@@ -187,6 +188,8 @@ def test_drain_finishes_in_flight_work_and_refuses_new(start_worker):
     with pytest.raises(grpc.RpcError) as err:
         list(client.Generate(_request(max_new_tokens=2), timeout=10))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
+    # marked as a routine refusal, which the gateway does not count as a failure (shared.rpc.refusal)
+    assert (REFUSAL_KEY, DRAINING) in tuple(err.value.trailing_metadata())
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
     last = list(stream)[-1]
