@@ -150,10 +150,10 @@ class WorkerServer:
         """Stops taking work (deregistered, then UNAVAILABLE and health NOT_SERVING), lets in-flight
         requests finish for grace_s, then aborts what is left."""
         grace = self.config.drain_grace_s if grace_s is None else grace_s
-        # Deregistered first: until a gateway has removed this worker it keeps routing requests here,
-        # and each one refused (UNAVAILABLE) would count as a failure of the artifact (feeding the
-        # gateway's automatic guard) and mark this worker broken, for a routine restart. Those requests
-        # are served like the ones in flight. Every gateway at once: the wait is the slowest one's.
+        # Deregistered first: until a gateway has removed this worker it keeps routing requests here;
+        # those are served like the ones in flight rather than refused and retried. A request picked before
+        # the deregistration that arrives after it is refused marked as draining (shared.rpc.refusal): the
+        # gateway sends it elsewhere and counts no failure. Every gateway at once: the wait is the slowest one's.
         if self.announcers is not None:
             await self.announcers.stop()
         self.servicer.draining = True
