@@ -36,7 +36,7 @@ from shared.storage import StorageError, open_store
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = quantizer_pb2.DESCRIPTOR.services_by_name["Quantizer"].full_name  # qserve.v1.Quantizer
-STAGING_MAX_AGE_S = 3600.0  # staging objects older than this at start-up belong to dead publishes
+STAGING_MAX_AGE_S = 3600.0  # a staging attempt this old that wrote nothing for as long belongs to a dead publish
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InvalidKey, ObjectNotFound, StorageError
@@ -35,6 +35,8 @@ class ObjectInfo:
     key: str  # relative to the store (its local root or its S3 bucket/prefix)
     size: int  # bytes
     sha256: str | None  # hex; None where the store keeps no record of it (e.g. in listings)
+    # When it was last written (epoch seconds), in listings; not part of its identity (compare=False).
+    modified: float | None = field(default=None, compare=False)
 
 
 Progress = Callable[[ObjectInfo], None]
@@ -225,15 +227,29 @@ class ObjectStore(abc.ABC):
         return downloaded
 
     def purge_staging(self, older_than_s: float = 3600.0) -> int:
-        """Delete staging objects of publishes that started more than older_than_s ago (crashed or
-        cut off from the store), and what a store keeps of their unfinished writes; returns how many
-        objects (and unfinished writes) were deleted."""
-        attempts = {staging_attempt(info.key) for info in self.list(STAGING_ROOT)}
+        """Delete staging objects of publishes that started more than older_than_s ago and have written
+        nothing for as long (crashed or cut off from the store), and what a store keeps of their unfinished
+        writes; returns how many objects (and unfinished writes) were deleted. A publish still uploading
+        (a large model on a slow link can take longer than older_than_s) keeps writing, so it is left alone."""
         deleted = 0
-        for attempt in sorted(attempts):
-            if staging_attempt_is_stale(attempt, older_than_s):
-                deleted += self.delete_prefix(f"{STAGING_ROOT}{attempt}/")
+        for attempt in sorted(self._stale_staging_attempts(older_than_s)):
+            deleted += self.delete_prefix(f"{STAGING_ROOT}{attempt}/")
         return deleted
+
+    def _stale_staging_attempts(self, older_than_s: float) -> set[str]:
+        """The publish attempts under STAGING_ROOT that started, and last wrote, over older_than_s ago."""
+        cutoff = time.time() - older_than_s
+        return {attempt for attempt, last in self._staging_writes().items()
+                if last <= cutoff and staging_attempt_is_stale(attempt, older_than_s)}
+
+    def _staging_writes(self) -> dict[str, float]:
+        """Each publish attempt under STAGING_ROOT and the time of its latest write seen (0 where unknown).
+        A store that keeps unfinished writes apart from its objects adds them (S3's multipart uploads)."""
+        latest: dict[str, float] = {}
+        for info in self.list(STAGING_ROOT):
+            attempt = staging_attempt(info.key)
+            latest[attempt] = max(latest.get(attempt, 0.0), info.modified or 0.0)
+        return latest
 
     # ---- helpers ----
 

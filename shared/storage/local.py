@@ -85,12 +85,12 @@ class LocalStore(ObjectStore):
                 key = path.relative_to(self.root).as_posix()
                 if key.startswith(prefix):
                     try:
-                        size = path.stat().st_size
+                        stat = path.stat()
                     except FileNotFoundError:  # deleted by another process since the folder was read
                         continue
                     except OSError as exc:
                         raise StorageError(f"cannot list {self.uri(prefix)}: {exc}") from exc
-                    found.append(ObjectInfo(key, size, None))
+                    found.append(ObjectInfo(key, stat.st_size, None, stat.st_mtime))
         return sorted(found, key=lambda info: info.key)
 
     def delete(self, key: str) -> None:

@@ -18,7 +18,7 @@ import botocore.exceptions
 from boto3.exceptions import Boto3Error
 from boto3.s3.transfer import TransferConfig
 
-from .base import ObjectInfo, ObjectStore, staging_attempt, staging_attempt_is_stale
+from .base import ObjectInfo, ObjectStore, staging_attempt
 from .config import StorageConfig
 from .errors import InvalidKey, ObjectNotFound, StorageError
 from .hashing import sha256_file
@@ -102,7 +102,7 @@ class S3Store(ObjectStore):
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         check_prefix(prefix)
-        found = [ObjectInfo(obj["Key"][len(self.prefix) :], obj["Size"], None)
+        found = [ObjectInfo(obj["Key"][len(self.prefix) :], obj["Size"], None, obj["LastModified"].timestamp())
                  for obj in self._listed("list_objects_v2", "Contents", prefix, "listing of")]
         return sorted(found, key=lambda info: info.key)
 
@@ -142,12 +142,35 @@ class S3Store(ObjectStore):
     def purge_staging(self, older_than_s: float = 3600.0) -> int:
         """Also aborts the unfinished multipart uploads of stale publish attempts: a publisher killed
         mid-upload leaves its parts stored (and billed) but listed nowhere, not even as an object."""
-        deleted = super().purge_staging(older_than_s)
+        stale = self._stale_staging_attempts(older_than_s)
+        deleted = sum(self.delete_prefix(f"{STAGING_ROOT}{attempt}/") for attempt in sorted(stale))
         aborted = 0
-        for key, upload_id in self._multipart_uploads(STAGING_ROOT):
-            if staging_attempt_is_stale(staging_attempt(key), older_than_s) and self._abort_upload(key, upload_id):
+        for key, upload_id, _ in self._multipart_uploads(STAGING_ROOT):
+            if staging_attempt(key) in stale and self._abort_upload(key, upload_id):
                 aborted += 1
         return deleted + aborted
+
+    def _staging_writes(self) -> dict[str, float]:
+        """Objects' times, and the multipart uploads': an attempt uploading one large file has only that
+        upload to show (its start, and its latest part's time: one more request per unfinished upload)."""
+        latest = super()._staging_writes()
+        for key, upload_id, initiated in self._multipart_uploads(STAGING_ROOT):
+            attempt = staging_attempt(key)
+            latest[attempt] = max(latest.get(attempt, 0.0), initiated, self._latest_part(key, upload_id))
+        return latest
+
+    def _latest_part(self, key: str, upload_id: str) -> float:
+        """The time of the upload's latest part (0 when it has none, or is gone: completed or aborted)."""
+        with self._errors("listing of the parts of the multipart upload of", key):
+            try:
+                pages = self._client.get_paginator("list_parts").paginate(
+                    Bucket=self.bucket, Key=self.prefix + key, UploadId=upload_id)
+                times = [part["LastModified"].timestamp() for page in pages for part in page.get("Parts", [])]
+            except botocore.exceptions.ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") == "NoSuchUpload":
+                    return 0.0
+                raise
+        return max(times, default=0.0)
 
     def _abort_upload(self, key: str, upload_id: str) -> bool:
         """-> False when the upload is gone already (another quantizer purging at the same time)."""
@@ -160,10 +183,12 @@ class S3Store(ObjectStore):
                 raise
         return True
 
-    def _multipart_uploads(self, prefix: str) -> list[tuple[str, str]]:
-        """(key, upload id) of every multipart upload started under prefix and neither completed nor aborted."""
+    def _multipart_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
+        """(key, upload id, start time) of every multipart upload started under prefix and neither
+        completed nor aborted."""
         uploads = self._listed("list_multipart_uploads", "Uploads", prefix, "listing of the multipart uploads under")
-        return [(upload["Key"][len(self.prefix) :], upload["UploadId"]) for upload in uploads]
+        return [(upload["Key"][len(self.prefix) :], upload["UploadId"], upload["Initiated"].timestamp())
+                for upload in uploads]
 
     def _full(self, key: str) -> str:
         return self.prefix + check_key(key)

@@ -19,21 +19,28 @@ def _start_upload(client, bucket: str, key: str) -> str:
 
 
 def test_purge_staging_aborts_the_unfinished_uploads_of_old_attempts(moto_endpoint, s3_config, s3_client):
+    """Times are S3's, to the second: a threshold of 2 s, and a wait of 3 so that the killed upload's
+    writes are older than that; the slow one sends a part after the wait."""
     config = s3_config(moto_endpoint, prefix="models")
     store = open_store(config, create=True)
     client = s3_client(moto_endpoint)
     now_ms = int(time.time() * 1000)
     old_key = f"models/{STAGING_ROOT}{now_ms - 2 * HOUR_S * 1000}-dead/weights/layer0.bin"
     live_key = f"models/{STAGING_ROOT}{now_ms}-live/weights/layer0.bin"
+    slow_key = f"models/{STAGING_ROOT}{now_ms - 2 * HOUR_S * 1000}-slow/weights/layer0.bin"
     _start_upload(client, config.bucket, old_key)
+    slow_id = _start_upload(client, config.bucket, slow_key)
+    time.sleep(3.0)
     live_id = _start_upload(client, config.bucket, live_key)
+    # started two hours ago, one large file still going up: its latest part is recent
+    client.upload_part(Bucket=config.bucket, Key=slow_key, UploadId=slow_id, PartNumber=2, Body=b"x" * 1024)
     # The killed attempt completed no object: only its multipart upload says it was ever there.
     assert store.list(STAGING_ROOT) == []
 
-    assert store.purge_staging(older_than_s=HOUR_S) == 1
+    assert store.purge_staging(older_than_s=2) == 1
 
     left = client.list_multipart_uploads(Bucket=config.bucket).get("Uploads", [])
-    assert [(u["Key"], u["UploadId"]) for u in left] == [(live_key, live_id)]  # a publish still going on
+    assert sorted((u["Key"], u["UploadId"]) for u in left) == sorted([(live_key, live_id), (slow_key, slow_id)])
 
 
 def test_purge_staging_removes_old_partial_writes_of_a_local_store(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -183,8 +184,24 @@ def test_download_folder_refuses_a_non_empty_folder_and_a_missing_prefix(store, 
 def test_purge_staging_removes_only_old_attempts(store, tmp_path):
     src = tmp_path / "f"
     src.write_bytes(b"abc")
-    store.put_file(src, f"{STAGING_ROOT}1000-deadbeef/f")  # a publish that started in 1970
+    store.put_file(src, f"{STAGING_ROOT}{int(time.time() * 1000)}-alive/f")  # a publish that started now
     store.put_file(src, "kept/f")
 
-    assert store.purge_staging(older_than_s=3600) == 1
-    assert [o.key for o in store.list()] == ["kept/f"]
+    assert store.purge_staging(older_than_s=3600) == 0
+    assert len(store.list()) == 2
+
+
+def test_purge_staging_spares_an_old_attempt_that_is_still_writing(store, tmp_path):
+    """A publish that started long ago but still uploads (a large model on a slow link) is not purged
+    under its feet; one that stopped writing as long ago is. Stores keep times to the second, hence
+    a threshold of 2 s and a wait of 3."""
+    src = tmp_path / "f"
+    src.write_bytes(b"abc")
+    store.put_file(src, f"{STAGING_ROOT}1000-dead/a")  # both started in 1970
+    store.put_file(src, f"{STAGING_ROOT}1000-slow/a")
+    time.sleep(3.0)
+    store.put_file(src, f"{STAGING_ROOT}1000-slow/b")  # ... and this one is still uploading
+
+    assert store.purge_staging(older_than_s=2) == 1
+    assert [o.key for o in store.list()] == [f"{STAGING_ROOT}1000-slow/a", f"{STAGING_ROOT}1000-slow/b"]
+    assert all(o.modified is not None for o in store.list())
