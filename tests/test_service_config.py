@@ -170,6 +170,15 @@ def test_a_bad_quantizer_token_setting_is_one_line_naming_it(value, expected, tm
     assert SECRET not in message
 
 
+def test_an_admin_token_name_longer_than_an_event_actor_is_refused_at_start_up(tmp_path, capsys):
+    """The name is recorded as the actor of each change the token makes: refused at start-up, not at the
+    token's first change."""
+    message = _refusal("gateway", _base("gateway", tmp_path), capsys,
+                       environ={"QSERVE_ADMIN_TOKENS": f"{'n' * 129}={SECRET}:admin"})
+    assert message.startswith("error: QSERVE_ADMIN_TOKENS: ") and "at most 128 are accepted" in message, message
+    assert SECRET not in message
+
+
 def test_no_service_takes_a_secret_on_its_command_line():
     """A command line is visible to every user of the host (ps, /proc, docker inspect): tokens, keys and
     passwords come from the environment, in every service alike."""

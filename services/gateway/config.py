@@ -10,8 +10,11 @@ from dataclasses import dataclass, field
 
 from shared.config import (ServiceArgumentParser, add_registry_argument, add_tls_client_arguments,
                            add_tls_server_arguments, client_tls_from_args, nonempty, server_tls_from_args)
+from shared.registry.models import MAX_ACTOR
 from shared.rpc.bearer import ScopedToken, check_scoped_tokens, parse_scoped_tokens
 from shared.rpc.tls import ClientTls, ServerTls
+
+_WHAT = "QSERVE_ADMIN_TOKENS: admin token"  # how errors name an entry of the setting
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 SCOPES = ("admin", "worker")
@@ -85,7 +88,7 @@ class GatewayConfig:
         self.metrics_host = self.metrics_host or host
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics port {self.metrics_port} must be 0..65535 (0 = a free port) or unset (off)")
-        check_scoped_tokens(self.admin_tokens, "admin token", SCOPES, ConfigError)
+        check_scoped_tokens(self.admin_tokens, _WHAT, SCOPES, ConfigError, max_name=MAX_ACTOR)
         if any(not key for key in self.api_keys):
             raise ConfigError("an API key is empty; give non-empty keys or none (no key needed)")
         if self.max_concurrent_streams < 1:
@@ -159,7 +162,7 @@ class GatewayConfig:
 
 def parse_admin_tokens(text: str) -> dict[str, AdminToken]:
     """`name=token:scope,...` -> {name: AdminToken}; the error names the entry that does not parse."""
-    return parse_scoped_tokens(text, "admin token", SCOPES, ConfigError)
+    return parse_scoped_tokens(text, _WHAT, SCOPES, ConfigError)
 
 
 def _positive(value: float) -> bool:
