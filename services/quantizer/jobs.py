@@ -26,6 +26,7 @@ from services.quantizer.pipeline import Pipeline, Services
 from services.quantizer.publish_spec import PublishSpec
 from services.quantizer.views import ArtifactDetails, ArtifactView, JobView, Stage
 from shared.registry import (
+    ArtifactState,
     InvalidState,
     JobState,
     NotFound,
@@ -41,6 +42,7 @@ from shared.registry import (
     get_job,
     heartbeat,
     list_jobs,
+    prefix_served_by_another,
     report_progress,
     start_job,
 )
@@ -305,9 +307,32 @@ class JobRunner:
                 stale_after=timedelta(seconds=self.config.orphan_after_s),
             )
             ids = [job.id for job in orphans]
+            artifact_ids = sorted({job.artifact_id for job in orphans if job.artifact_id is not None})
         for job_id in ids:
             log.warning("failed job %s: %s", job_id, ORPHAN_REASON)
+        for artifact_id in artifact_ids:
+            self._delete_orphaned_objects(artifact_id)
         return ids
+
+    def _delete_orphaned_objects(self, artifact_id: str) -> None:
+        """Deletes what an orphaned job left under its artifact's final prefix: a quantizer killed while its
+        publish moved objects there leaves some (no manifest: it goes last), and only a retry of the binding
+        would ever remove them; a binding never retried kept them (gigabytes) for good. Under the artifact's
+        row lock, and only while it is FAILED: a retry (FAILED -> PENDING, the same lock) waits for the
+        deletion, so it never loses objects it wrote. Best effort: a store that fails leaves them, logged."""
+        try:
+            with self.services.registry.transaction() as session:
+                artifact = get_artifact(session, artifact_id, for_update=True)
+                if artifact.state != ArtifactState.FAILED or prefix_served_by_another(session, artifact):
+                    return  # retried meanwhile (its job clears the prefix first), or someone's objects
+                prefix = artifact.object_prefix
+                removed = self.services.store.delete_prefix(prefix)
+        except Exception as exc:
+            log.warning("could not delete what the orphaned job of artifact %s left in the store: %s", artifact_id, exc)
+            return
+        if removed:
+            log.warning("deleted %d object(s) that the orphaned job of artifact %s left under %s", removed,
+                        artifact_id, self.services.store.uri(prefix))
 
     # ---- work folders ----
 

@@ -97,6 +97,14 @@ def find_ready_by_digest(session: Session, content_digest: str) -> Artifact | No
     return session.scalars(stmt).unique().first()
 
 
+def prefix_served_by_another(session: Session, artifact: Artifact) -> bool:
+    """Whether a READY artifact other than this one points at this one's object prefix (reuse by digest):
+    then those objects must stay whatever becomes of this artifact."""
+    stmt = sa.select(Artifact.id).where(Artifact.object_prefix == artifact.object_prefix,
+                                        Artifact.state == ArtifactState.READY, Artifact.id != artifact.id).limit(1)
+    return session.scalars(stmt).first() is not None
+
+
 def list_artifacts(
     session: Session, *, model: str | None = None, state: ArtifactState | None = None
 ) -> list[Artifact]:

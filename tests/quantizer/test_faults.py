@@ -17,8 +17,10 @@ from shared.registry import (
     get_job,
     heartbeat,
     list_artifacts,
+    mark_artifact_failed,
     register_model_version,
     reserve_artifact,
+    retry_artifact,
     start_job,
 )
 from shared.registry.models import utcnow
@@ -82,9 +84,13 @@ def test_jobs_of_a_killed_quantizer_fail_when_the_service_starts(any_registry_ur
         start_job(session, orphan.id, owner=dead)
         live = create_job(session, owner=alive)
         start_job(session, live.id, owner=alive)
-        orphan_id, live_id, artifact_id = orphan.id, live.id, artifact.id
+        orphan_id, live_id, artifact_id, prefix = orphan.id, live.id, artifact.id, artifact.object_prefix
     with registry.transaction() as session:
         heartbeat(session, dead, now=utcnow() - timedelta(minutes=5))  # it died five minutes ago
+    store = open_store(bucket_store)
+    # killed while its publish moved objects to the final prefix: two weight files there, no manifest yet
+    left = [store.put_bytes(b"w" * 100, f"{prefix}weights/{name}").key for name in ("a.bin", "b.bin")]
+    other = store.put_bytes(b"x", "elsewhere/kept.bin").key
 
     quantizer = start_quantizer(bucket_store, any_registry_url)
 
@@ -95,10 +101,38 @@ def test_jobs_of_a_killed_quantizer_fail_when_the_service_starts(any_registry_ur
     with registry.sessions() as session:
         assert get_job(session, live_id).state == JobState.RUNNING  # another quantizer that still heartbeats
         assert get_artifact(session, artifact_id).state == ArtifactState.FAILED
+    assert not any(store.exists(key) for key in left)  # deleted with its job failed: no retry may ever come
+    assert store.exists(other)
 
     job, _ = quantizer.publish(request_for(small_model))  # the binding can be published again
     assert job.state == Q.JOB_STATE_SUCCEEDED, job.error
     assert job.artifact.artifact_id == artifact_id
+
+
+def test_an_orphans_objects_are_kept_once_its_artifact_is_retried(bucket_store, start_quantizer, registry_url,
+                                                                   open_registry, small_model):
+    """The deletion of what an orphaned job left runs under the artifact's lock and only while it is FAILED:
+    a retry that took the artifact first has its job clear the prefix, and may be writing there already."""
+    quantizer = start_quantizer(bucket_store, registry_url)
+    runner, store = quantizer.server.running.runner, open_store(bucket_store)
+    registry = open_registry(registry_url)
+    with registry.transaction() as session:
+        version = register_model_version(session, "rand", HfCheckpoint(small_model).content_hash())
+        artifact = reserve_artifact(session, version.id, "w4a8kv4-g128", "cpu").artifact
+        artifact_id, prefix = artifact.id, artifact.object_prefix
+    key = store.put_bytes(b"w", f"{prefix}weights/a.bin").key
+
+    runner._delete_orphaned_objects(artifact_id)  # PENDING: a job holds it
+    assert store.exists(key)
+    with registry.transaction() as session:
+        mark_artifact_failed(session, artifact_id, "orphaned")
+        retry_artifact(session, artifact_id)
+    runner._delete_orphaned_objects(artifact_id)  # retried before the sweep's deletion ran
+    assert store.exists(key)
+    with registry.transaction() as session:
+        mark_artifact_failed(session, artifact_id, "orphaned again")
+    runner._delete_orphaned_objects(artifact_id)
+    assert not store.exists(key)
 
 
 def test_a_corrupt_checkpoint_fails_the_job_naming_the_file(bucket_store, start_quantizer, registry_url, small_model,

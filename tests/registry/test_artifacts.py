@@ -20,6 +20,7 @@ from shared.registry import (
     list_events,
     mark_artifact_failed,
     mark_artifact_ready,
+    prefix_served_by_another,
     reserve_artifact,
     retry_artifact,
 )
@@ -147,6 +148,10 @@ def test_identical_content_is_found_and_reused_not_stored_twice(session: Session
     )
     assert reused.object_prefix == first.object_prefix
     assert find_ready_by_digest(session, "same-content").id == first.id
+    # one prefix, two READY artifacts: each one's objects serve the other
+    assert prefix_served_by_another(session, first) and prefix_served_by_another(session, reused)
+    third = reserve_artifact(session, version, "w4a8kv4-chn", "sm90").artifact
+    assert not prefix_served_by_another(session, third)
 
 
 def test_reuse_needs_a_ready_artifact_with_the_same_digest(session: Session, version: ModelVersion) -> None:
