@@ -37,7 +37,9 @@ With pv_mma (PV_MMA) the value sums go to the fp16 tensor cores instead: out^T =
 turned into fp16 1024 + c by a PRMT and a LOP3 per pair of tokens, the weights rounded to fp16
 (_pv_mma_block). A code then costs a few instructions for the whole group instead of an FFMA per
 head: SASS with Triton 3.6 per 32-token tile, group 4 1090 -> 593 instructions, group 8 1843 -> 853
-(168 registers instead of 255), group 1 542 -> 441. Not yet measured on the GPU, so not a default.
+(168 registers instead of 255), group 1 542 -> 441. Measured on the H200 (session 20, paged_attention.py's
+notes before MMA_DEFAULTS): a tie at group 1 (memory-bound already), mixed at group 4, so not a default;
+groups 4 and 8 use the head-rows kernel instead.
 
 On the GPU the MMA and the shuffles are inline PTX; under TRITON_INTERPRET they are emulated over
 the 32 lanes with gathers, fragment layout included, so the CPU tests check the bookkeeping.
