@@ -27,9 +27,9 @@ from services.worker.announce import GatewayAnnouncer
 from services.worker.engine.outputs import EngineStats
 from shared.registry import sqlite_url
 from shared.rpc import probe
-from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2_grpc
+from shared.rpc.qserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2_grpc
 from shared.rpc.serving import BackgroundLoop, listen
-from shared.rpc.tls import ClientTls, ServerTls, load_client_tls, load_server_tls
+from shared.rpc.tls import ClientTls, ReloadingClientTls, ServerTls, load_client_tls, load_server_tls
 from shared.storage import StorageConfig
 from tests.gateway.conftest import ADMIN, TOKENS, WORKER, Artifacts, seed_artifacts
 from tests.gateway.fake_worker import FakeWorker, expected_tokens
@@ -68,10 +68,10 @@ class Running:
     worker_address: str = ""
 
 
-async def _start_worker(artifact_id: str, tls: ServerTls | None) -> tuple[grpc.aio.Server, str]:
+async def _start_worker(artifact_id: str, tls: ServerTls | None, delay_s: float = 0.0) -> tuple[grpc.aio.Server, str]:
     """A fake worker whose port is opened by the services' own `listen`, over TLS or plaintext."""
     server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(FakeWorker(artifact_id, tokens=3), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(FakeWorker(artifact_id, tokens=3, delay_s=delay_s), server)
     port = listen(server, "127.0.0.1:0", "test worker", RuntimeError, tls)
     await server.start()
     return server, f"127.0.0.1:{port}"
@@ -339,3 +339,148 @@ def test_a_server_picks_up_renewed_certificate_files_and_keeps_serving_through_a
     finally:
         loop.call(server.stop(0), 30.0)
         loop.close()
+
+
+def _install(source: Path, target: Path) -> None:
+    """As a mounted secret updates: a new file swapped in."""
+    staged = target.with_suffix(".new")
+    staged.write_bytes(source.read_bytes())
+    staged.replace(target)
+
+
+def test_client_tls_files_are_reloaded_when_they_change_and_kept_through_a_half_written_rotation(
+        tmp_path, certs, caplog):
+    cert, key = tmp_path / "client.pem", tmp_path / "client-key.pem"
+    _install(certs.client_cert, cert)
+    _install(certs.client_key, key)
+    tls = ReloadingClientTls(load_client_tls(certs.ca, cert, key))
+    assert tls.current().cert_chain == certs.client_cert.read_bytes() and tls.generation == 0
+    with caplog.at_level(logging.INFO, logger="shared.rpc.tls"):
+        _install(certs.other_client_cert, cert)  # its key is not there yet
+        assert tls.current().cert_chain == certs.client_cert.read_bytes()
+        assert tls.current().cert_chain == certs.client_cert.read_bytes()
+        warnings = [r for r in caplog.records if "cannot be used" in r.getMessage()]
+        assert len(warnings) == 1 and "is not the private key of the certificate" in warnings[0].getMessage()
+        _install(certs.other_client_key, key)
+        renewed = tls.current()
+    assert renewed.cert_chain == certs.other_client_cert.read_bytes() and tls.generation == 1
+    assert renewed.private_key == certs.other_client_key.read_bytes() and renewed.files() == (
+        str(certs.ca), str(cert), str(key))
+    assert tls.current() is renewed and tls.generation == 1  # unchanged files: nothing reloaded
+
+
+def test_a_gateway_dials_workers_with_its_renewed_client_certificate(artifacts, certs, tmp_path):
+    """The workers require client certificates; the gateway's is renewed (signed by another CA, which the
+    workers now trust instead). A worker registering after the rotation is reached with the renewed
+    certificate, and the workers already registered get channels dialled with it (an open channel would
+    reconnect with the old one, which the workers no longer accept); a stream open on the old channel
+    finishes on it, and the old channel is closed after it."""
+    trusted, cert, key = tmp_path / "workers-trust.pem", tmp_path / "gw-client.pem", tmp_path / "gw-client-key.pem"
+    for source, target in ((certs.ca, trusted), (certs.client_cert, cert), (certs.client_key, key)):
+        _install(source, target)
+    gateway = BackgroundGateway(GatewayConfig(
+        registry_url=artifacts.url, listen="127.0.0.1:0", admin_tokens=TOKENS, budget=FallbackBudget(enabled=False),
+        grace_s=0.5, heartbeat_interval_s=0.05, worker_tls=load_client_tls(certs.ca, cert, key)))
+
+    async def scenario():
+        worker_tls = load_server_tls(certs.server_cert, certs.server_key, trusted)
+        first, first_address = await _start_worker(artifacts.stable, worker_tls, delay_s=0.01)
+        second = None
+        try:
+            async with grpc.aio.insecure_channel(gateway.address) as channel:
+                admin, client = gateway_pb2_grpc.AdminStub(channel), gateway_pb2_grpc.GatewayStub(channel)
+                registered = await admin.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
+                    address=first_address, artifact_id=artifacts.stable), metadata=WORKER)
+                await admin.CreateDeployment(gateway_pb2.CreateDeploymentRequest(
+                    name="chat", stable_artifact_id=artifacts.stable, baseline_artifact_id=artifacts.baseline),
+                    metadata=ADMIN)
+                pooled = gateway.server.pool.get(registered.worker_id)
+                old_channel = pooled.channel
+                long = client.Generate(gateway_pb2.GatewayGenerateRequest(
+                    deployment="chat", text="long", sampling=common_pb2.SamplingParams(max_new_tokens=200)))
+                first_reply = await long.read()
+                _install(certs.other_ca, trusted)
+                _install(certs.other_client_cert, cert)
+                _install(certs.other_client_key, key)
+                second, second_address = await _start_worker(
+                    artifacts.canary, load_server_tls(certs.server_cert, certs.server_key, trusted))
+                await admin.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
+                    address=second_address, artifact_id=artifacts.canary), metadata=WORKER)
+                deadline = time.monotonic() + PROMPT_S
+                while pooled.channel is old_channel:  # the next heartbeat-expiry pass re-dials it
+                    assert time.monotonic() < deadline, "the registered worker was not dialled again"
+                    await asyncio.sleep(0.01)
+                assert pooled.retired_channels == [old_channel]  # the long stream is still on it
+                rest = []
+                while (reply := await long.read()) is not grpc.aio.EOF:
+                    rest.append(reply)
+                assert len(first_reply.token_ids) + sum(len(r.token_ids) for r in rest) == 200
+                assert rest[-1].HasField("finish") and pooled.retired_channels == []
+                replies = [r async for r in client.Generate(gateway_pb2.GatewayGenerateRequest(
+                    deployment="chat", text="hi"))]
+                assert [t for r in replies for t in r.token_ids] == expected_tokens(list(b"hi"), 3)
+        finally:
+            await first.stop(0)
+            if second is not None:
+                await second.stop(0)
+
+    try:
+        gateway.call(scenario())
+    finally:
+        gateway.stop(0)
+
+
+def test_a_worker_announces_itself_with_its_renewed_client_certificate(artifacts, certs, tmp_path):
+    """The gateway requires client certificates; the worker's is renewed (another CA, which the gateway
+    now trusts instead) and the gateway restarts at the same address: the worker registers again with the
+    renewed certificate (its open channel would have reconnected with the old one, now refused)."""
+    trusted, cert, key = tmp_path / "gw-trust.pem", tmp_path / "worker-client.pem", tmp_path / "worker-key.pem"
+    for source, target in ((certs.ca, trusted), (certs.client_cert, cert), (certs.client_key, key)):
+        _install(source, target)
+
+    def start_gateway(listen: str) -> BackgroundGateway:
+        return BackgroundGateway(GatewayConfig(
+            registry_url=artifacts.url, listen=listen, admin_tokens=TOKENS, budget=FallbackBudget(enabled=False),
+            grace_s=0.5, heartbeat_interval_s=0.05,
+            tls=load_server_tls(certs.server_cert, certs.server_key, trusted)))
+
+    async def registered(announcer: GatewayAnnouncer) -> None:
+        deadline = time.monotonic() + PROMPT_S
+        while announcer.worker_id is None:
+            assert time.monotonic() < deadline, "the worker did not register"
+            await asyncio.sleep(0.01)
+
+    gateway = start_gateway("127.0.0.1:0")
+    loop = BackgroundLoop("announcer-test")
+    worker, worker_address = loop.call(_start_worker(artifacts.stable, None), 30.0)  # plaintext: not the point
+    announcer = GatewayAnnouncer(gateway.address, "worker-secret", worker_address, artifacts.stable, _load,
+                                 min_backoff_s=0.05, tls=load_client_tls(certs.ca, cert, key))
+    try:
+        loop.call(_started(announcer), 30.0)
+        loop.call(registered(announcer), 30.0)
+        _install(certs.other_ca, trusted)
+        _install(certs.other_client_cert, cert)
+        _install(certs.other_client_key, key)
+        address = gateway.address
+        gateway.stop(0)
+        gateway = start_gateway(address)  # it knows no worker: the worker must register again, on a new connection
+        loop.call(registered_again(announcer), 30.0)
+        assert [w.address for w in gateway.server.pool.workers.values()] == [worker_address]
+    finally:
+        loop.call(announcer.stop(), 30.0)
+        loop.call(worker.stop(0), 30.0)
+        loop.close()
+        gateway.stop(0)
+
+
+async def _started(announcer: GatewayAnnouncer) -> None:
+    announcer.start()
+
+
+async def registered_again(announcer: GatewayAnnouncer) -> None:
+    """Until the announcer holds a registration the restarted gateway knows (it forgot the old one)."""
+    deadline = time.monotonic() + PROMPT_S
+    old = announcer.worker_id
+    while announcer.worker_id in (None, old):
+        assert time.monotonic() < deadline, "the worker did not register with the restarted gateway"
+        await asyncio.sleep(0.01)

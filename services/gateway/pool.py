@@ -44,7 +44,7 @@ from services.gateway.config import Quarantine
 from services.gateway.deployments import ArtifactRefView, timestamp
 from services.gateway.errors import AdmissionFull, NoWorker, UnknownName
 from shared.rpc.qserve.v1 import gateway_pb2, worker_pb2_grpc
-from shared.rpc.tls import ClientTls, aio_channel
+from shared.rpc.tls import ClientTls, ReloadingClientTls, aio_channel
 
 log = logging.getLogger(__name__)
 # gRPC drops an idle connection after 30 min by default; the pool would read that as a worker gone.
@@ -92,6 +92,10 @@ class PooledWorker:
     waiting_requests: int = 0
     kv_blocks_free: int = 0
     watcher: asyncio.Task | None = None  # watches the connection (WorkerPool._watch)
+    tls_generation: int = 0  # of the pool's client TLS files when its channel was dialled
+    # Channels replaced after a TLS rotation while streams were open on them: closed once none is
+    # (a closed channel ends its calls).
+    retired_channels: list[grpc.aio.Channel] = field(default_factory=list)
     # One callback per open stream that asked to be ended should the worker be unable to finish it
     # (WorkerPool.acquire); called with the reason, and removed, by WorkerPool._end_streams.
     stream_enders: set[Callable[[str], None]] = field(default_factory=set)
@@ -128,6 +132,10 @@ class WorkerPool:
     worker_tls: ClientTls | None = None  # the gateway's --tls-ca (and client certificate); None = plaintext
     quarantine: Quarantine = field(default_factory=Quarantine)
     workers: dict[str, PooledWorker] = field(default_factory=dict)  # by worker_id
+    _tls: ReloadingClientTls | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._tls = ReloadingClientTls(self.worker_tls) if self.worker_tls is not None else None
 
     async def add(self, address: str, artifact: ArtifactRefView, capacity: int) -> PooledWorker:
         """Registers a worker, or refreshes the one already at this address (keeping its worker_id)."""
@@ -148,14 +156,44 @@ class WorkerPool:
         worker = PooledWorker(
             worker_id=uuid.uuid4().hex[:16], address=address, artifact=artifact, capacity=capacity, channel=channel,
             stub=worker_pb2_grpc.WorkerStub(channel), registered_at=now, last_heartbeat=now, last_heartbeat_mono=mono,
+            tls_generation=self._tls_generation(),
         )
         worker.watcher = asyncio.create_task(self._watch(worker), name=f"worker-connection-{address}")
         self.workers[worker.worker_id] = worker
         return worker
 
     def dial(self, address: str, options: tuple[tuple[str, object], ...] = ()) -> grpc.aio.Channel:
-        """A channel to the worker at address: TLS or plaintext as the gateway is configured to dial workers."""
-        return aio_channel(address, self.worker_tls, options)
+        """A channel to the worker at address: TLS (with the client files as they are now) or plaintext, as the
+        gateway is configured to dial workers."""
+        return aio_channel(address, self._tls.current() if self._tls is not None else None, options)
+
+    def _tls_generation(self) -> int:
+        return self._tls.generation if self._tls is not None else 0
+
+    async def dial_again_if_tls_renewed(self) -> list[PooledWorker]:
+        """Gives every worker a new channel once the client TLS files changed (shared.rpc.tls: an open channel
+        reconnects with the files it was dialled with); returns those re-dialled. Streams open on an old
+        channel finish on it; it is closed with the last of them."""
+        if self._tls is None:
+            return []
+        self._tls.current()
+        generation = self._tls.generation
+        renewed = []
+        for worker in [w for w in self.workers.values() if w.tls_generation != generation]:
+            await _stop_watching(worker)
+            old = worker.channel
+            worker.channel = self.dial(worker.address, _CHANNEL_OPTIONS)
+            worker.stub = worker_pb2_grpc.WorkerStub(worker.channel)
+            worker.tls_generation = generation
+            # A worker removed meanwhile (during the await above) is no longer watched.
+            if self.workers.get(worker.worker_id) is worker:
+                worker.watcher = asyncio.create_task(self._watch(worker), name=f"worker-connection-{worker.address}")
+            if worker.in_flight:
+                worker.retired_channels.append(old)
+            else:
+                await old.close()
+            renewed.append(worker)
+        return renewed
 
     async def _watch(self, worker: PooledWorker) -> None:
         """Connects at once (so that a worker that never got a request is watched too) and marks the
@@ -221,6 +259,7 @@ class WorkerPool:
             raise UnknownName(f"worker {worker_id!r} is not registered; ListWorkers shows the registered ones")
         await _stop_watching(worker)
         if worker.in_flight == 0:
+            await _close_retired(worker)
             await worker.channel.close()
         return worker
 
@@ -235,8 +274,10 @@ class WorkerPool:
     async def release(self, worker: PooledWorker, end: Callable[[str], None] | None = None) -> None:
         worker.in_flight -= 1
         worker.stream_enders.discard(end)  # already gone if the pool ended the stream
-        if worker.in_flight == 0 and self.workers.get(worker.worker_id) is not worker:
-            await worker.channel.close()  # removed while streams were open: the last one closes it
+        if worker.in_flight == 0:
+            await _close_retired(worker)
+            if self.workers.get(worker.worker_id) is not worker:
+                await worker.channel.close()  # removed while streams were open: the last one closes it
 
     def mark_failed(self, worker: PooledWorker, reason: str) -> None:
         """A request failed on the worker (not one it refused as full: a full worker is busy, not failing).
@@ -376,6 +417,7 @@ class WorkerPool:
     async def close(self) -> None:
         for worker in list(self.workers.values()):
             await _stop_watching(worker)
+            await _close_retired(worker)
             await worker.channel.close()
         self.workers.clear()
 
@@ -383,6 +425,11 @@ class WorkerPool:
 def _clear_record(worker: PooledWorker) -> None:
     worker.failure_streak = worker.quarantines = 0
     worker.quarantined_until, worker.quarantine_reason, worker.quarantine_declined = 0.0, "", False
+
+
+async def _close_retired(worker: PooledWorker) -> None:
+    while worker.retired_channels:
+        await worker.retired_channels.pop().close()
 
 
 async def _stop_watching(worker: PooledWorker) -> None:

@@ -141,6 +141,9 @@ class GatewayServer:
                 log.exception("checking the workers' heartbeats failed; checking again in %.1f s", interval)
 
     async def _expire_workers_once(self) -> None:
+        for worker in await self.pool.dial_again_if_tls_renewed():
+            log.info("worker %s (%s): dialled again with the renewed TLS client files", worker.worker_id,
+                     worker.address)
         for worker in self.pool.expire():
             log.warning("worker %s (%s) marked unhealthy: %s", worker.worker_id, worker.address,
                         worker.failed_reason)

@@ -22,7 +22,7 @@ import grpc
 
 from services.worker.engine.outputs import EngineStats
 from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc
-from shared.rpc.tls import ClientTls, aio_channel, mismatch_hint
+from shared.rpc.tls import ClientTls, ReloadingClientTls, aio_channel, mismatch_hint
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ class GatewayAnnouncer:
         stalled: Callable[[], bool] | None = None,
     ):
         self.gateway_address = gateway_address
-        self._tls = tls
+        self._tls = ReloadingClientTls(tls) if tls is not None else None
+        self._channel_generation = 0  # of self._tls when the channel was dialled
         self.worker_address = worker_address
         self.artifact_id = artifact_id
         self._load = load
@@ -66,13 +67,29 @@ class GatewayAnnouncer:
         self._heartbeat_in_flight = False  # stop() cuts a heartbeat short, never a registration
 
     def start(self) -> None:
+        self._dial()
+        self._task = asyncio.create_task(self._run(), name=f"gateway-announcer-{self.gateway_address}")
+
+    def _dial(self) -> None:
         reconnect_ms = int(1000 * min(self._min_backoff_s, MAX_RECONNECT_BACKOFF_S))
-        self._channel = aio_channel(self.gateway_address, self._tls, options=(
+        tls = self._tls.current() if self._tls is not None else None
+        self._channel = aio_channel(self.gateway_address, tls, options=(
             ("grpc.initial_reconnect_backoff_ms", reconnect_ms),
             ("grpc.max_reconnect_backoff_ms", int(1000 * MAX_RECONNECT_BACKOFF_S)),
         ))
+        self._channel_generation = self._tls.generation if self._tls is not None else 0
         self._stub = gateway_pb2_grpc.AdminStub(self._channel)
-        self._task = asyncio.create_task(self._run(), name=f"gateway-announcer-{self.gateway_address}")
+
+    async def _dial_again_if_tls_renewed(self) -> None:
+        """A new channel once the TLS files changed: the open one would reconnect with the old ones."""
+        if self._tls is None:
+            return
+        self._tls.current()
+        if self._tls.generation != self._channel_generation:
+            old = self._channel
+            self._dial()
+            log.info("gateway %s: dialled again with the renewed TLS files", self.gateway_address)
+            await old.close()
 
     async def stop(self) -> None:
         """Stops heartbeating and deregisters (best effort: the gateway may be gone). Takes at most
@@ -111,6 +128,7 @@ class GatewayAnnouncer:
         failures = 0  # in a row
         while not self._stop.is_set():
             try:
+                await self._dial_again_if_tls_renewed()  # between calls: none is in flight on the old channel
                 if self.worker_id is None:
                     interval = await self._register()
                 else:

@@ -14,7 +14,13 @@ A server picks up renewed certificate files without a restart (cert-manager, a m
 each new connection's handshake it compares the files' stat signatures with the ones it serves and, when
 they changed, loads and checks them as at start-up. A set that does not load (a rotation caught half
 written: the new certificate beside the old key) is logged and the server keeps its current one, trying
-again once the files change again. Connections already open keep the certificate they began with."""
+again once the files change again. Connections already open keep the certificate they began with.
+
+A long-running client (the gateway dialling workers, a worker its gateways) does the same with its CA and
+client certificate through ReloadingClientTls: channels dialled after a rotation use the renewed files, and
+the channel owners re-dial the ones they keep open (a channel reconnects with the credentials it was made
+with: once the old client certificate expired, or the servers stopped trusting its CA, every reconnection
+would fail)."""
 
 from __future__ import annotations
 
@@ -118,12 +124,48 @@ class ClientTls:
     # Only the health probe sets it: a container's health check dials 127.0.0.1, while the service's
     # certificate names the host other containers reach it by.
     server_name: str | None = None
+    cert_file: str | None = None  # where cert_chain and private_key came from (reloading, messages)
+    key_file: str | None = None
+    flags: tuple[str, str, str] = CLIENT_FLAGS
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(self.ca, self.private_key, self.cert_chain)
 
     def options(self) -> tuple[tuple[str, str], ...]:
         return (("grpc.ssl_target_name_override", self.server_name),) if self.server_name else ()
+
+    def files(self) -> tuple[str, ...]:
+        return (self.ca_file,) + ((self.cert_file, self.key_file) if self.cert_file and self.key_file else ())
+
+
+class ReloadingClientTls:
+    """A long-running client's TLS: current() stats the files and, when they changed, loads and checks them
+    as at start-up; `generation` counts the reloads, so that a channel's owner can tell a channel dialled
+    with older files and dial it again (see the module docstring). A set that does not load (a rotation
+    caught half written) is logged once and the current one kept until the files change again."""
+
+    def __init__(self, tls: ClientTls) -> None:
+        self._tls = tls
+        self._loaded = _signature(tls.files())
+        self._refused: tuple | None = None
+        self.generation = 0
+
+    def current(self) -> ClientTls:
+        signature = _signature(self._tls.files())
+        if signature in (self._loaded, self._refused):
+            return self._tls
+        try:
+            tls = load_client_tls(self._tls.ca_file, self._tls.cert_file, self._tls.key_file, self._tls.flags,
+                                  self._tls.server_name)
+        except TlsError as exc:
+            self._refused = signature
+            log.warning("TLS client files changed but cannot be used; keeping the current ones: %s", exc)
+            return self._tls
+        assert tls is not None  # the same paths as at start-up: a CA is set
+        self._tls, self._loaded, self._refused = tls, signature, None
+        self.generation += 1
+        log.info("TLS client files reloaded from %s", ", ".join(tls.files()))
+        return tls
 
 
 def channel(address: str, tls: ClientTls | None, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
@@ -175,10 +217,10 @@ def load_client_tls(ca: Path | str | None, cert: Path | str | None, key: Path | 
     roots = _read(ca, ca_flag, "certificate")
     _check_ca(roots, ca, ca_flag)
     if cert is None:
-        return ClientTls(str(ca), roots, server_name=server_name)
+        return ClientTls(str(ca), roots, server_name=server_name, flags=tuple(flags))
     chain, private_key = _read(cert, cert_flag, "certificate"), _read(key, key_flag, "private key")
     _check_pair(cert, key, cert_flag, key_flag)
-    return ClientTls(str(ca), roots, chain, private_key, server_name)
+    return ClientTls(str(ca), roots, chain, private_key, server_name, str(cert), str(key), tuple(flags))
 
 
 def mismatch_hint(details: str, tls: bool, settings: Sequence[str] = CLIENT_FLAGS) -> str:
