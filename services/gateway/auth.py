@@ -8,7 +8,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable, Mapping
 
-from services.gateway.config import AdminToken
+from services.gateway.config import AdminToken, ApiKey
 from services.gateway.errors import Forbidden, Unauthenticated
 from shared.rpc.bearer import bearer, find_token
 
@@ -36,14 +36,21 @@ class AdminAuth:
 
 
 class ApiKeys:
-    def __init__(self, keys: Iterable[str]):
-        self._keys = [k.encode() for k in keys]
+    def __init__(self, keys: Iterable[ApiKey]):
+        self._keys = [(entry, entry.key.encode()) for entry in keys]
 
-    def check(self, metadata) -> None:
+    def check(self, metadata) -> ApiKey | None:
+        """The key the call presents (None when the gateway needs none); raises Unauthenticated."""
         if not self._keys:
-            return
+            return None
         key = bearer(metadata)
         if key is None:
             raise Unauthenticated("Generate needs an API key: metadata `authorization: Bearer <key>`")
-        if not any(hmac.compare_digest(k, key.encode()) for k in self._keys):
+        presented = key.encode()
+        found = None
+        for entry, secret in self._keys:  # every entry, matched or not: the time tells nothing
+            if hmac.compare_digest(secret, presented):
+                found = entry
+        if found is None:
             raise Unauthenticated("Generate: the API key is not one this gateway accepts")
+        return found

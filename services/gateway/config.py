@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +27,32 @@ class ConfigError(ValueError):
 
 # "admin": every Admin rpc; "worker": RegisterWorker, Heartbeat, DeregisterWorker
 AdminToken = ScopedToken
+# An API key's name: the `client` label of the per-client metrics and what limits and logs call it.
+_CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """A key a Generate call may present; `name` ("" when given without one) says whose it is."""
+
+    name: str
+    key: str = field(repr=False)
+
+    def describe(self) -> str:
+        return f"API key {self.name!r}" if self.name else "this API key"
+
+
+def parse_api_keys(text: str) -> tuple[ApiKey, ...]:
+    """`key` or `name=key`, comma-separated. An entry whose part after its first '=' is empty or only '='
+    is a key without a name (base64 padding: "c2VjcmV0==")."""
+    keys = []
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        name, _, key = entry.partition("=")
+        if not key.strip("="):
+            keys.append(ApiKey("", entry))
+        else:
+            keys.append(ApiKey(name.strip(), key.strip()))
+    return tuple(keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +91,13 @@ class GatewayConfig:
     metrics_host: str = ""  # "" = the host of `listen`, as the worker serves its metrics on its --host
     # name -> token and scope; the name is the actor recorded in the event log.
     admin_tokens: Mapping[str, AdminToken] = field(default_factory=dict)
-    # Keys a Generate call must present as `authorization: Bearer <key>`; empty = no key needed.
-    api_keys: frozenset[str] = field(default=frozenset(), repr=False)
+    # Keys a Generate call must present as `authorization: Bearer <key>`; empty = no key needed. Plain strings
+    # are taken for keys without a name.
+    api_keys: Sequence[ApiKey | str] = field(default=(), repr=False)
     max_concurrent_streams: int = 256
+    # Generate streams one API key may have open at once (0 = no limit but max_concurrent_streams): one
+    # client flooding the gateway gets RESOURCE_EXHAUSTED, not every slot.
+    max_streams_per_client: int = 0
     heartbeat_interval_s: float = 2.0  # told to workers at registration
     heartbeat_timeout_s: float = 6.0  # a worker silent this long is marked unhealthy
     worker_forget_s: float = 300.0  # a worker silent this long is removed from the pool (its channel closed)
@@ -89,10 +120,16 @@ class GatewayConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics port {self.metrics_port} must be 0..65535 (0 = a free port) or unset (off)")
         check_scoped_tokens(self.admin_tokens, _WHAT, SCOPES, ConfigError, max_name=MAX_ACTOR)
-        if any(not key for key in self.api_keys):
-            raise ConfigError("an API key is empty; give non-empty keys or none (no key needed)")
+        self.api_keys = tuple(k if isinstance(k, ApiKey) else ApiKey("", k) for k in self.api_keys)
+        _check_api_keys(self.api_keys)
         if self.max_concurrent_streams < 1:
             raise ConfigError(f"max_concurrent_streams={self.max_concurrent_streams} must be at least 1")
+        limit = self.max_streams_per_client
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ConfigError(f"--max-streams-per-client {limit} must be a whole number of streams, or 0 (no limit)")
+        if limit and not self.api_keys:
+            raise ConfigError("--max-streams-per-client needs API keys (QSERVE_API_KEYS): without them every call is "
+                              "the same anonymous client")
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "worker_forget_s", "worker_info_timeout_s",
                      "fallback_check_s", "grace_s"):
             if not _positive(getattr(self, name)):
@@ -132,7 +169,7 @@ class GatewayConfig:
         """Settings from the command line; tokens and API keys from the environment (read here, once:
         secrets never go on a command line):
             QSERVE_ADMIN_TOKENS  name=token:scope[,name=token:scope...]   e.g. ops=s3cret:admin,w=abc:worker
-            QSERVE_API_KEYS      key[,key...]"""
+            QSERVE_API_KEYS      [name=]key[,[name=]key...]                 e.g. team-a=k1,team-b=k2"""
         env = os.environ if environ is None else environ
         args = _parser().parse_args(argv)
         if not _positive(args.max_tpot_p95_ms):  # named here: the budget holds it in seconds
@@ -142,8 +179,9 @@ class GatewayConfig:
             listen=args.listen,
             metrics_port=None if args.metrics_port == -1 else args.metrics_port,
             admin_tokens=parse_admin_tokens(env.get("QSERVE_ADMIN_TOKENS", "")),
-            api_keys=frozenset(k.strip() for k in env.get("QSERVE_API_KEYS", "").split(",") if k.strip()),
+            api_keys=parse_api_keys(env.get("QSERVE_API_KEYS", "")),
             max_concurrent_streams=args.max_concurrent_streams,
+            max_streams_per_client=args.max_streams_per_client,
             heartbeat_interval_s=args.heartbeat_interval_s,
             heartbeat_timeout_s=args.heartbeat_timeout_s,
             worker_forget_s=args.worker_forget_s,
@@ -165,6 +203,27 @@ def parse_admin_tokens(text: str) -> dict[str, AdminToken]:
     return parse_scoped_tokens(text, _WHAT, SCOPES, ConfigError)
 
 
+def _check_api_keys(keys: Sequence[ApiKey]) -> None:
+    """No error here shows a key: the message names the entry by its name, or its position."""
+    names: set[str] = set()
+    secrets: set[str] = set()
+    for position, entry in enumerate(keys, 1):
+        if not entry.key:
+            raise ConfigError(f"QSERVE_API_KEYS: entry {position} has an empty key; give non-empty keys or none "
+                              f"(no key needed)")
+        if entry.name:
+            if not _CLIENT_NAME.fullmatch(entry.name):
+                raise ConfigError(f"QSERVE_API_KEYS: key name {entry.name[:20]!r} is not accepted: 1-64 letters, "
+                                  f"digits, '.', '_' or '-', starting with a letter or digit")
+            if entry.name in names:
+                raise ConfigError(f"QSERVE_API_KEYS: key name {entry.name!r} appears twice")
+            names.add(entry.name)
+        if entry.key in secrets:
+            raise ConfigError(f"QSERVE_API_KEYS: entry {position} repeats another entry's key; every client needs "
+                              f"its own")
+        secrets.add(entry.key)
+
+
 def _positive(value: float) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
@@ -183,6 +242,9 @@ def _parser() -> argparse.ArgumentParser:
                         "[default: off]")
     p.add_argument("--max-concurrent-streams", type=int, default=256,
                    help="open Generate streams beyond which new ones get RESOURCE_EXHAUSTED")
+    p.add_argument("--max-streams-per-client", type=int, default=0,
+                   help="open Generate streams one API key may have beyond which its new ones get RESOURCE_EXHAUSTED "
+                        "(0: no limit of its own)")
     p.add_argument("--heartbeat-interval-s", type=float, default=2.0,
                    help="how often registered workers are told to send a heartbeat")
     p.add_argument("--heartbeat-timeout-s", type=float, default=6.0,

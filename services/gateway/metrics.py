@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from services.gateway.config import ApiKey
+
 RECORDS_KEPT = 20_000  # per (deployment, artifact): the newest requests; older ones fall out of every window
 # From ms-scale TPOT to a TTFT behind a long queue: the gateway's TTFT holds the worker's (whose buckets
 # reach 60 s) plus routing, and past the last finite bucket histogram_quantile only answers its bound.
@@ -55,6 +57,13 @@ def quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[rank - 1]
 
 
+UNNAMED_CLIENT = "unnamed"  # the client label of API keys given without a name
+
+
+def client_label(key: ApiKey) -> str:
+    return key.name or UNNAMED_CLIENT
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()  # one per gateway, so that gateways in one process do not clash
@@ -76,6 +85,16 @@ class GatewayMetrics:
         # gateway (RESOURCE_EXHAUSTED), bad keys, bad input and unknown deployments show nowhere else.
         self.rejected = Counter("qserve_gateway_rejected_requests", "Generate calls the gateway ended with an error "
                                 "status, by status code", ("code",), registry=self.registry)
+        # By API key name (QSERVE_API_KEYS; "unnamed" for a key given without one), only where keys are
+        # required: who sends the traffic, who gets the tokens, who is held to --max-streams-per-client.
+        client = ("client",)
+        self.client_requests = Counter("qserve_gateway_client_requests", "Generate streams admitted, by API key",
+                                       client, registry=self.registry)
+        self.client_tokens = Counter("qserve_gateway_client_generated_tokens", "Tokens delivered, by API key",
+                                     client, registry=self.registry)
+        self.client_limited = Counter("qserve_gateway_client_limited_requests", "Generate calls refused because "
+                                      "their API key had max_streams_per_client streams open", client,
+                                      registry=self.registry)
         self._windows: dict[tuple[str, str], deque[Outcome]] = {}
 
     def watch_workers(self, health_labels: Callable[[], Iterable[str]]) -> None:

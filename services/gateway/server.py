@@ -71,7 +71,7 @@ class GatewayServer:
         self.deployments = DeploymentCache(self.registry, config.deployment_cache_s)
         self.fallback = AutoFallback(self.registry, self.deployments, self.metrics, config.budget, self.pool)
         self.gateway = GatewayServicer(self.pool, self.deployments, self.metrics, ApiKeys(config.api_keys),
-                                       config.max_concurrent_streams)
+                                       config.max_concurrent_streams, config.max_streams_per_client)
         admin = AdminServicer(self.registry, self.pool, self.deployments, self.metrics, AdminAuth(config.admin_tokens),
                               config.heartbeat_interval_s, config.worker_info_timeout_s, datetime.now(timezone.utc))
         server = grpc.aio.server()

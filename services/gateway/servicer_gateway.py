@@ -22,6 +22,7 @@ validated the request and said no, which shows nothing about whether it can gene
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -34,9 +35,10 @@ from google.protobuf.duration_pb2 import Duration
 
 from services.gateway import router
 from services.gateway.auth import ApiKeys
+from services.gateway.config import ApiKey
 from services.gateway.deployments import DeploymentCache, DeploymentView
 from services.gateway.errors import MAPPED, AdmissionFull, InvalidRequest, NoWorker, status_of
-from services.gateway.metrics import GatewayMetrics, Outcome
+from services.gateway.metrics import GatewayMetrics, Outcome, client_label
 from services.gateway.pool import PooledWorker, WorkerPool
 from services.gateway.router import Arm, Route
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2
@@ -96,34 +98,47 @@ def _duration(seconds: float) -> Duration:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, pool: WorkerPool, deployments: DeploymentCache, metrics: GatewayMetrics, api_keys: ApiKeys,
-                 max_concurrent_streams: int):
+                 max_concurrent_streams: int, max_streams_per_client: int = 0):
         self.pool = pool
         self.deployments = deployments
         self.metrics = metrics
         self.api_keys = api_keys
         self.max_concurrent_streams = max_concurrent_streams
+        self.max_streams_per_client = max_streams_per_client  # 0 = none
         self.open_streams = 0
+        self.open_by_client: collections.Counter[ApiKey] = collections.Counter()
         self._aborts: set[asyncio.Task] = set()  # Worker.Abort calls in flight (kept so they are not collected)
 
     async def Generate(self, request: gateway_pb2.GatewayGenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[gateway_pb2.GatewayGenerateResponse]:
         arrival = time.monotonic()
+        client = None
         try:
-            self.api_keys.check(context.invocation_metadata())
+            client = self.api_keys.check(context.invocation_metadata())
             _validate(request)
             if self.open_streams >= self.max_concurrent_streams:
                 raise AdmissionFull(f"the gateway has {self.open_streams} streams open, its limit "
                                     f"(max_concurrent_streams) is {self.max_concurrent_streams}; retry later")
+            if client is not None and self.max_streams_per_client and \
+                    self.open_by_client[client] >= self.max_streams_per_client:
+                self.metrics.client_limited.labels(client_label(client)).inc()
+                raise AdmissionFull(f"{client.describe()} has {self.open_by_client[client]} streams open, its limit "
+                                    f"(max_streams_per_client) is {self.max_streams_per_client}; retry later")
         except MAPPED as exc:
             await self._reject(context, status_of(exc), str(exc))
         self.open_streams += 1
         self.metrics.open_streams.inc()
+        if client is not None:
+            self.open_by_client[client] += 1
+            self.metrics.client_requests.labels(client_label(client)).inc()
         try:
             # aclosing: a client gone while this generator waits at a yield closes it, and the inner ones
             # must run their finally (worker call cancelled, Worker.Abort, pool slot released) then, not
             # whenever the garbage collector reaches them.
             async with contextlib.aclosing(self._generate(request, arrival)) as replies:
                 async for reply in replies:
+                    if client is not None:
+                        self.metrics.client_tokens.labels(client_label(client)).inc(len(reply.token_ids))
                     yield reply
         except WorkerRejected as exc:
             await self._reject(context, exc.code, str(exc))
@@ -132,6 +147,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         finally:
             self.open_streams -= 1
             self.metrics.open_streams.dec()
+            if client is not None:
+                self.open_by_client[client] -= 1
+                if not self.open_by_client[client]:
+                    del self.open_by_client[client]
 
     async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
         self.metrics.rejected.labels(code.name).inc()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import re
+import time
 import urllib.request
 
 import grpc
@@ -10,8 +13,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.gateway.config import ConfigError, GatewayConfig, parse_admin_tokens
-from shared.rpc.qserve.v1 import gateway_pb2
+from services.gateway.config import ApiKey, ConfigError, GatewayConfig, parse_admin_tokens, parse_api_keys
+from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
 from tests.gateway.conftest import ADMIN, DEPLOYMENT, WORKER, gateway_stack, run
 
 
@@ -46,6 +49,59 @@ def test_generate_needs_an_api_key_when_keys_are_configured(artifacts):
                     await stack.generate(metadata=metadata)
                 assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert len(await stack.generate(metadata=(("authorization", "Bearer key-1"),))) == 1
+
+    run(scenario())
+
+
+def test_api_keys_take_an_optional_name_and_bad_entries_are_named_without_the_key():
+    config = GatewayConfig.from_args(
+        ["--registry-url", "sqlite:///x.db", "--max-streams-per-client", "4"],
+        environ={"QSERVE_API_KEYS": " team-a = k1 , c2VjcmV0== ,plain, b.2=x=y"})
+    assert [(k.name, k.key) for k in config.api_keys] == [("team-a", "k1"), ("", "c2VjcmV0=="), ("", "plain"),
+                                                          ("b.2", "x=y")]
+    assert config.max_streams_per_client == 4 and "k1" not in repr(config)
+    for text, message in (("a=s3cr3t,a=other", "key name 'a' appears twice"),
+                          ("a=s3cr3t,b=s3cr3t", "entry 2 repeats another entry's key"),
+                          ("bad name=s3cr3t", "key name 'bad name' is not accepted"),
+                          ("-x=s3cr3t", "key name '-x' is not accepted")):
+        with pytest.raises(ConfigError, match=re.escape(message)) as raised:
+            GatewayConfig(registry_url="sqlite:///x.db", api_keys=parse_api_keys(text))
+        assert "s3cr3t" not in str(raised.value)
+    with pytest.raises(ConfigError, match="needs API keys"):
+        GatewayConfig(registry_url="sqlite:///x.db", max_streams_per_client=2)
+    with pytest.raises(ConfigError, match="whole number of streams"):
+        GatewayConfig(registry_url="sqlite:///x.db", api_keys=["k"], max_streams_per_client=-1)
+
+
+def test_one_api_key_is_held_to_its_stream_limit_while_others_are_served(artifacts):
+    """--max-streams-per-client: a client at its limit gets RESOURCE_EXHAUSTED naming its key, and only it; its
+    streams, tokens and refusals are counted under its name."""
+    keys = (ApiKey("team-a", "key-a"), ApiKey("", "key-b"))
+    a, b = (("authorization", "Bearer key-a"),), (("authorization", "Bearer key-b"),)
+
+    async def scenario():
+        async with gateway_stack(artifacts, api_keys=keys, max_streams_per_client=1) as stack:
+            await stack.add_worker(artifacts.stable, tokens=3, delay_s=0.05)
+            long = stack.gw.Generate(gateway_pb2.GatewayGenerateRequest(
+                deployment=DEPLOYMENT, text="long", sampling=common_pb2.SamplingParams(max_new_tokens=40)), metadata=a)
+            await long.read()  # team-a's one stream is open
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.generate(metadata=a)
+            assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "API key 'team-a' has 1 streams open, its limit (max_streams_per_client) is 1" in raised.value.details()
+            assert len(await stack.generate(metadata=b)) == 3  # another client is served meanwhile
+            long.cancel()
+            deadline = time.monotonic() + 5.0
+            while stack.gateway.gateway.open_by_client:  # the gateway has seen the cancel
+                assert time.monotonic() < deadline, "the cancelled stream was not released"
+                await asyncio.sleep(0.01)
+            assert len(await stack.generate(metadata=a)) == 3  # its slot is free again
+            metrics = stack.gateway.metrics
+            assert metrics.client_requests.labels("team-a")._value.get() == 2
+            assert metrics.client_requests.labels("unnamed")._value.get() == 1
+            assert metrics.client_limited.labels("team-a")._value.get() == 1
+            assert metrics.client_tokens.labels("unnamed")._value.get() == 3
+            assert metrics.client_tokens.labels("team-a")._value.get() >= 4  # 3, and the long stream's first
 
     run(scenario())
 
@@ -170,7 +226,7 @@ def test_config_names_the_bad_value():
         ["--registry-url", "sqlite:///x.db", "--listen", "127.0.0.1:0", "--max-tpot-p95-ms", "80",
          "--no-auto-fallback"], environ={"QSERVE_ADMIN_TOKENS": "ops=t:admin", "QSERVE_API_KEYS": "k1,k2"})
     assert config.budget.max_tpot_p95_s == pytest.approx(0.08) and not config.budget.enabled
-    assert config.api_keys == {"k1", "k2"} and config.admin_tokens["ops"].scope == "admin"
+    assert [k.key for k in config.api_keys] == ["k1", "k2"] and config.admin_tokens["ops"].scope == "admin"
 
 
 def test_a_malformed_token_entry_is_named_without_echoing_the_secret():
