@@ -32,7 +32,9 @@ from services.gateway.servicer_admin import AdminServicer
 from services.gateway.servicer_gateway import GatewayServicer
 from shared.config import fail
 from shared.registry import Registry, RegistryError, create_registry
+from shared.rpc.cert_expiry import CertificateExpiry
 from shared.rpc.serving import BackgroundLoop, listen, serve_metrics, wait_for_stop_signal
+from shared.rpc.tls import certificate_files
 from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class GatewayServer:
                                worker_tls=config.worker_tls, quarantine=config.quarantine)
         # The scrape runs on the metrics server's thread: list() copies the pool's dict in one step.
         self.metrics.watch_workers(lambda: [w.health_label() for w in list(self.pool.workers.values())])
+        self.metrics.registry.register(CertificateExpiry(certificate_files(config.tls, config.worker_tls)))
         self.registry: Registry | None = None
         self.deployments: DeploymentCache | None = None
         self.fallback: AutoFallback | None = None

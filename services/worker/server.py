@@ -37,7 +37,9 @@ from services.worker.serving import ServedModel, load_served_model
 from shared.config import fail
 from shared.registry import RegistryError
 from shared.rpc.qserve.v1 import worker_pb2, worker_pb2_grpc
+from shared.rpc.cert_expiry import CertificateExpiry
 from shared.rpc.serving import BackgroundLoop, listen, wait_for_stop_signal
+from shared.rpc.tls import certificate_files
 from shared.storage import StorageError
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,7 @@ class WorkerServer:
         served = await asyncio.to_thread(load_served_model, self.config)
         served.engine.start()
         metrics = WorkerMetrics(served.engine.stats)
+        metrics.registry.register(CertificateExpiry(certificate_files(self.config.tls, self.config.gateway_tls)))
         server = grpc.aio.server()
         servicer = WorkerServicer(served, metrics)
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)

@@ -1,5 +1,7 @@
 """TLS for our gRPC servers and channels, off unless configured: certificates loaded and checked once at
 start-up, the server credentials `listen` serves with, and the one way every client opens a channel.
+A certificate that has expired is refused like a file that does not load (shared.rpc.cert_expiry reads the
+dates); one that expires within a week is logged as a warning.
 
 grpc takes PEM bytes without looking at them: a missing key, a file that is not PEM or a key that does not
 match its certificate surfaces only at the first handshake, as an opaque failure on the peer's side. The
@@ -28,17 +30,21 @@ import logging
 import os
 import re
 import ssl
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from shared.rpc.cert_expiry import chain_expiry
+
 log = logging.getLogger(__name__)
 # What a service calls its client settings; qctl passes its own names (its flags and variables).
 CLIENT_FLAGS = ("--tls-ca", "--tls-client-cert", "--tls-client-key")
 _CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----")
 _PRIVATE_KEY = re.compile(rb"-----BEGIN (?:RSA |EC )?PRIVATE KEY-----")
+EXPIRY_WARNING_S = 7 * 86400  # a certificate that expires sooner is logged as a warning when it is loaded
 
 
 class TlsError(ValueError):
@@ -195,6 +201,7 @@ def load_server_tls(cert: Path | str | None, key: Path | str | None, client_ca: 
         raise TlsError(f"{cert_flag} and {key_flag} go together: give both (TLS) or neither (plaintext)")
     chain, private_key = _read(cert, cert_flag, "certificate"), _read(key, key_flag, "private key")
     _check_pair(cert, key, cert_flag, key_flag)
+    _check_dates(chain, cert, cert_flag)
     if client_ca is None:
         return ServerTls(str(cert), str(key), None, chain, private_key, flags=tuple(flags))
     ca = _read(client_ca, ca_flag, "certificate")
@@ -220,6 +227,7 @@ def load_client_tls(ca: Path | str | None, cert: Path | str | None, key: Path | 
         return ClientTls(str(ca), roots, server_name=server_name, flags=tuple(flags))
     chain, private_key = _read(cert, cert_flag, "certificate"), _read(key, key_flag, "private key")
     _check_pair(cert, key, cert_flag, key_flag)
+    _check_dates(chain, cert, cert_flag)
     return ClientTls(str(ca), roots, chain, private_key, server_name, str(cert), str(key), tuple(flags))
 
 
@@ -245,6 +253,30 @@ def mismatch_hint(details: str, tls: bool, settings: Sequence[str] = CLIENT_FLAG
                     f"a CA it trusts with {cert_setting}")
         return f"; the server closed the connection: if it serves TLS, give its CA certificate with {ca_setting}"
     return ""
+
+
+def _check_dates(chain: bytes, path: Path | str, flag: str) -> None:
+    """Refuses a certificate that has expired (its peers would refuse every handshake, saying only that);
+    warns about one that expires within EXPIRY_WARNING_S."""
+    expiry = chain_expiry(chain)
+    if expiry is None:
+        return
+    left = expiry - time.time()
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expiry))
+    if left <= 0:
+        raise TlsError(f"{flag} {path}: the certificate expired on {when}; renew it")
+    if left < EXPIRY_WARNING_S:
+        log.warning("%s %s: the certificate expires on %s, in %.1f days; renew it", flag, path, when, left / 86400)
+
+
+def certificate_files(*settings: ServerTls | ClientTls | None) -> list[str]:
+    """The certificate files (a server's or a client's own, not CA files) of the given TLS settings."""
+    files = []
+    for tls in settings:
+        path = tls.cert_file if tls is not None else None
+        if path:
+            files.append(path)
+    return files
 
 
 def _read(path: Path | str, flag: str, kind: str) -> bytes:

@@ -32,7 +32,8 @@ class Certs:
     named_key: Path
 
 
-def make_certs(folder: Path) -> Certs:
+def make_certs(folder: Path, expires_in: datetime.timedelta = datetime.timedelta(days=30)) -> Certs:
+    """expires_in: from now to the leaf certificates' notAfter (negative: already expired)."""
     folder.mkdir(parents=True, exist_ok=True)
     ca_key, ca = _ca("qserve test CA")
     other_key, other = _ca("another CA")
@@ -42,7 +43,7 @@ def make_certs(folder: Path) -> Certs:
               "other_client": (other_key, other, (), ExtendedKeyUsageOID.CLIENT_AUTH),
               "named": (ca_key, ca, (x509.DNSName("gateway.internal"),), ExtendedKeyUsageOID.SERVER_AUTH)}
     for name, (issuer_key, issuer, sans, usage) in leaves.items():
-        key, cert = _leaf(issuer_key, issuer, name, sans, usage)
+        key, cert = _leaf(issuer_key, issuer, name, sans, usage, expires_in)
         paths[f"{name}_cert"] = _write(folder / f"{name}.pem", _pem(cert))
         paths[f"{name}_key"] = _write(folder / f"{name}-key.pem", key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
@@ -61,9 +62,10 @@ def _ca(name: str):
     return key, cert
 
 
-def _leaf(issuer_key, issuer: x509.Certificate, name: str, sans, usage):
+def _leaf(issuer_key, issuer: x509.Certificate, name: str, sans, usage, expires_in: datetime.timedelta):
     key = ec.generate_private_key(ec.SECP256R1())
-    builder = (_builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]), issuer.subject, key.public_key())
+    builder = (_builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]), issuer.subject, key.public_key(),
+                        expires_in)
                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
     if sans:
@@ -71,11 +73,13 @@ def _leaf(issuer_key, issuer: x509.Certificate, name: str, sans, usage):
     return key, builder.sign(issuer_key, hashes.SHA256())
 
 
-def _builder(subject: x509.Name, issuer: x509.Name, public_key) -> x509.CertificateBuilder:
+def _builder(subject: x509.Name, issuer: x509.Name, public_key,
+             expires_in: datetime.timedelta = datetime.timedelta(days=30)) -> x509.CertificateBuilder:
     now = datetime.datetime.now(datetime.timezone.utc)
+    not_after = now + expires_in
+    not_before = min(now, not_after) - datetime.timedelta(hours=1)
     return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public_key)
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=2)))
+            .serial_number(x509.random_serial_number()).not_valid_before(not_before).not_valid_after(not_after))
 
 
 def _pem(cert: x509.Certificate) -> bytes:

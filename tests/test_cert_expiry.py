@@ -1,0 +1,83 @@
+"""Certificate dates: read from the DER without a dependency (shared/rpc/cert_expiry.py), an expired
+certificate refused at start-up and on a reload, one about to expire logged, and the expiry exported."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+
+import pytest
+from cryptography import x509
+
+from services.gateway.config import FallbackBudget, GatewayConfig
+from services.gateway.server import GatewayServer
+from shared.registry import sqlite_url
+from shared.rpc.cert_expiry import CertificateExpiry, chain_expiry
+from shared.rpc.tls import ReloadingClientTls, TlsError, load_client_tls, load_server_tls
+from tests.tls.certs import make_certs
+
+DAY = datetime.timedelta(days=1)
+
+
+def _not_after(path) -> float:
+    return x509.load_pem_x509_certificate(path.read_bytes()).not_valid_after_utc.timestamp()
+
+
+@pytest.mark.parametrize("expires_in", [DAY * 30, -DAY, DAY * 365 * 40])  # 40 years: a GeneralizedTime (2050+)
+def test_the_expiry_read_from_the_der_is_the_certificates_not_after(tmp_path, expires_in):
+    certs = make_certs(tmp_path, expires_in)
+    for path in (certs.server_cert, certs.client_cert, certs.ca):
+        assert chain_expiry(path.read_bytes()) == _not_after(path)
+    chain = certs.server_cert.read_bytes() + certs.ca.read_bytes()  # a leaf and its CA: the earlier one counts
+    assert chain_expiry(chain) == min(_not_after(certs.server_cert), _not_after(certs.ca))
+
+
+def test_what_is_not_a_certificate_has_no_expiry():
+    assert chain_expiry(b"") is None
+    assert chain_expiry(b"-----BEGIN CERTIFICATE-----\nbm90IGRlcg==\n-----END CERTIFICATE-----\n") is None
+    assert chain_expiry(b"-----BEGIN CERTIFICATE-----\n!!!\n-----END CERTIFICATE-----\n") is None
+
+
+def test_an_expired_certificate_is_refused_naming_the_flag_and_the_date(tmp_path):
+    expired = make_certs(tmp_path / "expired", -DAY)
+    when = time.strftime("%Y-%m-%d", time.gmtime(_not_after(expired.server_cert)))
+    with pytest.raises(TlsError, match=f"--tls-cert {expired.server_cert}: the certificate expired on {when}"):
+        load_server_tls(expired.server_cert, expired.server_key, None)
+    with pytest.raises(TlsError, match="--tls-client-cert .*: the certificate expired on"):
+        load_client_tls(expired.ca, expired.client_cert, expired.client_key)
+
+
+def test_a_certificate_about_to_expire_is_loaded_with_a_warning(tmp_path, caplog):
+    soon = make_certs(tmp_path, DAY * 2)
+    with caplog.at_level(logging.WARNING, logger="shared.rpc.tls"):
+        assert load_server_tls(soon.server_cert, soon.server_key, None) is not None
+    assert any("expires on" in r.getMessage() and "in 2.0 days" in r.getMessage() for r in caplog.records)
+
+
+def test_an_expired_renewal_is_not_taken_by_a_reloading_client(tmp_path, caplog):
+    good, expired = make_certs(tmp_path / "good"), make_certs(tmp_path / "expired", -DAY)
+    cert, key = tmp_path / "client.pem", tmp_path / "client-key.pem"
+    cert.write_bytes(good.client_cert.read_bytes())
+    key.write_bytes(good.client_key.read_bytes())
+    tls = ReloadingClientTls(load_client_tls(good.ca, cert, key))
+    cert.with_suffix(".new").write_bytes(expired.client_cert.read_bytes())
+    cert.with_suffix(".new").replace(cert)
+    key.with_suffix(".new").write_bytes(expired.client_key.read_bytes())
+    key.with_suffix(".new").replace(key)
+    with caplog.at_level(logging.WARNING, logger="shared.rpc.tls"):
+        assert tls.current().cert_chain == good.client_cert.read_bytes() and tls.generation == 0
+    assert any("expired on" in r.getMessage() for r in caplog.records)
+
+
+def test_the_services_export_when_their_certificates_expire(tmp_path):
+    certs = make_certs(tmp_path / "certs")
+    gateway = GatewayServer(GatewayConfig(
+        registry_url=sqlite_url(tmp_path / "registry.db"), listen="127.0.0.1:0", budget=FallbackBudget(enabled=False),
+        tls=load_server_tls(certs.server_cert, certs.server_key, None),
+        worker_tls=load_client_tls(certs.ca, certs.client_cert, certs.client_key)))
+    samples = {sample.labels["file"]: sample.value for family in gateway.metrics.registry.collect()
+               if family.name == "qserve_tls_certificate_expiry_timestamp_seconds" for sample in family.samples}
+    assert samples == {str(certs.server_cert): _not_after(certs.server_cert),
+                       str(certs.client_cert): _not_after(certs.client_cert)}
+    assert list(CertificateExpiry([str(tmp_path / "missing.pem")]).collect())[0].samples == []
