@@ -29,10 +29,11 @@ from services.quantizer.evaluate import (
 from services.quantizer.publish_spec import PublishSpec
 from services.quantizer.sources import local_file, local_folder
 from services.quantizer.views import ArtifactDetails, EvaluationView, Stage
-from shared.formats.artifact import sha256_file
+from shared.formats.artifact import TOKENIZER_DIR, sha256_file
 from shared.formats.manifest import MANIFEST_NAME, Evaluation, Manifest
 from shared.formats.spec import format_spec
 from shared.model.checkpoint import HfCheckpoint
+from shared.model.tokenizer import Tokenizer
 from shared.quant.quantize_model import QuantizeSettings, check_group_divisibility, quantize_checkpoint
 from shared.registry import (
     ArtifactState,
@@ -294,12 +295,13 @@ class Pipeline:
             # Inside the try: a stop (JobCancelled) or a registry error at this report must not leave the
             # uploaded objects, manifest included, behind an artifact that ends FAILED.
             self.reporter.progress(Stage.REGISTER)
+            vocabulary = Tokenizer(artifact_dir / TOKENIZER_DIR).vocabulary_digest()  # checked across a deployment's arms
             with self.services.registry.transaction() as session:
                 mark_artifact_ready(
                     session, artifact_id, manifest_sha256=manifest_sha256, content_digest=digest,
                     actor=self.services.config.owner, ppl_fp16=self.evaluation.ppl_fp16,
                     ppl_quant=self.evaluation.ppl_quantized, eval_data=self.evaluation.data_name,
-                    reuse_prefix_of=reuse_of,
+                    reuse_prefix_of=reuse_of, vocabulary_digest=vocabulary,
                 )
                 finish(session, artifact_id)
         except Exception:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -44,6 +45,13 @@ class Tokenizer:
         tokenizer_config.json says nothing about it."""
         with_template = self.encode("a", add_special_tokens=True)
         return with_template[:1] == [bos_token_id] and self.encode("a")[:1] != [bos_token_id]
+
+    def vocabulary_digest(self) -> str:
+        """sha256 of the id -> token table, added tokens included: two tokenizers with the same digest give
+        token ids the same meaning, whatever else their files say (a chat template, a default length)."""
+        vocab = self._fast.get_vocab(with_added_tokens=True) if self._fast is not None else self._hf.get_vocab()
+        table = json.dumps(sorted((int(i), str(t)) for t, i in vocab.items()), ensure_ascii=False)
+        return hashlib.sha256(table.encode()).hexdigest()
 
     def decode(self, ids: list[int]) -> str:
         if self._fast is not None:

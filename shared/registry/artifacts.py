@@ -127,10 +127,15 @@ def mark_artifact_ready(
     ppl_quant: float | None = None,
     eval_data: str | None = None,
     reuse_prefix_of: str | None = None,
+    vocabulary_digest: str | None = None,
 ) -> Artifact:
     """PENDING -> READY. `reuse_prefix_of` names a READY artifact with the same content digest
-    (see find_ready_by_digest) whose stored objects this artifact points to instead of a new upload."""
+    (see find_ready_by_digest) whose stored objects this artifact points to instead of a new upload.
+    `vocabulary_digest`: sha256 of its tokenizer's id -> token table (Tokenizer.vocabulary_digest), which
+    the arms of a deployment must share."""
     check_sha256("manifest sha256", manifest_sha256)
+    if vocabulary_digest is not None:
+        check_sha256("vocabulary digest", vocabulary_digest)
     check_text("content digest", content_digest, 128)
     if ppl_fp16 is not None or ppl_quant is not None or eval_data is not None:
         if ppl_fp16 is None or ppl_quant is None or eval_data is None:
@@ -155,6 +160,7 @@ def mark_artifact_ready(
     artifact.manifest_sha256 = manifest_sha256
     artifact.content_digest = content_digest
     artifact.ppl_fp16, artifact.ppl_quant, artifact.eval_data = ppl_fp16, ppl_quant, eval_data
+    artifact.vocabulary_digest = vocabulary_digest
     append_event(
         session, EventKind.ARTIFACT_READY, actor=actor, artifact_id=artifact.id,
         detail={"content_digest": content_digest, "object_prefix": artifact.object_prefix,

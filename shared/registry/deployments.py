@@ -179,12 +179,24 @@ def _stable(session: Session, deployment: Deployment) -> Artifact:
 def _same_model(artifact: Artifact, stable: Artifact, role: str, deployment: str) -> None:
     """A deployment serves one model: its canary and baseline are of the stable's model (any version
     of it: a new checkpoint version is what a rollout is for). The stable of another model would be
-    promoted from such a canary, and the fallback would answer with another model."""
+    promoted from such a canary, and the fallback would answer with another model.
+
+    And one vocabulary: a new version whose tokenizer maps ids otherwise (tokens added by a fine-tune)
+    would give a client that sends token ids, or reads them from the stream, other tokens on that arm.
+    Checked where both artifacts carry a vocabulary digest (those published before migration 0003 do not)."""
     if artifact.model_version.model_id != stable.model_version.model_id:
         raise InvalidState(
             f"artifact {artifact.id} is of model {artifact.model_version.model.name!r} and cannot be the {role} "
             f"of deployment {deployment!r}, whose stable {stable.id} is of model "
             f"{stable.model_version.model.name!r}: a deployment serves one model"
+        )
+    ours, theirs = artifact.vocabulary_digest, stable.vocabulary_digest
+    if ours and theirs and ours != theirs:
+        raise InvalidState(
+            f"artifact {artifact.id} cannot be the {role} of deployment {deployment!r}: its tokenizer maps token "
+            f"ids otherwise than that of the stable {stable.id} (vocabulary digests {ours[:12]}... and "
+            f"{theirs[:12]}...), so clients sending or reading token ids would get other tokens on that arm; "
+            f"serve the new vocabulary under a new deployment"
         )
 
 

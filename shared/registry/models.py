@@ -135,6 +135,9 @@ class Artifact(Base):
     eval_data: Mapped[str | None] = mapped_column(sa.String(256))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+    # sha256 of its tokenizer's id -> token table (migration 0003; NULL for artifacts published before):
+    # the arms of a deployment must agree on it, or token ids would mean other tokens on another arm.
+    vocabulary_digest: Mapped[str | None] = mapped_column(sa.String(64))
 
     model_version: Mapped[ModelVersion] = relationship(lazy="joined", innerjoin=True)
 

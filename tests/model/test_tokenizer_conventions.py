@@ -67,3 +67,21 @@ def test_an_unreadable_generation_config_is_named(tmp_path):
     (tmp_path / "generation_config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="generation_config.json is not readable JSON"):
         generation_eos_ids(tmp_path)
+
+
+def test_the_vocabulary_digest_follows_the_id_to_token_table_only(tmp_path):
+    """Same ids for the same tokens: the same digest, whatever else the files say (a template, a config);
+    a token added (a fine-tune's special token) or an id moved: another digest."""
+    plain = write_tokenizer(tmp_path / "plain", template_bos=False)
+    templated = write_tokenizer(tmp_path / "templated", template_bos=True, config={"chat_template": "{{ x }}"})
+    assert plain.vocabulary_digest() == templated.vocabulary_digest()
+    assert len(plain.vocabulary_digest()) == 64
+    added = FastTokenizer.from_file(str(tmp_path / "plain" / "tokenizer.json"))
+    added.add_special_tokens(["<|tool|>"])
+    (tmp_path / "added").mkdir()
+    added.save(str(tmp_path / "added" / "tokenizer.json"))
+    assert Tokenizer(tmp_path / "added").vocabulary_digest() != plain.vocabulary_digest()
+    moved = FastTokenizer(models.WordLevel({"<unk>": 0, "<s>": BOS, "</s>": 2, "b": 3, "a": 4}, unk_token="<unk>"))
+    (tmp_path / "moved").mkdir()
+    moved.save(str(tmp_path / "moved" / "tokenizer.json"))
+    assert Tokenizer(tmp_path / "moved").vocabulary_digest() != plain.vocabulary_digest()

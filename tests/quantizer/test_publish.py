@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from shared.formats.artifact import ArtifactReader
+from shared.model.tokenizer import Tokenizer
 from shared.registry import ArtifactState, JobState, get_artifact, get_job, list_artifacts
 from shared.rpc.qserve.v1 import common_pb2, quantizer_pb2
 from shared.storage import StorageConfig, open_store
@@ -64,6 +65,7 @@ def test_publish_from_s3_end_to_end(moto, bucket_store, start_quantizer, registr
         assert row.state == ArtifactState.READY
         assert (row.ppl_fp16, row.ppl_quant) == (evaluation.perplexity_fp16, evaluation.perplexity_quantized)
         assert row.model_version.label == "v1" and len(row.content_digest) == 64
+        assert row.vocabulary_digest == Tokenizer(small_model).vocabulary_digest()  # checked across arms
         assert get_job(session, job.job_id).state == JobState.SUCCEEDED
     version = row.model_version.content_hash
 

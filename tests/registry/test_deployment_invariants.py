@@ -49,17 +49,26 @@ class World:
     failed: str
     other_quant: str  # READY artifacts of another model
     other_fp16: str
+    new_vocab: str  # another tiny-llama version's g128 and fp16, whose tokenizer maps ids otherwise (tokens added)
+    new_vocab_fp16: str
+    legacy: str  # of that version, w4a8kv4-chn published before vocabulary digests (none recorded)
 
 
-def _ready(session: Session, version: ModelVersion | int, format: str, gpu: str = "sm90") -> str:
+VOCABULARY, OTHER_VOCABULARY = "0" * 64, "1" * 64
+
+
+def _ready(session: Session, version: ModelVersion | int, format: str, gpu: str = "sm90",
+           vocabulary: str | None = VOCABULARY) -> str:
     artifact = reserve_artifact(session, version, format, gpu).artifact
-    mark_artifact_ready(session, artifact.id, manifest_sha256="b" * 64, content_digest=uuid.uuid4().hex)
+    mark_artifact_ready(session, artifact.id, manifest_sha256="b" * 64, content_digest=uuid.uuid4().hex,
+                        vocabulary_digest=vocabulary)
     return artifact.id
 
 
 @pytest.fixture
 def world(session: Session, version: ModelVersion) -> World:
     other = register_model_version(session, "other-llama", "c" * 64, label="v1")
+    retrained = register_model_version(session, "tiny-llama", "9" * 64, label="new-vocab")
     failed = reserve_artifact(session, version, "w4a8kv4-g64", "sm90").artifact.id
     mark_artifact_failed(session, failed, "calibration diverged")
     w = World(
@@ -67,6 +76,9 @@ def world(session: Session, version: ModelVersion) -> World:
         baseline=_ready(session, version, "fp16"), spare=_ready(session, version, "w4a8kv4-g128", "sm89"),
         pending=reserve_artifact(session, version, "w4a8kv4-g32", "sm90").artifact.id, failed=failed,
         other_quant=_ready(session, other, "w4a8kv4-g128"), other_fp16=_ready(session, other, "fp16"),
+        new_vocab=_ready(session, retrained, "w4a8kv4-g128", vocabulary=OTHER_VOCABULARY),
+        new_vocab_fp16=_ready(session, retrained, "fp16", vocabulary=OTHER_VOCABULARY),
+        legacy=_ready(session, retrained, "w4a8kv4-chn", vocabulary=None),
     )
     create_deployment(session, "chat", stable_artifact_id=w.stable, baseline_artifact_id=w.baseline, actor="alice")
     create_deployment(session, "bare", stable_artifact_id=w.stable, actor="alice")
@@ -97,6 +109,16 @@ REFUSALS: list[tuple[str, Callable[[Session, World], object], type[RegistryError
     ("baseline of another model later",
      lambda s, w: set_baseline(s, "chat", w.other_fp16, actor="a"),
      InvalidState, "is of model 'other-llama'.*'tiny-llama'"),
+    ("canary with another vocabulary",
+     lambda s, w: start_rollout(s, "chat", canary_artifact_id=w.new_vocab, percent=5, actor="a"),
+     InvalidState, "its tokenizer maps token ids otherwise than that of the stable"),
+    ("baseline with another vocabulary at creation",
+     lambda s, w: create_deployment(s, "new", stable_artifact_id=w.stable, baseline_artifact_id=w.new_vocab_fp16,
+                                    actor="a"),
+     InvalidState, "cannot be the baseline of deployment 'new': its tokenizer maps token ids otherwise"),
+    ("baseline with another vocabulary later",
+     lambda s, w: set_baseline(s, "chat", w.new_vocab_fp16, actor="a"),
+     InvalidState, "its tokenizer maps token ids otherwise"),
     ("a rollout at 0 percent",
      lambda s, w: start_rollout(s, "chat", canary_artifact_id=w.canary, percent=0, actor="a"),
      InvalidValue, "canary percent 0 is not accepted: use an integer from 1 to 100"),
@@ -173,6 +195,8 @@ def test_a_canary_may_be_another_version_or_the_fp16_of_the_same_model(session: 
     assert rollout.canary_percent == 100
     set_baseline(session, "bare", world.baseline, actor="a")
     assert get_deployment(session, "bare").baseline_artifact_id == world.baseline
+    abort_rollout(session, "chat", actor="a")  # an artifact without a vocabulary digest is not checked
+    assert start_rollout(session, "chat", canary_artifact_id=world.legacy, percent=5, actor="a").canary_percent == 5
 
 
 def test_every_rollout_and_fallback_change_appends_exactly_one_event(session: Session, world: World) -> None:

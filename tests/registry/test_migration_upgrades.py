@@ -84,9 +84,17 @@ def _seed_0002(conn: sa.Connection) -> None:
                 error="cancelled by alice: wrong checkpoint" if state == "CANCELLED" else None)
 
 
+def _seed_0003(conn: sa.Connection) -> None:
+    """As at 0002, plus an artifact that records its vocabulary digest."""
+    _seed_0002(conn)
+    version = conn.execute(sa.text("SELECT id FROM model_versions")).scalar_one()
+    _artifact(conn, "v" * 32, version, "w4a8kv4-g16", "READY", content_digest="d4", manifest_sha256="e" * 64,
+              vocabulary_digest="0" * 64)
+
+
 # Rows written at each revision with that revision's schema. A new migration adds its own entry
 # (test_every_revision_has_seed_rows says so), so that an upgrade from it is tested with data too.
-SEEDS: dict[str, Callable[[sa.Connection], None]] = {"0001": _seed_0001, "0002": _seed_0002}
+SEEDS: dict[str, Callable[[sa.Connection], None]] = {"0001": _seed_0001, "0002": _seed_0002, "0003": _seed_0003}
 
 
 def _revisions() -> list[str]:
