@@ -181,13 +181,13 @@ class WorkerPool:
         renewed = []
         for worker in [w for w in self.workers.values() if w.tls_generation != generation]:
             await _stop_watching(worker)
+            if self.workers.get(worker.worker_id) is not worker:
+                continue  # removed meanwhile (during the await): its channel is closed, or will be with its streams
             old = worker.channel
             worker.channel = self.dial(worker.address, _CHANNEL_OPTIONS)
             worker.stub = worker_pb2_grpc.WorkerStub(worker.channel)
             worker.tls_generation = generation
-            # A worker removed meanwhile (during the await above) is no longer watched.
-            if self.workers.get(worker.worker_id) is worker:
-                worker.watcher = asyncio.create_task(self._watch(worker), name=f"worker-connection-{worker.address}")
+            worker.watcher = asyncio.create_task(self._watch(worker), name=f"worker-connection-{worker.address}")
             if worker.in_flight:
                 worker.retired_channels.append(old)
             else:
