@@ -77,7 +77,7 @@ def test_the_services_export_when_their_certificates_expire(tmp_path):
         tls=load_server_tls(certs.server_cert, certs.server_key, None),
         worker_tls=load_client_tls(certs.ca, certs.client_cert, certs.client_key)))
     samples = {sample.labels["file"]: sample.value for family in gateway.metrics.registry.collect()
-               if family.name == "qserve_tls_certificate_expiry_timestamp_seconds" for sample in family.samples}
+               if family.name == "qserve_gateway_tls_certificate_expiry_timestamp_seconds" for sample in family.samples}
     assert samples == {str(certs.server_cert): _not_after(certs.server_cert),
                        str(certs.client_cert): _not_after(certs.client_cert)}
-    assert list(CertificateExpiry([str(tmp_path / "missing.pem")]).collect())[0].samples == []
+    assert list(CertificateExpiry("gateway", [str(tmp_path / "missing.pem")]).collect())[0].samples == []

@@ -26,6 +26,7 @@ from services.gateway.auth import AdminAuth, ApiKeys
 from services.gateway.config import ConfigError, GatewayConfig
 from services.gateway.deployments import DeploymentCache
 from services.gateway.fallback import AutoFallback
+from services.gateway.fleet import FleetView
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pool import WorkerPool
 from services.gateway.servicer_admin import AdminServicer
@@ -53,10 +54,12 @@ class GatewayServer:
                                worker_tls=config.worker_tls, quarantine=config.quarantine)
         # The scrape runs on the metrics server's thread: list() copies the pool's dict in one step.
         self.metrics.watch_workers(lambda: [w.health_label() for w in list(self.pool.workers.values())])
-        self.metrics.registry.register(CertificateExpiry(certificate_files(config.tls, config.worker_tls)))
+        self.metrics.registry.register(
+            CertificateExpiry("gateway", certificate_files(config.tls, config.worker_tls)))
         self.registry: Registry | None = None
         self.deployments: DeploymentCache | None = None
         self.fallback: AutoFallback | None = None
+        self.fleet: FleetView | None = None
         self.gateway: GatewayServicer | None = None
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -72,7 +75,9 @@ class GatewayServer:
         config = self.config
         self.registry = await asyncio.to_thread(create_registry, config.registry_url)
         self.deployments = DeploymentCache(self.registry, config.deployment_cache_s)
-        self.fallback = AutoFallback(self.registry, self.deployments, self.metrics, config.budget, self.pool)
+        self.fleet = FleetView(self.registry, self.metrics)
+        self.fallback = AutoFallback(self.registry, self.deployments, self.metrics, config.budget, self.pool,
+                                     self.fleet)
         self.gateway = GatewayServicer(self.pool, self.deployments, self.metrics, ApiKeys(config.api_keys),
                                        config.max_concurrent_streams, config.max_streams_per_client)
         admin = AdminServicer(self.registry, self.pool, self.deployments, self.metrics, AdminAuth(config.admin_tokens),

@@ -75,7 +75,8 @@ class WorkerServer:
         served = await asyncio.to_thread(load_served_model, self.config)
         served.engine.start()
         metrics = WorkerMetrics(served.engine.stats)
-        metrics.registry.register(CertificateExpiry(certificate_files(self.config.tls, self.config.gateway_tls)))
+        metrics.registry.register(
+            CertificateExpiry("worker", certificate_files(self.config.tls, self.config.gateway_tls)))
         server = grpc.aio.server()
         servicer = WorkerServicer(served, metrics)
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)

@@ -4,7 +4,7 @@ library, whose ssl module decodes only CA certificates.
 
 Used by shared/rpc/tls.py to refuse an expired certificate at start-up (and on a reload) with a line that says
 so, instead of the peer's opaque handshake failure, and by the services' metrics
-(qserve_tls_certificate_expiry_timestamp_seconds) so that an alert can fire before the renewal is late."""
+(qserve_<service>_tls_certificate_expiry_timestamp_seconds) so that an alert can fire before the renewal is late."""
 
 from __future__ import annotations
 
@@ -83,14 +83,15 @@ def _time(tag: int, text: str) -> float:
 
 
 class CertificateExpiry:
-    """Prometheus collector: qserve_tls_certificate_expiry_timestamp_seconds{file} of each certificate file,
-    read at each scrape (a renewed file shows at once; a file that cannot be read or parsed has no sample)."""
+    """Prometheus collector: qserve_<service>_tls_certificate_expiry_timestamp_seconds{file} of each certificate
+    file, read at each scrape (a renewed file shows at once; a file that cannot be read or parsed has no sample)."""
 
-    def __init__(self, files: list[str]):
+    def __init__(self, service: str, files: list[str]):
+        self._name = f"qserve_{service}_tls_certificate_expiry_timestamp_seconds"
         self._files = files
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily("qserve_tls_certificate_expiry_timestamp_seconds",
+        family = GaugeMetricFamily(self._name,
                                    "When the certificate in the file expires (the earliest notAfter of its chain), "
                                    "unix seconds", labels=["file"])
         for path in self._files:
