@@ -29,10 +29,11 @@ import time
 
 from services.gateway.config import FallbackBudget
 from services.gateway.deployments import ArtifactRefView, DeploymentCache, DeploymentView, view_of
+from services.gateway.fleet import FleetView, with_others
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pool import WorkerPool
 from shared import registry as reg
-from shared.registry import Registry, RegistryError
+from shared.registry import ArmTotals, Registry, RegistryError
 
 log = logging.getLogger(__name__)
 ACTOR = "auto"
@@ -49,22 +50,32 @@ class AutoFallback:
     HELD_OFF_LOG_S = 30.0  # how often an action held off for want of workers is logged, per deployment
 
     def __init__(self, registry: Registry, deployments: DeploymentCache, metrics: GatewayMetrics,
-                 budget: FallbackBudget, pool: WorkerPool):
+                 budget: FallbackBudget, pool: WorkerPool, fleet: FleetView | None = None):
         self.registry = registry
         self.deployments = deployments
         self.metrics = metrics
         self.budget = budget
         self.pool = pool
+        self.fleet = fleet  # the other replicas' requests (fleet.py); None: this replica's alone
         self._held_off_logged: dict[tuple[str, GuardAction], float] = {}  # -> when last logged (monotonic)
 
-    def arm_breach(self, view: DeploymentView, arm: str, now: float | None = None) -> str | None:
-        """Why this arm ("stable" or "canary") of the deployment is over budget, or None when it is not."""
+    def window_start(self, view: DeploymentView, now: float) -> float:
+        return max(now - self.budget.window_s, self.deployments.changed_at(view))
+
+    def arm_breach(self, view: DeploymentView, arm: str, now: float | None = None,
+                   others: ArmTotals | None = None) -> str | None:
+        """Why this arm ("stable" or "canary") of the deployment is over budget, or None when it is not.
+        `others`: the other gateway replicas' requests of the arm in the same window, added to this one's."""
         ref = view.stable if arm == "stable" else view.canary
         if ref is None:
             return None
         now = time.time() if now is None else now
-        since = max(now - self.budget.window_s, self.deployments.changed_at(view))
+        since = self.window_start(view, now)
         stats = self.metrics.stats(view.name, ref.artifact_id, since, now)
+        if others is not None:
+            local_tpots = [o.tpot_s for o in self.metrics.window(view.name, ref.artifact_id, since, now)
+                           if not o.server_error and o.tpot_s is not None]
+            stats = with_others(stats, local_tpots, others)
         if stats.requests < self.budget.min_requests:
             return None
         if stats.error_rate > self.budget.max_error_rate:
@@ -76,15 +87,18 @@ class AutoFallback:
                     f"({stats.requests} requests)")
         return None
 
-    def verdict(self, view: DeploymentView, now: float | None = None) -> tuple[GuardAction, str] | None:
-        """(action, reason), or None: what the guard does to this deployment now."""
+    def verdict(self, view: DeploymentView, now: float | None = None,
+                others: dict[str, ArmTotals] | None = None) -> tuple[GuardAction, str] | None:
+        """(action, reason), or None: what the guard does to this deployment now. `others`: by arm, the
+        other replicas' requests (see arm_breach)."""
+        others = others or {}
         if view.fallback:
             return None  # everything already goes to the baseline
         if view.baseline is not None and view.stable is not None and view.stable.format != "fp16":
-            reason = self.arm_breach(view, "stable", now)
+            reason = self.arm_breach(view, "stable", now, others.get("stable"))
             if reason is not None and self._can_take(view, GuardAction.FALLBACK, reason, [view.baseline]):
                 return GuardAction.FALLBACK, reason
-        reason = self.arm_breach(view, "canary", now)
+        reason = self.arm_breach(view, "canary", now, others.get("canary"))
         if reason is not None and self._can_take(view, GuardAction.ABORT, reason, [view.stable, view.baseline]):
             return GuardAction.ABORT, reason
         return None
@@ -114,7 +128,8 @@ class AutoFallback:
                 view = await self.deployments.get(name)
             except RegistryError:
                 continue  # deleted meanwhile
-            verdict = self.verdict(view)
+            now = time.time()
+            verdict = self.verdict(view, now, await self._others(view, now))
             if verdict is None:
                 continue
             action, reason = verdict
@@ -127,6 +142,16 @@ class AutoFallback:
             self.deployments.put(changed)
             acted.append(name)
         return acted
+
+    async def _others(self, view: DeploymentView, now: float) -> dict[str, ArmTotals]:
+        """The other replicas' requests of the deployment's stable and canary in the guard's window."""
+        if self.fleet is None or view.fallback:
+            return {}
+        since, found = self.window_start(view, now), {}
+        for arm, ref in (("stable", view.stable), ("canary", view.canary)):
+            if ref is not None:
+                found[arm] = await self.fleet.others(view.name, ref.artifact_id, since, now)
+        return found
 
     def _act(self, name: str, action: GuardAction, reason: str, revision: int) -> DeploymentView | None:
         """Takes the action, unless the deployment is no longer at the revision that was judged (a
@@ -145,6 +170,8 @@ class AutoFallback:
         while True:
             await asyncio.sleep(interval_s)
             try:
+                if self.fleet is not None:
+                    await self.fleet.publish()  # never raises: an unreachable registry keeps them for later
                 await self.check()
             except Exception:  # a registry outage must not end the monitor; the next pass retries
                 log.exception("automatic fallback check failed")

@@ -125,10 +125,25 @@ class GatewayMetrics:
         if outcome.tpot_s is not None:
             self.tpot.labels(*labels).observe(outcome.tpot_s)
 
+    def window(self, deployment: str, artifact_id: str, since: float, until: float) -> list[Outcome]:
+        """Requests of this deployment served by this artifact that finished in [since, until]."""
+        return [o for o in self._windows.get((deployment, artifact_id), ()) if since <= o.at <= until]
+
+    def outcomes(self, since: float, until: float) -> list[tuple[str, str, Outcome]]:
+        """(deployment, artifact, outcome) of every request that finished in [since, until), whatever its arm."""
+        found = []
+        for (deployment, artifact_id), window in list(self._windows.items()):
+            for outcome in reversed(window):  # appended as they finish: the newest last
+                if outcome.at < since:
+                    break
+                if outcome.at < until:
+                    found.append((deployment, artifact_id, outcome))
+        return found
+
     def stats(self, deployment: str, artifact_id: str, since: float, until: float | None = None) -> ArmStats:
         """Requests of this deployment served by this artifact that finished in [since, until]."""
         until = time.time() if until is None else until
-        outcomes = [o for o in self._windows.get((deployment, artifact_id), ()) if since <= o.at <= until]
+        outcomes = self.window(deployment, artifact_id, since, until)
         if not outcomes:
             return ArmStats()
         ok = [o for o in outcomes if not o.server_error]

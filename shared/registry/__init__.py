@@ -4,6 +4,7 @@ event log. SQLite file by default, PostgreSQL by URL; alembic migrations ship in
 Repository functions take a Session and never commit: the caller owns the transaction
 (`with registry.transaction() as session: ...`), so a change and its event commit together."""
 
+from shared.registry.arm_reports import ArmSecond, ArmTotals, fleet_arm_totals, purge_arm_reports, write_arm_seconds
 from shared.registry.artifacts import (
     Reservation,
     find_artifact,
@@ -58,6 +59,7 @@ from shared.registry.models import (
 )
 
 __all__ = [
+    "ArmSecond", "ArmTotals", "fleet_arm_totals", "purge_arm_reports", "write_arm_seconds",
     "Artifact", "ArtifactState", "Conflict", "Deployment", "Event", "EventKind", "EventRecord", "InvalidState",
     "InvalidValue", "JobState", "Model", "ModelVersion", "NotFound", "QuantJob", "Registry", "RegistryError",
     "Reservation", "abort_rollout", "append_event", "cancel_job", "cancel_requests", "create_deployment", "create_job", "create_registry",

@@ -229,3 +229,21 @@ def _refuse_event_update(mapper, connection, target: Event) -> None:
 @sa.event.listens_for(Event, "before_delete")
 def _refuse_event_delete(mapper, connection, target: Event) -> None:
     raise InvalidState(f"event {target.id} is append-only: it cannot be deleted, only new events appended")
+
+
+class ArmReport(Base):
+    """What one gateway replica served for one arm (deployment, artifact) in one second of wall time, so that
+    every replica's automatic guard can judge an arm on the whole fleet's traffic (arm_reports.py). Written
+    once per (gateway, second) after the second ended; deleted after a while (migration 0004)."""
+
+    __tablename__ = "arm_reports"
+    __table_args__ = (sa.Index("ix_arm_reports_arm_second", "deployment", "artifact_id", "second"),)
+
+    gateway_id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)  # a replica's process, uuid4 hex
+    deployment: Mapped[str] = mapped_column(sa.String(128), primary_key=True)  # its name
+    artifact_id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    second: Mapped[int] = mapped_column(sa.BigInteger, primary_key=True)  # unix seconds, floor of the finish time
+    requests: Mapped[int] = mapped_column(sa.Integer)
+    errors: Mapped[int] = mapped_column(sa.Integer)  # failed on the serving side
+    # JSON object: time per output token in tenths of a millisecond -> requests (those not failed).
+    tpot_counts: Mapped[str] = mapped_column(sa.Text)

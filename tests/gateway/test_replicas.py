@@ -10,6 +10,7 @@ on a snapshot read after the commit; READ_SLACK_S covers the read itself."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -212,3 +213,32 @@ def _backdate_last_change(url: str, seconds: float) -> None:
             deployment.updated_at -= timedelta(seconds=seconds)
     finally:
         registry.close()
+
+
+def test_the_guard_judges_an_arm_on_the_traffic_of_every_replica(artifacts):
+    """Behind a load balancer each replica relays part of a failing canary's requests, fewer than the guard's
+    minimum (10): judged alone, neither replica would ever act. Each writes what it served to the registry
+    (per second) and judges on its own requests plus the others': the canary is aborted, once."""
+    async def scenario():
+        async with two_replicas(artifacts, **GUARD) as (a, b):
+            await worker_on_both(a, b, artifacts.stable, tokens=2, max_running=64)
+            failing = await worker_on_both(a, b, artifacts.canary, tokens=2, max_running=64)
+            failing.worker.fail_after = 1
+            await a.admin.StartRollout(rollout(100, artifacts.canary), metadata=ADMIN)
+            await asyncio.sleep(CACHE_S + READ_SLACK_S)
+            # The reports are per second, and the other replicas' second in which the rollout began is not
+            # counted (it may hold requests from before it): the traffic starts in the next one.
+            await asyncio.sleep(math.ceil(time.time()) - time.time() + 0.05)
+            for stack in (a, b):
+                await failing_traffic(stack, failing, await worker_id_on(stack, failing.address), requests=6)
+            assert await asyncio.gather(a.gateway.fallback.check(), b.gateway.fallback.check()) == [[], []]
+            later = time.time() + 1.01  # the seconds of those requests have ended
+            assert all(await asyncio.gather(a.gateway.fleet.publish(later), b.gateway.fleet.publish(later)))
+            acted = await asyncio.gather(a.gateway.fallback.check(), b.gateway.fallback.check())
+            assert sorted(map(len, acted)) == [0, 1]
+            assert (await events(a))[-2:] == [("rollout_start", "ops"), ("abort", "auto")]
+            reason = (await a.admin.ListEvents(gateway_pb2.ListEventsRequest(deployment=DEPLOYMENT),
+                                               metadata=ADMIN)).events[0].detail
+            assert "(12/12)" in reason, reason  # both replicas' requests
+
+    run(scenario())

@@ -92,9 +92,17 @@ def _seed_0003(conn: sa.Connection) -> None:
               vocabulary_digest="0" * 64)
 
 
+def _seed_0004(conn: sa.Connection) -> None:
+    """As at 0003, plus a gateway replica's report of a second."""
+    _seed_0003(conn)
+    _insert(conn, "arm_reports", gateway_id="g" * 32, deployment="chat", artifact_id=CANARY, second=1764590400,
+            requests=3, errors=1, tpot_counts='{"120": 2}')
+
+
 # Rows written at each revision with that revision's schema. A new migration adds its own entry
 # (test_every_revision_has_seed_rows says so), so that an upgrade from it is tested with data too.
-SEEDS: dict[str, Callable[[sa.Connection], None]] = {"0001": _seed_0001, "0002": _seed_0002, "0003": _seed_0003}
+SEEDS: dict[str, Callable[[sa.Connection], None]] = {"0001": _seed_0001, "0002": _seed_0002, "0003": _seed_0003,
+                                                        "0004": _seed_0004}
 
 
 def _revisions() -> list[str]:
@@ -105,7 +113,8 @@ def _revisions() -> list[str]:
 def _rows(engine: sa.Engine) -> dict[str, list[dict]]:
     with engine.connect() as conn:
         tables = sa.MetaData()
-        tables.reflect(conn, only=[t.name for t in Base.metadata.sorted_tables])
+        names = {t.name for t in Base.metadata.sorted_tables}
+        tables.reflect(conn, only=lambda name, _: name in names)  # those this revision has
         return {
             name: [dict(r._mapping) for r in conn.execute(sa.select(t).order_by(*t.primary_key.columns))]
             for name, t in tables.tables.items()

@@ -1,0 +1,49 @@
+"""The fleet view of an arm (services/gateway/fleet.py): this replica's requests and the others' reports."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+from services.gateway.fleet import FleetView, with_others
+from services.gateway.metrics import ArmStats, GatewayMetrics, Outcome
+from shared.registry import ArmTotals, create_registry, fleet_arm_totals, sqlite_url
+
+
+def test_the_others_requests_are_added_and_the_p95_taken_over_all_of_them():
+    local = ArmStats(requests=3, errors=1, tpot_p50_s=0.01, tpot_p95_s=0.01)
+    merged = with_others(local, [0.01, 0.01], ArmTotals(requests=17, errors=2, tpot_counts={5000: 15}))
+    assert (merged.requests, merged.errors) == (20, 3)
+    assert math.isclose(merged.tpot_p95_s, 0.5) and math.isclose(merged.tpot_p50_s, 0.5)
+    assert with_others(local, [0.01, 0.01], ArmTotals()) is local  # no other replica: exactly as before
+
+
+class _Unreachable:
+    def transaction(self):
+        raise ConnectionError("registry down")
+
+
+def test_reports_wait_in_memory_while_the_registry_is_away_then_go_out(tmp_path, caplog):
+    metrics = GatewayMetrics()
+    now = time.time()
+    fleet = FleetView(_Unreachable(), metrics, gateway_id="a" * 32)
+    fleet._written_until = math.floor(now) - 5
+    for error in (False, True, False):
+        metrics.record("chat", "c1", "c1", Outcome(at=now - 3, server_error=error, ttft_s=0.1, tpot_s=0.02, tokens=4))
+
+    async def scenario():
+        with caplog.at_level(logging.WARNING, logger="services.gateway.fleet"):
+            assert await fleet.publish(now) == 0 and await fleet.publish(now) == 0
+        assert len([r for r in caplog.records if "could not write" in r.getMessage()]) == 1  # once per outage
+        registry = create_registry(sqlite_url(tmp_path / "registry.db"))
+        fleet.registry = registry
+        assert await fleet.publish(now) == 1
+        with registry.sessions() as session:
+            totals = fleet_arm_totals(session, "chat", "c1", 0, math.floor(now))
+        assert (totals.requests, totals.errors, totals.tpot_counts) == (3, 1, {200: 2})
+        assert await fleet.publish(now) == 0  # nothing new
+        registry.close()
+
+    asyncio.run(scenario())
