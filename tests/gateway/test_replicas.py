@@ -140,14 +140,21 @@ GUARD = dict(budget=FallbackBudget(max_error_rate=0.2, max_tpot_p95_s=10.0, wind
              fallback_check_s=60.0)
 
 
+async def failing_canary_on_both(a: Stack, b: Stack, artifacts: Artifacts) -> FakeWorkerServer:
+    """A healthy stable and a canary at 100 % whose worker fails every request after a token, on both replicas;
+    returns once both route on the rollout."""
+    await worker_on_both(a, b, artifacts.stable, tokens=2, max_running=64)
+    failing = await worker_on_both(a, b, artifacts.canary, tokens=2, max_running=64)
+    failing.worker.fail_after = 1
+    await a.admin.StartRollout(rollout(100, artifacts.canary), metadata=ADMIN)
+    await asyncio.sleep(CACHE_S + READ_SLACK_S)
+    return failing
+
+
 def test_the_guard_on_two_replicas_aborts_a_bad_canary_once(artifacts):
     async def scenario():
         async with two_replicas(artifacts, **GUARD) as (a, b):
-            await worker_on_both(a, b, artifacts.stable, tokens=2, max_running=64)
-            failing = await worker_on_both(a, b, artifacts.canary, tokens=2, max_running=64)
-            failing.worker.fail_after = 1
-            await a.admin.StartRollout(rollout(100, artifacts.canary), metadata=ADMIN)
-            await asyncio.sleep(CACHE_S + READ_SLACK_S)
+            failing = await failing_canary_on_both(a, b, artifacts)
             for stack in (a, b):
                 await failing_traffic(stack, failing, await worker_id_on(stack, failing.address))
             acted = await asyncio.gather(a.gateway.fallback.check(), b.gateway.fallback.check())
@@ -221,11 +228,7 @@ def test_the_guard_judges_an_arm_on_the_traffic_of_every_replica(artifacts):
     (per second) and judges on its own requests plus the others': the canary is aborted, once."""
     async def scenario():
         async with two_replicas(artifacts, **GUARD) as (a, b):
-            await worker_on_both(a, b, artifacts.stable, tokens=2, max_running=64)
-            failing = await worker_on_both(a, b, artifacts.canary, tokens=2, max_running=64)
-            failing.worker.fail_after = 1
-            await a.admin.StartRollout(rollout(100, artifacts.canary), metadata=ADMIN)
-            await asyncio.sleep(CACHE_S + READ_SLACK_S)
+            failing = await failing_canary_on_both(a, b, artifacts)
             # The reports are per second, and the other replicas' second in which the rollout began is not
             # counted (it may hold requests from before it): the traffic starts in the next one.
             await asyncio.sleep(math.ceil(time.time()) - time.time() + 0.05)
