@@ -148,7 +148,9 @@ class AutoFallback:
         if self.fleet is None or view.fallback:
             return {}
         since, found = self.window_start(view, now), {}
-        for arm, ref in (("stable", view.stable), ("canary", view.canary)):
+        # the stable only where verdict judges it: quantized, with a baseline to fall back to
+        judged_stable = view.baseline is not None and view.stable is not None and view.stable.format != "fp16"
+        for arm, ref in (("stable", view.stable if judged_stable else None), ("canary", view.canary)):
             if ref is not None:
                 found[arm] = await self.fleet.others(view.name, ref.artifact_id, since, now)
         return found
