@@ -6,6 +6,9 @@
 * a quantized stable over budget turns the deployment's fallback switch on (everything to the
   fp16 baseline; any canary is aborted too), when there is a baseline to fall back to.
 
+An arm is judged on the requests of every gateway replica (fleet.py): this replica's own, and what the others
+reported to the registry for the same window.
+
 Each action is taken as actor "auto" with the measured figures as the reason, in the registry's
 event log. Turning fallback back off is a person's decision (`qctl fallback off`).
 
@@ -94,7 +97,7 @@ class AutoFallback:
         others = others or {}
         if view.fallback:
             return None  # everything already goes to the baseline
-        if view.baseline is not None and view.stable is not None and view.stable.format != "fp16":
+        if _judges_stable(view):
             reason = self.arm_breach(view, "stable", now, others.get("stable"))
             if reason is not None and self._can_take(view, GuardAction.FALLBACK, reason, [view.baseline]):
                 return GuardAction.FALLBACK, reason
@@ -148,9 +151,7 @@ class AutoFallback:
         if self.fleet is None or view.fallback:
             return {}
         since, found = self.window_start(view, now), {}
-        # the stable only where verdict judges it: quantized, with a baseline to fall back to
-        judged_stable = view.baseline is not None and view.stable is not None and view.stable.format != "fp16"
-        for arm, ref in (("stable", view.stable if judged_stable else None), ("canary", view.canary)):
+        for arm, ref in (("stable", view.stable if _judges_stable(view) else None), ("canary", view.canary)):
             if ref is not None:
                 found[arm] = await self.fleet.others(view.name, ref.artifact_id, since, now)
         return found
@@ -177,3 +178,8 @@ class AutoFallback:
                 await self.check()
             except Exception:  # a registry outage must not end the monitor; the next pass retries
                 log.exception("automatic fallback check failed")
+
+
+def _judges_stable(view: DeploymentView) -> bool:
+    """The guard judges a stable that is quantized and has a baseline to fall back to."""
+    return view.baseline is not None and view.stable is not None and view.stable.format != "fp16"
