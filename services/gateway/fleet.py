@@ -25,6 +25,10 @@ from shared.registry.arm_reports import TPOT_STEP_S, tpot_step
 
 log = logging.getLogger(__name__)
 KEEP_S = 3600.0  # reports are kept this long, in the registry and (unwritten) in memory
+# Another replica's seconds are counted from this long after the window starts: a window that starts at a
+# change (an operator turning fallback off) must not take in the requests of before it from a replica whose
+# clock runs a little ahead. Clocks in step to within it (NTP) are assumed.
+CLOCK_MARGIN_S = 1.0
 PURGE_EVERY_S = 60.0
 
 
@@ -74,11 +78,11 @@ class FleetView:
 
     async def others(self, deployment: str, artifact_id: str, since: float, until: float) -> ArmTotals:
         """The other replicas' reports of [since, until] for the arm (whole seconds: a report's second is
-        counted when it began at or after `since`); none when the registry cannot be read."""
+        counted when it began CLOCK_MARGIN_S or more after `since`); none when the registry cannot be read."""
         def read() -> ArmTotals:
             with self.registry.sessions() as session:
-                return fleet_arm_totals(session, deployment, artifact_id, math.ceil(since), math.floor(until),
-                                        exclude_gateway=self.gateway_id)
+                return fleet_arm_totals(session, deployment, artifact_id, math.ceil(since + CLOCK_MARGIN_S),
+                                        math.floor(until), exclude_gateway=self.gateway_id)
         try:
             return await asyncio.to_thread(read)
         except Exception as exc:

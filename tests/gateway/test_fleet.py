@@ -9,7 +9,7 @@ import time
 
 from services.gateway.fleet import FleetView, with_others
 from services.gateway.metrics import ArmStats, GatewayMetrics, Outcome
-from shared.registry import ArmTotals, create_registry, fleet_arm_totals, sqlite_url
+from shared.registry import ArmSecond, ArmTotals, create_registry, fleet_arm_totals, sqlite_url, write_arm_seconds
 
 
 def test_the_others_requests_are_added_and_the_p95_taken_over_all_of_them():
@@ -47,3 +47,17 @@ def test_reports_wait_in_memory_while_the_registry_is_away_then_go_out(tmp_path,
         registry.close()
 
     asyncio.run(scenario())
+
+
+def test_another_replicas_first_second_after_a_change_is_not_counted(tmp_path):
+    """A window that starts at a change: the other replicas' seconds count from CLOCK_MARGIN_S after it, so a
+    replica whose clock runs a little ahead cannot bring in requests of before the change."""
+    registry = create_registry(sqlite_url(tmp_path / "registry.db"))
+    with registry.transaction() as session:
+        write_arm_seconds(session, "b" * 32, [ArmSecond("chat", "c1", 1000, 5, 5), ArmSecond("chat", "c1", 1002, 3, 1)])
+    fleet = FleetView(registry, GatewayMetrics(), gateway_id="a" * 32)
+    try:
+        assert asyncio.run(fleet.others("chat", "c1", since=999.5, until=1010.0)).requests == 3
+        assert asyncio.run(fleet.others("chat", "c1", since=998.5, until=1010.0)).requests == 8
+    finally:
+        registry.close()

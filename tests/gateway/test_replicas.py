@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from services.gateway.config import FallbackBudget
+from services.gateway.fleet import CLOCK_MARGIN_S
 from services.gateway.router import bucket_of
 from shared import registry as reg
 from shared.registry import create_registry, sqlite_url
@@ -229,9 +230,9 @@ def test_the_guard_judges_an_arm_on_the_traffic_of_every_replica(artifacts):
     async def scenario():
         async with two_replicas(artifacts, **GUARD) as (a, b):
             failing = await failing_canary_on_both(a, b, artifacts)
-            # The reports are per second, and the other replicas' second in which the rollout began is not
-            # counted (it may hold requests from before it): the traffic starts in the next one.
-            await asyncio.sleep(math.ceil(time.time()) - time.time() + 0.05)
+            # The reports are per second, and the other replicas' are counted from a second after the rollout
+            # began (fleet.CLOCK_MARGIN_S: they may hold requests from before it): the traffic starts then.
+            await asyncio.sleep(math.ceil(time.time() + CLOCK_MARGIN_S) - time.time() + 0.05)
             for stack in (a, b):
                 await failing_traffic(stack, failing, await worker_id_on(stack, failing.address), requests=6)
             assert await asyncio.gather(a.gateway.fallback.check(), b.gateway.fallback.check()) == [[], []]
