@@ -484,3 +484,33 @@ async def registered_again(announcer: GatewayAnnouncer) -> None:
     while announcer.worker_id in (None, old):
         assert time.monotonic() < deadline, "the worker did not register with the restarted gateway"
         await asyncio.sleep(0.01)
+
+
+def test_files_renewed_between_loading_and_serving_are_served(tmp_path, certs, capsys):
+    """The files' signature is taken when they are read, not when the server starts: a renewal in between is
+    seen at the first handshake, not missed until the files change once more."""
+    cert, key = tmp_path / "server.pem", tmp_path / "server-key.pem"
+    _install(certs.server_cert, cert)
+    _install(certs.server_key, key)
+    loaded = load_server_tls(cert, key, None)
+    renewed = make_certs(tmp_path / "renewed")
+    _install(renewed.server_cert, cert)
+    _install(renewed.server_key, key)
+
+    async def serve():
+        server = grpc.aio.server()
+        servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        port = listen(server, "127.0.0.1:0", "test", RuntimeError, loaded)
+        await server.start()
+        await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        return server, f"127.0.0.1:{port}"
+
+    loop = BackgroundLoop("tls-signature-test")
+    server, address = loop.call(serve(), 30.0)
+    try:
+        assert probe.main([address, "--tls-ca", str(renewed.ca)]) == 0
+        capsys.readouterr()
+    finally:
+        loop.call(server.stop(0), 30.0)
+        loop.close()

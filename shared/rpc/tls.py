@@ -62,6 +62,8 @@ class ServerTls:
     private_key: bytes = field(repr=False)
     client_ca: bytes | None = field(default=None, repr=False)
     flags: tuple[str, str, str] = ("--tls-cert", "--tls-key", "--tls-client-ca")
+    # The files' stat signature taken before they were read: a change after that is seen as one.
+    signature: tuple = field(default=(), repr=False, compare=False)
 
     def credentials(self) -> grpc.ServerCredentials:
         """Credentials that serve these bytes and reload the files when they change (module docstring)."""
@@ -82,7 +84,7 @@ class _Reloader:
 
     def __init__(self, tls: ServerTls) -> None:
         self._tls = tls
-        self._served = _signature(tls.files())
+        self._served = tls.signature or _signature(tls.files())
         self._refused: tuple | None = None  # the signature of a set that did not load: not retried until it changes
 
     def __call__(self) -> grpc.ServerCertificateConfiguration | None:
@@ -98,7 +100,7 @@ class _Reloader:
                 log.warning("TLS certificate files changed but cannot be served; keeping the current ones: %s", exc)
                 return None
             assert tls is not None  # the same paths as at start-up: a certificate and a key are set
-            self._tls, self._served, self._refused = tls, signature, None
+            self._tls, self._served, self._refused = tls, tls.signature, None
             log.info("TLS certificate reloaded from %s", ", ".join(tls.files()))
             return tls._configuration()
         except Exception:  # noqa: BLE001 - an exception here would fail the client's handshake
@@ -133,6 +135,7 @@ class ClientTls:
     cert_file: str | None = None  # where cert_chain and private_key came from (reloading, messages)
     key_file: str | None = None
     flags: tuple[str, str, str] = CLIENT_FLAGS
+    signature: tuple = field(default=(), repr=False, compare=False)  # as ServerTls.signature
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(self.ca, self.private_key, self.cert_chain)
@@ -152,7 +155,7 @@ class ReloadingClientTls:
 
     def __init__(self, tls: ClientTls) -> None:
         self._tls = tls
-        self._loaded = _signature(tls.files())
+        self._loaded = tls.signature or _signature(tls.files())
         self._refused: tuple | None = None
         self.generation = 0
 
@@ -168,7 +171,7 @@ class ReloadingClientTls:
             log.warning("TLS client files changed but cannot be used; keeping the current ones: %s", exc)
             return self._tls
         assert tls is not None  # the same paths as at start-up: a CA is set
-        self._tls, self._loaded, self._refused = tls, signature, None
+        self._tls, self._loaded, self._refused = tls, tls.signature, None
         self.generation += 1
         log.info("TLS client files reloaded from %s", ", ".join(tls.files()))
         return tls
@@ -199,14 +202,15 @@ def load_server_tls(cert: Path | str | None, key: Path | str | None, client_ca: 
         return None
     if cert is None or key is None:
         raise TlsError(f"{cert_flag} and {key_flag} go together: give both (TLS) or neither (plaintext)")
+    signature = _signature([str(p) for p in (cert, key, client_ca) if p is not None])
     chain, private_key = _read(cert, cert_flag, "certificate"), _read(key, key_flag, "private key")
     _check_pair(cert, key, cert_flag, key_flag)
     _check_dates(chain, cert, cert_flag)
     if client_ca is None:
-        return ServerTls(str(cert), str(key), None, chain, private_key, flags=tuple(flags))
+        return ServerTls(str(cert), str(key), None, chain, private_key, flags=tuple(flags), signature=signature)
     ca = _read(client_ca, ca_flag, "certificate")
     _check_ca(ca, client_ca, ca_flag)
-    return ServerTls(str(cert), str(key), str(client_ca), chain, private_key, ca, tuple(flags))
+    return ServerTls(str(cert), str(key), str(client_ca), chain, private_key, ca, tuple(flags), signature)
 
 
 def load_client_tls(ca: Path | str | None, cert: Path | str | None, key: Path | str | None,
@@ -221,14 +225,15 @@ def load_client_tls(ca: Path | str | None, cert: Path | str | None, key: Path | 
         if cert is not None:
             raise TlsError(f"{cert_flag} needs {ca_flag}: a client certificate is presented only over TLS")
         return None
+    signature = _signature([str(p) for p in (ca, cert, key) if p is not None])
     roots = _read(ca, ca_flag, "certificate")
     _check_ca(roots, ca, ca_flag)
     if cert is None:
-        return ClientTls(str(ca), roots, server_name=server_name, flags=tuple(flags))
+        return ClientTls(str(ca), roots, server_name=server_name, flags=tuple(flags), signature=signature)
     chain, private_key = _read(cert, cert_flag, "certificate"), _read(key, key_flag, "private key")
     _check_pair(cert, key, cert_flag, key_flag)
     _check_dates(chain, cert, cert_flag)
-    return ClientTls(str(ca), roots, chain, private_key, server_name, str(cert), str(key), tuple(flags))
+    return ClientTls(str(ca), roots, chain, private_key, server_name, str(cert), str(key), tuple(flags), signature)
 
 
 def mismatch_hint(details: str, tls: bool, settings: Sequence[str] = CLIENT_FLAGS) -> str:
