@@ -84,6 +84,8 @@ def status(deployment: str = DEPLOYMENT_ARG, gateway: str = GATEWAY_OPTION, toke
         ("ttft p50 / p95", lambda m: f"{ms(m.ttft_p50)} / {ms(m.ttft_p95)}"),
         ("tpot p50 / p95", lambda m: f"{ms(m.tpot_p50)} / {ms(m.tpot_p95)}"),
         ("generated tokens", lambda m: str(m.generated_tokens)),
+        # what the automatic guard counts: this gateway replica's requests and the others' reports
+        ("all replicas: requests / errors", lambda m: f"{m.fleet_requests} / {m.fleet_errors}"),
     )
     for label, cell in rows:
         table.add_row(label, *(cell(metrics) for _, metrics in arms))

@@ -8,6 +8,7 @@ import asyncio
 import functools
 import logging
 import re
+import time
 from datetime import datetime, timezone
 
 import grpc
@@ -19,10 +20,11 @@ from services.gateway.auth import AdminAuth
 from services.gateway.deployments import ArtifactRefView, DeploymentCache, DeploymentView, timestamp, view_of
 from services.gateway.fallback import ACTOR as GUARD_ACTOR
 from services.gateway.errors import MAPPED, InvalidRequest, NoWorker, Precondition, status_of
+from services.gateway.fleet import FleetView
 from services.gateway.metrics import ArmStats, GatewayMetrics
 from services.gateway.pool import WorkerPool
 from shared import registry as reg
-from shared.registry import ArtifactState, Deployment, Event, Registry
+from shared.registry import ArmTotals, ArtifactState, Deployment, Event, Registry
 from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from shared.rpc.tls import CLIENT_FLAGS, mismatch_hint
 
@@ -81,8 +83,10 @@ def _seconds(value: float) -> Duration:
 
 class AdminServicer(gateway_pb2_grpc.AdminServicer):
     def __init__(self, registry: Registry, pool: WorkerPool, deployments: DeploymentCache, metrics: GatewayMetrics,
-                 auth: AdminAuth, heartbeat_interval_s: float, worker_info_timeout_s: float, started_at: datetime):
+                 auth: AdminAuth, heartbeat_interval_s: float, worker_info_timeout_s: float, started_at: datetime,
+                 fleet: FleetView | None = None):
         self.registry = registry
+        self.fleet = fleet  # the other gateway replicas' reports (RolloutStatus' fleet counts)
         self.pool = pool
         self.deployments = deployments
         self.metrics = metrics
@@ -259,11 +263,16 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
         since = self._window_start(view)
         response = gateway_pb2.RolloutStatusResponse(deployment=view.to_pb(), window_start=timestamp(since))
         arms = (("stable", view.stable), ("canary", view.canary), ("baseline", view.baseline))
+        now = time.time()
         for field, ref in arms:
             if ref is None:
                 continue
-            stats = self.metrics.stats(view.name, ref.artifact_id, since.timestamp())
-            getattr(response, field).CopyFrom(self._arm_pb(ref, stats))
+            stats = self.metrics.stats(view.name, ref.artifact_id, since.timestamp(), now)
+            metrics = self._arm_pb(ref, stats)
+            others = (await self.fleet.others(view.name, ref.artifact_id, since.timestamp(), now)
+                      if self.fleet is not None else ArmTotals())
+            metrics.fleet_requests, metrics.fleet_errors = stats.requests + others.requests, stats.errors + others.errors
+            getattr(response, field).CopyFrom(metrics)
         return response
 
     def _window_start(self, view: DeploymentView) -> datetime:

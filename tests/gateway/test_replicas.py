@@ -238,6 +238,10 @@ def test_the_guard_judges_an_arm_on_the_traffic_of_every_replica(artifacts):
             assert await asyncio.gather(a.gateway.fallback.check(), b.gateway.fallback.check()) == [[], []]
             later = time.time() + 1.01  # the seconds of those requests have ended
             assert all(await asyncio.gather(a.gateway.fleet.publish(later), b.gateway.fleet.publish(later)))
+            status = await a.admin.RolloutStatus(gateway_pb2.RolloutStatusRequest(deployment=DEPLOYMENT),
+                                                 metadata=ADMIN)
+            canary = status.canary  # a's own requests, and the fleet's as the guard counts them
+            assert (canary.requests, canary.errors, canary.fleet_requests, canary.fleet_errors) == (6, 6, 12, 12)
             acted = await asyncio.gather(a.gateway.fallback.check(), b.gateway.fallback.check())
             assert sorted(map(len, acted)) == [0, 1]
             assert (await events(a))[-2:] == [("rollout_start", "ops"), ("abort", "auto")]
