@@ -78,34 +78,57 @@ class ServerTls:
         return (self.cert_file, self.key_file) + ((self.client_ca_file,) if self.client_ca_file else ())
 
 
-class _Reloader:
+class _ReloadingFiles:
+    """TLS settings reloaded when their files change: each check stats them and, when the stat signature moved,
+    loads and checks them as at start-up (`_load`). A set that does not load (a rotation caught half written)
+    is logged once and the current one kept until the files change again; `generation` counts the reloads."""
+
+    REFUSED = ""  # the log lines' words for a set that does not load, and for one that did
+    RELOADED = ""
+
+    def __init__(self, tls: ServerTls | ClientTls) -> None:
+        self._tls = tls
+        self._loaded = tls.signature or _signature(tls.files())
+        self._refused: tuple | None = None  # the signature of a set that did not load: not retried until it changes
+        self.generation = 0
+
+    def _reload(self) -> bool:
+        """Whether a changed set of files was loaded just now."""
+        signature = _signature(self._tls.files())
+        if signature in (self._loaded, self._refused):
+            return False
+        try:
+            tls = self._load(self._tls)
+        except TlsError as exc:
+            self._refused = signature
+            log.warning("%s; keeping the current ones: %s", self.REFUSED, exc)
+            return False
+        assert tls is not None  # the same paths as at start-up: what made it TLS is set
+        self._tls, self._loaded, self._refused = tls, tls.signature, None
+        self.generation += 1
+        log.info("%s from %s", self.RELOADED, ", ".join(tls.files()))
+        return True
+
+    def _load(self, tls):
+        raise NotImplementedError
+
+
+class _Reloader(_ReloadingFiles):
     """grpc's certificate fetcher: called before every new connection's handshake (on a grpc thread), so it
     only stats the files unless they changed; it must not raise (grpc would fail that handshake)."""
 
-    def __init__(self, tls: ServerTls) -> None:
-        self._tls = tls
-        self._served = tls.signature or _signature(tls.files())
-        self._refused: tuple | None = None  # the signature of a set that did not load: not retried until it changes
+    REFUSED = "TLS certificate files changed but cannot be served"
+    RELOADED = "TLS certificate reloaded"
 
     def __call__(self) -> grpc.ServerCertificateConfiguration | None:
         try:
-            signature = _signature(self._tls.files())
-            if signature in (self._served, self._refused):
-                return None
-            try:
-                tls = load_server_tls(self._tls.cert_file, self._tls.key_file, self._tls.client_ca_file,
-                                      self._tls.flags)
-            except TlsError as exc:
-                self._refused = signature
-                log.warning("TLS certificate files changed but cannot be served; keeping the current ones: %s", exc)
-                return None
-            assert tls is not None  # the same paths as at start-up: a certificate and a key are set
-            self._tls, self._served, self._refused = tls, tls.signature, None
-            log.info("TLS certificate reloaded from %s", ", ".join(tls.files()))
-            return tls._configuration()
+            return self._tls._configuration() if self._reload() else None
         except Exception:  # noqa: BLE001 - an exception here would fail the client's handshake
             log.exception("checking the TLS certificate files for a change failed; keeping the current ones")
             return None
+
+    def _load(self, tls: ServerTls) -> ServerTls | None:
+        return load_server_tls(tls.cert_file, tls.key_file, tls.client_ca_file, tls.flags)
 
 
 def _signature(paths: Sequence[str]) -> tuple:
@@ -147,34 +170,20 @@ class ClientTls:
         return (self.ca_file,) + ((self.cert_file, self.key_file) if self.cert_file and self.key_file else ())
 
 
-class ReloadingClientTls:
-    """A long-running client's TLS: current() stats the files and, when they changed, loads and checks them
-    as at start-up; `generation` counts the reloads, so that a channel's owner can tell a channel dialled
-    with older files and dial it again (see the module docstring). A set that does not load (a rotation
-    caught half written) is logged once and the current one kept until the files change again."""
+class ReloadingClientTls(_ReloadingFiles):
+    """A long-running client's TLS: current() is the files' settings as they are now (see _ReloadingFiles), and
+    `generation` tells a channel's owner that a channel was dialled with older files, to dial it again (see
+    the module docstring)."""
 
-    def __init__(self, tls: ClientTls) -> None:
-        self._tls = tls
-        self._loaded = tls.signature or _signature(tls.files())
-        self._refused: tuple | None = None
-        self.generation = 0
+    REFUSED = "TLS client files changed but cannot be used"
+    RELOADED = "TLS client files reloaded"
 
     def current(self) -> ClientTls:
-        signature = _signature(self._tls.files())
-        if signature in (self._loaded, self._refused):
-            return self._tls
-        try:
-            tls = load_client_tls(self._tls.ca_file, self._tls.cert_file, self._tls.key_file, self._tls.flags,
-                                  self._tls.server_name)
-        except TlsError as exc:
-            self._refused = signature
-            log.warning("TLS client files changed but cannot be used; keeping the current ones: %s", exc)
-            return self._tls
-        assert tls is not None  # the same paths as at start-up: a CA is set
-        self._tls, self._loaded, self._refused = tls, tls.signature, None
-        self.generation += 1
-        log.info("TLS client files reloaded from %s", ", ".join(tls.files()))
-        return tls
+        self._reload()
+        return self._tls
+
+    def _load(self, tls: ClientTls) -> ClientTls | None:
+        return load_client_tls(tls.ca_file, tls.cert_file, tls.key_file, tls.flags, tls.server_name)
 
 
 def channel(address: str, tls: ClientTls | None, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
