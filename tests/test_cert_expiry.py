@@ -15,7 +15,7 @@ from services.gateway.server import GatewayServer
 from shared.registry import sqlite_url
 from shared.rpc.cert_expiry import CertificateExpiry, chain_expiry
 from shared.rpc.tls import ReloadingClientTls, TlsError, load_client_tls, load_server_tls
-from tests.tls.certs import make_certs
+from tests.tls.certs import install_file, make_certs
 
 DAY = datetime.timedelta(days=1)
 
@@ -61,10 +61,8 @@ def test_an_expired_renewal_is_not_taken_by_a_reloading_client(tmp_path, caplog)
     cert.write_bytes(good.client_cert.read_bytes())
     key.write_bytes(good.client_key.read_bytes())
     tls = ReloadingClientTls(load_client_tls(good.ca, cert, key))
-    cert.with_suffix(".new").write_bytes(expired.client_cert.read_bytes())
-    cert.with_suffix(".new").replace(cert)
-    key.with_suffix(".new").write_bytes(expired.client_key.read_bytes())
-    key.with_suffix(".new").replace(key)
+    install_file(expired.client_cert, cert)
+    install_file(expired.client_key, key)
     with caplog.at_level(logging.WARNING, logger="shared.rpc.tls"):
         assert tls.current().cert_chain == good.client_cert.read_bytes() and tls.generation == 0
     assert any("expired on" in r.getMessage() for r in caplog.records)

@@ -33,7 +33,7 @@ from shared.rpc.tls import ClientTls, ReloadingClientTls, ServerTls, load_client
 from shared.storage import StorageConfig
 from tests.gateway.conftest import ADMIN, TOKENS, WORKER, Artifacts, seed_artifacts
 from tests.gateway.fake_worker import FakeWorker, expected_tokens
-from tests.tls.certs import Certs, make_certs
+from tests.tls.certs import Certs, install_file, make_certs
 
 runner = CliRunner()
 PROMPT_S = 5.0  # a refused connection must end well within this (grpc's own connect timeout is 20 s)
@@ -302,36 +302,21 @@ def test_a_server_picks_up_renewed_certificate_files_and_keeps_serving_through_a
     """A renewed certificate is served to new connections without a restart; a rotation caught half way
     (the new certificate beside the old key) is logged and the old pair stays in service."""
     cert, key = tmp_path / "server.pem", tmp_path / "server-key.pem"
-
-    def install(source: Path, target: Path) -> None:  # as a mounted secret updates: a new file swapped in
-        staged = target.with_suffix(".new")
-        staged.write_bytes(source.read_bytes())
-        staged.replace(target)
-
-    install(certs.server_cert, cert)
-    install(certs.server_key, key)
+    install_file(certs.server_cert, cert)
+    install_file(certs.server_key, key)
     renewed = make_certs(tmp_path / "renewed")  # another CA: a connection tells which pair was served
 
-    async def serve():
-        server = grpc.aio.server()
-        servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-        port = listen(server, "127.0.0.1:0", "test", RuntimeError, load_server_tls(cert, key, None))
-        await server.start()
-        await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        return server, f"127.0.0.1:{port}"
-
     loop = BackgroundLoop("tls-reload-test")
-    server, address = loop.call(serve(), 30.0)
+    server, address = loop.call(_serve_health(load_server_tls(cert, key, None)), 30.0)
     try:
         assert probe.main([address, "--tls-ca", str(certs.ca)]) == 0
         with caplog.at_level(logging.INFO, logger="shared.rpc.tls"):
-            install(renewed.server_cert, cert)  # the key is not there yet
+            install_file(renewed.server_cert, cert)  # the key is not there yet
             assert probe.main([address, "--tls-ca", str(certs.ca)]) == 0
             assert probe.main([address, "--tls-ca", str(certs.ca)]) == 0  # refused once, not re-read per connection
             warnings = [r for r in caplog.records if "cannot be served" in r.getMessage()]
             assert len(warnings) == 1 and "is not the private key of the certificate" in warnings[0].getMessage()
-            install(renewed.server_key, key)
+            install_file(renewed.server_key, key)
             assert probe.main([address, "--tls-ca", str(renewed.ca)]) == 0
             assert probe.main([address, "--tls-ca", str(certs.ca)]) == 1  # the old CA no longer verifies it
             assert any("TLS certificate reloaded from" in r.getMessage() for r in caplog.records)
@@ -341,27 +326,31 @@ def test_a_server_picks_up_renewed_certificate_files_and_keeps_serving_through_a
         loop.close()
 
 
-def _install(source: Path, target: Path) -> None:
-    """As a mounted secret updates: a new file swapped in."""
-    staged = target.with_suffix(".new")
-    staged.write_bytes(source.read_bytes())
-    staged.replace(target)
+async def _serve_health(tls: ServerTls) -> tuple[grpc.aio.Server, str]:
+    """A health service over `tls` on a loopback port, SERVING: what the probe checks certificates against."""
+    server = grpc.aio.server()
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = listen(server, "127.0.0.1:0", "test", RuntimeError, tls)
+    await server.start()
+    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, f"127.0.0.1:{port}"
 
 
 def test_client_tls_files_are_reloaded_when_they_change_and_kept_through_a_half_written_rotation(
         tmp_path, certs, caplog):
     cert, key = tmp_path / "client.pem", tmp_path / "client-key.pem"
-    _install(certs.client_cert, cert)
-    _install(certs.client_key, key)
+    install_file(certs.client_cert, cert)
+    install_file(certs.client_key, key)
     tls = ReloadingClientTls(load_client_tls(certs.ca, cert, key))
     assert tls.current().cert_chain == certs.client_cert.read_bytes() and tls.generation == 0
     with caplog.at_level(logging.INFO, logger="shared.rpc.tls"):
-        _install(certs.other_client_cert, cert)  # its key is not there yet
+        install_file(certs.other_client_cert, cert)  # its key is not there yet
         assert tls.current().cert_chain == certs.client_cert.read_bytes()
         assert tls.current().cert_chain == certs.client_cert.read_bytes()
         warnings = [r for r in caplog.records if "cannot be used" in r.getMessage()]
         assert len(warnings) == 1 and "is not the private key of the certificate" in warnings[0].getMessage()
-        _install(certs.other_client_key, key)
+        install_file(certs.other_client_key, key)
         renewed = tls.current()
     assert renewed.cert_chain == certs.other_client_cert.read_bytes() and tls.generation == 1
     assert renewed.private_key == certs.other_client_key.read_bytes() and renewed.files() == (
@@ -377,7 +366,7 @@ def test_a_gateway_dials_workers_with_its_renewed_client_certificate(artifacts, 
     finishes on it, and the old channel is closed after it."""
     trusted, cert, key = tmp_path / "workers-trust.pem", tmp_path / "gw-client.pem", tmp_path / "gw-client-key.pem"
     for source, target in ((certs.ca, trusted), (certs.client_cert, cert), (certs.client_key, key)):
-        _install(source, target)
+        install_file(source, target)
     gateway = BackgroundGateway(GatewayConfig(
         registry_url=artifacts.url, listen="127.0.0.1:0", admin_tokens=TOKENS, budget=FallbackBudget(enabled=False),
         grace_s=0.5, heartbeat_interval_s=0.05, worker_tls=load_client_tls(certs.ca, cert, key)))
@@ -399,9 +388,9 @@ def test_a_gateway_dials_workers_with_its_renewed_client_certificate(artifacts, 
                 long = client.Generate(gateway_pb2.GatewayGenerateRequest(
                     deployment="chat", text="long", sampling=common_pb2.SamplingParams(max_new_tokens=200)))
                 first_reply = await long.read()
-                _install(certs.other_ca, trusted)
-                _install(certs.other_client_cert, cert)
-                _install(certs.other_client_key, key)
+                install_file(certs.other_ca, trusted)
+                install_file(certs.other_client_cert, cert)
+                install_file(certs.other_client_key, key)
                 second, second_address = await _start_worker(
                     artifacts.canary, load_server_tls(certs.server_cert, certs.server_key, trusted))
                 await admin.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
@@ -436,7 +425,7 @@ def test_a_worker_announces_itself_with_its_renewed_client_certificate(artifacts
     renewed certificate (its open channel would have reconnected with the old one, now refused)."""
     trusted, cert, key = tmp_path / "gw-trust.pem", tmp_path / "worker-client.pem", tmp_path / "worker-key.pem"
     for source, target in ((certs.ca, trusted), (certs.client_cert, cert), (certs.client_key, key)):
-        _install(source, target)
+        install_file(source, target)
 
     def start_gateway(listen: str) -> BackgroundGateway:
         return BackgroundGateway(GatewayConfig(
@@ -458,9 +447,9 @@ def test_a_worker_announces_itself_with_its_renewed_client_certificate(artifacts
     try:
         loop.call(_started(announcer), 30.0)
         loop.call(registered(announcer), 30.0)
-        _install(certs.other_ca, trusted)
-        _install(certs.other_client_cert, cert)
-        _install(certs.other_client_key, key)
+        install_file(certs.other_ca, trusted)
+        install_file(certs.other_client_cert, cert)
+        install_file(certs.other_client_key, key)
         address = gateway.address
         gateway.stop(0)
         gateway = start_gateway(address)  # it knows no worker: the worker must register again, on a new connection
@@ -490,24 +479,15 @@ def test_files_renewed_between_loading_and_serving_are_served(tmp_path, certs, c
     """The files' signature is taken when they are read, not when the server starts: a renewal in between is
     seen at the first handshake, not missed until the files change once more."""
     cert, key = tmp_path / "server.pem", tmp_path / "server-key.pem"
-    _install(certs.server_cert, cert)
-    _install(certs.server_key, key)
+    install_file(certs.server_cert, cert)
+    install_file(certs.server_key, key)
     loaded = load_server_tls(cert, key, None)
     renewed = make_certs(tmp_path / "renewed")
-    _install(renewed.server_cert, cert)
-    _install(renewed.server_key, key)
-
-    async def serve():
-        server = grpc.aio.server()
-        servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-        port = listen(server, "127.0.0.1:0", "test", RuntimeError, loaded)
-        await server.start()
-        await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        return server, f"127.0.0.1:{port}"
+    install_file(renewed.server_cert, cert)
+    install_file(renewed.server_key, key)
 
     loop = BackgroundLoop("tls-signature-test")
-    server, address = loop.call(serve(), 30.0)
+    server, address = loop.call(_serve_health(loaded), 30.0)
     try:
         assert probe.main([address, "--tls-ca", str(renewed.ca)]) == 0
         capsys.readouterr()

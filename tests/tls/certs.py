@@ -89,3 +89,10 @@ def _pem(cert: x509.Certificate) -> bytes:
 def _write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path
+
+
+def install_file(source: Path, target: Path) -> None:
+    """Copies source over target as a mounted secret updates: a new file swapped in (a rotation)."""
+    staged = target.with_suffix(".new")
+    staged.write_bytes(source.read_bytes())
+    staged.replace(target)
