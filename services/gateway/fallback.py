@@ -33,7 +33,7 @@ import time
 from services.gateway.config import FallbackBudget
 from services.gateway.deployments import ArtifactRefView, DeploymentCache, DeploymentView, view_of
 from services.gateway.fleet import FleetView, with_others
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, stats_of
 from services.gateway.pool import WorkerPool
 from shared import registry as reg
 from shared.registry import ArmTotals, Registry, RegistryError
@@ -74,11 +74,11 @@ class AutoFallback:
             return None
         now = time.time() if now is None else now
         since = self.window_start(view, now)
-        stats = self.metrics.stats(view.name, ref.artifact_id, since, now)
+        outcomes = self.metrics.window(view.name, ref.artifact_id, since, now)
+        stats = stats_of(outcomes)
         if others is not None:
-            local_tpots = [o.tpot_s for o in self.metrics.window(view.name, ref.artifact_id, since, now)
-                           if not o.server_error and o.tpot_s is not None]
-            stats = with_others(stats, local_tpots, others)
+            stats = with_others(stats, [o.tpot_s for o in outcomes if not o.server_error and o.tpot_s is not None],
+                                others)
         if stats.requests < self.budget.min_requests:
             return None
         if stats.error_rate > self.budget.max_error_rate:

@@ -50,9 +50,10 @@ class FleetView:
             self._unwritten.extend(_per_second(self.metrics.outcomes(self._written_until, until)))
             self._written_until = until
         self._unwritten = [r for r in self._unwritten if r.second >= now - KEEP_S]
-        if not self._unwritten and now - self._last_purge < PURGE_EVERY_S:
+        purge = now - self._last_purge >= PURGE_EVERY_S
+        if not self._unwritten and not purge:
             return 0
-        reports, purge = list(self._unwritten), now - self._last_purge >= PURGE_EVERY_S
+        reports = list(self._unwritten)
         try:
             written = await asyncio.to_thread(self._write, reports, math.floor(now - KEEP_S) if purge else None)
         except Exception as exc:  # the registry is away: keep them for the next pass
@@ -95,7 +96,7 @@ def with_others(local: ArmStats, local_tpots: list[float], others: ArmTotals) ->
     them (the local times in the reports' step, so that every request weighs the same)."""
     if not others.requests:
         return local
-    counts = Counter({step: n for step, n in others.tpot_counts.items()})
+    counts = Counter(others.tpot_counts)
     counts.update(tpot_step(t) for t in local_tpots)
     ordered = [step * TPOT_STEP_S for step in sorted(counts) for _ in range(counts[step])]
     return ArmStats(requests=local.requests + others.requests, errors=local.errors + others.errors,

@@ -143,18 +143,22 @@ class GatewayMetrics:
     def stats(self, deployment: str, artifact_id: str, since: float, until: float | None = None) -> ArmStats:
         """Requests of this deployment served by this artifact that finished in [since, until]."""
         until = time.time() if until is None else until
-        outcomes = self.window(deployment, artifact_id, since, until)
-        if not outcomes:
-            return ArmStats()
-        ok = [o for o in outcomes if not o.server_error]
-        ttfts = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
-        tpots = sorted(o.tpot_s for o in ok if o.tpot_s is not None)
-        return ArmStats(
-            requests=len(outcomes), errors=len(outcomes) - len(ok),
-            ttft_p50_s=quantile(ttfts, 0.5), ttft_p95_s=quantile(ttfts, 0.95),
-            tpot_p50_s=quantile(tpots, 0.5), tpot_p95_s=quantile(tpots, 0.95),
-            generated_tokens=sum(o.tokens for o in outcomes),
-        )
+        return stats_of(self.window(deployment, artifact_id, since, until))
+
+
+def stats_of(outcomes: list[Outcome]) -> ArmStats:
+    """Counts and latency quantiles of these requests (latencies of those not failed on the serving side)."""
+    if not outcomes:
+        return ArmStats()
+    ok = [o for o in outcomes if not o.server_error]
+    ttfts = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
+    tpots = sorted(o.tpot_s for o in ok if o.tpot_s is not None)
+    return ArmStats(
+        requests=len(outcomes), errors=len(outcomes) - len(ok),
+        ttft_p50_s=quantile(ttfts, 0.5), ttft_p95_s=quantile(ttfts, 0.95),
+        tpot_p50_s=quantile(tpots, 0.5), tpot_p95_s=quantile(tpots, 0.95),
+        generated_tokens=sum(o.tokens for o in outcomes),
+    )
 
 
 class _WorkersByHealth:
