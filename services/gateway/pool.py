@@ -132,10 +132,10 @@ class WorkerPool:
     worker_tls: ClientTls | None = None  # the gateway's --tls-ca (and client certificate); None = plaintext
     quarantine: Quarantine = field(default_factory=Quarantine)
     workers: dict[str, PooledWorker] = field(default_factory=dict)  # by worker_id
-    _tls: ReloadingClientTls | None = field(default=None, init=False, repr=False)
+    _tls: ReloadingClientTls = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._tls = ReloadingClientTls(self.worker_tls) if self.worker_tls is not None else None
+        self._tls = ReloadingClientTls(self.worker_tls)
 
     async def add(self, address: str, artifact: ArtifactRefView, capacity: int) -> PooledWorker:
         """Registers a worker, or refreshes the one already at this address (keeping its worker_id)."""
@@ -156,7 +156,7 @@ class WorkerPool:
         worker = PooledWorker(
             worker_id=uuid.uuid4().hex[:16], address=address, artifact=artifact, capacity=capacity, channel=channel,
             stub=worker_pb2_grpc.WorkerStub(channel), registered_at=now, last_heartbeat=now, last_heartbeat_mono=mono,
-            tls_generation=self._tls_generation(),
+            tls_generation=self._tls.generation,
         )
         worker.watcher = asyncio.create_task(self._watch(worker), name=f"worker-connection-{address}")
         self.workers[worker.worker_id] = worker
@@ -165,17 +165,12 @@ class WorkerPool:
     def dial(self, address: str, options: tuple[tuple[str, object], ...] = ()) -> grpc.aio.Channel:
         """A channel to the worker at address: TLS (with the client files as they are now) or plaintext, as the
         gateway is configured to dial workers."""
-        return aio_channel(address, self._tls.current() if self._tls is not None else None, options)
-
-    def _tls_generation(self) -> int:
-        return self._tls.generation if self._tls is not None else 0
+        return aio_channel(address, self._tls.current(), options)
 
     async def dial_again_if_tls_renewed(self) -> list[PooledWorker]:
         """Gives every worker a new channel once the client TLS files changed (shared.rpc.tls: an open channel
         reconnects with the files it was dialled with); returns those re-dialled. Streams open on an old
         channel finish on it; it is closed with the last of them."""
-        if self._tls is None:
-            return []
         self._tls.current()
         generation = self._tls.generation
         renewed = []

@@ -51,7 +51,7 @@ class GatewayAnnouncer:
         stalled: Callable[[], bool] | None = None,
     ):
         self.gateway_address = gateway_address
-        self._tls = ReloadingClientTls(tls) if tls is not None else None
+        self._tls = ReloadingClientTls(tls)
         self._channel_generation = 0  # of self._tls when the channel was dialled
         self.worker_address = worker_address
         self.artifact_id = artifact_id
@@ -72,18 +72,15 @@ class GatewayAnnouncer:
 
     def _dial(self) -> None:
         reconnect_ms = int(1000 * min(self._min_backoff_s, MAX_RECONNECT_BACKOFF_S))
-        tls = self._tls.current() if self._tls is not None else None
-        self._channel = aio_channel(self.gateway_address, tls, options=(
+        self._channel = aio_channel(self.gateway_address, self._tls.current(), options=(
             ("grpc.initial_reconnect_backoff_ms", reconnect_ms),
             ("grpc.max_reconnect_backoff_ms", int(1000 * MAX_RECONNECT_BACKOFF_S)),
         ))
-        self._channel_generation = self._tls.generation if self._tls is not None else 0
+        self._channel_generation = self._tls.generation
         self._stub = gateway_pb2_grpc.AdminStub(self._channel)
 
     async def _dial_again_if_tls_renewed(self) -> None:
         """A new channel once the TLS files changed: the open one would reconnect with the old ones."""
-        if self._tls is None:
-            return
         self._tls.current()
         if self._tls.generation != self._channel_generation:
             old = self._channel
@@ -142,7 +139,7 @@ class GatewayAnnouncer:
                     self.worker_id = None
                     continue
                 failure = (f"{exc.code().name} {exc.details()}"
-                           f"{mismatch_hint(exc.details() or '', self._tls is not None)}")
+                           f"{mismatch_hint(exc.details() or '', self._tls.current() is not None)}")
                 wait, backoff, failures = self._after_failure(failure, backoff, interval, failures + 1)
             except Exception as exc:  # a bug here (e.g. reading the engine's load) must not silently take
                 # the worker out of the gateway's pool for good: logged with its traceback, and retried

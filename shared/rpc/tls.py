@@ -86,14 +86,16 @@ class _ReloadingFiles:
     REFUSED = ""  # the log lines' words for a set that does not load, and for one that did
     RELOADED = ""
 
-    def __init__(self, tls: ServerTls | ClientTls) -> None:
-        self._tls = tls
-        self._loaded = tls.signature or _signature(tls.files())
+    def __init__(self, tls: ServerTls | ClientTls | None) -> None:
+        self._tls = tls  # None: plaintext, nothing to reload
+        self._loaded = () if tls is None else tls.signature or _signature(tls.files())
         self._refused: tuple | None = None  # the signature of a set that did not load: not retried until it changes
         self.generation = 0
 
     def _reload(self) -> bool:
         """Whether a changed set of files was loaded just now."""
+        if self._tls is None:
+            return False
         signature = _signature(self._tls.files())
         if signature in (self._loaded, self._refused):
             return False
@@ -171,14 +173,14 @@ class ClientTls:
 
 
 class ReloadingClientTls(_ReloadingFiles):
-    """A long-running client's TLS: current() is the files' settings as they are now (see _ReloadingFiles), and
-    `generation` tells a channel's owner that a channel was dialled with older files, to dial it again (see
-    the module docstring)."""
+    """A long-running client's TLS: current() is the files' settings as they are now (see _ReloadingFiles; None
+    for a plaintext client), and `generation` tells a channel's owner that a channel was dialled with older
+    files, to dial it again (see the module docstring)."""
 
     REFUSED = "TLS client files changed but cannot be used"
     RELOADED = "TLS client files reloaded"
 
-    def current(self) -> ClientTls:
+    def current(self) -> ClientTls | None:
         self._reload()
         return self._tls
 
