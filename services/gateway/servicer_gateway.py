@@ -128,17 +128,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await self._reject(context, status_of(exc), str(exc))
         self.open_streams += 1
         self.metrics.open_streams.inc()
+        client_tokens = None  # the client's token counter, looked up once per stream rather than per message
         if client is not None:
             self.open_by_client[client] += 1
             self.metrics.client_requests.labels(client_label(client)).inc()
+            client_tokens = self.metrics.client_tokens.labels(client_label(client))
         try:
             # aclosing: a client gone while this generator waits at a yield closes it, and the inner ones
             # must run their finally (worker call cancelled, Worker.Abort, pool slot released) then, not
             # whenever the garbage collector reaches them.
             async with contextlib.aclosing(self._generate(request, arrival)) as replies:
                 async for reply in replies:
-                    if client is not None:
-                        self.metrics.client_tokens.labels(client_label(client)).inc(len(reply.token_ids))
+                    if client_tokens is not None:
+                        client_tokens.inc(len(reply.token_ids))
                     yield reply
         except WorkerRejected as exc:
             await self._reject(context, exc.code, str(exc))
