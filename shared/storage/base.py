@@ -231,10 +231,13 @@ class ObjectStore(abc.ABC):
         nothing for as long (crashed or cut off from the store), and what a store keeps of their unfinished
         writes; returns how many objects (and unfinished writes) were deleted. A publish still uploading
         (a large model on a slow link can take longer than older_than_s) keeps writing, so it is left alone."""
-        deleted = 0
-        for attempt in sorted(self._stale_staging_attempts(older_than_s)):
-            deleted += self.delete_prefix(f"{STAGING_ROOT}{attempt}/")
-        return deleted
+        stale = self._stale_staging_attempts(older_than_s)
+        deleted = sum(self.delete_prefix(f"{STAGING_ROOT}{attempt}/") for attempt in sorted(stale))
+        return deleted + self._discard_unfinished_writes(stale)
+
+    def _discard_unfinished_writes(self, attempts: set[str]) -> int:
+        """Deletes what the store keeps of these stale attempts' unfinished writes; returns how many. None here."""
+        return 0
 
     def _stale_staging_attempts(self, older_than_s: float) -> set[str]:
         """The publish attempts under STAGING_ROOT that started, and last wrote, over older_than_s ago."""

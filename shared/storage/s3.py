@@ -139,16 +139,14 @@ class S3Store(ObjectStore):
             self._client.copy(source, self.bucket, self._full(dst_key), Config=self._transfer)
         self.delete(src_key)
 
-    def purge_staging(self, older_than_s: float = 3600.0) -> int:
-        """Also aborts the unfinished multipart uploads of stale publish attempts: a publisher killed
-        mid-upload leaves its parts stored (and billed) but listed nowhere, not even as an object."""
-        stale = self._stale_staging_attempts(older_than_s)
-        deleted = sum(self.delete_prefix(f"{STAGING_ROOT}{attempt}/") for attempt in sorted(stale))
+    def _discard_unfinished_writes(self, attempts: set[str]) -> int:
+        """Aborts the unfinished multipart uploads of stale publish attempts: a publisher killed mid-upload
+        leaves its parts stored (and billed) but listed nowhere, not even as an object."""
         aborted = 0
         for key, upload_id, _ in self._multipart_uploads(STAGING_ROOT):
-            if staging_attempt(key) in stale and self._abort_upload(key, upload_id):
+            if staging_attempt(key) in attempts and self._abort_upload(key, upload_id):
                 aborted += 1
-        return deleted + aborted
+        return aborted
 
     def _staging_writes(self) -> dict[str, float]:
         """Objects' times, and the multipart uploads': an attempt uploading one large file has only that
