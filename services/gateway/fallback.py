@@ -33,7 +33,7 @@ import time
 from services.gateway.config import FallbackBudget
 from services.gateway.deployments import ArtifactRefView, DeploymentCache, DeploymentView, view_of
 from services.gateway.fleet import FleetView, with_others
-from services.gateway.metrics import GatewayMetrics, stats_of
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.pool import WorkerPool
 from shared import registry as reg
 from shared.registry import ArmTotals, Registry, RegistryError
@@ -75,10 +75,7 @@ class AutoFallback:
         now = time.time() if now is None else now
         since = self.window_start(view, now)
         outcomes = self.metrics.window(view.name, ref.artifact_id, since, now)
-        stats = stats_of(outcomes)
-        if others is not None:
-            stats = with_others(stats, [o.tpot_s for o in outcomes if not o.server_error and o.tpot_s is not None],
-                                others)
+        stats = with_others(outcomes, others or ArmTotals())
         if stats.requests < self.budget.min_requests:
             return None
         if stats.error_rate > self.budget.max_error_rate:

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 
-from services.gateway.metrics import ArmStats, GatewayMetrics, Outcome, quantile
+from services.gateway.metrics import ArmStats, GatewayMetrics, Outcome, quantile, stats_of
 from shared.registry import (ArmSecond, ArmTotals, Registry, fleet_arm_totals, purge_arm_reports,
                              write_arm_seconds)
 from shared.registry.arm_reports import TPOT_STEP_S, tpot_step
@@ -91,13 +91,15 @@ class FleetView:
             return ArmTotals()
 
 
-def with_others(local: ArmStats, local_tpots: list[float], others: ArmTotals) -> ArmStats:
-    """This replica's stats of an arm with the other replicas' added: counts summed, TPOT p95 over all of
-    them (the local times in the reports' step, so that every request weighs the same)."""
+def with_others(outcomes: list[Outcome], others: ArmTotals) -> ArmStats:
+    """The stats of an arm over this replica's requests (`outcomes`) and the other replicas' reports: counts
+    summed, TPOT p50 / p95 over all of them (the local times in the reports' step, so that every request
+    weighs the same); latencies to the first token are this replica's (the reports carry none)."""
+    local = stats_of(outcomes)
     if not others.requests:
         return local
     counts = Counter(others.tpot_counts)
-    counts.update(tpot_step(t) for t in local_tpots)
+    counts.update(tpot_step(o.tpot_s) for o in outcomes if not o.server_error and o.tpot_s is not None)
     ordered = [step * TPOT_STEP_S for step in sorted(counts) for _ in range(counts[step])]
     return ArmStats(requests=local.requests + others.requests, errors=local.errors + others.errors,
                     ttft_p50_s=local.ttft_p50_s, ttft_p95_s=local.ttft_p95_s,

@@ -20,8 +20,8 @@ from services.gateway.auth import AdminAuth
 from services.gateway.deployments import ArtifactRefView, DeploymentCache, DeploymentView, timestamp, view_of
 from services.gateway.fallback import ACTOR as GUARD_ACTOR
 from services.gateway.errors import MAPPED, InvalidRequest, NoWorker, Precondition, status_of
-from services.gateway.fleet import FleetView
-from services.gateway.metrics import ArmStats, GatewayMetrics
+from services.gateway.fleet import FleetView, with_others
+from services.gateway.metrics import ArmStats, GatewayMetrics, stats_of
 from services.gateway.pool import WorkerPool
 from shared import registry as reg
 from shared.registry import ArmTotals, ArtifactState, Deployment, Event, Registry
@@ -267,11 +267,13 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
         for field, ref in arms:
             if ref is None:
                 continue
-            stats = self.metrics.stats(view.name, ref.artifact_id, since.timestamp(), now)
-            metrics = self._arm_pb(ref, stats)
+            outcomes = self.metrics.window(view.name, ref.artifact_id, since.timestamp(), now)
+            metrics = self._arm_pb(ref, stats_of(outcomes))
             others = (await self.fleet.others(view.name, ref.artifact_id, since.timestamp(), now)
                       if self.fleet is not None else ArmTotals())
-            metrics.fleet_requests, metrics.fleet_errors = stats.requests + others.requests, stats.errors + others.errors
+            fleet = with_others(outcomes, others)  # what the automatic guard judges
+            metrics.fleet_requests, metrics.fleet_errors = fleet.requests, fleet.errors
+            metrics.fleet_tpot_p95.CopyFrom(_seconds(fleet.tpot_p95_s))
             getattr(response, field).CopyFrom(metrics)
         return response
 

@@ -8,16 +8,19 @@ import math
 import time
 
 from services.gateway.fleet import FleetView, with_others
-from services.gateway.metrics import ArmStats, GatewayMetrics, Outcome
+from services.gateway.metrics import GatewayMetrics, Outcome, stats_of
 from shared.registry import ArmSecond, ArmTotals, create_registry, fleet_arm_totals, sqlite_url, write_arm_seconds
 
 
 def test_the_others_requests_are_added_and_the_p95_taken_over_all_of_them():
-    local = ArmStats(requests=3, errors=1, tpot_p50_s=0.01, tpot_p95_s=0.01)
-    merged = with_others(local, [0.01, 0.01], ArmTotals(requests=17, errors=2, tpot_counts={5000: 15}))
-    assert (merged.requests, merged.errors) == (20, 3)
+    local = [Outcome(at=1.0, server_error=False, ttft_s=0.2, tpot_s=0.01, tokens=5),
+             Outcome(at=1.0, server_error=False, ttft_s=0.2, tpot_s=0.01, tokens=5),
+             Outcome(at=1.0, server_error=True, ttft_s=None, tpot_s=None, tokens=0)]
+    merged = with_others(local, ArmTotals(requests=17, errors=2, tpot_counts={5000: 15}))
+    assert (merged.requests, merged.errors, merged.generated_tokens) == (20, 3, 10)
     assert math.isclose(merged.tpot_p95_s, 0.5) and math.isclose(merged.tpot_p50_s, 0.5)
-    assert with_others(local, [0.01, 0.01], ArmTotals()) is local  # no other replica: exactly as before
+    assert math.isclose(merged.ttft_p95_s, 0.2)  # the reports carry no TTFT: this replica's
+    assert with_others(local, ArmTotals()) == stats_of(local)  # no other replica: exactly as before
 
 
 class _Unreachable:

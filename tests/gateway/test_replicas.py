@@ -23,7 +23,7 @@ from services.gateway.config import FallbackBudget
 from services.gateway.fleet import CLOCK_MARGIN_S
 from services.gateway.router import bucket_of
 from shared import registry as reg
-from shared.registry import create_registry, sqlite_url
+from shared.registry import ArmSecond, create_registry, sqlite_url, write_arm_seconds
 from shared.rpc.qserve.v1 import gateway_pb2
 from tests.conftest import fresh_postgres_schema
 from tests.gateway.conftest import (ADMIN, DEPLOYMENT, WORKER, Artifacts, FakeWorkerServer, Stack, arm_of,
@@ -248,5 +248,32 @@ def test_the_guard_judges_an_arm_on_the_traffic_of_every_replica(artifacts):
             reason = (await a.admin.ListEvents(gateway_pb2.ListEventsRequest(deployment=DEPLOYMENT),
                                                metadata=ADMIN)).events[0].detail
             assert "(12/12)" in reason, reason  # both replicas' requests
+
+    run(scenario())
+
+
+def test_rollout_status_shows_the_fleet_tpot_p95_the_guard_holds_to_its_budget(artifacts):
+    """Another replica's report of slow tokens on the canary: RolloutStatus' fleet figures are what the guard
+    judges (its TPOT p95 included), while the replica's own columns stay its own (no requests here)."""
+    async def scenario():
+        async with two_replicas(artifacts, **GUARD) as (a, b):
+            await worker_on_both(a, b, artifacts.stable, tokens=2, max_running=64)
+            await worker_on_both(a, b, artifacts.canary, tokens=2, max_running=64)
+            await a.admin.StartRollout(rollout(50, artifacts.canary), metadata=ADMIN)
+            second = math.ceil(time.time() + CLOCK_MARGIN_S)
+            registry = create_registry(artifacts.url)
+            try:
+                with registry.transaction() as session:  # a third replica's second: 4 requests, 1 failed
+                    write_arm_seconds(session, "c" * 32,
+                                      [ArmSecond(DEPLOYMENT, artifacts.canary, second, 4, 1, {2500: 2, 100: 1})])
+            finally:
+                registry.close()
+            await asyncio.sleep(max(0.0, second - time.time()) + 0.05)
+            status = await a.admin.RolloutStatus(gateway_pb2.RolloutStatusRequest(deployment=DEPLOYMENT),
+                                                 metadata=ADMIN)
+            canary = status.canary
+            assert (canary.requests, canary.fleet_requests, canary.fleet_errors) == (0, 4, 1)
+            assert canary.fleet_tpot_p95.ToNanoseconds() == 250_000_000  # 2500 steps of 0.1 ms
+            assert canary.tpot_p95.ToNanoseconds() == 0
 
     run(scenario())
