@@ -24,7 +24,7 @@ def ls(
     quantizer_token: str = QUANTIZER_TOKEN_OPTION,
     model: str = typer.Option("", "--model", help="only this model"),
 ):
-    """List models, versions and artifacts (state, format, GPU, perplexity fp16 -> quantized)."""
+    """List models, versions and artifacts (state, format, GPU, perplexity fp16 -> quantized, vocabulary)."""
     channel, stub = quantizer_stub(quantizer, quantizer_token)
     with channel:
         models = stub.ListModels(Q.ListModelsRequest(model_name=model), timeout=RPC_TIMEOUT_S).models
@@ -34,20 +34,26 @@ def ls(
     if not models:
         console.print("no models registered" + (f" under the name {model!r}" if model else ""))
         return
-    table = Table("model", "version", id_column("artifact"), "state", "format", "gpu", "ppl fp16 -> quantized", "note")
+    table = Table("model", "version", id_column("artifact"), "state", "format", "gpu", "ppl fp16 -> quantized", "vocabulary",
+                  "note")
     for m in models:
         for version in m.versions:
             label = escape(version.version_label)
             shown_version = f"{label} ({version.model_version[:12]})" if label != version.model_version[:12] else label
             if not version.artifacts:
-                table.add_row(m.model_name, shown_version, "-", "", "", "", "", "")
+                table.add_row(m.model_name, shown_version, "-", "", "", "", "", "", "")
             for ref in version.artifacts:
                 info = artifacts.get(ref.artifact_id)
                 state = common_pb2.ArtifactState.Name(info.state).removeprefix("ARTIFACT_STATE_") if info else "?"
                 table.add_row(m.model_name, shown_version, ref.artifact_id,
                               f"[{STATE_STYLE.get(state, 'white')}]{state}[/]", ref.format, ref.gpu_target,
-                              _perplexities(info), escape(info.failure_reason) if info else "")
+                              _perplexities(info), _vocabulary(info), escape(info.failure_reason) if info else "")
     console.print(table)
+
+
+def _vocabulary(info: common_pb2.ArtifactInfo | None) -> str:
+    """The digest's first 12 hex digits: enough to tell which artifacts can share a deployment."""
+    return info.vocabulary_digest[:12] if info is not None and info.vocabulary_digest else ""
 
 
 def _perplexities(info: common_pb2.ArtifactInfo | None) -> str:

@@ -86,6 +86,7 @@ class ArtifactView:
     evaluation: EvaluationView | None
     size_bytes: int
     created_at: datetime
+    vocabulary_digest: str
 
     @classmethod
     def from_row(cls, row: Artifact, details: ArtifactDetails | None = None) -> ArtifactView:
@@ -108,6 +109,7 @@ class ArtifactView:
             evaluation=evaluation,
             size_bytes=details.size_bytes if details is not None and row.state == ArtifactState.READY else 0,
             created_at=row.created_at,
+            vocabulary_digest=row.vocabulary_digest or "",
         )
 
     def to_pb(self) -> common_pb2.ArtifactInfo:
@@ -116,6 +118,7 @@ class ArtifactView:
             version_label=self.version_label, format=self.format, gpu_target=self.gpu_target,
             state=_ARTIFACT_STATES[self.state], failure_reason=self.failure_reason,
             object_key_prefix=self.object_prefix, size_bytes=self.size_bytes, created_at=_timestamp(self.created_at),
+            vocabulary_digest=self.vocabulary_digest,
         )
         if self.evaluation is not None:
             info.evaluation.CopyFrom(self.evaluation.to_pb())

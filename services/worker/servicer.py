@@ -140,6 +140,7 @@ def _artifact_pb(served: ServedModel) -> common_pb2.ArtifactInfo:
         state=common_pb2.ArtifactState.Value(f"ARTIFACT_STATE_{a.registry_state or 'READY'}"),
         object_key_prefix=a.object_prefix,
         size_bytes=a.size_bytes,
+        vocabulary_digest=served.vocabulary_digest,
     )
     if m.evaluation is not None:
         e = m.evaluation

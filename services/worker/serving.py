@@ -36,6 +36,7 @@ class ServedModel:
     vocab_size: int
     gpu_target: str
     gpu_name: str
+    vocabulary_digest: str  # the tokenizer's (Tokenizer.vocabulary_digest), as the registry records it
 
     @property
     def format(self) -> str:
@@ -91,7 +92,7 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
         artifact=artifact, engine=engine, tokenizer=tokenizer,
         add_bos=add_bos,
         bos_token_id=model_config.bos_token_id, vocab_size=model_config.vocab_size,
-        gpu_target=gpu_target, gpu_name=gpu_name,
+        gpu_target=gpu_target, gpu_name=gpu_name, vocabulary_digest=tokenizer.vocabulary_digest(),
     )
 
 

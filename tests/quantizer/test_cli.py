@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from qctl.main import app
+from shared.model.tokenizer import Tokenizer
 from shared.storage import open_store
 
 runner = CliRunner()
@@ -43,6 +44,7 @@ def test_publish_prints_the_artifact_id_and_ls_shows_it(quantizer, small_model, 
     row = next(line for line in out.splitlines() if artifact_id in line)
     assert "rand" in row and "first" in row and "READY" in row and "w4a8kv4-g128" in row and "cpu" in row
     assert "->" in row  # the perplexity pair
+    assert Tokenizer(small_model).vocabulary_digest()[:12] in row  # which artifacts may share a deployment
 
 
 def test_publish_exits_non_zero_with_the_jobs_error(quantizer, small_model, small_texts):

@@ -7,12 +7,14 @@ import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.formats.artifact import ArtifactReader
+from shared.formats.artifact import TOKENIZER_DIR, ArtifactReader
+from shared.model.tokenizer import Tokenizer
 from shared.rpc.qserve.v1 import common_pb2, worker_pb2
 from shared.rpc.refusal import DRAINING, REFUSAL_KEY
 from tests.worker.conftest import generate, stub
@@ -150,6 +152,7 @@ def test_info_describes_the_artifact_and_capacity(client, artifacts):
     assert info.artifact.artifact_id == manifest.artifact_id and info.artifact.model_version == manifest.model_version
     assert (info.format, info.gpu_target, info.gpu_name) == ("fp16", "cpu", "cpu")
     assert info.artifact.size_bytes == sum(f.size for f in manifest.files)
+    assert info.artifact.vocabulary_digest == Tokenizer(Path(artifacts["fp16"]) / TOKENIZER_DIR).vocabulary_digest()
     assert (info.kv_blocks_total, info.kv_block_size, info.max_context_tokens) == (64, 4, 256)
     assert (info.max_running_sequences, info.max_waiting_requests) == (1, 1)
     assert info.kv_blocks_free + info.kv_blocks_used == info.kv_blocks_total and not info.draining
