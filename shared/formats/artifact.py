@@ -310,6 +310,25 @@ def block_tensors(
     return out
 
 
+# A safetensors file's header (names, dtypes, shapes, offsets) and the manifest: generous, so that an artifact that
+# fits is never refused on its estimate's account while one far too large still is.
+_HEADER_BYTES = 1 << 20
+
+
+def estimated_artifact_bytes(spec: FormatSpec, *, vocab_size: int, hidden_size: int, intermediate_size: int,
+                             num_layers: int, q_size: int, kv_size: int, key_feedback_floats: int = 0,
+                             other_files: int = 0) -> int:
+    """The size of the artifact quantize_checkpoint writes for this shape and format (the fused linears of
+    BLOCK_LINEARS in the format's weight kind, fp16 norms, embeddings and LM head), a little over: checked
+    against the free disk space before any work. key_feedback_floats: fp32 values of a block's key-feedback
+    factor (0 without it); other_files: bytes copied as they are (the tokenizer's)."""
+    kind = WEIGHT_KINDS[spec.weight_kind]
+    h, i = hidden_size, intermediate_size
+    linears = ((q_size + 2 * kv_size, h), (h, q_size), (2 * i, h), (h, i))  # qkv, o, gate_up, down
+    block = sum(kind.stored_bytes(n, k) for n, k in linears) + 2 * 2 * h + 4 * key_feedback_floats
+    tables = 2 * 2 * vocab_size * h + 2 * h  # embeddings, LM head (its own copy when tied), final norm
+    return num_layers * block + tables + other_files + (num_layers + 3) * _HEADER_BYTES
+
 
 __all__ = [
     "ArtifactError",
@@ -322,5 +341,6 @@ __all__ = [
     "TOKENIZER_DIR",
     "block_file",
     "block_tensors",
+    "estimated_artifact_bytes",
     "sha256_file",
 ]

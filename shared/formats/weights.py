@@ -59,6 +59,11 @@ class PackedWeight:
     def in_features(self) -> int:
         return getattr(self, fields(self)[0].name).shape[1] * self.codes_per_byte
 
+    @classmethod
+    def stored_bytes(cls, n: int, k: int) -> int:
+        """Bytes of this kind's tensors for an (n, k) linear: what a free-space check adds up before quantizing."""
+        raise NotImplementedError
+
     def dequantize(self) -> torch.Tensor:
         raise NotImplementedError
 
@@ -71,6 +76,10 @@ class Fp16Weight(PackedWeight):
     def __post_init__(self):
         if self.weight.dim() != 2 or self.weight.dtype != torch.float16:
             raise FormatError(f"fp16 weight: expected 2-D float16, got {tuple(self.weight.shape)} {self.weight.dtype}")
+
+    @classmethod
+    def stored_bytes(cls, n: int, k: int) -> int:
+        return 2 * n * k
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float()
@@ -88,6 +97,10 @@ class W8Weight(PackedWeight):
         n, k = self.qweight.shape
         _check("qweight", self.qweight, (n, k), torch.int8)
         _check("scale", self.scale, (n,), torch.float16)
+
+    @classmethod
+    def stored_bytes(cls, n: int, k: int) -> int:
+        return n * k + 2 * n
 
     def dequantize(self) -> torch.Tensor:
         return self.qweight.float() * self.scale.float()[:, None]
@@ -126,6 +139,10 @@ class W4G128ProgressiveWeight(PackedWeight):
         w8 = (q - self.zero.to(torch.int16)[..., None]) * self.s2.to(torch.int16)[..., None]
         return w8.flatten(1).to(torch.int8)
 
+    @classmethod
+    def stored_bytes(cls, n: int, k: int) -> int:
+        return n * k // 2 + 2 * n + 2 * n * (k // GROUP_SIZE)
+
     def dequantize(self) -> torch.Tensor:
         return self.int8_weight().float() * self.s1.float()[:, None]
 
@@ -154,6 +171,10 @@ class W4ChannelWeight(PackedWeight):
     def codes(self) -> torch.Tensor:
         return unpack_halves(self.qweight, WEIGHT_PACK_CHUNK)
 
+    @classmethod
+    def stored_bytes(cls, n: int, k: int) -> int:
+        return n * k // 2 + 4 * n
+
     def dequantize(self) -> torch.Tensor:
         return (self.codes().float() - self.zero.float()[:, None]) * self.scale.float()[:, None]
 
@@ -175,6 +196,10 @@ class W4G128Weight(PackedWeight):
         _check("qweight", self.qweight, (n, half_k), torch.uint8)
         _check("scale", self.scale, (n, g), torch.float16)
         _check("zero", self.zero, (n, g), torch.uint8)
+
+    @classmethod
+    def stored_bytes(cls, n: int, k: int) -> int:
+        return n * k // 2 + 3 * n * (k // GROUP_SIZE)
 
     def dequantize(self) -> torch.Tensor:
         q = unpack_halves(self.qweight, WEIGHT_PACK_CHUNK).float().unflatten(1, (-1, GROUP_SIZE))

@@ -15,13 +15,16 @@ from typing import Callable
 import torch
 
 from shared import __version__
+from shared.disk_space import shortage
 from shared.formats.artifact import (
     EMBED_FILE,
     HEAD_FILE,
     TOKENIZER_DIR,
+    ArtifactError,
     ArtifactWriter,
     block_file,
     block_tensors,
+    estimated_artifact_bytes,
 )
 from shared.formats.kernel_policy import POLICY_KINDS, shipped_policy
 from shared.formats.manifest import GPU_TARGETS, Manifest
@@ -72,6 +75,21 @@ def check_group_divisibility(config: LlamaConfig, spec: FormatSpec) -> None:
             )
 
 
+def check_room_for_artifact(out_dir: str | Path, model_dir: str | Path, config: LlamaConfig, spec: FormatSpec,
+                            options: QoQOptions) -> None:
+    """Refuses, before any work, an artifact the output folder's disk cannot hold (ArtifactError naming both
+    figures): the writing would otherwise fail on ENOSPC after the whole quantization."""
+    key_feedback = spec.kv_bits == 4 and options.key_feedback
+    needed = estimated_artifact_bytes(
+        spec, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_layers=config.num_layers, q_size=config.q_size,
+        kv_size=config.kv_size, key_feedback_floats=config.num_kv_heads * config.head_dim ** 2 if key_feedback else 0,
+        other_files=sum(p.stat().st_size for p in (Path(model_dir) / n for n in TOKENIZER_FILES) if p.is_file()))
+    short = shortage(out_dir, needed, f"the {spec.name} artifact in {out_dir}")
+    if short is not None:
+        raise ArtifactError(short)
+
+
 def needs_calibration(spec: FormatSpec, options: QoQOptions) -> bool:
     if spec.weight_kind == "fp16":
         return False
@@ -90,6 +108,7 @@ def quantize_checkpoint(settings: QuantizeSettings, progress: Progress | None = 
     config = ckpt.config
     check_group_divisibility(config, spec)
     options = settings.options if spec.weight_kind != "fp16" else QoQOptions.rtn()
+    check_room_for_artifact(settings.out_dir, settings.model_dir, config, spec, options)
     tokens, calibration = None, None
     if needs_calibration(spec, options):
         # Before the (long, for a 7B model) content hash, so a bad calibration file fails fast.

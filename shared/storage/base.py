@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.disk_space import shortage
+
 from .errors import InvalidKey, ObjectNotFound, StorageError
 from .hashing import sha256_file
 from .keys import STAGING_ROOT, check_key, check_prefix, folder_prefix
@@ -186,6 +188,9 @@ class ObjectStore(abc.ABC):
         objects = [info for info in self.list(src) if not info.key.endswith("/")]
         if not objects:
             raise ObjectNotFound(f"no objects under {self.uri(src)}")
+        short = shortage(local_dir, sum(info.size for info in objects), f"the download of {self.uri(src)}")
+        if short is not None:
+            raise StorageError(short)
         try:
             local_dir.parent.mkdir(parents=True, exist_ok=True)
             remove_stale_partial_downloads(local_dir.parent)

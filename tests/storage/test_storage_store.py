@@ -205,3 +205,16 @@ def test_purge_staging_spares_an_old_attempt_that_is_still_writing(store, tmp_pa
     assert store.purge_staging(older_than_s=2) == 1
     assert [o.key for o in store.list()] == [f"{STAGING_ROOT}1000-slow/a", f"{STAGING_ROOT}1000-slow/b"]
     assert all(o.modified is not None for o in store.list())
+
+
+def test_a_download_the_disk_cannot_hold_is_refused_before_any_byte(store, artifact_dir, tmp_path, monkeypatch):
+    """A worker fetching a 40 GB artifact onto a 30 GB disk (or a quantizer its source) fails at once, naming both
+    figures, instead of on ENOSPC part-way with the disk full for everything else on the host."""
+    published = store.publish_folder(artifact_dir, "m/v/f/g/a1")
+    total = sum(info.size for info in published)
+    monkeypatch.setattr("shared.disk_space.free_bytes", lambda path: total - 1)
+    with pytest.raises(StorageError, match=r"not enough disk space for the download of .*: it needs about 0\.00 GiB"):
+        store.download_folder("m/v/f/g/a1", tmp_path / "dl")
+    assert not (tmp_path / "dl").exists() and not any(p.name.startswith(".dl") for p in tmp_path.iterdir())
+    monkeypatch.setattr("shared.disk_space.free_bytes", lambda path: total)  # exactly enough
+    assert len(store.download_folder("m/v/f/g/a1", tmp_path / "dl")) == len(published)
