@@ -8,13 +8,14 @@
 
 from .base import ObjectInfo, ObjectStore, Progress
 from .config import StorageConfig, open_store
-from .errors import InvalidConfig, InvalidKey, ObjectNotFound, StorageError
+from .errors import InsufficientSpace, InvalidConfig, InvalidKey, ObjectNotFound, StorageError
 from .fetch import fetch_folder
 from .keys import STAGING_ROOT
 from .local import LocalStore
 
 __all__ = [
     "STAGING_ROOT",
+    "InsufficientSpace",
     "InvalidConfig",
     "InvalidKey",
     "LocalStore",

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from shared.disk_space import shortage
 
-from .errors import InvalidKey, ObjectNotFound, StorageError
+from .errors import InsufficientSpace, InvalidKey, ObjectNotFound, StorageError
 from .hashing import sha256_file
 from .keys import STAGING_ROOT, check_key, check_prefix, folder_prefix
 
@@ -190,7 +190,7 @@ class ObjectStore(abc.ABC):
             raise ObjectNotFound(f"no objects under {self.uri(src)}")
         short = shortage(local_dir, sum(info.size for info in objects), f"the download of {self.uri(src)}")
         if short is not None:
-            raise StorageError(short)
+            raise InsufficientSpace(short)
         try:
             local_dir.parent.mkdir(parents=True, exist_ok=True)
             remove_stale_partial_downloads(local_dir.parent)

@@ -15,3 +15,7 @@ class InvalidKey(StorageError, ValueError):
 
 class InvalidConfig(StorageError, ValueError):
     """A storage setting or URL that cannot work; the message says what is accepted."""
+
+
+class InsufficientSpace(StorageError):
+    """A download that the local disk cannot hold, refused before its first byte; the message gives both sizes."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.storage import STAGING_ROOT, InvalidKey, LocalStore, ObjectNotFound, StorageError
+from shared.storage import STAGING_ROOT, InsufficientSpace, InvalidKey, LocalStore, ObjectNotFound, StorageError
 
 MIB = 1024 * 1024
 
@@ -213,7 +213,7 @@ def test_a_download_the_disk_cannot_hold_is_refused_before_any_byte(store, artif
     published = store.publish_folder(artifact_dir, "m/v/f/g/a1")
     total = sum(info.size for info in published)
     monkeypatch.setattr("shared.disk_space.free_bytes", lambda path: total - 1)
-    with pytest.raises(StorageError, match=r"not enough disk space for the download of .*: it needs about 0\.00 GiB"):
+    with pytest.raises(InsufficientSpace, match=r"not enough disk space for the download of .*: it needs about 0\.00 GiB"):
         store.download_folder("m/v/f/g/a1", tmp_path / "dl")
     assert not (tmp_path / "dl").exists() and not any(p.name.startswith(".dl") for p in tmp_path.iterdir())
     monkeypatch.setattr("shared.disk_space.free_bytes", lambda path: total)  # exactly enough

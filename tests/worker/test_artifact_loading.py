@@ -12,7 +12,7 @@ import pytest
 
 from services.worker.config import WorkerConfig
 from services.worker.engine.loading import open_artifact
-from services.worker.errors import ArtifactCorrupt, ArtifactMismatch, ArtifactNotFound
+from services.worker.errors import ArtifactCorrupt, ArtifactMismatch, ArtifactNotFound, ArtifactRefused
 from services.worker.server import BackgroundWorker, main
 from shared.formats.artifact import ArtifactReader
 from shared.storage import LocalStore, StorageConfig
@@ -103,6 +103,17 @@ def test_an_artifact_id_is_fetched_from_the_store_and_cached(artifacts, tmp_path
     again.reader.verify()
     with pytest.raises(ArtifactNotFound, match="not in the store"):
         open_artifact("0" * 32, gpu_target="cpu", store=store, cache_dir=cache)
+
+
+def test_a_cache_disk_too_small_for_the_artifact_is_refused_as_such(artifacts, tmp_path, monkeypatch):
+    """Not DATA_LOSS ("could not be downloaded intact"): nothing is wrong with the artifact, the cache's disk is
+    full; the refusal names the cache folder and both sizes, and leaves nothing in it."""
+    manifest, _, store, cache = _in_store(artifacts, tmp_path)
+    monkeypatch.setattr("shared.disk_space.free_bytes", lambda path: 1000)
+    with pytest.raises(ArtifactRefused, match=rf"cannot be fetched into --cache-dir {cache}: not enough disk space ") as info:
+        open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
+    assert type(info.value) is ArtifactRefused and info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert not (cache / manifest.artifact_id).exists()
 
 
 def test_the_runner_is_chosen_by_device(artifacts, monkeypatch):

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-from services.worker.errors import ArtifactCorrupt, ArtifactMismatch, ArtifactNotFound, ArtifactNotReady, RunnerUnavailable
+from services.worker.errors import (ArtifactCorrupt, ArtifactMismatch, ArtifactNotFound, ArtifactNotReady, ArtifactRefused,
+                                   RunnerUnavailable)
 from shared.formats.artifact import ArtifactError, ArtifactReader, sha256_file
 from shared.formats.manifest import MANIFEST_NAME
 from shared.formats.spec import FORMATS
-from shared.storage import ObjectNotFound, StorageConfig, StorageError, open_store
+from shared.storage import InsufficientSpace, ObjectNotFound, StorageConfig, StorageError, open_store
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +189,8 @@ def open_artifact(
                     raise
     except ObjectNotFound as exc:
         raise ArtifactNotFound(f"artifact {ref}: {exc}") from exc
+    except InsufficientSpace as exc:  # the cache's disk, not the artifact: nothing is corrupt
+        raise ArtifactRefused(f"artifact {ref} cannot be fetched into --cache-dir {cache_dir}: {exc}") from exc
     except StorageError as exc:
         raise ArtifactCorrupt(f"artifact {ref} could not be downloaded intact: {exc}") from exc
     reader = _read(folder, gpu_target, formats, expected_format)
