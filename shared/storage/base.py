@@ -188,12 +188,16 @@ class ObjectStore(abc.ABC):
         objects = [info for info in self.list(src) if not info.key.endswith("/")]
         if not objects:
             raise ObjectNotFound(f"no objects under {self.uri(src)}")
-        short = shortage(local_dir, sum(info.size for info in objects), f"the download of {self.uri(src)}")
-        if short is not None:
-            raise InsufficientSpace(short)
         try:
             local_dir.parent.mkdir(parents=True, exist_ok=True)
-            remove_stale_partial_downloads(local_dir.parent)
+            remove_stale_partial_downloads(local_dir.parent)  # before the space check: it frees some
+        except OSError as exc:
+            raise StorageError(f"cannot create {local_dir}: {exc}") from exc
+        needed = sum(info.size for info in objects)
+        short = shortage(local_dir, needed, f"the download of {self.uri(src)}")
+        if short is not None:
+            raise InsufficientSpace(short, needed)
+        try:
             tmp_dir = Path(tempfile.mkdtemp(prefix=f".{local_dir.name}{DOWNLOAD_SUFFIX}", dir=local_dir.parent))
         except OSError as exc:
             raise StorageError(f"cannot create {local_dir}: {exc}") from exc

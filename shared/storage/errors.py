@@ -19,3 +19,7 @@ class InvalidConfig(StorageError, ValueError):
 
 class InsufficientSpace(StorageError):
     """A download that the local disk cannot hold, refused before its first byte; the message gives both sizes."""
+
+    def __init__(self, message: str, needed: int):
+        super().__init__(message)
+        self.needed = needed  # bytes the download needs free

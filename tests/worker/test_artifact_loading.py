@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from services.worker.config import WorkerConfig
+from services.worker.engine.artifact_cache import LOCKS_DIR
 from services.worker.engine.loading import open_artifact
 from services.worker.errors import ArtifactCorrupt, ArtifactMismatch, ArtifactNotFound, ArtifactRefused
 from services.worker.server import BackgroundWorker, main
@@ -263,7 +264,7 @@ def test_a_damaged_cache_another_worker_already_removed_is_downloaded_again(arti
     monkeypatch.setattr(loading, "_read", read)
     loaded = open_artifact(artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
     loaded.reader.verify()
-    assert [p.name for p in cache.iterdir()] == [artifact_id]
+    assert [p.name for p in cache.iterdir() if p.name != LOCKS_DIR] == [artifact_id]
 
 
 def test_a_damaged_cache_does_not_delete_the_fresh_copy_another_worker_loads(artifacts, tmp_path, monkeypatch):
@@ -297,4 +298,4 @@ def test_a_damaged_cache_does_not_delete_the_fresh_copy_another_worker_loads(art
     assert loaded.folder.stat().st_ino == fresh  # the other worker's copy, still there
     other[0].reader.verify()
     loaded.reader.verify()
-    assert [p.name for p in cache.iterdir()] == [artifact_id]
+    assert [p.name for p in cache.iterdir() if p.name != LOCKS_DIR] == [artifact_id]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from services.worker.engine.artifact_cache import ARTIFACT_ID_RE, hold, make_room
 from services.worker.errors import (ArtifactCorrupt, ArtifactMismatch, ArtifactNotFound, ArtifactNotReady, ArtifactRefused,
                                    RunnerUnavailable)
 from shared.formats.artifact import ArtifactError, ArtifactReader, sha256_file
@@ -28,7 +28,6 @@ from shared.storage import InsufficientSpace, ObjectNotFound, StorageConfig, Sto
 
 log = logging.getLogger(__name__)
 
-ARTIFACT_ID_RE = re.compile(r"^[0-9a-f]{32}$")  # uuid4 hex, as the quantizer assigns
 TRITON_RUNNER_MODULE = "services.worker.engine.triton_runner"
 
 
@@ -42,6 +41,9 @@ class LoadedArtifact:
     object_prefix: str = ""  # where it came from in the store; empty for a local folder
     version_label: str = ""  # from the registry when one was given
     registry_state: str = ""  # the registry's state name (e.g. "READY") when one was given
+    # Open while the worker lives: marks the cached copy as in use, so no other worker deletes it to make room
+    # (artifact_cache.py). None for a local folder.
+    cache_hold: int | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -160,8 +162,21 @@ def open_artifact(
         raise ArtifactNotFound(f"artifact id {ref!r} given without --store to fetch it from")
     if cache_dir is None:
         raise ArtifactNotFound(f"artifact id {ref!r} given without a cache folder to download it into")
+    held = hold(Path(cache_dir), ref)  # before the folder is read: from now on no eviction deletes it
+    try:
+        loaded = _fetch(ref, gpu_target, formats, expected_format, store, registry_url, Path(cache_dir))
+    except BaseException:
+        os.close(held)
+        raise
+    loaded.cache_hold = held
+    return loaded
+
+
+def _fetch(ref: str, gpu_target: str, formats: tuple[str, ...], expected_format: str | None, store: StorageConfig,
+           registry_url: str | None, cache_dir: Path) -> LoadedArtifact:
+    """The cached copy of artifact `ref`, verified; downloaded first when there is none (or it is damaged)."""
     record = _registry_lookup(ref, registry_url) if registry_url else None
-    folder = Path(cache_dir) / ref
+    folder = cache_dir / ref
     try:
         object_store = open_store(store)
         prefix = record.object_prefix if record else _find_prefix(object_store, ref)
@@ -181,7 +196,7 @@ def open_artifact(
         if not folder.exists():  # else another worker put a complete, verified copy there meanwhile
             log.info("downloading artifact %s from %s", ref, object_store.uri(prefix))
             try:
-                object_store.download_folder(prefix, folder)
+                _download(object_store, prefix, folder, ref)
             except StorageError:
                 # Another worker's download may have landed between the check and ours (the store
                 # renames only complete, verified copies into place); it is read and verified below.
@@ -196,6 +211,16 @@ def open_artifact(
     reader = _read(folder, gpu_target, formats, expected_format)
     _check_identity(reader, ref, record, folder)
     return _loaded(reader, folder, ref, prefix, record)
+
+
+def _download(object_store, prefix: str, folder: Path, ref: str) -> None:
+    """Downloads into the cache, first deleting cached artifacts no worker uses when the disk lacks the room."""
+    try:
+        object_store.download_folder(prefix, folder)
+    except InsufficientSpace as exc:
+        if not make_room(folder.parent, exc.needed, keep=ref):
+            raise
+        object_store.download_folder(prefix, folder)
 
 
 def _open_folder(folder: Path) -> int | None:

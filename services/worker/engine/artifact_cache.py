@@ -1,0 +1,93 @@
+"""The worker's artifact cache (--cache-dir: one folder per artifact id, possibly shared by the workers of a
+host): which cached artifacts are in use, and making room for a download by deleting those no worker uses.
+
+Every rollout leaves the previous artifact in the cache; without eviction a host's disk fills after a few model
+versions and the next worker refuses to start. A worker holds a shared lock (flock) on `<cache>/.locks/<id>`
+from before it reads its artifact's folder until it exits (the kernel drops the lock with the process, however
+it ends). Making room takes an exclusive lock, without waiting, on each other cached artifact, least recently
+held first (the lock file's modification time, touched at each hold): one it gets is used by no worker and is
+deleted (renamed aside first, so that no reader finds it half gone); one it does not get is in use and stays.
+A worker that asks for an artifact while another deletes it waits for the deletion, then downloads it again."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+from shared import disk_space
+
+log = logging.getLogger(__name__)
+
+ARTIFACT_ID_RE = re.compile(r"^[0-9a-f]{32}$")  # uuid4 hex, as the quantizer assigns
+LOCKS_DIR = ".locks"
+
+
+def hold(cache_dir: Path, artifact_id: str) -> int:
+    """Marks the artifact as in use by this process (until the returned descriptor is closed, or the process
+    ends); waits while another worker is deleting its cached copy."""
+    lock = _lock_path(cache_dir, artifact_id)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.utime(lock)  # its last use: what eviction goes by
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def make_room(cache_dir: Path, needed: int, keep: str) -> list[str]:
+    """Deletes cached artifacts no worker holds, least recently held first, until `needed` bytes are free
+    (or none is left to delete); never `keep`. Returns the ids deleted."""
+    evicted = []
+    for artifact_id in _least_recently_held(cache_dir, keep):
+        if disk_space.free_bytes(cache_dir) >= needed:
+            break
+        if _delete_if_unused(cache_dir, artifact_id):
+            evicted.append(artifact_id)
+    return evicted
+
+
+def _least_recently_held(cache_dir: Path, keep: str) -> list[str]:
+    def last_held(artifact_id: str) -> float:
+        try:
+            return _lock_path(cache_dir, artifact_id).stat().st_mtime
+        except FileNotFoundError:  # never held since locks exist: the oldest
+            return 0.0
+
+    ids = [p.name for p in cache_dir.iterdir() if ARTIFACT_ID_RE.match(p.name) and p.name != keep and p.is_dir()]
+    return sorted(ids, key=last_held)
+
+
+def _delete_if_unused(cache_dir: Path, artifact_id: str) -> bool:
+    lock = _lock_path(cache_dir, artifact_id)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a worker serves it
+        folder = cache_dir / artifact_id
+        aside = cache_dir / f".{artifact_id}.evicted-{uuid.uuid4().hex}"
+        try:
+            size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+            os.rename(folder, aside)
+        except FileNotFoundError:
+            return False  # another worker evicted it first
+        shutil.rmtree(aside, ignore_errors=True)
+        log.warning("deleted cached artifact %s (%s, used by no worker here) to make room in %s", artifact_id,
+                    disk_space.gib(size), cache_dir)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _lock_path(cache_dir: Path, artifact_id: str) -> Path:
+    return cache_dir / LOCKS_DIR / artifact_id

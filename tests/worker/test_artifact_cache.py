@@ -1,0 +1,106 @@
+"""The worker's artifact cache makes room for a download by deleting the cached artifacts no worker holds,
+least recently held first (services/worker/engine/artifact_cache.py)."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+import time
+
+import pytest
+
+from services.worker.engine import artifact_cache
+from services.worker.engine.artifact_cache import LOCKS_DIR, hold, make_room
+from services.worker.engine.loading import open_artifact
+from services.worker.errors import ArtifactRefused
+from shared.formats.artifact import ArtifactReader
+from shared.storage import LocalStore, StorageConfig
+
+A, B, C, KEEP = "a" * 32, "b" * 32, "c" * 32, "d" * 32
+
+
+def _cached(cache, artifact_id: str, held_at: float | None) -> None:
+    (cache / artifact_id).mkdir(parents=True)
+    (cache / artifact_id / "weights.bin").write_bytes(b"x" * 10)
+    if held_at is not None:
+        os.close(hold(cache, artifact_id))
+        os.utime(cache / LOCKS_DIR / artifact_id, (held_at, held_at))
+
+
+def _free_grows_as_folders_go(monkeypatch, cache, ids, base: int) -> None:
+    monkeypatch.setattr("shared.disk_space.free_bytes",
+                        lambda path: base + 10 * sum(not (cache / i).exists() for i in ids))
+
+
+def test_the_least_recently_held_unused_artifacts_go_first_and_only_as_many_as_needed(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    now = time.time()
+    _cached(cache, C, held_at=now - 100)
+    _cached(cache, A, held_at=now - 300)  # the oldest
+    _cached(cache, B, held_at=now - 200)
+    _cached(cache, KEEP, held_at=now - 400)  # older still, but the one being fetched
+    in_use = hold(cache, B)  # a worker serves B
+    try:
+        _free_grows_as_folders_go(monkeypatch, cache, (A, B, C, KEEP), base=0)
+        assert make_room(cache, 10, keep=KEEP) == [A]
+        assert make_room(cache, 30, keep=KEEP) == [C]  # B is in use: skipped; nothing else is left to delete
+        assert sorted(p.name for p in cache.iterdir()) == sorted([LOCKS_DIR, B, KEEP])
+    finally:
+        os.close(in_use)
+    assert make_room(cache, 30, keep=KEEP) == [B]  # its worker has exited
+
+
+def test_a_hold_waits_while_another_worker_deletes_the_copy(tmp_path):
+    cache = tmp_path / "cache"
+    _cached(cache, A, held_at=None)
+    (cache / LOCKS_DIR).mkdir()
+    deleting = os.open(cache / LOCKS_DIR / A, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(deleting, fcntl.LOCK_EX)
+    held = []
+    waiter = threading.Thread(target=lambda: held.append(hold(cache, A)))
+    waiter.start()
+    time.sleep(0.2)
+    assert not held  # still waiting for the deletion to end
+    os.close(deleting)
+    waiter.join(5)
+    assert len(held) == 1
+    os.close(held[0])
+
+
+def _store_with_g128(artifacts, tmp_path):
+    manifest = ArtifactReader(artifacts["w4a8kv4-g128"], verify=False).manifest
+    store_root = tmp_path / "store"
+    prefix = f"{manifest.model_name}/{manifest.model_version}/{manifest.format}/cpu/{manifest.artifact_id}/"
+    LocalStore(store_root, create=True).publish_folder(artifacts["w4a8kv4-g128"], prefix)
+    return manifest, StorageConfig(kind="local", root=store_root)
+
+
+def test_a_worker_fetching_onto_a_full_cache_deletes_an_unused_artifact_then_downloads(artifacts, tmp_path,
+                                                                                       monkeypatch, caplog):
+    manifest, store = _store_with_g128(artifacts, tmp_path)
+    cache = tmp_path / "cache"
+    _cached(cache, A, held_at=time.time() - 3600)  # the artifact of the last rollout, no longer served
+    # The disk has room for the new artifact only once A is gone.
+    monkeypatch.setattr("shared.disk_space.free_bytes", lambda path: 1 << 40 if not (cache / A).exists() else 1000)
+    with caplog.at_level(logging.WARNING, logger=artifact_cache.__name__):
+        loaded = open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
+    loaded.reader.verify()
+    assert not (cache / A).exists()
+    assert any(f"deleted cached artifact {A}" in r.getMessage() for r in caplog.records)
+    os.close(loaded.cache_hold)
+
+
+def test_an_artifact_another_worker_serves_is_never_deleted_for_room(artifacts, tmp_path, monkeypatch):
+    manifest, store = _store_with_g128(artifacts, tmp_path)
+    cache = tmp_path / "cache"
+    _cached(cache, A, held_at=time.time() - 3600)
+    other_worker = hold(cache, A)
+    monkeypatch.setattr("shared.disk_space.free_bytes", lambda path: 1000)
+    try:
+        with pytest.raises(ArtifactRefused, match="cannot be fetched into --cache-dir .*not enough disk space"):
+            open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
+        assert (cache / A / "weights.bin").is_file()
+    finally:
+        os.close(other_worker)
