@@ -104,3 +104,22 @@ def test_an_artifact_another_worker_serves_is_never_deleted_for_room(artifacts, 
         assert (cache / A / "weights.bin").is_file()
     finally:
         os.close(other_worker)
+
+
+def test_a_read_only_cache_filled_beforehand_still_serves(artifacts, tmp_path, monkeypatch, caplog):
+    """No lock file can be made there: the worker says so and serves the copy it finds."""
+    manifest, store = _store_with_g128(artifacts, tmp_path)
+    cache = tmp_path / "cache"
+    os.close(open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache).cache_hold)
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if flags & os.O_CREAT:
+            raise OSError(30, "Read-only file system", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with caplog.at_level(logging.WARNING, logger=artifact_cache.__name__):
+        loaded = open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
+    assert loaded.cache_hold is None and loaded.folder == cache / manifest.artifact_id
+    assert any("cannot mark artifact" in r.getMessage() for r in caplog.records)

@@ -27,12 +27,18 @@ ARTIFACT_ID_RE = re.compile(r"^[0-9a-f]{32}$")  # uuid4 hex, as the quantizer as
 LOCKS_DIR = ".locks"
 
 
-def hold(cache_dir: Path, artifact_id: str) -> int:
+def hold(cache_dir: Path, artifact_id: str) -> int | None:
     """Marks the artifact as in use by this process (until the returned descriptor is closed, or the process
-    ends); waits while another worker is deleting its cached copy."""
+    ends); waits while another worker is deleting its cached copy. None when the cache folder cannot take the
+    lock file (a read-only cache, filled beforehand: nothing is deleted from it either)."""
     lock = _lock_path(cache_dir, artifact_id)
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        log.warning("cannot mark artifact %s as in use in %s (%s): a worker making room there could delete it",
+                    artifact_id, cache_dir, exc)
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         os.utime(lock)  # its last use: what eviction goes by

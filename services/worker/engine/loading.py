@@ -166,7 +166,8 @@ def open_artifact(
     try:
         loaded = _fetch(ref, gpu_target, formats, expected_format, store, registry_url, Path(cache_dir))
     except BaseException:
-        os.close(held)
+        if held is not None:
+            os.close(held)
         raise
     loaded.cache_hold = held
     return loaded
