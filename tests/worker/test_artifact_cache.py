@@ -123,3 +123,15 @@ def test_a_read_only_cache_filled_beforehand_still_serves(artifacts, tmp_path, m
         loaded = open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
     assert loaded.cache_hold is None and loaded.folder == cache / manifest.artifact_id
     assert any("cannot mark artifact" in r.getMessage() for r in caplog.records)
+
+
+def test_a_download_logs_its_progress_and_its_rate(artifacts, tmp_path, monkeypatch, caplog):
+    manifest, store = _store_with_g128(artifacts, tmp_path)
+    monkeypatch.setattr(artifact_cache.DownloadProgress, "LOG_EVERY_S", 0.0)  # every file
+    with caplog.at_level(logging.INFO, logger=artifact_cache.__name__):
+        loaded = open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=tmp_path / "cache")
+    total = artifact_cache.disk_space.gib(sum(f.stat().st_size for f in loaded.folder.rglob("*") if f.is_file()))
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(f"of {total} downloaded (1 files" in m for m in lines), lines
+    assert any(m.startswith(f"artifact {manifest.artifact_id} downloaded: {total} in ") and "MB/s" in m for m in lines)
+    os.close(loaded.cache_hold)

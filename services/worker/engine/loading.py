@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from services.worker.engine.artifact_cache import ARTIFACT_ID_RE, hold, make_room
+from services.worker.engine.artifact_cache import ARTIFACT_ID_RE, download_into_cache, hold
 from services.worker.errors import (ArtifactCorrupt, ArtifactMismatch, ArtifactNotFound, ArtifactNotReady, ArtifactRefused,
                                    RunnerUnavailable)
 from shared.formats.artifact import ArtifactError, ArtifactReader, sha256_file
@@ -197,7 +197,7 @@ def _fetch(ref: str, gpu_target: str, formats: tuple[str, ...], expected_format:
         if not folder.exists():  # else another worker put a complete, verified copy there meanwhile
             log.info("downloading artifact %s from %s", ref, object_store.uri(prefix))
             try:
-                _download(object_store, prefix, folder, ref)
+                download_into_cache(object_store, prefix, folder, ref)
             except StorageError:
                 # Another worker's download may have landed between the check and ours (the store
                 # renames only complete, verified copies into place); it is read and verified below.
@@ -212,16 +212,6 @@ def _fetch(ref: str, gpu_target: str, formats: tuple[str, ...], expected_format:
     reader = _read(folder, gpu_target, formats, expected_format)
     _check_identity(reader, ref, record, folder)
     return _loaded(reader, folder, ref, prefix, record)
-
-
-def _download(object_store, prefix: str, folder: Path, ref: str) -> None:
-    """Downloads into the cache, first deleting cached artifacts no worker uses when the disk lacks the room."""
-    try:
-        object_store.download_folder(prefix, folder)
-    except InsufficientSpace as exc:
-        if not make_room(folder.parent, exc.needed, keep=ref):
-            raise
-        object_store.download_folder(prefix, folder)
 
 
 def _open_folder(folder: Path) -> int | None:
