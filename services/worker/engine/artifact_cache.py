@@ -74,9 +74,15 @@ def _least_recently_held(cache_dir: Path, keep: str) -> list[str]:
 
 
 def _delete_if_unused(cache_dir: Path, artifact_id: str) -> bool:
+    # The lock file stays after the deletion (a few bytes): removing it could let a worker holding the old
+    # file and one creating a new one both believe they hold the only lock.
     lock = _lock_path(cache_dir, artifact_id)
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:  # a read-only cache: nothing can be deleted from it anyway
+        log.warning("cannot lock cached artifact %s to delete it: %s", artifact_id, exc)
+        return False
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
