@@ -45,7 +45,7 @@ from shared.registry import (
     mark_artifact_failed,
     mark_artifact_ready,
 )
-from shared.storage import ObjectStore
+from shared.storage import ObjectStore, TransferProgress
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,11 @@ class Pipeline:
 
     def _load(self) -> tuple[Path, HfCheckpoint, str, EvalWindows]:
         self.reporter.progress(Stage.LOAD, message=f"reading {self.spec.source}")
-        folder = local_folder(self.spec.source, self.work_dir / "source", self.services.config.store)
+        # A 70B source takes minutes to download: its progress, every 10 s (and a cancel between files).
+        downloaded = TransferProgress(lambda done: self.reporter.progress(Stage.LOAD, message=f"downloaded {done}"))
+        folder = local_folder(self.spec.source, self.work_dir / "source", self.services.config.store, downloaded)
+        if downloaded.files:
+            self.reporter.progress(Stage.LOAD, message=f"downloaded {self.spec.source}: {downloaded.summary()}")
         checkpoint = HfCheckpoint(folder)  # config.json, a Llama-family model, every tensor present
         check_group_divisibility(checkpoint.config, format_spec(self.spec.format))
         windows = self._eval_windows(folder)  # a bad eval text fails now rather than after quantizing

@@ -6,13 +6,14 @@ from pathlib import Path
 
 from services.quantizer.errors import MissingInput
 from services.quantizer.publish_spec import is_s3
-from shared.storage import ObjectNotFound, StorageConfig, fetch_folder, open_store
+from shared.storage import ObjectNotFound, Progress, StorageConfig, fetch_folder, open_store
 
 
-def local_folder(uri: str, dest: Path, base: StorageConfig) -> Path:
-    """The checkpoint folder at uri; an s3:// prefix is downloaded (verified) into dest first."""
+def local_folder(uri: str, dest: Path, base: StorageConfig, progress: Progress | None = None) -> Path:
+    """The checkpoint folder at uri; an s3:// prefix is downloaded (verified) into dest first, `progress`
+    told of each file."""
     try:
-        return fetch_folder(uri, dest, base=_s3_base(base))
+        return fetch_folder(uri, dest, base=_s3_base(base), progress=progress)
     except ObjectNotFound as exc:
         raise MissingInput(f"source {uri!r} holds no checkpoint: {exc}") from exc
 

@@ -12,6 +12,7 @@ from .errors import InsufficientSpace, InvalidConfig, InvalidKey, ObjectNotFound
 from .fetch import fetch_folder
 from .keys import STAGING_ROOT
 from .local import LocalStore
+from .progress import TransferProgress
 
 __all__ = [
     "STAGING_ROOT",
@@ -25,6 +26,7 @@ __all__ = [
     "Progress",
     "StorageConfig",
     "StorageError",
+    "TransferProgress",
     "fetch_folder",
     "open_store",
 ]

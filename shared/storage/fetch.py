@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .base import Progress
 from .config import StorageConfig, open_store
 from .errors import ObjectNotFound
 
 
-def fetch_folder(uri: str | os.PathLike[str], dest: str | os.PathLike[str], *, base: StorageConfig | None = None) -> Path:
+def fetch_folder(uri: str | os.PathLike[str], dest: str | os.PathLike[str], *, base: StorageConfig | None = None,
+                 progress: Progress | None = None) -> Path:
     """A local folder with the files at uri.
 
     A path or file:///path is returned as it is (nothing copied, dest unused). For
@@ -24,5 +26,5 @@ def fetch_folder(uri: str | os.PathLike[str], dest: str | os.PathLike[str], *, b
             raise ObjectNotFound(f"source folder {root} does not exist")
         return root
     store = open_store(StorageConfig.from_url(text, base=base))
-    store.download_folder("", dest)
+    store.download_folder("", dest, progress=progress)
     return Path(dest)

@@ -57,6 +57,8 @@ def test_publish_from_s3_end_to_end(moto, bucket_store, start_quantizer, registr
     assert (1, 2) in blocks and (2, 2) in blocks
     assert all(u.job.state != Q.JOB_STATE_SUCCEEDED for u in updates[:-1])
     assert any(u.job.HasField("estimated_remaining") for u in updates if u.job.stage == Q.JOB_STAGE_QUANTIZE)
+    downloaded = [u.message for u in updates if u.message.startswith(f"downloaded {source}: ")]  # its size and rate
+    assert len(downloaded) == 1 and downloaded[0].endswith(" MB/s)") and " GiB in " in downloaded[0], downloaded
 
     # The registry: READY with its perplexity pair, the job SUCCEEDED, the version labelled.
     registry = open_registry(registry_url)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.storage import STAGING_ROOT, InsufficientSpace, InvalidKey, LocalStore, ObjectNotFound, StorageError
+from shared.storage import (STAGING_ROOT, InsufficientSpace, InvalidKey, LocalStore, ObjectInfo, ObjectNotFound, StorageError,
+                            TransferProgress)
 
 MIB = 1024 * 1024
 
@@ -218,3 +219,17 @@ def test_a_download_the_disk_cannot_hold_is_refused_before_any_byte(store, artif
     assert not (tmp_path / "dl").exists() and not any(p.name.startswith(".dl") for p in tmp_path.iterdir())
     monkeypatch.setattr("shared.disk_space.free_bytes", lambda path: total)  # exactly enough
     assert len(store.download_folder("m/v/f/g/a1", tmp_path / "dl")) == len(published)
+
+
+def test_transfer_progress_reports_at_most_every_interval(monkeypatch):
+    reports = []
+    progress = TransferProgress(reports.append, total_bytes=3 << 30)
+    progress(ObjectInfo("a", 1 << 30, None))  # under the interval: no report yet
+    assert reports == [] and (progress.files, progress.bytes) == (1, 1 << 30)
+    monkeypatch.setattr(TransferProgress, "EVERY_S", 0.0)
+    progress(ObjectInfo("b", 1 << 30, None))
+    assert reports == ["2.00 GiB of 3.00 GiB (2 files, 0 s)"]
+    unsized = TransferProgress(reports.append)  # a source folder whose size is not listed first
+    unsized(ObjectInfo("c", 1 << 29, None))
+    assert reports[-1] == "0.50 GiB (1 files, 0 s)"
+    assert progress.summary().startswith("2.00 GiB in ") and progress.summary().endswith(" MB/s)")

@@ -16,7 +16,7 @@ from services.worker.engine.artifact_cache import LOCKS_DIR, hold, make_room
 from services.worker.engine.loading import open_artifact
 from services.worker.errors import ArtifactRefused
 from shared.formats.artifact import ArtifactReader
-from shared.storage import LocalStore, StorageConfig
+from shared.storage import LocalStore, StorageConfig, TransferProgress
 
 A, B, C, KEEP = "a" * 32, "b" * 32, "c" * 32, "d" * 32
 
@@ -127,11 +127,11 @@ def test_a_read_only_cache_filled_beforehand_still_serves(artifacts, tmp_path, m
 
 def test_a_download_logs_its_progress_and_its_rate(artifacts, tmp_path, monkeypatch, caplog):
     manifest, store = _store_with_g128(artifacts, tmp_path)
-    monkeypatch.setattr(artifact_cache.DownloadProgress, "LOG_EVERY_S", 0.0)  # every file
+    monkeypatch.setattr(TransferProgress, "EVERY_S", 0.0)  # a report at every file
     with caplog.at_level(logging.INFO, logger=artifact_cache.__name__):
         loaded = open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=tmp_path / "cache")
     total = artifact_cache.disk_space.gib(sum(f.stat().st_size for f in loaded.folder.rglob("*") if f.is_file()))
     lines = [r.getMessage() for r in caplog.records]
-    assert any(f"of {total} downloaded (1 files" in m for m in lines), lines
+    assert any(m.startswith(f"artifact {manifest.artifact_id}: ") and f"of {total} (1 files" in m for m in lines), lines
     assert any(m.startswith(f"artifact {manifest.artifact_id} downloaded: {total} in ") and "MB/s" in m for m in lines)
     os.close(loaded.cache_hold)

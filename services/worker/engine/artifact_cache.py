@@ -16,12 +16,11 @@ import logging
 import os
 import re
 import shutil
-import time
 import uuid
 from pathlib import Path
 
 from shared import disk_space
-from shared.storage import InsufficientSpace, ObjectInfo, ObjectStore
+from shared.storage import InsufficientSpace, ObjectStore, TransferProgress
 
 log = logging.getLogger(__name__)
 
@@ -108,38 +107,14 @@ def _lock_path(cache_dir: Path, artifact_id: str) -> Path:
 
 
 def download_into_cache(object_store: ObjectStore, prefix: str, folder: Path, ref: str) -> None:
-    """Downloads into the cache, first deleting cached artifacts no worker uses when the disk lacks the room."""
-    progress = DownloadProgress(ref, sum(info.size for info in object_store.list(prefix)))
+    """Downloads into the cache, first deleting cached artifacts no worker uses when the disk lacks the room;
+    logs the progress every 10 s (a 70B artifact takes minutes) and the end with the rate."""
+    progress = TransferProgress(lambda done: log.info("artifact %s: %s downloaded", ref, done),
+                                total_bytes=sum(info.size for info in object_store.list(prefix)))
     try:
         object_store.download_folder(prefix, folder, progress=progress)
     except InsufficientSpace as exc:
         if not make_room(folder.parent, exc.needed, keep=ref):
             raise
         object_store.download_folder(prefix, folder, progress=progress)
-    progress.done()
-
-
-class DownloadProgress:
-    """Logs a download's progress every LOG_EVERY_S (a 70B artifact takes minutes to fetch, and an operator
-    watching a worker start should see it move) and its end with the rate."""
-
-    LOG_EVERY_S = 10.0
-
-    def __init__(self, ref: str, total_bytes: int):
-        self.ref, self.total = ref, total_bytes
-        self.started = self.last_log = time.monotonic()
-        self.bytes = self.files = 0
-
-    def __call__(self, info: ObjectInfo) -> None:
-        self.bytes += info.size
-        self.files += 1
-        now = time.monotonic()
-        if now - self.last_log >= self.LOG_EVERY_S:
-            self.last_log = now
-            log.info("artifact %s: %s of %s downloaded (%d files, %.0f s)", self.ref, disk_space.gib(self.bytes),
-                     disk_space.gib(self.total), self.files, now - self.started)
-
-    def done(self) -> None:
-        seconds = time.monotonic() - self.started
-        log.info("artifact %s downloaded: %s in %.1f s (%.0f MB/s)", self.ref, disk_space.gib(self.bytes), seconds,
-                 self.bytes / max(seconds, 1e-9) / 1e6)
+    log.info("artifact %s downloaded: %s", ref, progress.summary())
