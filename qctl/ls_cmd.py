@@ -11,6 +11,7 @@ from qctl.gateway_client import RPC_TIMEOUT_S
 from qctl.output import id_column, table_console
 from qctl.publish_cmd import QUANTIZER_OPTION, QUANTIZER_TOKEN_OPTION, quantizer_stub
 from qctl.tls import tls_options
+from shared.disk_space import gib
 from shared.rpc.qserve.v1 import common_pb2, quantizer_pb2
 
 Q = quantizer_pb2
@@ -24,7 +25,7 @@ def ls(
     quantizer_token: str = QUANTIZER_TOKEN_OPTION,
     model: str = typer.Option("", "--model", help="only this model"),
 ):
-    """List models, versions and artifacts (state, format, GPU, perplexity fp16 -> quantized, vocabulary)."""
+    """List models, versions and artifacts (state, format, GPU, size, perplexity fp16 -> quantized, vocabulary)."""
     channel, stub = quantizer_stub(quantizer, quantizer_token)
     with channel:
         models = stub.ListModels(Q.ListModelsRequest(model_name=model), timeout=RPC_TIMEOUT_S).models
@@ -34,21 +35,30 @@ def ls(
     if not models:
         console.print("no models registered" + (f" under the name {model!r}" if model else ""))
         return
-    table = Table("model", "version", id_column("artifact"), "state", "format", "gpu", "ppl fp16 -> quantized", "vocabulary",
-                  "note")
+    table = Table("model", "version", id_column("artifact"), "state", "format", "gpu", "size", "ppl fp16 -> quantized",
+                  "vocabulary", "note")
     for m in models:
         for version in m.versions:
             label = escape(version.version_label)
             shown_version = f"{label} ({version.model_version[:12]})" if label != version.model_version[:12] else label
             if not version.artifacts:
-                table.add_row(m.model_name, shown_version, "-", "", "", "", "", "", "")
+                table.add_row(m.model_name, shown_version, "-", "", "", "", "", "", "", "")
             for ref in version.artifacts:
                 info = artifacts.get(ref.artifact_id)
                 state = common_pb2.ArtifactState.Name(info.state).removeprefix("ARTIFACT_STATE_") if info else "?"
                 table.add_row(m.model_name, shown_version, ref.artifact_id,
                               f"[{STATE_STYLE.get(state, 'white')}]{state}[/]", ref.format, ref.gpu_target,
-                              _perplexities(info), _vocabulary(info), escape(info.failure_reason) if info else "")
+                              _size(info), _perplexities(info), _vocabulary(info),
+                              escape(info.failure_reason) if info else "")
     console.print(table)
+
+
+def _size(info: common_pb2.ArtifactInfo | None) -> str:
+    """The bytes a worker's cache takes for it; empty while unknown (not READY, or published by a quantizer
+    that has not read its manifest back)."""
+    if info is None or not info.size_bytes:
+        return ""
+    return gib(info.size_bytes) if info.size_bytes >= 1 << 30 else f"{info.size_bytes / (1 << 20):.1f} MiB"
 
 
 def _vocabulary(info: common_pb2.ArtifactInfo | None) -> str:

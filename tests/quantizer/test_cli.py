@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -45,6 +46,7 @@ def test_publish_prints_the_artifact_id_and_ls_shows_it(quantizer, small_model, 
     assert "rand" in row and "first" in row and "READY" in row and "w4a8kv4-g128" in row and "cpu" in row
     assert "->" in row  # the perplexity pair
     assert Tokenizer(small_model).vocabulary_digest()[:12] in row  # which artifacts may share a deployment
+    assert re.search(r"\b\d+\.\d MiB\b", row)  # its size: what a worker's cache takes
 
 
 def test_publish_exits_non_zero_with_the_jobs_error(quantizer, small_model, small_texts):
