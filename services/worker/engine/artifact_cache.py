@@ -94,6 +94,7 @@ def _delete_if_unused(cache_dir: Path, artifact_id: str) -> bool:
             os.rename(folder, aside)
         except FileNotFoundError:
             return False  # another worker evicted it first
+        # Removed under the lock: a worker waiting to hold this id downloads it again only once the space is free.
         shutil.rmtree(aside, ignore_errors=True)
         log.warning("deleted cached artifact %s (%s, used by no worker here) to make room in %s", artifact_id,
                     disk_space.gib(size), cache_dir)
