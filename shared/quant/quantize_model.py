@@ -75,16 +75,21 @@ def check_group_divisibility(config: LlamaConfig, spec: FormatSpec) -> None:
             )
 
 
-def check_room_for_artifact(out_dir: str | Path, model_dir: str | Path, config: LlamaConfig, spec: FormatSpec,
-                            options: QoQOptions) -> None:
-    """Refuses, before any work, an artifact the output folder's disk cannot hold (ArtifactError naming both
-    figures): the writing would otherwise fail on ENOSPC after the whole quantization."""
+def artifact_bytes(model_dir: str | Path, config: LlamaConfig, spec: FormatSpec, options: QoQOptions) -> int:
+    """About what quantize_checkpoint writes for this checkpoint, a little over (estimated_artifact_bytes)."""
     key_feedback = spec.kv_bits == 4 and options.key_feedback
-    needed = estimated_artifact_bytes(
+    return estimated_artifact_bytes(
         spec, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size, num_layers=config.num_layers, q_size=config.q_size,
         kv_size=config.kv_size, key_feedback_floats=config.num_kv_heads * config.head_dim ** 2 if key_feedback else 0,
         other_files=sum(p.stat().st_size for p in (Path(model_dir) / n for n in TOKENIZER_FILES) if p.is_file()))
+
+
+def check_room_for_artifact(out_dir: str | Path, model_dir: str | Path, config: LlamaConfig, spec: FormatSpec,
+                            options: QoQOptions) -> None:
+    """Refuses, before any work, an artifact the output folder's disk cannot hold (ArtifactError naming both
+    figures): the writing would otherwise fail on ENOSPC after the whole quantization."""
+    needed = artifact_bytes(model_dir, config, spec, options)
     short = shortage(out_dir, needed, f"the {spec.name} artifact in {out_dir}")
     if short is not None:
         raise ArtifactError(short)

@@ -7,24 +7,19 @@ import dataclasses
 
 import pytest
 
-from shared.formats.artifact import ArtifactError, estimated_artifact_bytes
+from shared.formats.artifact import ArtifactError
 from shared.formats.spec import FORMATS, format_spec
 from shared.model.config import LlamaConfig
-from shared.model.tokenizer import TOKENIZER_FILES
 from shared.quant.options import QoQOptions
-from shared.quant.quantize_model import QuantizeSettings, quantize_checkpoint
+from shared.quant.quantize_model import QuantizeSettings, artifact_bytes, quantize_checkpoint
 from tests.conftest import write_random_llama
 
 HEADERS = 1 << 20  # the estimate's allowance per file (headers, manifest)
 
 
 def _estimate(model, fmt: str, key_feedback: bool = False) -> int:
-    c = LlamaConfig.from_folder(model)
-    return estimated_artifact_bytes(
-        format_spec(fmt), vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_layers=c.num_layers, q_size=c.q_size, kv_size=c.kv_size,
-        key_feedback_floats=c.num_kv_heads * c.head_dim ** 2 if key_feedback else 0,
-        other_files=sum((model / n).stat().st_size for n in TOKENIZER_FILES if (model / n).is_file()))
+    options = dataclasses.replace(QoQOptions.rtn(), key_feedback=key_feedback)
+    return artifact_bytes(model, LlamaConfig.from_folder(model), format_spec(fmt), options)
 
 
 @pytest.mark.parametrize("tie", [False, True])
