@@ -17,7 +17,13 @@ Each failed attempt also counts towards its worker's quarantine (WorkerPool.mark
 a worker finishes clears that count (mark_succeeded). A worker that answered full (RESOURCE_EXHAUSTED), that
 refused the request because it has begun to drain (before its heartbeat said so), or that refused it for the
 client's reason does neither, and its refusal is not counted as a failed attempt: it is busy, leaving, or it
-validated the request and said no, which shows nothing about whether it can generate (see _relay)."""
+validated the request and said no, which shows nothing about whether it can generate (see _relay).
+
+A canary's refusal for the client's reason is put to the stable before the client gets it: a canary whose
+workers take less than the stable's (a shorter context window, a stricter check) would otherwise fail its
+share of those requests as the clients' fault, where the guard never looks. When the stable serves the
+request, the canary's refusal counts as an error of the canary arm; when the stable refuses it too (or has no
+worker), the client gets the refusal and nothing is counted."""
 
 from __future__ import annotations
 
@@ -169,12 +175,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         tried: set[str] = set()
         failures: list[str] = []
         failed_route: Route | None = None  # the route of a failed attempt, counted once another one starts
+        # A canary's refusal for the client's reason, retried on the stable: (its route, the refusal).
+        refused_on_canary: tuple[Route, WorkerRejected] | None = None
         counted = True  # a request turned away by admission (load shedding, not a failure) is not counted
         try:
             while True:
                 try:
                     attempt = Attempt(self._pick(deployment, trace, tried, failures))
                 except NoWorker as exc:
+                    if refused_on_canary is not None:  # nothing else to ask: the canary's answer stands
+                        raise refused_on_canary[1] from None
                     busy = [f for f in failures if not f.startswith(_DRAINING)]
                     if busy and all(f.startswith(_FULL) for f in busy):  # alive, only busy
                         raise AdmissionFull(f"every worker tried is at its admission limit; retry later "
@@ -185,9 +195,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     failed_route = None
                 tried.add(attempt.worker.worker_id)
                 worker_request = _worker_request(request, f"{worker_key}.{len(tried)}")
-                async with contextlib.aclosing(self._relay(attempt, worker_request, request_id, trace)) as replies:
-                    async for reply in replies:
-                        yield reply
+                try:
+                    async with contextlib.aclosing(self._relay(attempt, worker_request, request_id, trace)) as replies:
+                        async for reply in replies:
+                            yield reply
+                except WorkerRejected as exc:
+                    if trace.route.arm is not Arm.CANARY or trace.delivered:
+                        raise
+                    # A canary whose workers take less (a shorter context window, a stricter check) would fail
+                    # its share of such requests as the client's fault, unseen by the guard: the stable decides.
+                    log.warning("deployment %s: the canary's worker %s refused request %r (%s: %s); trying the "
+                                "stable", deployment.name, attempt.worker.address, request_id, exc.code.name, exc)
+                    refused_on_canary, trace.route = (trace.route, exc), Route(Arm.STABLE, deployment.stable)
+                    continue
+                if refused_on_canary is not None:  # the stable took what the canary refused: the canary's error
+                    self._record_failed_attempt(deployment, refused_on_canary[0])
+                    refused_on_canary = None
                 if attempt.finished:
                     return
                 failures.append(attempt.failure)

@@ -36,6 +36,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.full = False  # every Generate answers RESOURCE_EXHAUSTED (its admission queue is full)
         # every Generate is refused as a draining worker refuses it (UNAVAILABLE + shared.rpc.refusal's metadata)
         self.refuse_draining = False
+        # prompts longer than this are refused INVALID_ARGUMENT, as a worker with a shorter context window does
+        self.max_prompt_tokens: int | None = None
         self.started: list[str] = []  # request ids of Generate calls, in arrival order
         self.finished: list[str] = []
         self.cancelled: list[str] = []  # Generate calls whose caller went away
@@ -56,6 +58,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             prompt = list(request.token_ids.ids)
         if any(t >= VOCAB for t in prompt):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token id outside the vocabulary of {VOCAB}")
+        if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt has {len(prompt)} tokens; this fake "
+                                                                  f"worker takes at most {self.max_prompt_tokens}")
         count = request.sampling.max_new_tokens or self.tokens
         ids = expected_tokens(prompt, count)
         self.running += 1
