@@ -86,7 +86,7 @@ def status(deployment: str = DEPLOYMENT_ARG, gateway: str = GATEWAY_OPTION, toke
         ("generated tokens", lambda m: str(m.generated_tokens)),
         # what the automatic guard counts: this gateway replica's requests and the others' reports
         ("all replicas: requests / errors", lambda m: f"{m.fleet_requests} / {m.fleet_errors}"),
-        ("all replicas: tpot p95", lambda m: ms(m.fleet_tpot_p95)),
+        ("all replicas: ttft / tpot p95", lambda m: f"{ms(m.fleet_ttft_p95)} / {ms(m.fleet_tpot_p95)}"),
     )
     for label, cell in rows:
         table.add_row(label, *(cell(metrics) for _, metrics in arms))

@@ -94,6 +94,8 @@ def test_the_tpot_budget_error_names_the_flag_and_its_unit(tmp_path, capsys):
     # It said "max TPOT p95 -0.005 must be a positive number of seconds" for --max-tpot-p95-ms -5.
     message = _refusal("gateway", [*_base("gateway", tmp_path), "--max-tpot-p95-ms", "-5"], capsys)
     assert "--max-tpot-p95-ms" in message and "-5" in message and "milliseconds" in message
+    message = _refusal("gateway", [*_base("gateway", tmp_path), "--max-ttft-p95-ms", "-5"], capsys)
+    assert "--max-ttft-p95-ms" in message and "-5" in message and "or 0 (not judged)" in message
 
 
 @pytest.mark.parametrize("service", ["gateway", "worker"])

@@ -62,6 +62,9 @@ class FallbackBudget:
 
     max_error_rate: float = 0.05  # server-side failures / finished requests
     max_tpot_p95_s: float = 0.5  # 95th percentile of time per output token, seconds
+    # 95th percentile of time to the first token, seconds; 0 = not judged (it grows with prompt lengths and the
+    # load, so only an operator who knows the traffic can set it)
+    max_ttft_p95_s: float = 0.0
     window_s: float = 30.0
     min_requests: int = 20  # fewer requests than this in the window: too little evidence to act on
     enabled: bool = True
@@ -148,6 +151,9 @@ class GatewayConfig:
             raise ConfigError(f"max error rate {b.max_error_rate} must be in [0, 1] (0.05 = 5% of requests)")
         if not _positive(b.max_tpot_p95_s):
             raise ConfigError(f"max TPOT p95 {b.max_tpot_p95_s} must be a positive number of seconds")
+        if not (_positive(b.max_ttft_p95_s) or b.max_ttft_p95_s == 0):
+            raise ConfigError(f"max TTFT p95 {b.max_ttft_p95_s} must be a positive number of seconds, or 0 (not "
+                              f"judged)")
         if not _positive(b.window_s):
             raise ConfigError(f"fallback window {b.window_s} must be a positive number of seconds")
         if b.min_requests < 1:
@@ -174,6 +180,9 @@ class GatewayConfig:
         args = _parser().parse_args(argv)
         if not _positive(args.max_tpot_p95_ms):  # named here: the budget holds it in seconds
             raise ConfigError(f"--max-tpot-p95-ms {args.max_tpot_p95_ms} must be a positive number of milliseconds")
+        if not (_positive(args.max_ttft_p95_ms) or args.max_ttft_p95_ms == 0):
+            raise ConfigError(f"--max-ttft-p95-ms {args.max_ttft_p95_ms} must be a positive number of milliseconds, "
+                              f"or 0 (not judged)")
         return cls(
             registry_url=args.registry_url,
             listen=args.listen,
@@ -187,6 +196,7 @@ class GatewayConfig:
             worker_forget_s=args.worker_forget_s,
             budget=FallbackBudget(
                 max_error_rate=args.max_error_rate, max_tpot_p95_s=args.max_tpot_p95_ms / 1000.0,
+                max_ttft_p95_s=args.max_ttft_p95_ms / 1000.0,
                 window_s=args.fallback_window_s, min_requests=args.fallback_min_requests,
                 enabled=args.auto_fallback,
             ),
@@ -257,6 +267,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-error-rate", type=float, default=0.05, help="error-rate budget of the stable and canary arms")
     p.add_argument("--max-tpot-p95-ms", type=float, default=500.0,
                    help="time-per-output-token p95 budget of the stable and canary arms, milliseconds")
+    p.add_argument("--max-ttft-p95-ms", type=float, default=0.0,
+                   help="time-to-first-token p95 budget of the stable and canary arms, milliseconds; 0 (the "
+                        "default) leaves TTFT unjudged: it grows with prompt lengths and load")
     p.add_argument("--fallback-window-s", type=float, default=30.0, help="window the budgets are measured over")
     p.add_argument("--fallback-min-requests", type=int, default=20,
                    help="finished requests in the window below which the budgets are not judged")

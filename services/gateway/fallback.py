@@ -1,5 +1,5 @@
-"""The automatic guard over a deployment's arms, judged on error rate and time per output token
-(p95) over a window, once an arm has served enough requests:
+"""The automatic guard over a deployment's arms, judged on error rate, time per output token (p95) and, when
+its budget is set, time to the first token (p95) over a window, once an arm has served enough requests:
 
 * a canary over budget is aborted (its traffic goes back to the stable), whatever its format:
   a bad new artifact is taken out without touching what was vetted;
@@ -84,6 +84,10 @@ class AutoFallback:
         if stats.tpot_p95_s > self.budget.max_tpot_p95_s:
             return (f"{arm} {ref.artifact_id} time per output token p95 {stats.tpot_p95_s * 1000:.1f} ms over "
                     f"the budget {self.budget.max_tpot_p95_s * 1000:.1f} ms in the last {now - since:.0f} s "
+                    f"({stats.requests} requests)")
+        if self.budget.max_ttft_p95_s and stats.ttft_p95_s > self.budget.max_ttft_p95_s:
+            return (f"{arm} {ref.artifact_id} time to first token p95 {stats.ttft_p95_s * 1000:.1f} ms over "
+                    f"the budget {self.budget.max_ttft_p95_s * 1000:.1f} ms in the last {now - since:.0f} s "
                     f"({stats.requests} requests)")
         return None
 

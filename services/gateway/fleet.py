@@ -17,11 +17,12 @@ import math
 import time
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
 
 from services.gateway.metrics import ArmStats, GatewayMetrics, Outcome, quantile, stats_of
 from shared.registry import (ArmSecond, ArmTotals, Registry, fleet_arm_totals, purge_arm_reports,
                              write_arm_seconds)
-from shared.registry.arm_reports import TPOT_STEP_S, tpot_step
+from shared.registry.arm_reports import TPOT_STEP_S, TTFT_STEP_S, tpot_step, ttft_step
 
 log = logging.getLogger(__name__)
 KEEP_S = 3600.0  # reports are kept this long, in the registry and (unwritten) in memory
@@ -93,18 +94,25 @@ class FleetView:
 
 def with_others(outcomes: list[Outcome], others: ArmTotals) -> ArmStats:
     """The stats of an arm over this replica's requests (`outcomes`) and the other replicas' reports: counts
-    summed, TPOT p50 / p95 over all of them (the local times in the reports' step, so that every request
-    weighs the same); latencies to the first token are this replica's (the reports carry none)."""
+    summed, TTFT and TPOT p50 / p95 over all of them (the local times in the reports' steps, so that every
+    request weighs the same)."""
     local = stats_of(outcomes)
     if not others.requests:
         return local
-    counts = Counter(others.tpot_counts)
-    counts.update(tpot_step(o.tpot_s) for o in outcomes if not o.server_error and o.tpot_s is not None)
-    ordered = [step * TPOT_STEP_S for step in sorted(counts) for _ in range(counts[step])]
+    ok = [o for o in outcomes if not o.server_error]
+    ttfts = _in_steps(others.ttft_counts, (ttft_step(o.ttft_s) for o in ok if o.ttft_s is not None), TTFT_STEP_S)
+    tpots = _in_steps(others.tpot_counts, (tpot_step(o.tpot_s) for o in ok if o.tpot_s is not None), TPOT_STEP_S)
     return ArmStats(requests=local.requests + others.requests, errors=local.errors + others.errors,
-                    ttft_p50_s=local.ttft_p50_s, ttft_p95_s=local.ttft_p95_s,
-                    tpot_p50_s=quantile(ordered, 0.5), tpot_p95_s=quantile(ordered, 0.95),
+                    ttft_p50_s=quantile(ttfts, 0.5), ttft_p95_s=quantile(ttfts, 0.95),
+                    tpot_p50_s=quantile(tpots, 0.5), tpot_p95_s=quantile(tpots, 0.95),
                     generated_tokens=local.generated_tokens)
+
+
+def _in_steps(reported: Mapping[int, int], local_steps: Iterable[int], step_s: float) -> list[float]:
+    """Every request's time, sorted: the reports' counts and this replica's times in the same step."""
+    counts = Counter(reported)
+    counts.update(local_steps)
+    return [step * step_s for step in sorted(counts) for _ in range(counts[step])]
 
 
 def _per_second(outcomes: list[tuple[str, str, Outcome]]) -> list[ArmSecond]:
@@ -115,5 +123,7 @@ def _per_second(outcomes: list[tuple[str, str, Outcome]]) -> list[ArmSecond]:
     for (deployment, artifact_id, second), group in sorted(groups.items()):
         ok = [o for o in group if not o.server_error]
         tpots = Counter(tpot_step(o.tpot_s) for o in ok if o.tpot_s is not None)
-        reports.append(ArmSecond(deployment, artifact_id, second, len(group), len(group) - len(ok), dict(tpots)))
+        ttfts = Counter(ttft_step(o.ttft_s) for o in ok if o.ttft_s is not None)
+        reports.append(ArmSecond(deployment, artifact_id, second, len(group), len(group) - len(ok), dict(tpots),
+                                 dict(ttfts)))
     return reports

@@ -274,6 +274,7 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
             fleet = with_others(outcomes, others)  # what the automatic guard judges
             metrics.fleet_requests, metrics.fleet_errors = fleet.requests, fleet.errors
             metrics.fleet_tpot_p95.CopyFrom(_seconds(fleet.tpot_p95_s))
+            metrics.fleet_ttft_p95.CopyFrom(_seconds(fleet.ttft_p95_s))
             getattr(response, field).CopyFrom(metrics)
         return response
 

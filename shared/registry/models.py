@@ -247,3 +247,6 @@ class ArmReport(Base):
     errors: Mapped[int] = mapped_column(sa.Integer)  # failed on the serving side
     # JSON object: time per output token in tenths of a millisecond -> requests (those not failed).
     tpot_counts: Mapped[str] = mapped_column(sa.Text)
+    # JSON object: time to the first token in milliseconds -> requests (those not failed with a first token);
+    # NULL in reports written before migration 0005.
+    ttft_counts: Mapped[str | None] = mapped_column(sa.Text)

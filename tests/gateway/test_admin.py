@@ -224,8 +224,12 @@ def test_config_names_the_bad_value():
         GatewayConfig(registry_url="sqlite:///x.db", heartbeat_interval_s=2, heartbeat_timeout_s=1)
     config = GatewayConfig.from_args(
         ["--registry-url", "sqlite:///x.db", "--listen", "127.0.0.1:0", "--max-tpot-p95-ms", "80",
-         "--no-auto-fallback"], environ={"QSERVE_ADMIN_TOKENS": "ops=t:admin", "QSERVE_API_KEYS": "k1,k2"})
+         "--max-ttft-p95-ms", "1500", "--no-auto-fallback"],
+        environ={"QSERVE_ADMIN_TOKENS": "ops=t:admin", "QSERVE_API_KEYS": "k1,k2"})
     assert config.budget.max_tpot_p95_s == pytest.approx(0.08) and not config.budget.enabled
+    assert config.budget.max_ttft_p95_s == pytest.approx(1.5)
+    unset = GatewayConfig.from_args(["--registry-url", "sqlite:///x.db"], environ={})
+    assert unset.budget.max_ttft_p95_s == 0  # not judged unless asked
     assert [k.key for k in config.api_keys] == ["k1", "k2"] and config.admin_tokens["ops"].scope == "admin"
 
 

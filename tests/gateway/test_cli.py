@@ -67,7 +67,7 @@ def test_deploy_rollout_fallback_and_generate_through_qctl(gateway, artifacts):
     status = qctl(gateway, "rollout", "status", "chat")
     assert status.exit_code == 0, status.output
     for expected in ("stable", "canary", "baseline", "requests", "tpot p50 / p95", "healthy workers",
-                     "all replicas: requests / errors", "all replicas: tpot p95"):
+                     "all replicas: requests / errors", "all replicas: ttft / tpot p95"):
         assert expected in status.stdout
 
     on = qctl(gateway, "fallback", "on", "chat", "--reason", "drill")

@@ -1,5 +1,5 @@
 """The fallback switch: by hand (within a second, also through another gateway process sharing the
-registry); and the automatic guard on the error-rate and time-per-output-token budgets (a bad canary
+registry); and the automatic guard on the error-rate, time-per-output-token and TTFT budgets (a bad canary
 is aborted, a bad quantized stable falls back to the baseline)."""
 
 from __future__ import annotations
@@ -327,5 +327,30 @@ def test_fallback_on_is_refused_while_no_worker_serves_the_baseline_unless_force
             await set_fallback(stack, False, "back")
             await stack.add_worker(artifacts.baseline)
             assert (await set_fallback(stack, True, "drill")).fallback
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("ttft_budget_s", [0.02, 0.0])
+def test_a_canary_slow_to_its_first_token_is_aborted_when_a_ttft_budget_is_set(artifacts, ttft_budget_s):
+    """A canary answering at 50 ms a token: within the 10 s TPOT budget, over a 20 ms TTFT budget. Unset (0), TTFT
+    is not judged and the canary stays."""
+    budget = FallbackBudget(max_error_rate=0.5, max_tpot_p95_s=10.0, max_ttft_p95_s=ttft_budget_s, window_s=30.0,
+                            min_requests=5)
+
+    async def scenario():
+        async with gateway_stack(artifacts, budget=budget, fallback_check_s=0.05) as stack:
+            await stack.add_worker(artifacts.stable, tokens=2, max_running=64)
+            await stack.add_worker(artifacts.canary, tokens=2, delay_s=0.05, max_running=64)
+            await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=100), metadata=ADMIN)
+            await asyncio.gather(*(stack.generate(f"p{i}") for i in range(6)))
+            deployment = await _until(stack, lambda d: not d.HasField("canary"), seconds=1.0)
+            if ttft_budget_s:
+                assert not deployment.HasField("canary") and not deployment.fallback
+                abort = next(e for e in await events(stack) if e.kind == "abort")
+                assert abort.actor == "auto" and "time to first token p95" in abort.detail, abort.detail
+            else:
+                assert deployment.HasField("canary")
 
     run(scenario())

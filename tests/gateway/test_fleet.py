@@ -16,10 +16,12 @@ def test_the_others_requests_are_added_and_the_p95_taken_over_all_of_them():
     local = [Outcome(at=1.0, server_error=False, ttft_s=0.2, tpot_s=0.01, tokens=5),
              Outcome(at=1.0, server_error=False, ttft_s=0.2, tpot_s=0.01, tokens=5),
              Outcome(at=1.0, server_error=True, ttft_s=None, tpot_s=None, tokens=0)]
-    merged = with_others(local, ArmTotals(requests=17, errors=2, tpot_counts={5000: 15}))
+    merged = with_others(local, ArmTotals(requests=17, errors=2, tpot_counts={5000: 15}, ttft_counts={1500: 15}))
     assert (merged.requests, merged.errors, merged.generated_tokens) == (20, 3, 10)
     assert math.isclose(merged.tpot_p95_s, 0.5) and math.isclose(merged.tpot_p50_s, 0.5)
-    assert math.isclose(merged.ttft_p95_s, 0.2)  # the reports carry no TTFT: this replica's
+    assert math.isclose(merged.ttft_p95_s, 1.5) and math.isclose(merged.ttft_p50_s, 1.5)
+    older = with_others(local, ArmTotals(requests=4, errors=0, tpot_counts={5000: 4}))  # reports without TTFTs
+    assert math.isclose(older.ttft_p95_s, 0.2) and older.requests == 7
     assert with_others(local, ArmTotals()) == stats_of(local)  # no other replica: exactly as before
 
 

@@ -252,9 +252,9 @@ def test_the_guard_judges_an_arm_on_the_traffic_of_every_replica(artifacts):
     run(scenario())
 
 
-def test_rollout_status_shows_the_fleet_tpot_p95_the_guard_holds_to_its_budget(artifacts):
+def test_rollout_status_shows_the_fleet_latencies_the_guard_holds_to_its_budget(artifacts):
     """Another replica's report of slow tokens on the canary: RolloutStatus' fleet figures are what the guard
-    judges (its TPOT p95 included), while the replica's own columns stay its own (no requests here)."""
+    judges (its TTFT and TPOT p95 included), while the replica's own columns stay its own (no requests here)."""
     async def scenario():
         async with two_replicas(artifacts, **GUARD) as (a, b):
             await worker_on_both(a, b, artifacts.stable, tokens=2, max_running=64)
@@ -265,7 +265,8 @@ def test_rollout_status_shows_the_fleet_tpot_p95_the_guard_holds_to_its_budget(a
             try:
                 with registry.transaction() as session:  # a third replica's second: 4 requests, 1 failed
                     write_arm_seconds(session, "c" * 32,
-                                      [ArmSecond(DEPLOYMENT, artifacts.canary, second, 4, 1, {2500: 2, 100: 1})])
+                                      [ArmSecond(DEPLOYMENT, artifacts.canary, second, 4, 1, {2500: 2, 100: 1},
+                                                 {1200: 3})])
             finally:
                 registry.close()
             await asyncio.sleep(max(0.0, second - time.time()) + 0.05)
@@ -274,6 +275,7 @@ def test_rollout_status_shows_the_fleet_tpot_p95_the_guard_holds_to_its_budget(a
             canary = status.canary
             assert (canary.requests, canary.fleet_requests, canary.fleet_errors) == (0, 4, 1)
             assert canary.fleet_tpot_p95.ToNanoseconds() == 250_000_000  # 2500 steps of 0.1 ms
+            assert canary.fleet_ttft_p95.ToNanoseconds() == 1_200_000_000  # 1200 steps of 1 ms
             assert canary.tpot_p95.ToNanoseconds() == 0
 
     run(scenario())

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import sqlalchemy as sa
 
 from shared.registry import ArmSecond, InvalidValue, Registry, fleet_arm_totals, purge_arm_reports, write_arm_seconds
-from shared.registry.arm_reports import tpot_step
+from shared.registry.arm_reports import tpot_step, ttft_step
+from shared.registry.models import ArmReport
 
 
 def test_reports_sum_over_replicas_and_seconds_without_the_readers_own(registry: Registry) -> None:
@@ -41,3 +43,16 @@ def test_a_second_written_again_replaces_the_first_and_old_seconds_are_purged(re
 def test_a_report_with_impossible_counts_is_refused(registry: Registry) -> None:
     with pytest.raises(InvalidValue, match="errors <= requests"), registry.transaction() as session:
         write_arm_seconds(session, "a" * 32, [ArmSecond("chat", "c1", 100, 1, 2)])
+
+
+def test_times_to_the_first_token_sum_too_and_reports_from_before_them_hold_none(registry: Registry) -> None:
+    with registry.transaction() as session:
+        write_arm_seconds(session, "a" * 32, [ArmSecond("chat", "c1", 100, 3, 0, {}, {ttft_step(0.25): 3})])
+        write_arm_seconds(session, "b" * 32, [ArmSecond("chat", "c1", 100, 2, 0, {}, {ttft_step(0.25): 1,
+                                                                                      ttft_step(2.0): 1})])
+        # a replica that ran before migration 0005 wrote no times to the first token
+        session.execute(sa.update(ArmReport).where(ArmReport.gateway_id == "b" * 32).values(ttft_counts=None))
+        write_arm_seconds(session, "c" * 32, [ArmSecond("chat", "c1", 101, 1, 0, {}, {ttft_step(0.0404): 1})])
+    with registry.sessions() as session:
+        totals = fleet_arm_totals(session, "chat", "c1", 100, 101)
+        assert totals.requests == 6 and totals.ttft_counts == {250: 3, 40: 1}  # milliseconds

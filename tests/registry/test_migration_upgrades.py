@@ -99,10 +99,17 @@ def _seed_0004(conn: sa.Connection) -> None:
             requests=3, errors=1, tpot_counts='{"120": 2}')
 
 
+def _seed_0005(conn: sa.Connection) -> None:
+    """As at 0004, plus a report with times to the first token."""
+    _seed_0004(conn)
+    _insert(conn, "arm_reports", gateway_id="g" * 32, deployment="chat", artifact_id=CANARY, second=1764590401,
+            requests=2, errors=0, tpot_counts='{"120": 2}', ttft_counts='{"35": 2}')
+
+
 # Rows written at each revision with that revision's schema. A new migration adds its own entry
 # (test_every_revision_has_seed_rows says so), so that an upgrade from it is tested with data too.
 SEEDS: dict[str, Callable[[sa.Connection], None]] = {"0001": _seed_0001, "0002": _seed_0002, "0003": _seed_0003,
-                                                        "0004": _seed_0004}
+                                                        "0004": _seed_0004, "0005": _seed_0005}
 
 
 def _revisions() -> list[str]:
