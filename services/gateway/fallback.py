@@ -81,14 +81,12 @@ class AutoFallback:
         if stats.error_rate > self.budget.max_error_rate:
             return (f"{arm} {ref.artifact_id} error rate {stats.error_rate:.1%} ({stats.errors}/{stats.requests}) "
                     f"over the budget {self.budget.max_error_rate:.1%} in the last {now - since:.0f} s")
-        if stats.tpot_p95_s > self.budget.max_tpot_p95_s:
-            return (f"{arm} {ref.artifact_id} time per output token p95 {stats.tpot_p95_s * 1000:.1f} ms over "
-                    f"the budget {self.budget.max_tpot_p95_s * 1000:.1f} ms in the last {now - since:.0f} s "
-                    f"({stats.requests} requests)")
-        if self.budget.max_ttft_p95_s and stats.ttft_p95_s > self.budget.max_ttft_p95_s:
-            return (f"{arm} {ref.artifact_id} time to first token p95 {stats.ttft_p95_s * 1000:.1f} ms over "
-                    f"the budget {self.budget.max_ttft_p95_s * 1000:.1f} ms in the last {now - since:.0f} s "
-                    f"({stats.requests} requests)")
+        latencies = (("time per output token", stats.tpot_p95_s, self.budget.max_tpot_p95_s),
+                     ("time to first token", stats.ttft_p95_s, self.budget.max_ttft_p95_s))  # a budget of 0: not judged
+        for what, p95, budget in latencies:
+            if budget and p95 > budget:
+                return (f"{arm} {ref.artifact_id} {what} p95 {p95 * 1000:.1f} ms over the budget {budget * 1000:.1f} "
+                        f"ms in the last {now - since:.0f} s ({stats.requests} requests)")
         return None
 
     def verdict(self, view: DeploymentView, now: float | None = None,

@@ -17,7 +17,7 @@ import math
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from services.gateway.metrics import ArmStats, GatewayMetrics, Outcome, quantile, stats_of
 from shared.registry import (ArmSecond, ArmTotals, Registry, fleet_arm_totals, purge_arm_reports,
@@ -99,20 +99,27 @@ def with_others(outcomes: list[Outcome], others: ArmTotals) -> ArmStats:
     local = stats_of(outcomes)
     if not others.requests:
         return local
-    ok = [o for o in outcomes if not o.server_error]
-    ttfts = _in_steps(others.ttft_counts, (ttft_step(o.ttft_s) for o in ok if o.ttft_s is not None), TTFT_STEP_S)
-    tpots = _in_steps(others.tpot_counts, (tpot_step(o.tpot_s) for o in ok if o.tpot_s is not None), TPOT_STEP_S)
+    local_tpots, local_ttfts = _step_counts(outcomes)
+    ttfts = _in_steps(others.ttft_counts, local_ttfts, TTFT_STEP_S)
+    tpots = _in_steps(others.tpot_counts, local_tpots, TPOT_STEP_S)
     return ArmStats(requests=local.requests + others.requests, errors=local.errors + others.errors,
                     ttft_p50_s=quantile(ttfts, 0.5), ttft_p95_s=quantile(ttfts, 0.95),
                     tpot_p50_s=quantile(tpots, 0.5), tpot_p95_s=quantile(tpots, 0.95),
                     generated_tokens=local.generated_tokens)
 
 
-def _in_steps(reported: Mapping[int, int], local_steps: Iterable[int], step_s: float) -> list[float]:
-    """Every request's time, sorted: the reports' counts and this replica's times in the same step."""
+def _in_steps(reported: Mapping[int, int], local: Mapping[int, int], step_s: float) -> list[float]:
+    """Every request's time, sorted: the reports' counts and this replica's, in the same step."""
     counts = Counter(reported)
-    counts.update(local_steps)
+    counts.update(local)
     return [step * step_s for step in sorted(counts) for _ in range(counts[step])]
+
+
+def _step_counts(outcomes: list[Outcome]) -> tuple[Counter[int], Counter[int]]:
+    """(TPOT, TTFT) counts in the reports' steps of the requests not failed on the serving side."""
+    ok = [o for o in outcomes if not o.server_error]
+    return (Counter(tpot_step(o.tpot_s) for o in ok if o.tpot_s is not None),
+            Counter(ttft_step(o.ttft_s) for o in ok if o.ttft_s is not None))
 
 
 def _per_second(outcomes: list[tuple[str, str, Outcome]]) -> list[ArmSecond]:
@@ -121,9 +128,7 @@ def _per_second(outcomes: list[tuple[str, str, Outcome]]) -> list[ArmSecond]:
         groups[(deployment, artifact_id, math.floor(outcome.at))].append(outcome)
     reports = []
     for (deployment, artifact_id, second), group in sorted(groups.items()):
-        ok = [o for o in group if not o.server_error]
-        tpots = Counter(tpot_step(o.tpot_s) for o in ok if o.tpot_s is not None)
-        ttfts = Counter(ttft_step(o.ttft_s) for o in ok if o.ttft_s is not None)
-        reports.append(ArmSecond(deployment, artifact_id, second, len(group), len(group) - len(ok), dict(tpots),
-                                 dict(ttfts)))
+        errors = sum(o.server_error for o in group)
+        tpots, ttfts = _step_counts(group)
+        reports.append(ArmSecond(deployment, artifact_id, second, len(group), errors, dict(tpots), dict(ttfts)))
     return reports

@@ -32,17 +32,15 @@ def hold(cache_dir: Path, artifact_id: str) -> int | None:
     """Marks the artifact as in use by this process (until the returned descriptor is closed, or the process
     ends); waits while another worker is deleting its cached copy. None when the cache folder cannot take the
     lock file (a read-only cache, filled beforehand: nothing is deleted from it either)."""
-    lock = _lock_path(cache_dir, artifact_id)
     try:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(cache_dir, artifact_id)
     except OSError as exc:
         log.warning("cannot mark artifact %s as in use in %s (%s): a worker making room there could delete it",
                     artifact_id, cache_dir, exc)
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
-        os.utime(lock)  # its last use: what eviction goes by
+        os.utime(fd)  # its last use: what eviction goes by
     except BaseException:
         os.close(fd)
         raise
@@ -75,10 +73,8 @@ def _least_recently_held(cache_dir: Path, keep: str) -> list[str]:
 def _delete_if_unused(cache_dir: Path, artifact_id: str) -> bool:
     # The lock file stays after the deletion (a few bytes): removing it could let a worker holding the old
     # file and one creating a new one both believe they hold the only lock.
-    lock = _lock_path(cache_dir, artifact_id)
     try:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(cache_dir, artifact_id)
     except OSError as exc:  # a read-only cache: nothing can be deleted from it anyway
         log.warning("cannot lock cached artifact %s to delete it: %s", artifact_id, exc)
         return False
@@ -105,6 +101,13 @@ def _delete_if_unused(cache_dir: Path, artifact_id: str) -> bool:
 
 def _lock_path(cache_dir: Path, artifact_id: str) -> Path:
     return cache_dir / LOCKS_DIR / artifact_id
+
+
+def _open_lock(cache_dir: Path, artifact_id: str) -> int:
+    """A descriptor of the artifact's lock file, created (with its folder) when missing; OSError when it cannot."""
+    lock = _lock_path(cache_dir, artifact_id)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
 
 
 def download_into_cache(object_store: ObjectStore, prefix: str, folder: Path, ref: str) -> None:
