@@ -23,7 +23,9 @@ A canary's refusal for the client's reason is put to the stable before the clien
 workers take less than the stable's (a shorter context window, a stricter check) would otherwise fail its
 share of those requests as the clients' fault, where the guard never looks. When the stable serves the
 request, the canary's refusal counts as an error of the canary arm; when the stable refuses it too (or has no
-worker), the client gets the refusal and nothing is counted."""
+worker), the client gets the refusal and nothing is counted. For the same reason a canary's generation that ends
+at its context window (LENGTH before the client's max_new_tokens) where the stable's workers have a longer one
+counts as an error of the canary arm; the client keeps the tokens it got."""
 
 from __future__ import annotations
 
@@ -86,6 +88,7 @@ class Trace:
     first_token_at: float | None = None
     delivered: int = 0  # tokens sent to the client
     generated: int | None = None  # from the worker's final message
+    finish: common_pb2.Finish | None = None  # the worker's final message
     server_error: bool = False
 
     def outcome(self) -> Outcome:
@@ -212,6 +215,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     self._record_failed_attempt(deployment, refused_on_canary[0])
                     refused_on_canary = None
                 if attempt.finished:
+                    cut_short = self._cut_short_by_canary(deployment, request, trace, attempt.worker)
+                    if cut_short:
+                        log.warning("deployment %s: request %r %s; counted as an error of the canary arm",
+                                    deployment.name, request_id, cut_short)
+                        trace.server_error = True
                     return
                 failures.append(attempt.failure)
                 if not _routine(attempt.failure):
@@ -236,6 +244,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if counted:
                 self.metrics.record(deployment.name, trace.route.arm.label, trace.route.artifact.artifact_id,
                                     trace.outcome())
+
+    def _cut_short_by_canary(self, deployment: DeploymentView, request: gateway_pb2.GatewayGenerateRequest,
+                             trace: Trace, worker: PooledWorker) -> str:
+        """Why a canary's finished generation stopped at its context window where the stable's workers would
+        have gone on ('' when it did not). The client keeps what it got (the tokens are delivered), but a
+        canary whose workers have a shorter window would otherwise cut long generations short unseen by the
+        guard, as a refusal of long prompts would be (see _generate)."""
+        finish = trace.finish
+        if trace.route.arm is not Arm.CANARY or finish is None or finish.reason != common_pb2.FINISH_REASON_LENGTH:
+            return ""
+        asked = request.sampling.max_new_tokens
+        if asked and finish.generated_tokens >= asked:
+            return ""  # the client's own limit
+        used = finish.prompt_tokens + finish.generated_tokens
+        if not worker.max_context_tokens or used < worker.max_context_tokens:
+            return ""  # not its window (a worker that did not tell it is not judged)
+        stable_window = max((w.max_context_tokens for w in self.pool.healthy(deployment.stable.artifact_id)),
+                            default=0)  # 0: no healthy stable worker, or none told its window
+        if stable_window <= used:
+            return ""
+        return (f"ended at the canary's context window ({finish.prompt_tokens} prompt + {finish.generated_tokens} "
+                f"generated tokens) where the stable's workers take {stable_window}")
 
     def _record_failed_attempt(self, deployment: DeploymentView, route: Route) -> None:
         self.metrics.record(deployment.name, route.arm.label, route.artifact.artifact_id,
@@ -288,7 +318,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if reply.HasField("finish"):
                     attempt.finished = True
                     self.pool.mark_succeeded(worker)
-                    trace.generated = reply.finish.generated_tokens
+                    trace.generated, trace.finish = reply.finish.generated_tokens, reply.finish
                     out.finish.CopyFrom(self._finish(reply.finish, trace))
                     yield out
                     return

@@ -23,8 +23,10 @@ def expected_tokens(prompt_ids: list[int], count: int) -> list[int]:
 
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
     def __init__(self, artifact_id: str, *, tokens: int = 4, delay_s: float = 0.0, max_running: int = 8,
-                 max_waiting: int = 8):
+                 max_waiting: int = 8, context_tokens: int = 2048):
         self.artifact_id = artifact_id
+        # its context window (prompt + generated): told in Info, and a generation stops at it with LENGTH
+        self.context_tokens = context_tokens
         self.tokens = tokens  # generated when the request's max_new_tokens is 0
         self.delay_s = delay_s  # before each token
         self.max_running, self.max_waiting = max_running, max_waiting
@@ -61,7 +63,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt has {len(prompt)} tokens; this fake "
                                                                   f"worker takes at most {self.max_prompt_tokens}")
-        count = request.sampling.max_new_tokens or self.tokens
+        count = min(request.sampling.max_new_tokens or self.tokens, self.context_tokens - len(prompt))
         ids = expected_tokens(prompt, count)
         self.running += 1
         try:
@@ -92,7 +94,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.WorkerInfo(
             artifact=common_pb2.ArtifactInfo(artifact_id=self.artifact_id, state=common_pb2.ARTIFACT_STATE_READY),
             gpu_name="cpu", gpu_target="cpu", max_running_sequences=self.max_running,
-            max_waiting_requests=self.max_waiting, max_context_tokens=2048, running_requests=self.running,
+            max_waiting_requests=self.max_waiting, max_context_tokens=self.context_tokens, running_requests=self.running,
         )
 
 

@@ -70,3 +70,42 @@ def test_with_no_stable_worker_the_canarys_refusal_stands(artifacts):
             assert "takes at most 8" in raised.value.details()
 
     run(scenario())
+
+
+async def _canary_with_a_shorter_window(stack, artifacts):
+    stable = await stack.add_worker(artifacts.stable, tokens=20)
+    canary = await stack.add_worker(artifacts.canary, tokens=20, context_tokens=12)
+    await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+        deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=100), metadata=ADMIN)
+    return stable, canary
+
+
+def test_a_canary_generation_cut_short_by_its_context_window_counts_against_the_canary(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            await _canary_with_a_shorter_window(stack, artifacts)
+            replies = await stack.generate(SHORT)  # 2 prompt tokens: the canary stops after 10 of the 20
+            assert arm_of(replies) == gateway_pb2.ARM_CANARY
+            assert tokens_of(replies) == expected_tokens(list(SHORT.encode()), 10)  # the client keeps them
+            assert replies[-1].finish.reason == common_pb2.FINISH_REASON_LENGTH
+            stats = stack.gateway.metrics.stats(DEPLOYMENT, artifacts.canary, since=0.0)
+            assert (stats.requests, stats.errors) == (1, 1)
+
+    run(scenario())
+
+
+def test_a_canary_generation_ended_by_the_clients_limit_or_a_window_like_the_stables_is_not_an_error(artifacts):
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            stable, canary = await _canary_with_a_shorter_window(stack, artifacts)
+            replies = await stack.generate(SHORT, max_new_tokens=5)  # the client's limit comes first
+            assert len(tokens_of(replies)) == 5 and arm_of(replies) == gateway_pb2.ARM_CANARY
+            replies = await stack.generate(SHORT, max_new_tokens=10)  # both limits at once: the client's
+            assert len(tokens_of(replies)) == 10
+            assert stack.gateway.metrics.stats(DEPLOYMENT, artifacts.canary, since=0.0).errors == 0
+            stack.gateway.pool.get(stable.worker_id).max_context_tokens = 12  # the stable's window is as short
+            assert len(tokens_of(await stack.generate(SHORT))) == 10
+            stats = stack.gateway.metrics.stats(DEPLOYMENT, artifacts.canary, since=0.0)
+            assert (stats.requests, stats.errors) == (3, 0)
+
+    run(scenario())
