@@ -187,6 +187,7 @@ class JobRunner:
             with self._lock:
                 self._live.pop(job_id, None)
             self.cancels.forget(job_id)
+            pipeline.space.release()  # before the folder goes: its files are then counted as used, as they are
             shutil.rmtree(work_dir, ignore_errors=True)
 
     def _start(self, job_id: str) -> bool:

@@ -29,6 +29,7 @@ from services.quantizer.evaluate import (
 from services.quantizer.publish_spec import PublishSpec
 from services.quantizer.sources import local_file, local_folder
 from services.quantizer.views import ArtifactDetails, EvaluationView, Stage
+from shared.disk_space import SharedSpace
 from shared.formats.artifact import TOKENIZER_DIR, sha256_file
 from shared.formats.manifest import MANIFEST_NAME, Evaluation, Manifest
 from shared.formats.spec import format_spec
@@ -48,6 +49,9 @@ from shared.registry import (
 from shared.storage import ObjectStore, TransferProgress
 
 log = logging.getLogger(__name__)
+# Under the quantizer's work_dir: the disk claims of the jobs writing there (shared.disk_space.SharedSpace),
+# of this quantizer and any other sharing the folder.
+DISK_CLAIMS_DIR = "disk-claims"
 
 
 class Reporter(Protocol):
@@ -91,6 +95,8 @@ class Pipeline:
         self.job_id = job_id
         self.reporter = reporter
         self.work_dir = work_dir
+        # What this job downloads and writes under work_dir, claimed against the other jobs sharing the disk.
+        self.space = SharedSpace(services.config.work_dir / DISK_CLAIMS_DIR, work_dir)
         self.device = resolve_device(services.config.device)
         self.claim: Claim | None = None
         self.evaluation: EvaluationView | None = None
@@ -146,7 +152,8 @@ class Pipeline:
         self.reporter.progress(Stage.LOAD, message=f"reading {self.spec.source}")
         # A 70B source takes minutes to download: its progress, every 10 s (and a cancel between files).
         downloaded = TransferProgress(lambda done: self.reporter.progress(Stage.LOAD, message=f"downloaded {done}"))
-        folder = local_folder(self.spec.source, self.work_dir / "source", self.services.config.store, downloaded)
+        folder = local_folder(self.spec.source, self.work_dir / "source", self.services.config.store, downloaded,
+                              self.space.shortage)
         if downloaded.files:
             self.reporter.progress(Stage.LOAD, message=f"downloaded {self.spec.source}: {downloaded.summary()}")
         checkpoint = HfCheckpoint(folder)  # config.json, a Llama-family model, every tensor present
@@ -180,7 +187,7 @@ class Pipeline:
             QuantizeSettings(
                 model_dir=folder, out_dir=out, format=spec.format, gpu_target=spec.gpu_target, options=spec.options,
                 calib_path=calib, calib_samples=spec.calib_samples, calib_seq_len=spec.calib_seq_len,
-                model_name=spec.model_name, device=self.device,
+                model_name=spec.model_name, device=self.device, room=self.space.shortage,
             ),
             progress,
         )

@@ -6,14 +6,16 @@ from pathlib import Path
 
 from services.quantizer.errors import MissingInput
 from services.quantizer.publish_spec import is_s3
+from shared.disk_space import RoomCheck, shortage
 from shared.storage import ObjectNotFound, Progress, StorageConfig, fetch_folder, open_store
 
 
-def local_folder(uri: str, dest: Path, base: StorageConfig, progress: Progress | None = None) -> Path:
+def local_folder(uri: str, dest: Path, base: StorageConfig, progress: Progress | None = None,
+                 room: RoomCheck = shortage) -> Path:
     """The checkpoint folder at uri; an s3:// prefix is downloaded (verified) into dest first, `progress`
-    told of each file."""
+    told of each file, once `room` has found the disk can hold it."""
     try:
-        return fetch_folder(uri, dest, base=_s3_base(base), progress=progress)
+        return fetch_folder(uri, dest, base=_s3_base(base), progress=progress, room=room)
     except ObjectNotFound as exc:
         raise MissingInput(f"source {uri!r} holds no checkpoint: {exc}") from exc
 

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from shared import __version__
-from shared.disk_space import shortage
+from shared.disk_space import RoomCheck, shortage
 from shared.formats.artifact import (
     EMBED_FILE,
     HEAD_FILE,
@@ -55,6 +55,8 @@ class QuantizeSettings:
     calib_seq_len: int = DEFAULT_SEQ_LEN
     model_name: str | None = None  # default: the checkpoint folder's name
     device: str = "cpu"
+    # The free-space check before any work: a SharedSpace's when other jobs write to the same disk.
+    room: RoomCheck = shortage
 
     def __post_init__(self):
         format_spec(self.format)  # raises on an unknown format
@@ -86,11 +88,11 @@ def artifact_bytes(model_dir: str | Path, config: LlamaConfig, spec: FormatSpec,
 
 
 def check_room_for_artifact(out_dir: str | Path, model_dir: str | Path, config: LlamaConfig, spec: FormatSpec,
-                            options: QoQOptions) -> None:
+                            options: QoQOptions, room: RoomCheck = shortage) -> None:
     """Refuses, before any work, an artifact the output folder's disk cannot hold (ArtifactError naming both
     figures): the writing would otherwise fail on ENOSPC after the whole quantization."""
     needed = artifact_bytes(model_dir, config, spec, options)
-    short = shortage(out_dir, needed, f"the {spec.name} artifact in {out_dir}")
+    short = room(out_dir, needed, f"the {spec.name} artifact in {out_dir}")
     if short is not None:
         raise ArtifactError(short)
 
@@ -113,7 +115,7 @@ def quantize_checkpoint(settings: QuantizeSettings, progress: Progress | None = 
     config = ckpt.config
     check_group_divisibility(config, spec)
     options = settings.options if spec.weight_kind != "fp16" else QoQOptions.rtn()
-    check_room_for_artifact(settings.out_dir, settings.model_dir, config, spec, options)
+    check_room_for_artifact(settings.out_dir, settings.model_dir, config, spec, options, settings.room)
     tokens, calibration = None, None
     if needs_calibration(spec, options):
         # Before the (long, for a 7B model) content hash, so a bad calibration file fails fast.

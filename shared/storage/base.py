@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.disk_space import shortage
+from shared.disk_space import RoomCheck, shortage
 
 from .errors import InsufficientSpace, InvalidKey, ObjectNotFound, StorageError
 from .hashing import sha256_file
@@ -171,9 +171,11 @@ class ObjectStore(abc.ABC):
         return published
 
     def download_folder(
-        self, prefix: str, local_dir: str | os.PathLike[str], *, progress: Progress | None = None
+        self, prefix: str, local_dir: str | os.PathLike[str], *, progress: Progress | None = None,
+        room: RoomCheck = shortage,
     ) -> list[ObjectInfo]:
-        """Download every object under prefix into local_dir, checking sizes and recorded sha256s.
+        """Download every object under prefix into local_dir, checking sizes and recorded sha256s; `room` checks
+        the disk first (InsufficientSpace before the first byte).
 
         local_dir must not exist or be empty. Files land in a hidden sibling folder that is renamed
         to local_dir only when all of them are verified, so local_dir is either complete or absent.
@@ -194,7 +196,7 @@ class ObjectStore(abc.ABC):
         except OSError as exc:
             raise StorageError(f"cannot create {local_dir}: {exc}") from exc
         needed = sum(info.size for info in objects)
-        short = shortage(local_dir, needed, f"the download of {self.uri(src)}")
+        short = room(local_dir, needed, f"the download of {self.uri(src)}")
         if short is not None:
             raise InsufficientSpace(short, needed)
         try:

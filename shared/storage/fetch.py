@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from shared.disk_space import RoomCheck, shortage
+
 from .base import Progress
 from .config import StorageConfig, open_store
 from .errors import ObjectNotFound
 
 
 def fetch_folder(uri: str | os.PathLike[str], dest: str | os.PathLike[str], *, base: StorageConfig | None = None,
-                 progress: Progress | None = None) -> Path:
+                 progress: Progress | None = None, room: RoomCheck = shortage) -> Path:
     """A local folder with the files at uri.
 
     A path or file:///path is returned as it is (nothing copied, dest unused). For
@@ -26,5 +28,5 @@ def fetch_folder(uri: str | os.PathLike[str], dest: str | os.PathLike[str], *, b
             raise ObjectNotFound(f"source folder {root} does not exist")
         return root
     store = open_store(StorageConfig.from_url(text, base=base))
-    store.download_folder("", dest, progress=progress)
+    store.download_folder("", dest, progress=progress, room=room)
     return Path(dest)

@@ -257,3 +257,26 @@ def test_a_register_error_after_the_commit_keeps_the_ready_artifacts_objects(tmp
         assert artifact.state == ArtifactState.READY
         assert get_job(session, job.job_id).state == JobState.SUCCEEDED
     ArtifactReader(tmp_path / "objects" / artifact.object_prefix)  # every file there, every sha256 right
+
+
+def test_a_job_counts_the_disk_that_other_jobs_sharing_the_work_dir_have_claimed(bucket_store, start_quantizer,
+                                                                                  registry_url, small_model,
+                                                                                  request_for, monkeypatch):
+    """Two jobs that each fit the disk alone but not together: the second is refused before any work rather
+    than both failing on ENOSPC (another quantizer sharing --work-dir holds a claim here)."""
+    from services.quantizer.pipeline import DISK_CLAIMS_DIR
+    from shared.disk_space import SharedSpace
+
+    monkeypatch.setattr("shared.disk_space.free_bytes", lambda path: 1 << 30)
+    quantizer = start_quantizer(bucket_store, registry_url)
+    claims = quantizer.config.work_dir / DISK_CLAIMS_DIR
+    other = SharedSpace(claims, quantizer.config.work_dir / "jobs" / "another-quantizers-job")
+    assert other.shortage(quantizer.config.work_dir, (1 << 30) - (1 << 20), "a 70B artifact") is None
+    job, _ = quantizer.publish(request_for(small_model))
+    assert job.state == Q.JOB_STATE_FAILED
+    assert "not enough disk space for the w4a8kv4-g128 artifact" in job.error
+    assert "is claimed by 1 other job(s) still writing" in job.error
+    other.release()
+    job, _ = quantizer.publish(request_for(small_model))
+    assert job.state == Q.JOB_STATE_SUCCEEDED, job.error
+    assert list(claims.glob("*.claim")) == []  # each job's claim ends with it
