@@ -135,3 +135,39 @@ def test_a_download_logs_its_progress_and_its_rate(artifacts, tmp_path, monkeypa
     assert any(m.startswith(f"artifact {manifest.artifact_id}: ") and f"of {total} (1 files" in m for m in lines), lines
     assert any(m.startswith(f"artifact {manifest.artifact_id} downloaded: {total} in ") and "MB/s" in m for m in lines)
     os.close(loaded.cache_hold)
+
+
+def test_workers_starting_together_download_an_artifact_once(artifacts, tmp_path, monkeypatch, caplog):
+    """The workers of a host start together and ask for the same artifact: one downloads it, the others wait
+    for its copy instead of each fetching (and storing) their own."""
+    manifest, store = _store_with_g128(artifacts, tmp_path)
+    cache = tmp_path / "cache"
+    downloads, first_started = [], threading.Event()
+    download = LocalStore.download_folder
+
+    def slow_download(self, prefix, local_dir, **kwargs):
+        downloads.append(prefix)
+        first_started.set()
+        time.sleep(0.5)  # long enough for the other workers to arrive while it runs
+        return download(self, prefix, local_dir, **kwargs)
+
+    monkeypatch.setattr(LocalStore, "download_folder", slow_download)
+    loaded = []
+
+    def worker():
+        loaded.append(open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache))
+
+    with caplog.at_level(logging.INFO, logger=artifact_cache.__name__):
+        first = threading.Thread(target=worker)
+        first.start()
+        assert first_started.wait(10)
+        others = [threading.Thread(target=worker) for _ in range(3)]
+        for thread in others:
+            thread.start()
+        for thread in [first, *others]:
+            thread.join(60)
+    assert len(loaded) == 4 and len(downloads) == 1
+    assert all(item.folder == cache / manifest.artifact_id for item in loaded)
+    assert sum("another worker is downloading it" in r.getMessage() for r in caplog.records) == 3
+    for item in loaded:
+        os.close(item.cache_hold)

@@ -7,7 +7,11 @@ from before it reads its artifact's folder until it exits (the kernel drops the 
 it ends). Making room takes an exclusive lock, without waiting, on each other cached artifact, least recently
 held first (the lock file's modification time, touched at each hold): one it gets is used by no worker and is
 deleted (renamed aside first, so that no reader finds it half gone); one it does not get is in use and stays.
-A worker that asks for an artifact while another deletes it waits for the deletion, then downloads it again."""
+A worker that asks for an artifact while another deletes it waits for the deletion, then downloads it again.
+
+The workers of a host usually start together (one per GPU) and ask for the same artifact: one downloads it while
+the others wait for its copy (download_turn), rather than each fetching its own (eight times the object store's
+traffic and, until seven copies are discarded, eight times the disk: a 70B artifact's would not fit)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from shared import disk_space
@@ -26,6 +32,7 @@ log = logging.getLogger(__name__)
 
 ARTIFACT_ID_RE = re.compile(r"^[0-9a-f]{32}$")  # uuid4 hex, as the quantizer assigns
 LOCKS_DIR = ".locks"
+DOWNLOAD_LOCK_SUFFIX = ".download"  # <cache>/.locks/<id>.download: held by the worker downloading <id>
 
 
 def hold(cache_dir: Path, artifact_id: str) -> int | None:
@@ -45,6 +52,30 @@ def hold(cache_dir: Path, artifact_id: str) -> int | None:
         os.close(fd)
         raise
     return fd
+
+
+@contextmanager
+def download_turn(cache_dir: Path, artifact_id: str) -> Iterator[None]:
+    """This worker's turn to download the artifact into the cache: waits while another worker (of this cache)
+    downloads it; the caller then finds that copy and downloads nothing. A cache that cannot take the lock file
+    (read-only) gives every worker its turn at once, as before."""
+    try:
+        fd = _open_lock(cache_dir, f"{artifact_id}{DOWNLOAD_LOCK_SUFFIX}")
+    except OSError as exc:
+        log.warning("cannot take the download lock of artifact %s in %s (%s): workers sharing it may each download "
+                    "their own copy", artifact_id, cache_dir, exc)
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("artifact %s: another worker is downloading it into %s; waiting for its copy", artifact_id,
+                     cache_dir)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
 
 
 def make_room(cache_dir: Path, needed: int, keep: str) -> list[str]:

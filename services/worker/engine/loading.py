@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from services.worker.engine.artifact_cache import ARTIFACT_ID_RE, download_into_cache, hold
+from services.worker.engine.artifact_cache import ARTIFACT_ID_RE, download_into_cache, download_turn, hold
 from services.worker.errors import (ArtifactCorrupt, ArtifactMismatch, ArtifactNotFound, ArtifactNotReady, ArtifactRefused,
                                    RunnerUnavailable)
 from shared.formats.artifact import ArtifactError, ArtifactReader, sha256_file
@@ -195,14 +195,17 @@ def _fetch(ref: str, gpu_target: str, formats: tuple[str, ...], expected_format:
             finally:
                 os.close(pin)
         if not folder.exists():  # else another worker put a complete, verified copy there meanwhile
-            log.info("downloading artifact %s from %s", ref, object_store.uri(prefix))
-            try:
-                download_into_cache(object_store, prefix, folder, ref)
-            except StorageError:
-                # Another worker's download may have landed between the check and ours (the store
-                # renames only complete, verified copies into place); it is read and verified below.
+            with download_turn(cache_dir, ref):  # one download per cache; the others wait for its copy
                 if not folder.exists():
-                    raise
+                    log.info("downloading artifact %s from %s", ref, object_store.uri(prefix))
+                    try:
+                        download_into_cache(object_store, prefix, folder, ref)
+                    except StorageError:
+                        # Another worker's download may have landed between the check and ours (one of an older
+                        # build, without the download lock; the store renames only complete, verified copies
+                        # into place): it is read and verified below.
+                        if not folder.exists():
+                            raise
     except ObjectNotFound as exc:
         raise ArtifactNotFound(f"artifact {ref}: {exc}") from exc
     except InsufficientSpace as exc:  # the cache's disk, not the artifact: nothing is corrupt
