@@ -168,6 +168,47 @@ def test_workers_starting_together_download_an_artifact_once(artifacts, tmp_path
             thread.join(60)
     assert len(loaded) == 4 and len(downloads) == 1
     assert all(item.folder == cache / manifest.artifact_id for item in loaded)
-    assert sum("another worker is downloading it" in r.getMessage() for r in caplog.records) == 3
+    waits = [r.getMessage() for r in caplog.records if "another worker is downloading" in r.getMessage()]
+    assert len(waits) == 3 and all(f"downloading artifact {manifest.artifact_id} (pid " in w for w in waits)
+    for item in loaded:
+        os.close(item.cache_hold)
+
+
+def test_downloads_of_different_artifacts_into_one_cache_take_turns(artifacts, tmp_path, monkeypatch):
+    """Each checks the disk (and makes room) only once the one before it has ended: two downloads running at
+    once would each count the same free bytes."""
+    g128, store = _store_with_g128(artifacts, tmp_path)
+    fp16 = ArtifactReader(artifacts["fp16"], verify=False).manifest
+    LocalStore(store.root).publish_folder(
+        artifacts["fp16"], f"{fp16.model_name}/{fp16.model_version}/{fp16.format}/cpu/{fp16.artifact_id}/")
+    cache = tmp_path / "cache"
+    spans, running = [], threading.Event()
+    download = LocalStore.download_folder
+
+    def slow_download(self, prefix, local_dir, **kwargs):
+        running.set()
+        start = time.monotonic()
+        time.sleep(0.3)
+        try:
+            return download(self, prefix, local_dir, **kwargs)
+        finally:
+            spans.append((start, time.monotonic()))
+
+    monkeypatch.setattr(LocalStore, "download_folder", slow_download)
+    loaded = []
+
+    def worker(artifact_id):
+        loaded.append(open_artifact(artifact_id, gpu_target="cpu", store=store, cache_dir=cache))
+
+    first = threading.Thread(target=worker, args=(g128.artifact_id,))
+    first.start()
+    assert running.wait(10)
+    second = threading.Thread(target=worker, args=(fp16.artifact_id,))
+    second.start()
+    for thread in (first, second):
+        thread.join(60)
+    assert len(loaded) == 2 and len(spans) == 2
+    (start_a, end_a), (start_b, end_b) = sorted(spans)
+    assert end_a <= start_b
     for item in loaded:
         os.close(item.cache_hold)

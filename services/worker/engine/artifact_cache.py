@@ -9,9 +9,12 @@ held first (the lock file's modification time, touched at each hold): one it get
 deleted (renamed aside first, so that no reader finds it half gone); one it does not get is in use and stays.
 A worker that asks for an artifact while another deletes it waits for the deletion, then downloads it again.
 
-The workers of a host usually start together (one per GPU) and ask for the same artifact: one downloads it while
-the others wait for its copy (download_turn), rather than each fetching its own (eight times the object store's
-traffic and, until seven copies are discarded, eight times the disk: a 70B artifact's would not fit)."""
+The workers of a host usually start together (one per GPU): they download into the cache one at a time
+(download_turn). Those asking for the same artifact as the one downloading then find its copy, rather than each
+fetching their own (eight times the object store's traffic and, until seven copies are discarded, eight times
+the disk: a 70B artifact's would not fit); one asking for another artifact checks the disk (and makes room) only
+once the download before it has ended, so two downloads never count the same free bytes. The total time is about
+the same: concurrent downloads share the host's bandwidth."""
 
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ log = logging.getLogger(__name__)
 
 ARTIFACT_ID_RE = re.compile(r"^[0-9a-f]{32}$")  # uuid4 hex, as the quantizer assigns
 LOCKS_DIR = ".locks"
-DOWNLOAD_LOCK_SUFFIX = ".download"  # <cache>/.locks/<id>.download: held by the worker downloading <id>
+DOWNLOAD_LOCK = "download"  # <cache>/.locks/download: held by the worker downloading into the cache
 
 
 def hold(cache_dir: Path, artifact_id: str) -> int | None:
@@ -56,23 +59,26 @@ def hold(cache_dir: Path, artifact_id: str) -> int | None:
 
 @contextmanager
 def download_turn(cache_dir: Path, artifact_id: str) -> Iterator[None]:
-    """This worker's turn to download the artifact into the cache: waits while another worker (of this cache)
-    downloads it; the caller then finds that copy and downloads nothing. A cache that cannot take the lock file
-    (read-only) gives every worker its turn at once, as before."""
+    """This worker's turn to download `artifact_id` into the cache: waits while another worker downloads into it
+    (the caller then looks again for its artifact's folder). A cache that cannot take the lock file (read-only)
+    gives every worker its turn at once."""
     try:
-        fd = _open_lock(cache_dir, f"{artifact_id}{DOWNLOAD_LOCK_SUFFIX}")
+        fd = _open_lock(cache_dir, DOWNLOAD_LOCK)
     except OSError as exc:
-        log.warning("cannot take the download lock of artifact %s in %s (%s): workers sharing it may each download "
-                    "their own copy", artifact_id, cache_dir, exc)
+        log.warning("cannot take the download lock of %s (%s): workers sharing it may download at once", cache_dir,
+                    exc)
         yield
         return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("artifact %s: another worker is downloading it into %s; waiting for its copy", artifact_id,
-                     cache_dir)
+            other = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an artifact"
+            log.info("artifact %s: another worker is downloading %s into %s; waiting for its turn", artifact_id,
+                     other, cache_dir)
             fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"artifact {artifact_id} (pid {os.getpid()})".encode(), 0)  # what the waiting ones log
         yield
     finally:
         os.close(fd)  # drops the lock

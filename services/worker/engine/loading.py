@@ -195,7 +195,7 @@ def _fetch(ref: str, gpu_target: str, formats: tuple[str, ...], expected_format:
             finally:
                 os.close(pin)
         if not folder.exists():  # else another worker put a complete, verified copy there meanwhile
-            with download_turn(cache_dir, ref):  # one download per cache; the others wait for its copy
+            with download_turn(cache_dir, ref):  # one download at a time per cache (artifact_cache)
                 if not folder.exists():
                     log.info("downloading artifact %s from %s", ref, object_store.uri(prefix))
                     try:
