@@ -51,6 +51,13 @@ def parse_bytes(text: str) -> int:
 GPU_MAX_BATCH_TOKENS = 4096
 CPU_MAX_BATCH_TOKENS = 512
 
+# The probe's refusal threshold: the mean relative L2 error of its logits rows. Equivalent arithmetic already
+# differs by a few percent on a W4A8KV4 model (an int8 or 4-bit code flipped by a rounding difference carries
+# through the layers): on the tiny fixture's g128 artifact the CPU reference runner reads 0.026 and the Triton
+# runner (interpreted) 0.069, at most 0.117 on one position. Wrong arithmetic in one layer of six reads 0.36-0.79
+# (a down_proj's output channels swapped in pairs) and 0.18-0.22 (an o_proj's output doubled); kernels that
+# compute garbage, about 1.
+DEFAULT_PROBE_MAX_ERROR = 0.25
 
 @dataclass(slots=True)
 class WorkerConfig:
@@ -73,6 +80,9 @@ class WorkerConfig:
     # Compile and capture every CUDA graph (decode batches, step token counts) before serving, so no
     # request's step pays a first-use capture; off: each graph is captured at its first use.
     capture_graphs: bool = True
+    # The start-up probe (shared.formats.probe): the mean relative L2 error of this worker's logits against the
+    # artifact's reference logits that it serves with; above it the artifact is refused. 0 = no probe.
+    probe_max_error: float = DEFAULT_PROBE_MAX_ERROR
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT  # 0 picks a free port
     advertise_address: str | None = None  # host:port the gateway dials; default host:<bound port>
@@ -114,6 +124,8 @@ class WorkerConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ConfigError(f"{name}={value} must be a port number 0-65535 (0 picks a free one)")
+        if not (math.isfinite(self.probe_max_error) and self.probe_max_error >= 0):
+            raise ConfigError(f"probe_max_error={self.probe_max_error} must be a finite number >= 0 (0 = no probe)")
         for name, zero in (("drain_grace_s", ""), ("stall_timeout_s", " (0 = never)")):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -149,6 +161,7 @@ class WorkerConfig:
             max_context_tokens=args.max_context_tokens,
             overlap_steps=args.overlap_steps,
             capture_graphs=args.capture_graphs,
+            probe_max_error=args.probe_max_error,
             host=args.host,
             port=args.port,
             advertise_address=args.advertise_address,
@@ -220,6 +233,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--capture-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="with a GPU: compile the kernels and capture every CUDA graph before serving (slower start, "
                         "no first-use stalls) [default: on]")
+    p.add_argument("--probe-max-error", type=float, default=DEFAULT_PROBE_MAX_ERROR,
+                   help="refuse the artifact when this worker's logits for its probe differ from the quantizer's "
+                        "reference logits by more than this mean relative L2 error (0 = no probe) [default: 0.25]")
     p.add_argument("--host", type=nonempty, default=DEFAULT_HOST, help="address to serve gRPC on")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0 picks a free one)")
     p.add_argument("--advertise-address", default=None,

@@ -14,6 +14,7 @@ from services.worker.engine.engine import Engine, EngineLimits
 from services.worker.engine.loading import LoadedArtifact, load_runner, open_artifact, runner_formats, worker_gpu_target
 from services.worker.engine.sequence import SamplingOptions
 from services.worker.errors import ArtifactBroken, ArtifactCorrupt
+from services.worker.probe_check import check_probe
 from shared.formats.artifact import ArtifactError
 from shared.model.config import CheckpointError
 from shared.model.tokenizer import Tokenizer, generation_eos_ids, prompt_adds_bos
@@ -85,6 +86,7 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
     if config.capture_graphs:
         _capture_graphs(runner)
     _self_check(engine, reader.manifest.artifact_id, model_config.vocab_size)
+    check_probe(runner, reader, num_blocks, max_context, config.probe_max_error)
     log.info("artifact %s (%s, %s) on %s: %d KV blocks of %d tokens, context %d",
              reader.manifest.artifact_id, reader.manifest.format, reader.manifest.gpu_target, gpu_name,
              num_blocks, config.block_size, max_context)

@@ -9,6 +9,7 @@
                                        (kv_heads, D, D) fp32, the keys' error-feedback factor
                                        of shared.formats.kv4 (absent: keys rounded to nearest)
     weights/head.safetensors           final_norm (H,) fp16; lm_head.weight (V, H) fp16
+    probe.safetensors                  token ids and their reference logits (shared.formats.probe)
     tokenizer/                         the source checkpoint's tokenizer files
 """
 
@@ -26,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from shared.formats.kv4 import FULL_KV_RANGE, check_key_feedback, range_margin
 from shared.formats.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError
+from shared.formats.probe import PROBE_FILE, Probe, probe_bytes
 from shared.formats.spec import FormatSpec, format_spec
 from shared.formats.weights import WEIGHT_KINDS, FormatError, Fp16Weight, PackedWeight
 
@@ -96,11 +98,17 @@ class ArtifactWriter:
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dst)
 
+    def staged_reader(self, manifest: Manifest) -> "ArtifactReader":
+        """A reader of what is written so far (not verified): for computing from the written weights (the probe)
+        before finish. The manifest written here for it is replaced by finish's."""
+        manifest.write(self.staging)
+        return ArtifactReader(self.staging, verify=False)
+
     def finish(self, manifest: Manifest) -> Path:
         manifest.files = [
             FileEntry(p.relative_to(self.staging).as_posix(), sha256_file(p), p.stat().st_size)
             for p in sorted(self.staging.rglob("*"))
-            if p.is_file()
+            if p.is_file() and p != self.staging / MANIFEST_NAME  # staged_reader's, replaced below
         ]
         manifest.write(self.staging)
         old = None
@@ -188,6 +196,15 @@ class ArtifactReader:
                 f"artifact {self.folder} is corrupt: {', '.join(unlisted)} not in the manifest's file list "
                 "(no sha256 to check it against)"
             )
+
+    def probe(self) -> Probe | None:
+        """The probe the quantizer wrote (shared.formats.probe); None for an artifact made before probes."""
+        if not (self.folder / PROBE_FILE).is_file():
+            return None
+        try:
+            return Probe.read(self.folder / PROBE_FILE)
+        except ValueError as exc:
+            raise ArtifactError(f"artifact {self.folder}: unreadable {PROBE_FILE}: {exc}") from exc
 
     def _load(self, relpath: str) -> dict[str, torch.Tensor]:
         path = self.folder / relpath
@@ -327,7 +344,7 @@ def estimated_artifact_bytes(spec: FormatSpec, *, vocab_size: int, hidden_size: 
     linears = ((q_size + 2 * kv_size, h), (h, q_size), (2 * i, h), (h, i))  # qkv, o, gate_up, down
     block = sum(kind.stored_bytes(n, k) for n, k in linears) + 2 * 2 * h + 4 * key_feedback_floats
     tables = 2 * 2 * vocab_size * h + 2 * h  # embeddings, LM head (its own copy when tied), final norm
-    return num_layers * block + tables + other_files + (num_layers + 3) * _HEADER_BYTES
+    return num_layers * block + tables + probe_bytes(vocab_size) + other_files + (num_layers + 4) * _HEADER_BYTES
 
 
 __all__ = [

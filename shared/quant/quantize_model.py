@@ -28,10 +28,12 @@ from shared.formats.artifact import (
 )
 from shared.formats.kernel_policy import POLICY_KINDS, shipped_policy
 from shared.formats.manifest import GPU_TARGETS, Manifest
+from shared.formats.probe import PROBE_FILE
 from shared.formats.spec import FormatSpec, format_spec
 from shared.formats.weights import GROUP_SIZE, Fp16Weight
 from shared.model.checkpoint import HfCheckpoint
 from shared.model.config import CheckpointError, LlamaConfig
+from shared.model.load import reference_probe
 from shared.model.rope import cos_sin, inverse_frequencies
 from shared.model.tokenizer import TOKENIZER_FILES, Tokenizer, check_token_ids
 from shared.quant.block import WorkBlock
@@ -182,6 +184,8 @@ def quantize_checkpoint(settings: QuantizeSettings, progress: Progress | None = 
             # The GEMM variants measured fastest on this GPU target travel with the artifact.
             kernel_policy=shipped_policy(settings.gpu_target) if spec.weight_kind in POLICY_KINDS else None,
         )
+        # The reference logits of the probe, from the weights as written: what a worker checks its kernels against.
+        writer.write_tensors(PROBE_FILE, reference_probe(writer.staged_reader(manifest), device).tensors())
         writer.finish(manifest)
         report("pack", 1, 1)
     return manifest

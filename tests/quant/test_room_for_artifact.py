@@ -32,7 +32,7 @@ def test_the_estimate_covers_every_format_and_is_close(tmp_path, tie):
         quantize_checkpoint(QuantizeSettings(model, out, fmt, options=QoQOptions.rtn()))
         written = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
         estimate = _estimate(model, fmt)
-        assert written <= estimate <= written + 5 * HEADERS, (fmt, written, estimate)
+        assert written <= estimate <= written + 6 * HEADERS, (fmt, written, estimate)
 
 
 def test_key_feedback_factors_are_counted(tmp_path, calib_text):
@@ -43,7 +43,7 @@ def test_key_feedback_factors_are_counted(tmp_path, calib_text):
                                          calib_samples=2, calib_seq_len=64))
     written = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     estimate = _estimate(model, "w4a8kv4-g128", key_feedback=True)
-    assert written <= estimate <= written + 5 * HEADERS
+    assert written <= estimate <= written + 6 * HEADERS
     assert estimate - _estimate(model, "w4a8kv4-g128") == 2 * 2 * 64 * 64 * 4  # (kv_heads, D, D) fp32 per layer
 
 

@@ -1,0 +1,62 @@
+"""The start-up probe: this worker's logits for the artifact's probe tokens against the quantizer's reference
+logits (shared.formats.probe), before the worker serves.
+
+The quantizer's accuracy gate ran the reference numerics; the NaN self-check (serving._self_check) catches
+only non-finite logits. A kernel that computes finite but wrong numbers on this GPU would serve fluent-looking
+garbage that no error rate or latency budget sees. The probe feeds its prompt as one chunk and then its decode
+tokens one at a time (teacher-forced, so one wrong token does not change the rest) through the runner the worker
+serves with: GEMMs at the prompt's M and at M = 1, prefill and paged decode attention, the KV4 cache writes and
+the decode CUDA graphs."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from services.worker.engine.runner import SequenceChunk, StepBatch
+from services.worker.errors import ArtifactBroken
+from shared.formats.artifact import ArtifactReader
+
+log = logging.getLogger(__name__)
+PROBE_SEQ_ID = 0  # the engine has not started: no request holds an id or a block yet
+
+
+def check_probe(runner, reader: ArtifactReader, num_blocks: int, max_context: int, max_error: float) -> float | None:
+    """The mean relative L2 error of the probe's logits rows; ArtifactBroken when it exceeds max_error.
+    None when not checked: max_error 0, an artifact without a probe, or a probe longer than this worker's
+    context window or KV cache (logged)."""
+    artifact_id = reader.manifest.artifact_id
+    if max_error == 0:
+        return None
+    probe = reader.probe()
+    if probe is None:
+        log.warning("artifact %s has no probe (made before probes): its logits on this worker's kernels are not "
+                    "checked against the quantizer's reference", artifact_id)
+        return None
+    tokens = probe.token_ids
+    blocks = math.ceil(len(tokens) / runner.block_size)
+    if len(tokens) > max_context or blocks > num_blocks:
+        log.warning("artifact %s: the probe's %d tokens do not fit this worker's context (%d tokens, %d KV blocks); "
+                    "not checked", artifact_id, len(tokens), max_context, num_blocks)
+        return None
+    started = time.perf_counter()
+    table = list(range(blocks))  # before the engine serves, every block is free
+    prompt = len(probe.prompt_ids)
+    rows = [runner.step(StepBatch([SequenceChunk(PROBE_SEQ_ID, probe.prompt_ids, 0, table, True)]))]
+    for position in range(prompt, len(tokens)):
+        rows.append(runner.step(StepBatch([SequenceChunk(PROBE_SEQ_ID, [tokens[position]], position, table, True)])))
+    errors = probe.errors(torch.cat(rows))
+    mean, worst = sum(errors) / len(errors), max(errors)
+    if not math.isfinite(mean) or mean > max_error:
+        raise ArtifactBroken(
+            f"artifact {artifact_id} failed the start-up probe: this worker's logits differ from the quantizer's "
+            f"reference by {mean:.3f} on average (relative L2; at most {worst:.3f}, over {len(errors)} positions: a "
+            f"prompt of {prompt} tokens, then {len(errors) - 1} decode steps), above --probe-max-error {max_error:g}: "
+            f"its kernels do not compute the artifact's format on this device"
+        )
+    log.info("probe: logits within %.4f of the reference on average (relative L2; at most %.4f, %d positions; "
+             "limit %g) in %.2f s", mean, worst, len(errors), max_error, time.perf_counter() - started)
+    return mean

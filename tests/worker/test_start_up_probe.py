@@ -1,0 +1,90 @@
+"""The start-up probe (services/worker/probe_check.py): a worker whose logits for the artifact's probe tokens
+differ from the quantizer's reference logits is refused before it serves; the NaN self-check passes finite
+numbers, however wrong."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from services.worker.config import ConfigError, WorkerConfig
+from services.worker.errors import ArtifactBroken
+from services.worker.serving import load_served_model
+from shared.formats.probe import PROBE_FILE
+from shared.storage.hashing import sha256_file
+
+BLOCK = "weights/block_001.safetensors"
+
+
+@pytest.fixture
+def artifact_copy(artifacts, tmp_path) -> Path:
+    return Path(shutil.copytree(artifacts["fp16"], tmp_path / "artifact"))
+
+
+def _relist(folder: Path, relpath: str) -> None:
+    """Lists a rewritten file's size and sha256 in the manifest: every file check passes."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    size, digest = sha256_file(folder / relpath)
+    next(f for f in manifest["files"] if f["path"] == relpath).update(size=size, sha256=digest)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _scale_down_proj(folder: Path, factor: float, swap_pairs: bool = False) -> None:
+    tensors = load_file(str(folder / BLOCK))
+    w = tensors["down.weight"].float() * factor
+    if swap_pairs:  # the output channels swapped two by two, as a kernel with a wrong epilogue layout gives them
+        w = w.view(-1, 2, w.shape[1]).flip(1).reshape(w.shape)
+    tensors["down.weight"] = w.half()
+    save_file(tensors, str(folder / BLOCK))
+    _relist(folder, BLOCK)
+
+
+def _load(folder: Path, **options):
+    return load_served_model(WorkerConfig(artifact=str(folder), kv_blocks=8, block_size=4, metrics_port=None,
+                                          **options))
+
+
+def test_a_worker_computing_other_numbers_than_the_reference_is_refused(artifact_copy):
+    _scale_down_proj(artifact_copy, 1.0, swap_pairs=True)
+    with pytest.raises(ArtifactBroken, match=r"failed the start-up probe: this worker's logits differ from the "
+                                             r"quantizer's reference by 0\.\d+ on average .* above --probe-max-error"):
+        _load(artifact_copy)
+    assert _load(artifact_copy, probe_max_error=0.0) is not None  # the check off: it serves
+
+
+def test_equivalent_arithmetic_passes(artifact_copy, caplog):
+    """A difference far inside the threshold (here the weights of one layer 0.1% larger) is served."""
+    _scale_down_proj(artifact_copy, 1.001)
+    with caplog.at_level(logging.INFO, logger="services.worker.probe_check"):
+        assert _load(artifact_copy) is not None
+    assert any("probe: logits within" in r.getMessage() for r in caplog.records)
+
+
+def test_an_artifact_made_before_probes_is_served_with_a_warning(artifact_copy, caplog):
+    (artifact_copy / PROBE_FILE).unlink()
+    manifest = json.loads((artifact_copy / "manifest.json").read_text())
+    manifest["files"] = [f for f in manifest["files"] if f["path"] != PROBE_FILE]
+    (artifact_copy / "manifest.json").write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="services.worker.probe_check"):
+        assert _load(artifact_copy) is not None
+    assert any("has no probe" in r.getMessage() for r in caplog.records)
+
+
+def test_a_probe_longer_than_the_kv_cache_is_skipped(artifacts, caplog):
+    with caplog.at_level(logging.WARNING, logger="services.worker.probe_check"):
+        load_served_model(WorkerConfig(artifact=str(artifacts["fp16"]), kv_blocks=4, block_size=4, metrics_port=None))
+    assert any("do not fit this worker's context" in r.getMessage() for r in caplog.records)
+
+
+def test_the_threshold_is_checked_and_parsed(artifacts):
+    with pytest.raises(ConfigError, match="probe_max_error=-1"):
+        WorkerConfig(artifact="x", probe_max_error=-1)
+    with pytest.raises(ConfigError, match="probe_max_error=nan"):
+        WorkerConfig(artifact="x", probe_max_error=float("nan"))
+    assert WorkerConfig.from_args(["--artifact", "x", "--probe-max-error", "0.5"]).probe_max_error == 0.5
+    assert WorkerConfig(artifact="x").probe_max_error == 0.25
