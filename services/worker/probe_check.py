@@ -19,6 +19,7 @@ import torch
 from services.worker.engine.runner import SequenceChunk, StepBatch
 from services.worker.errors import ArtifactBroken
 from shared.formats.artifact import ArtifactReader
+from shared.formats.probe import Probe
 
 log = logging.getLogger(__name__)
 PROBE_SEQ_ID = 0  # the engine has not started: no request holds an id or a block yet
@@ -36,19 +37,14 @@ def check_probe(runner, reader: ArtifactReader, num_blocks: int, max_context: in
         log.warning("artifact %s has no probe (made before probes): its logits on this worker's kernels are not "
                     "checked against the quantizer's reference", artifact_id)
         return None
-    tokens = probe.token_ids
-    blocks = math.ceil(len(tokens) / runner.block_size)
-    if len(tokens) > max_context or blocks > num_blocks:
+    length = len(probe.token_ids)
+    if length > max_context or math.ceil(length / runner.block_size) > num_blocks:
         log.warning("artifact %s: the probe's %d tokens do not fit this worker's context (%d tokens, %d KV blocks); "
-                    "not checked", artifact_id, len(tokens), max_context, num_blocks)
+                    "not checked", artifact_id, length, max_context, num_blocks)
         return None
     started = time.perf_counter()
-    table = list(range(blocks))  # before the engine serves, every block is free
+    errors = probe.errors(probe_logits(runner, probe))
     prompt = len(probe.prompt_ids)
-    rows = [runner.step(StepBatch([SequenceChunk(PROBE_SEQ_ID, probe.prompt_ids, 0, table, True)]))]
-    for position in range(prompt, len(tokens)):
-        rows.append(runner.step(StepBatch([SequenceChunk(PROBE_SEQ_ID, [tokens[position]], position, table, True)])))
-    errors = probe.errors(torch.cat(rows))
     mean, worst = sum(errors) / len(errors), max(errors)
     if not math.isfinite(mean) or mean > max_error:
         raise ArtifactBroken(
@@ -60,3 +56,14 @@ def check_probe(runner, reader: ArtifactReader, num_blocks: int, max_context: in
     log.info("probe: logits within %.4f of the reference on average (relative L2; at most %.4f, %d positions; "
              "limit %g) in %.2f s", mean, worst, len(errors), max_error, time.perf_counter() - started)
     return mean
+
+
+def probe_logits(runner, probe: Probe) -> torch.Tensor:
+    """The runner's logits rows for the probe: the prompt as one chunk, then each decode token on its own
+    (teacher-forced), in blocks 0.. of the cache (before the engine serves, every block is free)."""
+    tokens = probe.token_ids
+    table = list(range(math.ceil(len(tokens) / runner.block_size)))
+    rows = [runner.step(StepBatch([SequenceChunk(PROBE_SEQ_ID, probe.prompt_ids, 0, table, True)]))]
+    for position in range(len(probe.prompt_ids), len(tokens)):
+        rows.append(runner.step(StepBatch([SequenceChunk(PROBE_SEQ_ID, [tokens[position]], position, table, True)])))
+    return torch.cat(rows)
