@@ -17,8 +17,8 @@ import time
 import torch
 
 from services.worker.engine.runner import SequenceChunk, StepBatch
-from services.worker.errors import ArtifactBroken
-from shared.formats.artifact import ArtifactReader
+from services.worker.errors import ArtifactBroken, ArtifactCorrupt
+from shared.formats.artifact import ArtifactError, ArtifactReader
 from shared.formats.probe import Probe
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,10 @@ def check_probe(runner, reader: ArtifactReader, num_blocks: int, max_context: in
     artifact_id = reader.manifest.artifact_id
     if max_error == 0:
         return None
-    probe = reader.probe()
+    try:
+        probe = reader.probe()
+    except ArtifactError as exc:  # listed with its sha256, so the quantizer wrote it so
+        raise ArtifactCorrupt(str(exc)) from exc
     if probe is None:
         log.warning("artifact %s has no probe (made before probes): its logits on this worker's kernels are not "
                     "checked against the quantizer's reference", artifact_id)

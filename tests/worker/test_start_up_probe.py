@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from services.worker.config import ConfigError, WorkerConfig
-from services.worker.errors import ArtifactBroken
+from services.worker.errors import ArtifactBroken, ArtifactCorrupt
 from services.worker.serving import load_served_model
 from shared.formats.probe import PROBE_FILE
 from shared.storage.hashing import sha256_file
@@ -73,6 +73,13 @@ def test_an_artifact_made_before_probes_is_served_with_a_warning(artifact_copy, 
     with caplog.at_level(logging.WARNING, logger="services.worker.probe_check"):
         assert _load(artifact_copy) is not None
     assert any("has no probe" in r.getMessage() for r in caplog.records)
+
+
+def test_an_unreadable_probe_is_a_corrupt_artifact(artifact_copy):
+    (artifact_copy / PROBE_FILE).write_bytes(b"not safetensors")
+    _relist(artifact_copy, PROBE_FILE)
+    with pytest.raises(ArtifactCorrupt, match=f"unreadable {PROBE_FILE}"):
+        _load(artifact_copy)
 
 
 def test_a_probe_longer_than_the_kv_cache_is_skipped(artifacts, caplog):
