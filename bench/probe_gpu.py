@@ -36,9 +36,9 @@ def measure(reader, probe, device: torch.device) -> dict:
     runner = load_runner(reader, device, BLOCK, max_batch_tokens=256, max_model_len=256, max_decode_batch=8)
     runner.allocate_cache(16)
     t0 = time.perf_counter()
-    errors = probe.errors(probe_logits(runner, probe))
+    errors = probe.errors(probe_logits(runner, probe, 256))
     seconds = time.perf_counter() - t0
-    rows = probe_logits(runner, probe)  # again, now compiled: the time a warm worker's start-up pays
+    rows = probe_logits(runner, probe, 256)  # again, now compiled: the time a warm worker's start-up pays
     top1 = (rows.argmax(-1).cpu() == probe.logits.argmax(-1)).float().mean().item()
     mean = sum(errors) / len(errors)
     del runner

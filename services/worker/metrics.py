@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -53,9 +53,14 @@ class _EngineCollector(Collector):
 
 
 class WorkerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats]):
+    def __init__(self, stats: Callable[[], EngineStats], probe_error: float | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
+        if probe_error is not None:  # measured at start-up (services/worker/probe_check.py); absent when not
+            # Alerting on it shows a GPU, driver or kernel change drifting toward --probe-max-error before a
+            # worker is refused for it.
+            Gauge("qserve_worker_probe_relative_error", "The start-up probe's mean relative L2 error of this "
+                  "worker's logits against the artifact's reference logits.", registry=r).set(probe_error)
         self.ttft = Histogram("qserve_worker_time_to_first_token_seconds", "Arrival to the first generated token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("qserve_worker_time_per_output_token_seconds", "Mean gap between generated tokens.",

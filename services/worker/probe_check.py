@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 PROBE_SEQ_ID = 0  # the engine has not started: no request holds an id or a block yet
 
 
-def check_probe(runner, reader: ArtifactReader, num_blocks: int, max_context: int, max_error: float) -> float | None:
+def check_probe(runner, reader: ArtifactReader, num_blocks: int, max_context: int, max_batch_tokens: int,
+                max_error: float) -> float | None:
     """The mean relative L2 error of the probe's logits rows; ArtifactBroken when it exceeds max_error.
     None when not checked: max_error 0, an artifact without a probe, or a probe longer than this worker's
     context window or KV cache (logged)."""
@@ -46,7 +47,7 @@ def check_probe(runner, reader: ArtifactReader, num_blocks: int, max_context: in
                     "not checked", artifact_id, length, max_context, num_blocks)
         return None
     started = time.perf_counter()
-    errors = probe.errors(probe_logits(runner, probe))
+    errors = probe.errors(probe_logits(runner, probe, max_batch_tokens))
     prompt = len(probe.prompt_ids)
     mean, worst = sum(errors) / len(errors), max(errors)
     if not math.isfinite(mean) or mean > max_error:
@@ -61,12 +62,16 @@ def check_probe(runner, reader: ArtifactReader, num_blocks: int, max_context: in
     return mean
 
 
-def probe_logits(runner, probe: Probe) -> torch.Tensor:
-    """The runner's logits rows for the probe: the prompt as one chunk, then each decode token on its own
-    (teacher-forced), in blocks 0.. of the cache (before the engine serves, every block is free)."""
-    tokens = probe.token_ids
+def probe_logits(runner, probe: Probe, max_batch_tokens: int) -> torch.Tensor:
+    """The runner's logits rows for the probe: the prompt in chunks of at most max_batch_tokens (the step's
+    budget, which sizes the GPU runner's workspace), then each decode token on its own (teacher-forced), in
+    blocks 0.. of the cache (before the engine serves, every block is free)."""
+    tokens, prompt = probe.token_ids, len(probe.prompt_ids)
     table = list(range(math.ceil(len(tokens) / runner.block_size)))
-    rows = [runner.step(StepBatch([SequenceChunk(PROBE_SEQ_ID, probe.prompt_ids, 0, table, True)]))]
-    for position in range(len(probe.prompt_ids), len(tokens)):
+    for start in range(0, prompt, max_batch_tokens):
+        end = min(start + max_batch_tokens, prompt)
+        last = runner.step(StepBatch([SequenceChunk(PROBE_SEQ_ID, tokens[start:end], start, table, end == prompt)]))
+    rows = [last]
+    for position in range(prompt, len(tokens)):
         rows.append(runner.step(StepBatch([SequenceChunk(PROBE_SEQ_ID, [tokens[position]], position, table, True)])))
     return torch.cat(rows)

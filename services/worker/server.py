@@ -74,7 +74,7 @@ class WorkerServer:
             torch.set_num_threads(self.config.torch_threads)
         served = await asyncio.to_thread(load_served_model, self.config)
         served.engine.start()
-        metrics = WorkerMetrics(served.engine.stats)
+        metrics = WorkerMetrics(served.engine.stats, served.probe_error)
         metrics.registry.register(
             CertificateExpiry("worker", certificate_files(self.config.tls, self.config.gateway_tls)))
         server = grpc.aio.server()

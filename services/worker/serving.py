@@ -38,6 +38,7 @@ class ServedModel:
     gpu_target: str
     gpu_name: str
     vocabulary_digest: str  # the tokenizer's (Tokenizer.vocabulary_digest), as the registry records it
+    probe_error: float | None = None  # the start-up probe's (probe_check.check_probe); None when not checked
 
     @property
     def format(self) -> str:
@@ -86,7 +87,8 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
     if config.capture_graphs:
         _capture_graphs(runner)
     _self_check(engine, reader.manifest.artifact_id, model_config.vocab_size)
-    check_probe(runner, reader, num_blocks, max_context, config.probe_max_error)
+    probe_error = check_probe(runner, reader, num_blocks, max_context, config.max_batch_tokens,
+                              config.probe_max_error)
     log.info("artifact %s (%s, %s) on %s: %d KV blocks of %d tokens, context %d",
              reader.manifest.artifact_id, reader.manifest.format, reader.manifest.gpu_target, gpu_name,
              num_blocks, config.block_size, max_context)
@@ -95,6 +97,7 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
         add_bos=add_bos,
         bos_token_id=model_config.bos_token_id, vocab_size=model_config.vocab_size,
         gpu_target=gpu_target, gpu_name=gpu_name, vocabulary_digest=tokenizer.vocabulary_digest(),
+        probe_error=probe_error,
     )
 
 

@@ -176,3 +176,14 @@ def test_requests_failed_by_non_finite_logits_are_counted_apart(worker, client, 
     delta = _delta(_counts(before), _counts(scrape()))
     assert delta == {"qserve_worker_requests_total[('reason', 'non_finite_logits')]": 1,
                      "qserve_worker_step_seconds_count[('kind', 'prompt')]": 1}, delta
+
+
+def test_the_start_up_probe_error_is_a_gauge(scrape):
+    fams = scrape()
+    assert fams["qserve_worker_probe_relative_error"].type == "gauge"
+    assert 0 <= value(fams, "qserve_worker_probe_relative_error") < 0.01  # the fp16 artifact on the CPU reference
+
+
+def test_a_worker_whose_probe_was_not_checked_has_no_gauge():
+    metrics = WorkerMetrics(lambda: EngineStats(0, 0, 0, 0, 0, 0), probe_error=None)
+    assert b"qserve_worker_probe_relative_error" not in generate_latest(metrics.registry)

@@ -65,6 +65,16 @@ def test_equivalent_arithmetic_passes(artifact_copy, caplog):
     assert any("probe: logits within" in r.getMessage() for r in caplog.records)
 
 
+def test_a_step_budget_shorter_than_the_probes_prompt_takes_it_in_chunks(artifacts, artifact_copy):
+    """The prompt goes in chunks of at most max_batch_tokens (the GPU runner's workspace is sized by it)."""
+    whole = _load(artifacts["fp16"]).probe_error
+    chunked = _load(artifacts["fp16"], max_batch_tokens=5).probe_error
+    assert chunked == pytest.approx(whole, abs=1e-3) and chunked < 0.01
+    _scale_down_proj(artifact_copy, 1.0, swap_pairs=True)
+    with pytest.raises(ArtifactBroken, match="failed the start-up probe"):
+        _load(artifact_copy, max_batch_tokens=5)
+
+
 def test_an_artifact_made_before_probes_is_served_with_a_warning(artifact_copy, caplog):
     (artifact_copy / PROBE_FILE).unlink()
     manifest = json.loads((artifact_copy / "manifest.json").read_text())
