@@ -52,12 +52,14 @@ GPU_MAX_BATCH_TOKENS = 4096
 CPU_MAX_BATCH_TOKENS = 512
 
 # The probe's refusal threshold: the mean relative L2 error of its logits rows. Equivalent arithmetic already
-# differs by a few percent on a W4A8KV4 model (an int8 or 4-bit code flipped by a rounding difference carries
-# through the layers): on the tiny fixture's g128 artifact the CPU reference runner reads 0.026 and the Triton
-# runner (interpreted) 0.069, at most 0.117 on one position. Wrong arithmetic in one layer of six reads 0.36-0.79
-# (a down_proj's output channels swapped in pairs) and 0.18-0.22 (an o_proj's output doubled); kernels that
-# compute garbage, about 1.
-DEFAULT_PROBE_MAX_ERROR = 0.25
+# differs on a W4A8KV4 model (an int8 or 4-bit code flipped by a rounding difference carries through the layers,
+# more the deeper the model): the Triton runner on an H100 reads 0.06 on the tiny fixture's QoQ artifacts (6
+# layers) and 0.20-0.21 on a random-weight Llama-2-7B (32 layers), about 2.4x what the reference forward itself
+# moves with fp64 instead of fp32 attention (0.026, 0.08-0.09); fp16 reads 0.002 (bench/results/h100/probe.json).
+# A kernel bug hits every layer of its shape: the fixture with every down_proj's output channels swapped in pairs
+# reads 1.14, shuffled 0.98; one layer of six swapped reads 0.35 and passes. A tighter limit suits a model whose
+# gauge (qserve_worker_probe_relative_error) has been watched.
+DEFAULT_PROBE_MAX_ERROR = 0.5
 
 @dataclass(slots=True)
 class WorkerConfig:
@@ -235,7 +237,7 @@ def _parser() -> argparse.ArgumentParser:
                         "no first-use stalls) [default: on]")
     p.add_argument("--probe-max-error", type=float, default=DEFAULT_PROBE_MAX_ERROR,
                    help="refuse the artifact when this worker's logits for its probe differ from the quantizer's "
-                        "reference logits by more than this mean relative L2 error (0 = no probe) [default: 0.25]")
+                        "reference logits by more than this mean relative L2 error (0 = no probe) [default: 0.5]")
     p.add_argument("--host", type=nonempty, default=DEFAULT_HOST, help="address to serve gRPC on")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0 picks a free one)")
     p.add_argument("--advertise-address", default=None,
