@@ -29,13 +29,14 @@ def workers(
         Console().print("no workers registered" + (f" for artifact {artifact}" if artifact else ""))
         return
     table = Table("worker", "address", id_column("artifact"), "format", "health", "in flight / capacity", "running",
-                  "waiting", "kv blocks free", "context", "last heartbeat (UTC)", "why unhealthy")
+                  "waiting", "kv blocks free", "context", "probe", "last heartbeat (UTC)", "why unhealthy")
     for w in listed:
         health = gateway_pb2.WorkerHealth.Name(w.health).removeprefix("WORKER_HEALTH_")
         table.add_row(escape(w.worker_id), escape(w.address), w.artifact.artifact_id, w.artifact.format,
                       f"[{HEALTH_STYLE.get(health, 'white')}]{health}[/]", f"{w.in_flight} / {w.capacity}",
                       str(w.running_requests), str(w.waiting_requests), str(w.kv_blocks_free),
-                      str(w.max_context_tokens or "?"), w.last_heartbeat.ToDatetime().strftime("%H:%M:%S"), escape(w.health_reason))
+                      str(w.max_context_tokens or "?"), f"{w.probe_error:.3f}" if w.HasField("probe_error") else "-",
+                      w.last_heartbeat.ToDatetime().strftime("%H:%M:%S"), escape(w.health_reason))
     table_console().print(table)
 
 

@@ -92,6 +92,7 @@ class PooledWorker:
     waiting_requests: int = 0
     kv_blocks_free: int = 0
     max_context_tokens: int = 0  # from its Info at registration; 0 when unknown
+    probe_error: float | None = None  # its start-up probe's, from its Info at registration; None when unchecked
     watcher: asyncio.Task | None = None  # watches the connection (WorkerPool._watch)
     tls_generation: int = 0  # of the pool's client TLS files when its channel was dialled
     # Channels replaced after a TLS rotation while streams were open on them: closed once none is
@@ -121,7 +122,7 @@ class PooledWorker:
             running_requests=self.running_requests,
             waiting_requests=self.waiting_requests, kv_blocks_free=self.kv_blocks_free,
             last_heartbeat=timestamp(self.last_heartbeat), registered_at=timestamp(self.registered_at),
-            max_context_tokens=self.max_context_tokens,
+            max_context_tokens=self.max_context_tokens, probe_error=self.probe_error,
         )
 
 
@@ -140,7 +141,7 @@ class WorkerPool:
         self._tls = ReloadingClientTls(self.worker_tls)
 
     async def add(self, address: str, artifact: ArtifactRefView, capacity: int,
-                  max_context_tokens: int = 0) -> PooledWorker:
+                  max_context_tokens: int = 0, probe_error: float | None = None) -> PooledWorker:
         """Registers a worker, or refreshes the one already at this address (keeping its worker_id)."""
         now, mono = datetime.now(timezone.utc), time.monotonic()
         await self.forget_replaced(address, artifact.artifact_id)
@@ -152,7 +153,7 @@ class WorkerPool:
                 log.warning("worker %s (%s) registered again (a new process): its quarantine is lifted",
                             existing.worker_id, address)
             existing.capacity, existing.health, existing.failed_reason = capacity, Health.HEALTHY, ""
-            existing.max_context_tokens = max_context_tokens
+            existing.max_context_tokens, existing.probe_error = max_context_tokens, probe_error
             existing.last_heartbeat, existing.last_heartbeat_mono = now, mono
             _clear_record(existing)
             return existing
@@ -160,7 +161,7 @@ class WorkerPool:
         worker = PooledWorker(
             worker_id=uuid.uuid4().hex[:16], address=address, artifact=artifact, capacity=capacity, channel=channel,
             stub=worker_pb2_grpc.WorkerStub(channel), registered_at=now, last_heartbeat=now, last_heartbeat_mono=mono,
-            tls_generation=self._tls.generation, max_context_tokens=max_context_tokens,
+            tls_generation=self._tls.generation, max_context_tokens=max_context_tokens, probe_error=probe_error,
         )
         worker.watcher = asyncio.create_task(self._watch(worker), name=f"worker-connection-{address}")
         self.workers[worker.worker_id] = worker

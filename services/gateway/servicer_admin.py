@@ -114,7 +114,8 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
             raise Precondition(f"the worker at {request.address} serves artifact {info.artifact.artifact_id!r}, "
                                f"not {artifact_id!r}: register it with the artifact it loaded")
         capacity = request.capacity or max(1, info.max_running_sequences + info.max_waiting_requests)
-        worker = await self.pool.add(request.address, artifact, capacity, info.max_context_tokens)
+        worker = await self.pool.add(request.address, artifact, capacity, info.max_context_tokens,
+                                     info.probe_error if info.HasField("probe_error") else None)
         return gateway_pb2.RegisterWorkerResponse(worker_id=worker.worker_id,
                                                   heartbeat_interval=_seconds(self.heartbeat_interval_s))
 

@@ -96,6 +96,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             running_requests=s.running,
             waiting_requests=s.waiting,
             draining=self.draining,
+            probe_error=self.served.probe_error,
         )
 
 

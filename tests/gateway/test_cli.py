@@ -85,6 +85,7 @@ def test_deploy_rollout_fallback_and_generate_through_qctl(gateway, artifacts):
     assert workers.exit_code == 0 and workers.stdout.count("HEALTHY") == 3
     assert "why unhealthy" in workers.stdout
     assert "context" in workers.stdout and workers.stdout.count("2048") == 3  # each worker's window, from its Info
+    assert "probe" in workers.stdout and workers.stdout.count("0.031") == 3  # each worker's start-up probe error
     events = qctl(gateway, "events", "-d", "chat")
     assert events.exit_code == 0
     for kind in ("promote", "fallback_off", "fallback_on", "rollout_start", "deployment_create"):

@@ -156,6 +156,7 @@ def test_info_describes_the_artifact_and_capacity(client, artifacts):
     assert (info.kv_blocks_total, info.kv_block_size, info.max_context_tokens) == (64, 4, 256)
     assert (info.max_running_sequences, info.max_waiting_requests) == (1, 1)
     assert info.kv_blocks_free + info.kv_blocks_used == info.kv_blocks_total and not info.draining
+    assert info.HasField("probe_error") and 0 <= info.probe_error < 0.01  # the fp16 artifact on the CPU reference
 
 
 def test_health_is_serving(worker):

@@ -98,7 +98,10 @@ def test_both_replicas_route_to_the_worker_and_one_going_away_costs_the_other_no
             assert _served(await a.generate("def main():")) and _served(await b.generate("import os"))
             await b.server.stop(0)
             seen = Timestamp()
-            seen.CopyFrom((await a.healthy(worker.address)).last_heartbeat)
+            status = await a.healthy(worker.address)
+            seen.CopyFrom(status.last_heartbeat)
+            # Its start-up probe's error, told at registration (the fp16 artifact on the CPU reference).
+            assert status.HasField("probe_error") and status.probe_error == worker.served.probe_error
             # Heartbeats keep reaching the replica that is up (its timeout is 1 s: it would also turn
             # the worker unhealthy if they stopped), and the worker keeps serving through it.
             await _until(lambda: _heartbeat_after(a, worker.address, seen))
