@@ -336,7 +336,7 @@ def estimated_artifact_bytes(spec: FormatSpec, *, vocab_size: int, hidden_size: 
                              num_layers: int, q_size: int, kv_size: int, key_feedback_floats: int = 0,
                              other_files: int = 0) -> int:
     """The size of the artifact quantize_checkpoint writes for this shape and format (the fused linears of
-    BLOCK_LINEARS in the format's weight kind, fp16 norms, embeddings and LM head), a little over: checked
+    BLOCK_LINEARS in the format's weight kind, fp16 norms, embeddings and LM head, the probe), a little over: checked
     against the free disk space before any work. key_feedback_floats: fp32 values of a block's key-feedback
     factor (0 without it); other_files: bytes copied as they are (the tokenizer's)."""
     kind = WEIGHT_KINDS[spec.weight_kind]
