@@ -14,12 +14,18 @@ from tests.gateway.fake_worker import VOCAB, expected_tokens
 LONG, SHORT = "a prompt longer than eight tokens", "hi"  # one token per byte
 
 
-async def _canary_taking_short_prompts(stack, artifacts):
-    stable = await stack.add_worker(artifacts.stable, tokens=2)
-    canary = await stack.add_worker(artifacts.canary, tokens=2)
-    canary.worker.max_prompt_tokens = 8
+async def _full_canary(stack, artifacts, tokens: int, **canary_fake):
+    """A stable and a canary worker (the canary's FakeWorker given canary_fake), the canary at 100%."""
+    stable = await stack.add_worker(artifacts.stable, tokens=tokens)
+    canary = await stack.add_worker(artifacts.canary, tokens=tokens, **canary_fake)
     await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
         deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=100), metadata=ADMIN)
+    return stable, canary
+
+
+async def _canary_taking_short_prompts(stack, artifacts):
+    stable, canary = await _full_canary(stack, artifacts, 2)
+    canary.worker.max_prompt_tokens = 8
     return stable, canary
 
 
@@ -73,11 +79,7 @@ def test_with_no_stable_worker_the_canarys_refusal_stands(artifacts):
 
 
 async def _canary_with_a_shorter_window(stack, artifacts):
-    stable = await stack.add_worker(artifacts.stable, tokens=20)
-    canary = await stack.add_worker(artifacts.canary, tokens=20, context_tokens=12)
-    await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
-        deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=100), metadata=ADMIN)
-    return stable, canary
+    return await _full_canary(stack, artifacts, 20, context_tokens=12)
 
 
 def test_a_canary_generation_cut_short_by_its_context_window_counts_against_the_canary(artifacts):

@@ -123,7 +123,7 @@ def _delete_if_unused(cache_dir: Path, artifact_id: str) -> bool:
         folder = cache_dir / artifact_id
         aside = cache_dir / f".{artifact_id}.evicted-{uuid.uuid4().hex}"
         try:
-            size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+            size = disk_space.tree_bytes(folder)
             os.rename(folder, aside)
         except FileNotFoundError:
             return False  # another worker evicted it first
