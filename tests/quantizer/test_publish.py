@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -279,4 +280,9 @@ def test_a_job_counts_the_disk_that_other_jobs_sharing_the_work_dir_have_claimed
     other.release()
     job, _ = quantizer.publish(request_for(small_model))
     assert job.state == Q.JOB_STATE_SUCCEEDED, job.error
-    assert list(claims.glob("*.claim")) == []  # each job's claim ends with it
+    # Each job's claim ends with it: released by the job's thread just after it marks the job ended (which ends
+    # the publish call), so it is waited for.
+    deadline = time.monotonic() + 5.0
+    while list(claims.glob("*.claim")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert list(claims.glob("*.claim")) == []
