@@ -23,6 +23,9 @@ class PromptLimits:
     max_context: int  # prompt + generated tokens
     add_bos: bool
     bos_token_id: int | None
+    # Longer prompt texts are refused before tokenizing: they cannot fit max_context (the context window
+    # times the vocabulary's longest token), and encoding megabytes only to refuse them costs seconds.
+    max_text_chars: int
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,6 +46,11 @@ def generation_from_pb(request: worker_pb2.GenerateRequest, limits: PromptLimits
     if kind == "text":
         if not request.text:
             raise InvalidRequest("the prompt text is empty")
+        if len(request.text) > limits.max_text_chars:
+            raise InvalidRequest(
+                f"the prompt text has {len(request.text)} characters: more than this worker's context window of "
+                f"{limits.max_context} tokens can hold (at most {limits.max_text_chars} characters)"
+            )
         ids = list(encode(request.text))
         if limits.add_bos and limits.bos_token_id is not None:
             ids = [limits.bos_token_id] + ids

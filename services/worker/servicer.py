@@ -31,6 +31,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.limits = PromptLimits(
             vocab_size=served.vocab_size, max_context=self.engine.limits.max_context,
             add_bos=served.add_bos, bos_token_id=served.bos_token_id,
+            max_text_chars=self.engine.limits.max_context * served.tokenizer.longest_token_chars(),
         )
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context) -> AsyncIterator[worker_pb2.GenerateResponse]:
@@ -42,7 +43,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if self.stalled:
                 raise Stalled("this worker's engine has made no progress for a while (a hung device?) and takes no "
                                "new requests; send it to another worker")
-            gen = generation_from_pb(request, self.limits, self.served.tokenizer.encode)
+            # Off the event loop: tokenizing a long prompt takes a while (up to ~0.3 s per MB), and every
+            # other stream, Abort, Info and the gateway's heartbeats share this loop.
+            gen = await asyncio.to_thread(generation_from_pb, request, self.limits, self.served.tokenizer.encode)
 
             def sink(out: RequestOutput) -> None:
                 # Counted here, on the engine's thread: the finish of a request whose caller

@@ -53,6 +53,14 @@ class Tokenizer:
         table = json.dumps(sorted((int(i), str(t)) for t, i in vocab.items()), ensure_ascii=False)
         return hashlib.sha256(table.encode()).hexdigest()
 
+    def longest_token_chars(self) -> int:
+        """The most characters one token of the vocabulary stands for (its table's longest entry, at least 1):
+        a text longer than the context window times this cannot fit the window, however it encodes."""
+        if not hasattr(self, "_longest"):
+            vocab = self._fast.get_vocab(with_added_tokens=True) if self._fast is not None else self._hf.get_vocab()
+            self._longest = max((len(t) for t in vocab), default=1) or 1
+        return self._longest
+
     def decode(self, ids: list[int]) -> str:
         if self._fast is not None:
             return self._fast.decode(ids, skip_special_tokens=False)

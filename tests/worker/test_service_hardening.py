@@ -3,6 +3,9 @@ outside the model's vocabulary is refused alone (not the whole batch it would ha
 
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import pytest
 
@@ -29,6 +32,67 @@ def test_a_text_prompt_outside_the_vocabulary_is_refused_alone(start_worker):
     for _ in range(3):  # the other stream goes on, untouched
         message = next(stream)
         assert message.token_ids and not message.HasField("finish")
+    running.cancel()
+    _wait_for(lambda: _idle(client), 5.0, "the cancelled request's blocks to be freed")
+    channel.close()
+
+
+def test_a_prompt_text_too_long_for_the_context_is_refused_before_tokenizing(start_worker):
+    """Tokenizing a few megabytes of text takes seconds, all for a prompt refused anyway as longer than the
+    context window: the limit in characters (the window times the vocabulary's longest token) is checked first."""
+    w = start_worker("fp16")
+    channel, client = stub(w)
+    served = w.server.served
+    limit = w.server.servicer.limits.max_text_chars
+    assert limit == served.engine.limits.max_context * served.tokenizer.longest_token_chars() > 0
+    calls = []
+    real_encode = served.tokenizer.encode
+    served.tokenizer.encode = lambda text: calls.append(len(text)) or real_encode(text)
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.Generate(worker_pb2.GenerateRequest(text="x" * (limit + 1)), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{limit + 1} characters" in err.value.details() and calls == []
+    # At the limit the text is tokenized and judged by its token count, as before.
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.Generate(worker_pb2.GenerateRequest(text="x " * (limit // 2)), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tokens" in err.value.details()
+    assert calls == [2 * (limit // 2)]
+    channel.close()
+
+
+def test_tokenizing_a_prompt_does_not_stop_the_other_streams(start_worker):
+    """The worker's event loop carries every stream, Abort, Info and the gateway heartbeats: a prompt's
+    tokenization runs beside it, not on it."""
+    w = start_worker("fp16")
+    channel, client = stub(w)
+    served = w.server.served
+    entered, release = threading.Event(), threading.Event()
+    real_encode = served.tokenizer.encode
+
+    def slow_encode(text):
+        entered.set()
+        release.wait(10)
+        return real_encode(text)
+
+    running = client.Generate(_request(ignore_eos=True), timeout=60)
+    stream = iter(running)
+    next(stream)
+    served.tokenizer.encode = slow_encode
+    result = {}
+    sender = threading.Thread(target=lambda: result.update(
+        messages=list(client.Generate(worker_pb2.GenerateRequest(text="def main("), timeout=60))))
+    sender.start()
+    assert entered.wait(10)
+    try:
+        started = time.monotonic()
+        for _ in range(3):  # streamed while the other prompt is being tokenized
+            assert next(stream).token_ids
+        assert time.monotonic() - started < 5.0
+        assert client.Info(worker_pb2.InfoRequest(), timeout=5).artifact.artifact_id
+    finally:
+        release.set()
+    sender.join(60)
+    assert result["messages"][-1].HasField("finish")
     running.cancel()
     _wait_for(lambda: _idle(client), 5.0, "the cancelled request's blocks to be freed")
     channel.close()
