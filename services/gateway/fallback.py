@@ -163,7 +163,12 @@ class AutoFallback:
             if deployment.revision != revision:
                 return None
             if deployment.canary_artifact_id is not None:
-                deployment = reg.abort_rollout(session, name, actor=ACTOR, reason=reason)
+                # With a fallback the canary goes too (everything goes to the baseline), unjudged: it may be
+                # the fix for the stable, and is started again without --force.
+                falling_back = action is GuardAction.FALLBACK
+                deployment = reg.abort_rollout(
+                    session, name, actor=ACTOR, judged=not falling_back,
+                    reason=f"the stable fell back to the baseline: {reason}" if falling_back else reason)
             if action is GuardAction.FALLBACK:
                 deployment = reg.set_fallback(session, name, True, actor=ACTOR, reason=reason)
             return view_of(session, deployment)

@@ -67,7 +67,7 @@ def _since(at: Timestamp) -> datetime:
 def _refuse_restart_of_auto_aborted(session, deployment, canary: str) -> None:
     last = reg.last_rollout_event(session, deployment)
     if last is not None and last.kind is reg.EventKind.ABORT and last.actor == GUARD_ACTOR \
-            and last.detail.get("canary") == canary:
+            and last.detail.get("canary") == canary and last.detail.get("judged", True):
         raise Precondition(
             f"canary {canary} of deployment {deployment.name!r} was aborted by the automatic guard at "
             f"{last.at:%Y-%m-%d %H:%M:%S} UTC ({last.detail.get('reason') or 'over budget'}); it is not "

@@ -211,10 +211,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                 "stable", deployment.name, attempt.worker.address, request_id, exc.code.name, exc)
                     refused_on_canary, trace.route = (trace.route, exc), Route(Arm.STABLE, deployment.stable)
                     continue
-                if refused_on_canary is not None:  # the stable took what the canary refused: the canary's error
-                    self._record_failed_attempt(deployment, refused_on_canary[0])
-                    refused_on_canary = None
                 if attempt.finished:
+                    # The stable served what the canary refused: the canary's error. A stable worker that
+                    # failed, was full or draining never judged the request: the canary is not charged (and
+                    # when no stable worker is left to ask, its refusal goes to the client).
+                    if refused_on_canary is not None:
+                        self._record_failed_attempt(deployment, refused_on_canary[0])
+                        refused_on_canary = None
                     cut_short = self._cut_short_by_canary(deployment, request, trace, attempt.worker)
                     if cut_short:
                         log.warning("deployment %s: request %r %s; counted as an error of the canary arm",
@@ -272,23 +275,34 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                             Outcome(at=time.time(), server_error=True, ttft_s=None, tpot_s=None, tokens=0))
 
     def _pick(self, deployment: DeploymentView, trace: Trace, tried: set[str], failures: list[str]) -> PooledWorker:
-        """A worker for the request's arm, else for the next of its fallback routes (router.fallback_routes)."""
+        """A worker for the request's arm, else for the next of its fallback routes (router.fallback_routes).
+        An arm whose workers are all at capacity (by this gateway's count) overflows like one without workers,
+        as it does when its workers answer full themselves (see _generate); AdmissionFull (shed: retry later)
+        only when no route has a worker with room."""
         chosen = trace.route
+        full: AdmissionFull | None = None
         try:
             return self.pool.pick(chosen.artifact.artifact_id, exclude=tried)
         except NoWorker:
             pass
+        except AdmissionFull as exc:
+            full = exc
         fallbacks = router.fallback_routes(deployment, chosen)
         for route in fallbacks:
             try:
                 worker = self.pool.pick(route.artifact.artifact_id, exclude=tried)
             except NoWorker:
                 continue
+            except AdmissionFull as exc:
+                full = full or exc
+                continue
             trace.route = route
-            log.warning("deployment %s: no healthy worker for the %s arm (%s), sending to the %s arm (%s)",
-                        deployment.name, chosen.arm.label, chosen.artifact.artifact_id, route.arm.label,
-                        route.artifact.artifact_id)
+            log.warning("deployment %s: no healthy worker%s for the %s arm (%s), sending to the %s arm (%s)",
+                        deployment.name, " with room" if full is not None else "", chosen.arm.label,
+                        chosen.artifact.artifact_id, route.arm.label, route.artifact.artifact_id)
             return worker
+        if full is not None:
+            raise full
         # counted against the arm that was chosen: it is the one without workers
         raise NoWorker(_unavailable(deployment, chosen, fallbacks, failures))
 

@@ -107,14 +107,16 @@ def promote(session: Session, name: str, *, actor: str, expected_canary: str | N
     return deployment
 
 
-def abort_rollout(session: Session, name: str, *, actor: str, reason: str = "") -> Deployment:
-    """The canary gets no more traffic; the stable stays."""
+def abort_rollout(session: Session, name: str, *, actor: str, reason: str = "", judged: bool = True) -> Deployment:
+    """The canary gets no more traffic; the stable stays. judged=False: the canary was not found at fault (the
+    guard aborts it along with a fallback of the stable), recorded as "judged": false in the event."""
     check_text("actor", actor, MAX_ACTOR)
     deployment = _lock(session, name)
     _require_rollout(deployment, "abort_rollout")
     canary = deployment.canary_artifact_id
     deployment.canary_artifact_id, deployment.canary_percent = None, 0
-    _record(session, deployment, EventKind.ABORT, actor, {"canary": canary, "reason": reason})
+    detail = {"canary": canary, "reason": reason} | ({} if judged else {"judged": False})
+    _record(session, deployment, EventKind.ABORT, actor, detail)
     return deployment
 
 

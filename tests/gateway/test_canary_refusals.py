@@ -82,6 +82,27 @@ async def _canary_with_a_shorter_window(stack, artifacts):
     return await _full_canary(stack, artifacts, 20, context_tokens=12)
 
 
+@pytest.mark.parametrize("stable_state", ["full", "refuse_draining", "fail_before_first"])
+def test_a_canary_refusal_the_stable_never_judged_is_not_the_canarys_error(artifacts, stable_state):
+    """Only a stable that serves what the canary refused makes the refusal the canary's error: a stable worker
+    that is full, draining or failing never looked at the request. Charging the canary then let a client's bad
+    input (refused by both) abort a healthy canary whenever the stable was busy; the client gets the canary's
+    refusal, the answer to its request."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            stable, canary = await _full_canary(stack, artifacts, 2)
+            setattr(stable.worker, stable_state, True)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.gw.Generate(gateway_pb2.GatewayGenerateRequest(
+                    deployment=DEPLOYMENT, token_ids=common_pb2.TokenIds(ids=[VOCAB + 1]))).read()
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "outside the vocabulary" in raised.value.details()
+            assert (len(canary.worker.started), len(stable.worker.started)) == (1, 1)
+            assert stack.gateway.metrics.stats(DEPLOYMENT, artifacts.canary, since=0.0).errors == 0
+
+    run(scenario())
+
+
 def test_a_canary_generation_cut_short_by_its_context_window_counts_against_the_canary(artifacts):
     async def scenario():
         async with gateway_stack(artifacts) as stack:

@@ -179,7 +179,15 @@ def test_a_stable_over_budget_falls_back_and_aborts_the_canary_too(artifacts):
             assert "stable" in deployment.fallback_reason and "time per output token p95" in deployment.fallback_reason
             kinds = [(e.kind, e.actor) for e in await events(stack)]
             assert kinds[:2] == [("fallback_on", "auto"), ("abort", "auto")]
+            abort = json.loads((await events(stack))[1].detail)
+            assert abort["judged"] is False and abort["reason"].startswith("the stable fell back to the baseline: ")
             assert arm_of(await stack.generate()) == gateway_pb2.ARM_BASELINE
+            # The canary was never found over budget (it may be the stable's fix): once the fallback is off it
+            # starts again without force, unlike a canary the guard aborted for its own breach.
+            await set_fallback(stack, False, "stable fixed")
+            restarted = await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=10), metadata=ADMIN)
+            assert restarted.canary.artifact_id == artifacts.canary
 
     run(scenario())
 

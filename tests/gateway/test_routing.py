@@ -79,6 +79,29 @@ def test_a_worker_at_capacity_gets_no_more_and_a_full_pool_is_resource_exhausted
     run(scenario())
 
 
+def test_a_canary_at_capacity_overflows_to_the_stable_as_when_its_workers_answer_full(artifacts):
+    """A small canary worker at its capacity by the gateway's count sends the request to the stable, as the
+    same canary answering full itself does: before, the client got RESOURCE_EXHAUSTED with the stable idle.
+    With no room on any route the request is shed (RESOURCE_EXHAUSTED), as before."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            stable = await stack.add_worker(artifacts.stable, capacity=1, tokens=2)
+            canary = await stack.add_worker(artifacts.canary, capacity=1, tokens=2)
+            await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=100), metadata=ADMIN)
+            pool = stack.gateway.pool
+            pool.acquire(pool.get(canary.worker_id))  # a stream open on the canary's only slot
+            replies = await stack.generate("x")
+            assert arm_of(replies) == gateway_pb2.ARM_STABLE and not canary.worker.started
+            pool.acquire(pool.get(stable.worker_id))
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.generate("no room anywhere")
+            assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "capacity" in raised.value.details()
+            assert artifacts.canary in raised.value.details()  # named for the arm that was chosen
+
+    run(scenario())
+
+
 def test_register_checks_the_address_the_artifact_and_the_worker(artifacts):
     async def scenario():
         async with gateway_stack(artifacts) as stack:
