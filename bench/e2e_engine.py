@@ -23,16 +23,20 @@ class _NoText:
         return ""
 
 
-def make_engine(runner, batch: int, total_len: int, max_batch_tokens: int, overlap: bool | None = None) -> Engine:
+def make_engine(runner, batch: int, total_len: int, max_batch_tokens: int, overlap: bool | None = None,
+                prefix_caching: bool = False) -> Engine:
     """An engine whose cache holds `batch` full contexts plus the scheduler's one spare block each.
     overlap None: the engine's default (on with a GPU)."""
     per_seq = -(-total_len // runner.block_size) + 1
     limits = EngineLimits(num_blocks=batch * per_seq, max_running=batch, max_waiting=batch,
                           max_batch_tokens=max_batch_tokens, max_context=total_len)
-    return Engine(runner, _NoText(), limits, eos_token_ids=(), overlap=overlap)
+    return Engine(runner, _NoText(), limits, eos_token_ids=(), overlap=overlap, prefix_caching=prefix_caching)
 
 
-def _run(engine: Engine, prompts: list[list[int]], out_len: int, tag: str) -> dict:
+def run_requests(engine: Engine, prompts: list[list[int]], out_len: int, tag: str,
+                 token_ids: dict[int, list[int]] | None = None) -> dict:
+    """Submits every prompt at once and steps the engine until all finish; token_ids, when given, receives
+    each prompt's generated ids (by index)."""
     vocab_outputs: dict[str, int] = {}
     finished: dict[str, object] = {}
     first_token_at: dict[str, float] = {}
@@ -43,6 +47,8 @@ def _run(engine: Engine, prompts: list[list[int]], out_len: int, tag: str) -> di
         if out.request_id not in first_token_at:
             first_token_at[out.request_id] = time.perf_counter()
         vocab_outputs[out.request_id] = vocab_outputs.get(out.request_id, 0) + len(out.token_ids)
+        if token_ids is not None:
+            token_ids.setdefault(int(out.request_id.rsplit("-", 1)[1]), []).extend(out.token_ids)
         if out.finish is not None:
             finished[out.request_id] = out.finish
 
@@ -86,7 +92,7 @@ def generate_with_engine(runner, batch: int, prompt_len: int, out_len: int, max_
     # process, so only a format's first run pays them).
     t0 = time.perf_counter()
     warm = min(batch, max(1, max_batch_tokens // prompt_len))
-    _run(engine, torch.randint(0, vocab, (warm, prompt_len), generator=g).tolist(), 3, "warm")
+    run_requests(engine, torch.randint(0, vocab, (warm, prompt_len), generator=g).tolist(), 3, "warm")
     t1 = time.perf_counter()
     if runner.graphs is not None:
         top = runner.graphs.bucket_for(batch) or runner.graphs.buckets[-1]
@@ -94,4 +100,4 @@ def generate_with_engine(runner, batch: int, prompt_len: int, out_len: int, max_
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
-    return {**_run(engine, prompts, out_len, "run"), "warm_up_s": t1 - t0, "capture_graphs_s": t2 - t1}
+    return {**run_requests(engine, prompts, out_len, "run"), "warm_up_s": t1 - t0, "capture_graphs_s": t2 - t1}

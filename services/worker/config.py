@@ -79,6 +79,8 @@ class WorkerConfig:
     max_batch_tokens: int | None = None
     max_context_tokens: int | None = None  # None = the model's max_position_embeddings
     overlap_steps: bool | None = None  # launch step N + 1 before reading back N's tokens; None = on a GPU only
+    # Prompts sharing leading blocks of tokens (a system prompt, the conversation so far) reuse their cached K/V.
+    prefix_caching: bool = True
     # Compile and capture every CUDA graph (decode batches, step token counts) before serving, so no
     # request's step pays a first-use capture; off: each graph is captured at its first use.
     capture_graphs: bool = True
@@ -162,6 +164,7 @@ class WorkerConfig:
             max_batch_tokens=args.max_batch_tokens,
             max_context_tokens=args.max_context_tokens,
             overlap_steps=args.overlap_steps,
+            prefix_caching=args.prefix_caching,
             capture_graphs=args.capture_graphs,
             probe_max_error=args.probe_max_error,
             host=args.host,
@@ -232,6 +235,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before the previous step's tokens are read back, hiding the host's "
                         "work between steps [default: on with a GPU, off on cpu]")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache blocks of prompt prefixes computed before (a shared system prompt, a "
+                        "conversation's earlier turns) instead of computing them again [default: on]")
     p.add_argument("--capture-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="with a GPU: compile the kernels and capture every CUDA graph before serving (slower start, "
                         "no first-use stalls) [default: on]")

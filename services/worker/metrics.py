@@ -25,9 +25,21 @@ _GAUGES = {
     "qserve_worker_kv_blocks_free": ("KV cache blocks free.", lambda s: s.kv_blocks_free),
     "qserve_worker_kv_usage_ratio": ("Used fraction of the KV cache.",
                                      lambda s: s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0),
+    "qserve_worker_kv_blocks_cached": ("KV cache blocks holding a cached prompt prefix (in use, or free and kept "
+                                       "until the space is needed).", lambda s: s.kv_blocks_cached),
 }
 
-_PREEMPTIONS = ("qserve_worker_preemptions", "Sequences preempted: KV blocks taken back, recomputed later.")
+# Counted by the engine since it started, as counters are.
+_COUNTERS = {
+    # A preempted sequence gave its KV blocks back to be recomputed later: the sign of a cache too small for the load.
+    "qserve_worker_preemptions": ("Sequences preempted: KV blocks taken back, recomputed later.",
+                                  lambda s: s.preemptions),
+    # hit / queried is the prefix cache's hit rate: the share of prompt tokens not computed again.
+    "qserve_worker_prefix_cache_queried_tokens": ("Prompt tokens looked up in the prefix cache at admission.",
+                                                  lambda s: s.prefix_cache_queried_tokens),
+    "qserve_worker_prefix_cache_hit_tokens": ("Prompt tokens found in the prefix cache (their K/V reused).",
+                                              lambda s: s.prefix_cache_hit_tokens),
+}
 
 
 class _EngineCollector(Collector):
@@ -41,15 +53,15 @@ class _EngineCollector(Collector):
         s = self._stats()
         for name, (doc, read) in _GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=read(s))
-        # A preempted sequence gave its KV blocks back to be recomputed later: the sign of a cache too
-        # small for the load. The engine counts them since it started, as a counter does.
-        yield CounterMetricFamily(*_PREEMPTIONS, value=s.preemptions)
+        for name, (doc, read) in _COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=read(s))
 
     def describe(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         # Names only, without calling stats(): registering must not read an engine that may not run yet.
         for name, (doc, _read) in _GAUGES.items():
             yield GaugeMetricFamily(name, doc)
-        yield CounterMetricFamily(*_PREEMPTIONS)
+        for name, (doc, _read) in _COUNTERS.items():
+            yield CounterMetricFamily(name, doc)
 
 
 class WorkerMetrics:

@@ -83,7 +83,8 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
         max_context=max_context,
     )
     tokenizer, eos_token_ids, add_bos = _text_conventions(reader, model_config)
-    engine = Engine(runner, tokenizer, limits, eos_token_ids, overlap=config.overlap_steps)
+    engine = Engine(runner, tokenizer, limits, eos_token_ids, overlap=config.overlap_steps,
+                    prefix_caching=config.prefix_caching)
     if config.capture_graphs:
         _capture_graphs(runner)
     _self_check(engine, reader.manifest.artifact_id, model_config.vocab_size)

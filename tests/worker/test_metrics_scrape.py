@@ -62,6 +62,8 @@ def test_a_finished_request_is_one_count_and_one_sample_of_each_histogram(client
         # one step prefills the 6-token prompt and samples token 1, three decode steps the rest
         "qserve_worker_step_seconds_count[('kind', 'prompt')]": 1,
         "qserve_worker_step_seconds_count[('kind', 'decode')]": 3,
+        # its 6 prompt tokens looked up in the prefix cache (none found: no block of 4 was cached before)
+        "qserve_worker_prefix_cache_queried_tokens_total[]": 6,
     }
     timings = messages[-1].finish.timings
     ttft = timings.time_to_first_token.ToTimedelta().total_seconds()
@@ -165,6 +167,8 @@ def test_latency_buckets_reach_from_milliseconds_to_a_minute():
 
 def test_requests_failed_by_non_finite_logits_are_counted_apart(worker, client, scrape):
     """A GPU turning out NaNs after start-up (the self-check passed) showed as a generic engine error."""
+    list(client.Generate(_request(max_new_tokens=1), timeout=60))  # its prompt's first block is cached now
+    assert value(scrape(), "qserve_worker_kv_blocks_cached") > 0
     runner = worker.server.served.engine.runner
     step = runner.step
     runner.step = lambda batch: step(batch).fill_(float("nan"))
@@ -173,9 +177,14 @@ def test_requests_failed_by_non_finite_logits_are_counted_apart(worker, client, 
         list(client.Generate(_request(max_new_tokens=4), timeout=60))
     assert failed.value.code() == grpc.StatusCode.INTERNAL and "non-finite logits" in failed.value.details()
     runner.step = step
-    delta = _delta(_counts(before), _counts(scrape()))
+    after = scrape()
+    delta = _delta(_counts(before), _counts(after))
     assert delta == {"qserve_worker_requests_total[('reason', 'non_finite_logits')]": 1,
-                     "qserve_worker_step_seconds_count[('kind', 'prompt')]": 1}, delta
+                     "qserve_worker_step_seconds_count[('kind', 'prompt')]": 1,
+                     "qserve_worker_prefix_cache_queried_tokens_total[]": 6,
+                     "qserve_worker_prefix_cache_hit_tokens_total[]": 4}, delta
+    # The cached prefixes may hold the K/V that gave the NaNs: forgotten, no later request reuses them.
+    assert value(after, "qserve_worker_kv_blocks_cached") == 0
 
 
 def test_the_start_up_probe_error_is_a_gauge(scrape):

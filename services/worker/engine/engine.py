@@ -99,7 +99,7 @@ class _Live:
 
 class Engine:
     def __init__(self, runner: ModelRunner, decoder: Decoder, limits: EngineLimits, eos_token_ids: tuple[int, ...],
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, prefix_caching: bool = False):
         self.runner = runner
         # None: overlap where it pays, on a GPU (on a CPU the forward itself runs on the host).
         self.overlap = runner.device.type == "cuda" if overlap is None else overlap
@@ -112,7 +112,9 @@ class Engine:
                              f"blocks of {runner.block_size}")
         self.limits = limits
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.blocks = BlockManager(limits.num_blocks, runner.block_size)
+        # Prefix caching: prompts starting with the same blocks of tokens (a system prompt, a conversation so
+        # far) share the cached K/V of those blocks instead of computing them again (see block_manager).
+        self.blocks = BlockManager(limits.num_blocks, runner.block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, limits.max_running, limits.max_batch_tokens)
         runner.allocate_cache(limits.num_blocks)
         self._live: dict[str, _Live] = {}
@@ -178,6 +180,9 @@ class Engine:
                 kv_blocks_free=self.blocks.num_free,
                 kv_blocks_used=self.blocks.num_used,
                 preemptions=self._preemptions,
+                kv_blocks_cached=self.blocks.num_cached,
+                prefix_cache_queried_tokens=self.scheduler.prefix_queried_tokens,
+                prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
             )
 
     def stalled_s(self) -> float:
@@ -386,6 +391,8 @@ class Engine:
                 self._live.pop(seq.request_id)
                 self.scheduler.finish(seq)
                 _deliver(live, RequestOutput(seq.request_id, error=message, non_finite=non_finite))
+            if non_finite:  # the cached prefixes may hold the K/V that made them: not handed to anyone else
+                self.blocks.forget_cached()
 
 
 def _deliver(live: _Live, out: RequestOutput) -> None:

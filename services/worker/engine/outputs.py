@@ -36,3 +36,6 @@ class EngineStats:
     kv_blocks_free: int
     kv_blocks_used: int
     preemptions: int  # since start: sequences whose blocks were taken back to be recomputed later
+    kv_blocks_cached: int = 0  # blocks holding a cached prompt prefix (held by sequences or free to reuse)
+    prefix_cache_queried_tokens: int = 0  # since start: prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hit_tokens: int = 0  # since start: of those, tokens found cached (not computed again)

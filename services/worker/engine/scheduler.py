@@ -11,13 +11,18 @@ chunk (paged_prefill_attention), dearer than plain prefill attention. Order is b
 everywhere (first come, first served): a waiting request is never overtaken by a later one, and
 when blocks run out the latest-arrived running sequence is preempted (its blocks freed, its tokens
 recomputed later).
+
+Prefix caching (BlockManager.prefix_caching): a sequence admitted with nothing computed (new, or
+preempted) first takes the cached blocks of its prompt's longest cached prefix and starts computing
+after them, always leaving at least its last token to compute (its logits are needed). It pays for
+only the blocks it still needs; the shared ones it holds are not free any more if nobody held them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.block_manager import BlockManager, prefix_block_hashes
 from services.worker.engine.sequence import Sequence, SeqState
 
 
@@ -52,6 +57,9 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.waiting: list[Sequence] = []  # by arrival
         self.running: list[Sequence] = []  # by admission
+        # Prompt tokens looked up in the prefix cache at admission, and those found (not computed again).
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
 
     @property
     def has_work(self) -> bool:
@@ -99,8 +107,10 @@ class Scheduler:
         # After a preemption the cache is full: admitting now would only preempt again.
         while not out.preempted and self.waiting and len(self.running) < self.max_running and budget > 0:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            if n < seq.num_uncomputed and prefilling:
+            shared = self._cached_prefix(seq)
+            start = len(shared) * slots_per_block
+            n = min(seq.num_tokens - start, budget)
+            if n < seq.num_tokens - start and prefilling:
                 break  # waits whole for the next step (see the module docstring)
             # Keep one spare block per running sequence so that admitting does not force the
             # running ones to preempt each other on their next block boundary.
@@ -108,21 +118,44 @@ class Scheduler:
             # The blocks of all its tokens, not only this step's chunk: a prompt let in on its first
             # chunk's blocks, while decodes take the rest, is preempted at a later chunk and let in
             # again as soon as that chunk fits, prefilling its start over and over for nothing.
-            if self.blocks.extra_blocks(seq.block_table, seq.num_tokens) + reserve > self.blocks.num_free:
+            need = self.blocks.blocks_for(seq.num_tokens) - len(shared)
+            if need + reserve > self.blocks.num_free - self.blocks.num_unheld(shared):
                 break  # first come, first served: later arrivals wait behind it
             self.waiting.pop(0)
             seq.state = SeqState.RUNNING
             self.running.append(seq)
-            self.blocks.grow(seq.block_table, n)
-            out.chunks.append(ScheduledChunk(seq, 0, n))
+            if self.blocks.prefix_caching:
+                self.prefix_queried_tokens += seq.num_tokens
+                self.prefix_hit_tokens += start
+            self.blocks.share(seq.block_table, shared)
+            seq.num_computed = start
+            self.blocks.grow(seq.block_table, start + n)
+            out.chunks.append(ScheduledChunk(seq, start, n))
             budget -= n
             prefilling = True
         return out
 
     def on_computed(self, chunk: ScheduledChunk) -> None:
-        """Records that the step wrote the chunk's K/V (unless the sequence left in the meantime)."""
-        if chunk.seq.state is SeqState.RUNNING and chunk.seq.num_computed == chunk.start:
-            chunk.seq.num_computed += chunk.num_tokens
+        """Records that the step wrote the chunk's K/V (unless the sequence left in the meantime), and
+        names the prompt blocks it completed for the prefix cache. The step is queued on the device, not
+        done: a later step reading a named block runs after it in the device's order."""
+        seq = chunk.seq
+        if seq.state is not SeqState.RUNNING or seq.num_computed != chunk.start:
+            return
+        seq.num_computed += chunk.num_tokens
+        if seq.prompt_hashes:
+            size = self.blocks.block_size
+            for i in range(chunk.start // size, min(seq.num_computed // size, len(seq.prompt_hashes))):
+                self.blocks.name(seq.block_table[i], seq.prompt_hashes[i])
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks a waiting sequence can start from: its prompt's longest cached prefix, short of
+        its last token (whose logits must be computed)."""
+        if not self.blocks.prefix_caching:
+            return []
+        if seq.prompt_hashes is None:
+            seq.prompt_hashes = prefix_block_hashes(seq.prompt_ids, self.blocks.block_size)
+        return self.blocks.cached_prefix(seq.prompt_hashes[: (seq.num_tokens - 1) // self.blocks.block_size])
 
     def _make_room(self, seq: Sequence, n: int, scheduled: set[int], out: Schedule) -> bool:
         """Preempts the latest arrivals not yet scheduled this step until seq can grow by n tokens;

@@ -63,6 +63,9 @@ class Sequence:
     # context): a sequence there needs no further step, even while its last token is unknown.
     max_tokens: int = 1 << 62
     generator: torch.Generator | None = None  # per-request RNG for sampled requests (made by the engine)
+    # The names of the prompt's full blocks (block_manager.prefix_block_hashes), made at first admission
+    # when prefix caching is on.
+    prompt_hashes: list[bytes] | None = None
 
     @property
     def num_tokens(self) -> int:
