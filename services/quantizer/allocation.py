@@ -2,7 +2,10 @@
 
 Two publishes of the same binding end with one artifact: the first job reserves it (PENDING) and
 builds it; a second one waits for that job and adopts its result. A READY artifact is adopted at
-once; a FAILED one is taken back to PENDING (a retry) by whichever job gets to it first.
+once (services/quantizer/adoption.py checks that it answers the request); a FAILED one is taken back
+to PENDING (a retry) by whichever job gets to it first, a waiting job included: the job it waited
+for may have failed for its own request (a tighter budget) or been cancelled by its owner, and this
+request deserves its own attempt.
 """
 
 from __future__ import annotations
@@ -31,10 +34,6 @@ from shared.registry import (
 )
 
 POLL_S = 0.5
-
-
-class BindingFailed(Exception):
-    """The job that held the binding failed; this job reports the same failure."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,15 +73,7 @@ def claim_binding(
         if holder != told:
             waiting(holder)
             told = holder
-        artifact_id = _wait_while_pending(registry, holder, check)
-        if artifact_id is not None:
-            with registry.sessions() as session:
-                artifact = get_artifact(session, artifact_id)
-                if artifact.state == ArtifactState.FAILED:
-                    raise BindingFailed(
-                        f"job {holder}, which was publishing the same binding, failed: {artifact.failure_reason}; "
-                        "publish again to retry"
-                    )
+        _wait_while_pending(registry, holder, check)  # then claimed again: READY adopted, FAILED retried
 
 
 def model_version_row(session: Session, binding: Binding) -> ModelVersion:
@@ -137,12 +128,11 @@ def _holder(session: Session, artifact_id: str, job_id: str) -> str | None:
     return session.scalars(stmt).first()
 
 
-def _wait_while_pending(registry: Registry, holder_job_id: str, check: Callable[[], None]) -> str | None:
-    """Waits for the holding job to end; -> its artifact id (None if it had none)."""
+def _wait_while_pending(registry: Registry, holder_job_id: str, check: Callable[[], None]) -> None:
+    """Waits for the holding job to end."""
     while True:
         check()
         with registry.sessions() as session:
-            job = get_job(session, holder_job_id)
-            if job.state not in (JobState.QUEUED, JobState.RUNNING):
-                return job.artifact_id
+            if get_job(session, holder_job_id).state not in (JobState.QUEUED, JobState.RUNNING):
+                return
         time.sleep(POLL_S)

@@ -34,6 +34,11 @@ class AccuracyBudgetExceeded(QuantizerError):
     """The quantized perplexity is above what the accuracy budget allows."""
 
 
+class BindingMismatch(QuantizerError):
+    """The binding is already published by an artifact made with settings this request explicitly asks otherwise:
+    a binding holds one artifact, so the job fails rather than hand back the other settings' artifact."""
+
+
 class Unauthenticated(QuantizerError):
     """Tokens are configured and the call carries none, or one this quantizer does not know (UNAUTHENTICATED)."""
 

@@ -18,7 +18,6 @@ from datetime import timedelta
 from pathlib import Path
 
 from services.quantizer.board import JobBoard, Update
-from services.quantizer.allocation import BindingFailed
 from services.quantizer.cancels import Cancels
 from services.quantizer.errors import AccuracyBudgetExceeded, JobCancelled, JobEnded, QuantizerError, QueueFull
 from services.quantizer.job_admin import CancelOrder, JobFilter
@@ -56,7 +55,7 @@ ORPHAN_REASON = "the quantizer running this job stopped (killed or crashed) befo
 # retried for ever, the job left RUNNING and heartbeating, its binding held. The head says what failed.
 MAX_ERROR_CHARS = 4000
 SHORTENED = " ... (error shortened)"
-EXPECTED_ERRORS = (QuantizerError, BindingFailed, StorageError, RegistryError, ValueError, OSError)
+EXPECTED_ERRORS = (QuantizerError, StorageError, RegistryError, ValueError, OSError)
 
 
 @dataclass(slots=True)
@@ -395,6 +394,9 @@ def _describe(exc: BaseException) -> str:
 
 
 def _shorten(error: str) -> str:
+    """The error as the registry can record it: at most MAX_ERROR_CHARS, and no NUL character (an exception's
+    message may quote one from the request; PostgreSQL refuses it, and the failure would never be recorded)."""
+    error = error.replace("\x00", "\\x00")
     if len(error) <= MAX_ERROR_CHARS:
         return error
     return error[: MAX_ERROR_CHARS - len(SHORTENED)] + SHORTENED

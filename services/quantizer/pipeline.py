@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 from sqlalchemy.orm import Session
 
+from services.quantizer.adoption import check_adoptable
 from services.quantizer.allocation import Binding, Claim, claim_binding
 from services.quantizer.config import QuantizerConfig
 from services.quantizer.errors import AccuracyBudgetExceeded, InputChanged, JobCancelled
@@ -122,6 +123,9 @@ class Pipeline:
         if not self.claim.owned:
             self.reporter.progress(Stage.REGISTER, message=f"the binding is already published as artifact "
                                                             f"{self.claim.artifact_id}")
+            manifest = Manifest.from_json(
+                self.services.store.get_bytes(self.claim.object_prefix + MANIFEST_NAME).decode())
+            check_adoptable(self.spec, self.claim.artifact_id, manifest)
             with registry.transaction() as session:
                 finish(session, self.claim.artifact_id)
             return self.claim.artifact_id

@@ -99,10 +99,10 @@ class PublishSpec:
         eval_sha256 = _pinned("eval.sha256", req.eval.sha256)
         _check_text_file("eval.data", eval_data, config)
         eval_name = req.eval.name or _stem(eval_data)
-        if not eval_name.strip() or len(eval_name) > MAX_EVAL_NAME:
+        if not eval_name.strip() or len(eval_name) > MAX_EVAL_NAME or "\x00" in eval_name:
             raise InvalidRequest(
                 f"eval.name {eval_name!r} is not accepted: use a non-blank name of at most {MAX_EVAL_NAME} "
-                "characters (or leave it empty for the eval file's name)"
+                "characters, without NUL (or leave it empty for the eval file's name)"
             )
         return cls(
             source=source,

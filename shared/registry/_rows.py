@@ -43,13 +43,22 @@ def check_key(what: str, value: object, of: type = str) -> object:
     PostgreSQL (`character varying = integer`), or be read as a missing row."""
     if isinstance(value, bool) or not isinstance(value, of):
         raise InvalidValue(f"{what} {value!r} is not accepted: use a {of.__name__}")
+    check_no_nul(what, value)
     return value
 
 
 def check_text(what: str, value: object, max_len: int) -> str:
     if not isinstance(value, str) or not value.strip() or len(value) > max_len:
         raise InvalidValue(f"{what} {value!r} is not accepted: use a non-empty string of at most {max_len} characters")
+    check_no_nul(what, value)
     return value
+
+
+def check_no_nul(what: str, value: object) -> None:
+    """PostgreSQL refuses text holding a NUL character (a DataError, where SQLite stores it): refused here, the
+    same on both, before a job has done its work only to fail recording it."""
+    if isinstance(value, str) and "\x00" in value:
+        raise InvalidValue(f"{what} {value!r} is not accepted: it holds a NUL character")
 
 
 def check_sha256(what: str, value: object) -> str:

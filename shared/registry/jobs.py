@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from shared.registry._rows import MAX_INT, check_key, check_segment, check_text, locked, new_id
+from shared.registry._rows import MAX_INT, check_key, check_no_nul, check_segment, check_text, locked, new_id
 from shared.registry.artifacts import get_artifact, mark_artifact_failed
 from shared.registry.errors import InvalidState, InvalidValue, NotFound
 from shared.registry.events import EventKind, append_event
@@ -213,6 +213,7 @@ def cancel_job(session: Session, job_id: str, *, actor: str, reason: str = "") -
     check_text("actor", actor, MAX_ACTOR)
     if not isinstance(reason, str) or len(reason) > MAX_CANCEL_REASON:
         raise InvalidValue(f"cancel reason {reason!r:.80} is not accepted: use at most {MAX_CANCEL_REASON} characters")
+    check_no_nul("cancel reason", reason)
     # Artifact before job, the order in which finishing and failing take them (see fail_orphaned_jobs).
     artifact_id = get_job(session, job_id).artifact_id
     if artifact_id is not None:

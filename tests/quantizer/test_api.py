@@ -187,7 +187,7 @@ def test_the_server_process_names_a_port_in_use(tmp_path, registry_url):
     assert "Traceback" not in output and f"error: cannot listen on 127.0.0.1:{port} (--listen)" in output, output
 
 
-@pytest.mark.parametrize("name", ["x" * 257, "   "])
+@pytest.mark.parametrize("name", ["x" * 257, "   ", "eval\x00small"])  # NUL: PostgreSQL cannot store it
 def test_an_eval_name_the_registry_cannot_record_is_refused_at_publish(quantizer, small_model, request_for, name):
     # The registry records the eval data name (1 to 256 characters, not blank) when the artifact turns READY:
     # a name it refuses must fail Publish at once, not the job after quantizing, evaluating and uploading.

@@ -23,3 +23,11 @@ def test_a_job_failing_with_a_very_long_error_ends_failed(bucket_store, start_qu
     assert final.state == Q.JOB_STATE_FAILED
     assert final.error.startswith("start failed: RuntimeError: size mismatch for model.layers.0.")  # before any stage
     assert len(final.error) <= 10_000 and final.error.endswith("(error shortened)")
+
+
+def test_an_error_quoting_a_nul_character_can_be_recorded():
+    """PostgreSQL refuses text holding NUL: a job whose error quoted one from its request could never be
+    recorded as failed (it stayed RUNNING, retried on every heartbeat). The character is written escaped."""
+    from services.quantizer.jobs import _shorten
+
+    assert _shorten("bad name 'a\x00b'") == "bad name 'a\\x00b'"

@@ -122,6 +122,49 @@ def test_identical_content_is_stored_once(moto, bucket_store, start_quantizer, r
     assert moto.keys(bucket_store.bucket) == keys
 
 
+def test_a_published_binding_is_adopted_only_by_a_request_it_answers(bucket_store, start_quantizer, registry_url,
+                                                                      small_model, request_for):
+    """A binding holds one artifact, and a repeated publish adopts it; one asking for a tighter budget than it
+    meets, or for QoQ steps switched otherwise, fails naming the difference: it SUCCEEDED before, handing a CI
+    gate an artifact over its limit and an ablation the other recipe."""
+    quantizer = start_quantizer(bucket_store, registry_url)
+    first, _ = quantizer.publish(request_for(small_model, max_relative_perplexity_increase=10.0))
+    assert first.state == Q.JOB_STATE_SUCCEEDED, first.error
+    evaluation = first.artifact.evaluation
+    assert evaluation.perplexity_quantized > evaluation.perplexity_fp16  # random weights: over a 0% budget
+    tight, _ = quantizer.publish(request_for(small_model, max_relative_perplexity_increase=0.0))
+    assert tight.state == Q.JOB_STATE_FAILED
+    assert "accuracy budget exceeded" in tight.error and first.artifact.artifact_id in tight.error
+    other, _ = quantizer.publish(request_for(small_model, max_relative_perplexity_increase=10.0,
+                                             qoq=Q.QoQOptions(rotation=False, gptq=True)))
+    assert other.state == Q.JOB_STATE_FAILED
+    assert "rotation off (the artifact has it on)" in other.error and "gptq" not in other.error
+    same, _ = quantizer.publish(request_for(small_model, max_relative_perplexity_increase=10.0))
+    assert same.state == Q.JOB_STATE_SUCCEEDED and same.artifact.artifact_id == first.artifact.artifact_id
+
+
+def test_a_publish_waiting_for_the_same_binding_tries_itself_when_that_job_fails(
+        monkeypatch, bucket_store, start_quantizer, registry_url, small_model, request_for):
+    """The job it waited for failed its own request's budget (or was cancelled by its owner): the waiting job
+    builds the artifact under its own request instead of failing with the other job's reason."""
+    from tests.quantizer.pauses import pause_after_progress
+    from services.quantizer.views import Stage
+
+    pause = pause_after_progress(monkeypatch, Stage.QUANTIZE, 1)
+    quantizer = start_quantizer(bucket_store, registry_url, workers=2)
+    strict = quantizer.stub.Publish(request_for(small_model, max_relative_perplexity_increase=0.0))
+    pause.wait_reached()  # the strict job holds the binding
+    lax = quantizer.stub.Publish(request_for(small_model, max_relative_perplexity_increase=10.0))
+    watch = quantizer.stub.WatchJob(Q.WatchJobRequest(job_id=lax.job_id), timeout=120)
+    assert any("is publishing the same binding: waiting for it" in update.message for update in watch)
+    watch.cancel()
+    pause.go.set()
+    first = quantizer.follow(strict.job_id)[-1].job
+    second = quantizer.follow(lax.job_id)[-1].job
+    assert first.state == Q.JOB_STATE_FAILED and "accuracy budget exceeded" in first.error
+    assert second.state == Q.JOB_STATE_SUCCEEDED, second.error
+
+
 def test_two_publishes_of_one_binding_at_once_make_one_artifact(moto, bucket_store, start_quantizer, any_registry_url,
                                                                 open_registry, small_model, request_for):
     quantizer = start_quantizer(bucket_store, any_registry_url, workers=2)

@@ -16,7 +16,9 @@ from shared.registry import (
     ModelVersion,
     create_job,
     get_artifact,
+    cancel_job,
     get_deployment,
+    get_job,
     list_events,
     register_model_version,
     report_progress,
@@ -54,6 +56,13 @@ CASES: list[tuple[str, Callable[[Session, ModelVersion, str], object], str]] = [
      lambda s, v, j: get_deployment(s, 5), "deployment name 5 is not accepted"),
     ("an event id to tail from that is not an integer",
      lambda s, v, j: list_events(s, after_id="12"), "event id to list after '12' is not accepted"),
+    # PostgreSQL refuses text holding NUL (DataError); SQLite stores it or finds no row
+    ("a job id holding a NUL character",
+     lambda s, v, j: get_job(s, "ab\x00cd"),
+     "quantization job id 'ab.x00cd' is not accepted: it holds a NUL character"),
+    ("a cancel reason holding a NUL character",
+     lambda s, v, j: cancel_job(s, j, actor="ops", reason="bad\x00"),
+     "cancel reason 'bad.x00' is not accepted: it holds a NUL character"),
 ]
 
 
