@@ -285,3 +285,34 @@ def test_the_reference_model_gives_the_same_tokens_with_prefix_caching(artifacts
     assert cached == plain and plain_stats.prefix_cache_hit_tokens == 0
     # 12 of the start's tokens (3 blocks) for each later prompt; the repeated prompt's 15 tokens: 12 too
     assert stats.prefix_cache_hit_tokens == 4 * 12
+
+
+def test_a_failed_step_forgets_the_cached_prefixes():
+    """A step that fails (a device error, read back or raised) may leave wrong or unwritten K/V in blocks the
+    cache already names: none of them is handed to a later request."""
+    runner = CacheReadingRunner()
+    limits = EngineLimits(num_blocks=16, max_running=4, max_waiting=8, max_batch_tokens=16, max_context=32)
+    engine = Engine(runner, Letters(), limits, eos_token_ids=(), prefix_caching=True)
+    prompt = list(range(1, 11))
+    done = []
+    engine.add_request("first", prompt, SamplingOptions(max_new_tokens=2, ignore_eos=True), done.append)
+    while engine.step():
+        pass
+    assert engine.stats().kv_blocks_cached == 2
+    real_step = runner.step
+
+    def failing(batch):
+        raise RuntimeError("device lost")
+
+    runner.step = failing
+    failed = []
+    engine.add_request("second", prompt + [12], SamplingOptions(max_new_tokens=2, ignore_eos=True), failed.append)
+    engine.step()
+    assert failed[-1].error and engine.stats().kv_blocks_cached == 0
+    runner.step = real_step
+    again = []
+    engine.add_request("third", prompt, SamplingOptions(max_new_tokens=2, ignore_eos=True), again.append)
+    while engine.step():
+        pass
+    assert [t for o in again for t in o.token_ids] == [t for o in done for t in o.token_ids]
+    assert engine.stats().prefix_cache_hit_tokens == 8  # the second's lookup only: the third found nothing

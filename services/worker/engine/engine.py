@@ -391,8 +391,9 @@ class Engine:
                 self._live.pop(seq.request_id)
                 self.scheduler.finish(seq)
                 _deliver(live, RequestOutput(seq.request_id, error=message, non_finite=non_finite))
-            if non_finite:  # the cached prefixes may hold the K/V that made them: not handed to anyone else
-                self.blocks.forget_cached()
+            # A failed step (or NaN logits) may have left wrong or unwritten K/V in blocks already named for
+            # the prefix cache: none of them is handed to another request.
+            self.blocks.forget_cached()
 
 
 def _deliver(live: _Live, out: RequestOutput) -> None:
