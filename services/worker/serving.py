@@ -90,6 +90,9 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
     _self_check(engine, reader.manifest.artifact_id, model_config.vocab_size)
     probe_error = check_probe(runner, reader, num_blocks, max_context, config.max_batch_tokens,
                               config.probe_max_error)
+    # The probe wrote its K/V into blocks 0.. behind the engine's back, over blocks the self-check's prompt
+    # left named in the prefix cache: a request starting like that prompt must not reuse them.
+    engine.blocks.forget_cached()
     log.info("artifact %s (%s, %s) on %s: %d KV blocks of %d tokens, context %d",
              reader.manifest.artifact_id, reader.manifest.format, reader.manifest.gpu_target, gpu_name,
              num_blocks, config.block_size, max_context)

@@ -108,3 +108,11 @@ def test_the_threshold_is_checked_and_parsed(artifacts):
         WorkerConfig(artifact="x", probe_max_error=float("nan"))
     assert WorkerConfig.from_args(["--artifact", "x", "--probe-max-error", "0.5"]).probe_max_error == 0.5
     assert WorkerConfig(artifact="x").probe_max_error == 0.5
+
+
+def test_a_worker_starts_serving_with_nothing_in_its_prefix_cache(artifacts):
+    """The probe writes its K/V into blocks 0.. behind the engine, over the blocks the self-check's prompt left
+    named in the prefix cache: a request starting like that prompt would have reused the probe's K/V."""
+    stats = _load(artifacts["fp16"]).engine.stats()
+    assert stats.prefix_cache_queried_tokens > 0  # the self-check went through the engine
+    assert stats.kv_blocks_cached == 0 and stats.kv_blocks_free == stats.kv_blocks_total
