@@ -11,8 +11,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from qctl.choices import FormatName
 from qctl.errors import user_errors
-from qctl.quantize_cmd import FormatName
 
 
 @user_errors

@@ -45,6 +45,13 @@ def evaluate(
         reader = ArtifactReader(artifact)
         if LlamaConfig.from_dict(reader.manifest.model_config) != LlamaConfig.from_folder(model):
             raise ValueError(f"artifact {artifact} was not made from {model}: their model configurations differ")
+        # The same configuration is not the same model (a fine-tune, another version): scored with the wrong
+        # checkpoint's tokenizer, the number would be compared with that checkpoint's fp16 perplexity.
+        version = HfCheckpoint(model).content_hash()
+        if reader.manifest.model_version != version:
+            raise ValueError(f"artifact {artifact} was not made from {model}: it was made from model version "
+                             f"{reader.manifest.model_version[:12]}, and {model} is version {version[:12]} (same "
+                             f"configuration, other weights)")
         net = artifact_model(reader, dev)
     else:
         net = fp_model(HfCheckpoint(model), dev)

@@ -6,6 +6,7 @@ import sys
 
 import typer
 
+from qctl.choices import UINT32_MAX, UINT64_MAX
 from qctl.gateway_client import GATEWAY_OPTION, gateway_client, ms, rpc_errors
 from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
@@ -16,8 +17,8 @@ def _token_ids(text: str) -> list[int]:
         ids = [int(part) for part in text.replace(",", " ").split()]
     except ValueError:
         raise typer.BadParameter(f"{text!r} is not a list of token ids; use e.g. '1,15043,29892'") from None
-    if not ids or any(i < 0 for i in ids):
-        raise typer.BadParameter(f"{text!r}: give one or more non-negative token ids")
+    if not ids or any(not 0 <= i <= UINT32_MAX for i in ids):
+        raise typer.BadParameter(f"{text!r}: give one or more token ids from 0 to {UINT32_MAX}")
     return ids
 
 
@@ -27,11 +28,11 @@ def generate(
     prompt: str = typer.Argument(None, help="prompt text (tokenized by the worker); or use --token-ids"),
     deployment: str = typer.Option(..., "--deployment", "-d", help="deployment name"),
     token_ids: str = typer.Option(None, "--token-ids", help="prompt as token ids, e.g. '1,15043,29892'"),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=0, help="0 = until EOS or the context is full"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=0, max=UINT32_MAX, help="0 = until EOS or the context is full"),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy"),
-    top_k: int = typer.Option(0, "--top-k", min=0, help="0 = no limit"),
+    top_k: int = typer.Option(0, "--top-k", min=0, max=UINT32_MAX, help="0 = no limit"),
     top_p: float = typer.Option(0.0, "--top-p", min=0.0, max=1.0, help="0 = no limit"),
-    seed: int = typer.Option(None, "--seed", min=0, help="for reproducible sampling"),
+    seed: int = typer.Option(None, "--seed", min=0, max=UINT64_MAX, help="for reproducible sampling"),
     session_key: str = typer.Option("", "--session-key", help="same key, same version during a rollout"),
     gateway: str = GATEWAY_OPTION,
     api_key: str = typer.Option(None, "--api-key", envvar="QCTL_API_KEY", help="when the gateway requires one"),

@@ -14,10 +14,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from qctl.choices import UINT32_MAX, FormatName
 from qctl.errors import rpc_errors
 from qctl.tls import open_channel, tls_options
 from shared.formats.manifest import GPU_TARGETS
-from shared.formats.spec import FORMATS
 from shared.rpc.bearer import bearer_metadata
 from shared.rpc.qserve.v1 import quantizer_pb2, quantizer_pb2_grpc
 
@@ -28,10 +28,8 @@ QUANTIZER_TOKEN_OPTION = typer.Option("", "--quantizer-token", envvar="QCTL_QUAN
                                       help="bearer token for the quantizer, one of its QSERVE_QUANTIZER_TOKENS "
                                            "(scope read for listing, publish to publish or cancel); unset or "
                                            "empty: none sent, for a quantizer without tokens")
-FormatName = Enum("FormatName", {name: name for name in FORMATS}, type=str)
 GpuTarget = Enum("GpuTarget", {name: name for name in GPU_TARGETS}, type=str)
 Q = quantizer_pb2
-UINT32_MAX = 2**32 - 1  # the request's counts are uint32 fields
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 
 

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from qctl.choices import FormatName
 from qctl.devices import resolve_device, resolve_gpu_target
 from qctl.errors import user_errors
-from shared.formats.spec import FORMATS, format_spec
+from shared.formats.spec import format_spec
 from shared.quant.options import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, QoQOptions
-
-FormatName = Enum("FormatName", {name: name for name in FORMATS}, type=str)
 
 
 @user_errors

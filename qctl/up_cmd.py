@@ -25,10 +25,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from qctl.choices import QuantizedFormatName
 from qctl.devices import resolve_device, resolve_gpu_target
 from qctl.errors import user_errors
 from qctl.gateway_client import admin_client, gateway_client
-from qctl.publish_cmd import FormatName, follow_job, quantizer_stub
+from qctl.publish_cmd import follow_job, quantizer_stub
 from services.worker.errors import WorkerError
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2, quantizer_pb2
 from shared.storage import StorageError
@@ -78,7 +79,7 @@ class StackError(RuntimeError):
 def up(
     model: Path = typer.Option(None, "--model", help="checkpoint folder [default: make a small random demo model]"),
     workdir: Path = typer.Option(Path(".qserve-up"), "--workdir", help="registry, store and caches go here"),
-    format: FormatName = typer.Option("w4a8kv4-g128", "--format", help="the quantized format to roll out"),
+    format: QuantizedFormatName = typer.Option("w4a8kv4-g128", "--format", help="the quantized format to roll out"),
     device: str = typer.Option("auto", "--device", help="auto (a GPU when there is one), cpu or cuda"),
     eval_data: Path = typer.Option(None, "--eval-data",
                                    help="held-out text for the accuracy check [default: Python stdlib sources]"),

@@ -122,3 +122,19 @@ def test_help_texts_keep_their_square_brackets():
     for argv, text in ((["publish", "--help"], "[a-z0-9._-]"), (["up", "--help"], "[default: make a small")):
         result = CliRunner().invoke(app, argv, terminal_width=200)
         assert result.exit_code == 0 and text in result.output, result.output
+
+
+def test_generate_refuses_values_past_the_protos_integer_fields_in_one_line():
+    """A 64-bit seed or a token id past uint32 made protobuf raise while the request was built: a traceback."""
+    for args in (["--token-ids", "1,4294967296"], ["--max-new-tokens", "4294967296", "hi"],
+                 ["--top-k", "4294967296", "hi"], ["--seed", str(2**64), "hi"]):
+        result = runner.invoke(app, ["generate", "-d", "chat", *args])
+        assert result.exit_code == 2 and "Traceback" not in result.output, (args, result.output)
+        assert "4294967295" in result.output or str(2**64 - 1) in result.output, (args, result.output)
+
+
+def test_up_offers_only_quantized_formats_to_roll_out(tmp_path):
+    """fp16 is the baseline `up` publishes anyway: its rollout onto itself failed after starting the whole stack."""
+    result = runner.invoke(app, ["up", "--format", "fp16", "--once", "--workdir", str(tmp_path / "up")])
+    assert result.exit_code == 2 and "Invalid value for '--format'" in result.output, result.output
+    assert not (tmp_path / "up").exists()  # refused before anything started

@@ -79,3 +79,18 @@ def test_a_tokenizer_beyond_the_models_vocabulary_is_named(tmp_path, tiny_llama)
                         "--gpu-target", "cpu")
     assert code == 2 and "vocabulary of 64" in _error_line(output), output
 
+
+
+def test_eval_refuses_an_artifact_of_another_checkpoint_of_the_same_shape(tmp_path):
+    """A fine-tune or another version has the same configuration: scored against the wrong checkpoint (its
+    tokenizer, its fp16 perplexity) the number looked like a valid fp16-vs-quantized comparison."""
+    model, data = _small_model(tmp_path)
+    other = write_random_llama(tmp_path / "other", layers=1, seed=1)
+    code, output = _run("quantize", "--model", other, "--format", "w8a8", "--out", tmp_path / "art",
+                        "--device", "cpu", "--gpu-target", "cpu", "--calib", data, "--calib-samples", "2",
+                        "--calib-seq-len", "64", "--rtn")
+    assert code == 0, output
+    code, output = _eval(model, data, "--artifact", tmp_path / "art", "--max-windows", "1")
+    assert code == 2 and "was not made from" in _error_line(output) and "other weights" in output, output
+    code, output = _eval(other, data, "--artifact", tmp_path / "art", "--max-windows", "1")
+    assert code == 0, output
