@@ -93,6 +93,7 @@ def _run_to_completion(sched: Scheduler, seq: Sequence) -> list[int]:
         for chunk in sched.schedule().chunks:
             sched.on_computed(chunk)
     table = seq.block_table
+    sched.name_prompt_blocks(seq, table)  # as the engine does once the step's logits come back finite
     sched.finish(seq)
     return table
 
@@ -145,6 +146,7 @@ def test_a_preempted_sequence_reuses_its_own_cached_prompt():
     sched.add(seq)
     for chunk in sched.schedule().chunks:
         sched.on_computed(chunk)
+    sched.name_prompt_blocks(seq, seq.block_table)
     seq.output_ids.append(7)
     sched._preempt(seq)
     chunk = sched.schedule().chunks[0]
@@ -173,24 +175,31 @@ class CacheReadingRunner:
     device = torch.device("cpu")
     block_size = BLOCK
 
+    def __init__(self, faulty_steps: int = 0):
+        self.faulty_steps = faulty_steps  # the first steps write broken K/V ("nan"): a transient device fault
+
     def allocate_cache(self, num_blocks: int) -> None:
         self.cache = [[None] * BLOCK for _ in range(num_blocks)]
 
     def step(self, batch: StepBatch) -> torch.Tensor:
         ids = resolve_token_ids(torch.tensor([t for c in batch.chunks for t in c.token_ids]),
                                 batch.previous_token_ids).tolist()
+        faulty, self.faulty_steps = self.faulty_steps > 0, self.faulty_steps - 1
         offset = 0
         for c in batch.chunks:
             for i in range(len(c.token_ids)):
                 p = c.start_position + i
-                self.cache[c.block_table[p // BLOCK]][p % BLOCK] = ids[offset + i]
+                self.cache[c.block_table[p // BLOCK]][p % BLOCK] = "nan" if faulty else ids[offset + i]
             offset += len(c.token_ids)
         rows = []
         for c in batch.chunks:
             if c.want_logits:
                 tokens = [self.cache[c.block_table[p // BLOCK]][p % BLOCK]
                           for p in range(c.start_position + len(c.token_ids))]
-                rows.append(torch.nn.functional.one_hot(torch.tensor(_next_token(tokens)), V).float() * 10)
+                if "nan" in tokens:
+                    rows.append(torch.full((V,), float("nan")))
+                else:
+                    rows.append(torch.nn.functional.one_hot(torch.tensor(_next_token(tokens)), V).float() * 10)
         return torch.stack(rows) if rows else torch.empty(0, V)
 
 
@@ -316,3 +325,37 @@ def test_a_failed_step_forgets_the_cached_prefixes():
         pass
     assert [t for o in again for t in o.token_ids] == [t for o in done for t in o.token_ids]
     assert engine.stats().prefix_cache_hit_tokens == 8  # the second's lookup only: the third found nothing
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-step", "overlapped"])
+def test_a_prompt_whose_step_came_back_nan_is_never_shared(overlap):
+    """A prompt's blocks are named once its step's logits are back and finite: with overlapped steps, the next
+    step is scheduled before this one's NaN is seen, and a request admitted then took the broken blocks."""
+    limits = EngineLimits(num_blocks=16, max_running=4, max_waiting=8, max_batch_tokens=64, max_context=32)
+    engine = Engine(CacheReadingRunner(faulty_steps=1), Letters(), limits, eos_token_ids=(), overlap=overlap,
+                    prefix_caching=True)
+    prompt, options = list(range(1, 9)), SamplingOptions(max_new_tokens=2, ignore_eos=True)
+    first, second = [], []
+    engine.add_request("first", prompt, options, first.append)
+    engine.step()  # its prefill is launched, writing broken K/V
+    engine.add_request("second", prompt + [20, 21, 22], options, second.append)
+    while engine.step():
+        pass
+    assert first[-1].error and first[-1].non_finite
+    assert second[-1].error is None and second[-1].finish is not None
+    assert [t for o in second for t in o.token_ids] == _expected(prompt + [20, 21, 22], options, 32)
+
+
+def test_a_preempted_prompt_is_looked_up_once_in_the_hit_rate():
+    """The queried / hit counters are the prompts' first lookups: a preempted sequence coming back (its
+    generated tokens included, its own blocks found) inflated both and made a thrashing cache look good."""
+    sched = Scheduler(BlockManager(8, BLOCK, prefix_caching=True), max_running=2, max_batch_tokens=64)
+    seq = _seq(1, list(range(1, 14)))
+    sched.add(seq)
+    for chunk in sched.schedule().chunks:
+        sched.on_computed(chunk)
+    sched.name_prompt_blocks(seq, seq.block_table)
+    seq.output_ids += [7, 8, 9]
+    sched._preempt(seq)
+    assert sched.schedule().chunks[0].start == 12  # its own blocks found again
+    assert (sched.prefix_queried_tokens, sched.prefix_hit_tokens) == (13, 0)

@@ -88,6 +88,9 @@ class _InFlight:
     seqs: list[Sequence]  # every sequence of the step (failed together if the read-back fails)
     kind: str  # "decode" (one new token per sequence) or "prompt" (prompt tokens in it)
     launched_at: float  # time.monotonic() when the step began to launch
+    # Sequences whose prompt this step completed, with their block tables: their blocks enter the prefix
+    # cache once the step's logits come back finite (Scheduler.name_prompt_blocks).
+    completed_prompts: list[tuple[Sequence, list[int]]]
 
 
 @dataclass(slots=True)
@@ -296,6 +299,7 @@ class Engine:
             self._fail([c.seq for c in schedule.chunks], f"model step failed: {type(exc).__name__}: {exc}")
             return None
         placed = []
+        completed_prompts = [(c.seq, c.seq.block_table) for c in due if c.start < len(c.seq.prompt_ids)]
         with self._cond:
             for chunk in schedule.chunks:
                 self.scheduler.on_computed(chunk)
@@ -306,7 +310,7 @@ class Engine:
                     seq.output_ids.append(placeholder(row))
                     placed.append((seq, len(seq.output_ids) - 1, row))
         return _InFlight(ids, host_ids, placed, [c.seq for c in schedule.chunks],
-                         "decode" if batch.is_decode_only else "prompt", launched_at)
+                         "decode" if batch.is_decode_only else "prompt", launched_at, completed_prompts)
 
     def _read_back(self, step: _InFlight) -> None:
         """Waits for a launched step's tokens and puts them in place of its placeholders: stop
@@ -320,6 +324,9 @@ class Engine:
         if self.on_step is not None:
             self.on_step(step.kind, time.monotonic() - step.launched_at)
         with self._cond:
+            if NON_FINITE not in tokens:  # before the tokens below end sequences and release their tables
+                for seq, table in step.completed_prompts:
+                    self.scheduler.name_prompt_blocks(seq, table)
             broken = []
             for seq, index, row in step.placed:
                 live = self._live.get(seq.request_id)

@@ -16,6 +16,9 @@ Prefix caching (BlockManager.prefix_caching): a sequence admitted with nothing c
 preempted) first takes the cached blocks of its prompt's longest cached prefix and starts computing
 after them, always leaving at least its last token to compute (its logits are needed). It pays for
 only the blocks it still needs; the shared ones it holds are not free any more if nobody held them.
+A prompt's blocks are named (name_prompt_blocks) by the engine once the step that completed the
+prompt has come back with finite logits, not when it is launched: a step's NaN, or a failed step,
+is known only then, and a request admitted meanwhile must not take blocks that may be broken.
 """
 
 from __future__ import annotations
@@ -124,8 +127,8 @@ class Scheduler:
             self.waiting.pop(0)
             seq.state = SeqState.RUNNING
             self.running.append(seq)
-            if self.blocks.prefix_caching:
-                self.prefix_queried_tokens += seq.num_tokens
+            if self.blocks.prefix_caching and not seq.num_preemptions:  # a prompt's first lookup only
+                self.prefix_queried_tokens += len(seq.prompt_ids)
                 self.prefix_hit_tokens += start
             self.blocks.share(seq.block_table, shared)
             seq.num_computed = start
@@ -136,17 +139,16 @@ class Scheduler:
         return out
 
     def on_computed(self, chunk: ScheduledChunk) -> None:
-        """Records that the step wrote the chunk's K/V (unless the sequence left in the meantime), and
-        names the prompt blocks it completed for the prefix cache. The step is queued on the device, not
-        done: a later step reading a named block runs after it in the device's order."""
-        seq = chunk.seq
-        if seq.state is not SeqState.RUNNING or seq.num_computed != chunk.start:
-            return
-        seq.num_computed += chunk.num_tokens
-        if seq.prompt_hashes:
-            size = self.blocks.block_size
-            for i in range(chunk.start // size, min(seq.num_computed // size, len(seq.prompt_hashes))):
-                self.blocks.name(seq.block_table[i], seq.prompt_hashes[i])
+        """Records that the step wrote the chunk's K/V (unless the sequence left in the meantime)."""
+        if chunk.seq.state is SeqState.RUNNING and chunk.seq.num_computed == chunk.start:
+            chunk.seq.num_computed += chunk.num_tokens
+
+    def name_prompt_blocks(self, seq: Sequence, table: list[int]) -> None:
+        """Enters the full blocks of seq's computed prompt in the prefix cache, if seq still holds `table`
+        (the table of the step that computed them: a sequence preempted or ended since has another)."""
+        if seq.prompt_hashes and seq.block_table is table and seq.state is SeqState.RUNNING:
+            for block, name in zip(table, seq.prompt_hashes):
+                self.blocks.name(block, name)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks a waiting sequence can start from: its prompt's longest cached prefix, short of
