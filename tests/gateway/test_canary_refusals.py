@@ -29,6 +29,15 @@ async def _canary_taking_short_prompts(stack, artifacts):
     return stable, canary
 
 
+async def _refused_as_out_of_vocabulary(stack) -> None:
+    """A request every worker refuses as the client's fault: a token id past the vocabulary (INVALID_ARGUMENT)."""
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await stack.gw.Generate(gateway_pb2.GatewayGenerateRequest(
+            deployment=DEPLOYMENT, token_ids=common_pb2.TokenIds(ids=[VOCAB + 1]))).read()
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "outside the vocabulary" in raised.value.details()
+
+
 def test_what_the_canary_refuses_and_the_stable_serves_is_served_and_counted_against_the_canary(artifacts):
     async def scenario():
         async with gateway_stack(artifacts) as stack:
@@ -52,11 +61,7 @@ def test_what_the_stable_refuses_too_is_the_clients_and_counts_against_nobody(ar
     async def scenario():
         async with gateway_stack(artifacts) as stack:
             stable, canary = await _canary_taking_short_prompts(stack, artifacts)
-            with pytest.raises(grpc.aio.AioRpcError) as raised:
-                await stack.gw.Generate(gateway_pb2.GatewayGenerateRequest(
-                    deployment=DEPLOYMENT, token_ids=common_pb2.TokenIds(ids=[VOCAB + 1]))).read()
-            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "outside the vocabulary" in raised.value.details()
+            await _refused_as_out_of_vocabulary(stack)
             assert (len(canary.worker.started), len(stable.worker.started)) == (1, 1)
             for artifact_id in (artifacts.canary, artifacts.stable):
                 assert stack.gateway.metrics.stats(DEPLOYMENT, artifact_id, since=0.0).errors == 0
@@ -78,10 +83,6 @@ def test_with_no_stable_worker_the_canarys_refusal_stands(artifacts):
     run(scenario())
 
 
-async def _canary_with_a_shorter_window(stack, artifacts):
-    return await _full_canary(stack, artifacts, 20, context_tokens=12)
-
-
 @pytest.mark.parametrize("stable_state", ["full", "refuse_draining", "fail_before_first"])
 def test_a_canary_refusal_the_stable_never_judged_is_not_the_canarys_error(artifacts, stable_state):
     """Only a stable that serves what the canary refused makes the refusal the canary's error: a stable worker
@@ -92,15 +93,15 @@ def test_a_canary_refusal_the_stable_never_judged_is_not_the_canarys_error(artif
         async with gateway_stack(artifacts) as stack:
             stable, canary = await _full_canary(stack, artifacts, 2)
             setattr(stable.worker, stable_state, True)
-            with pytest.raises(grpc.aio.AioRpcError) as raised:
-                await stack.gw.Generate(gateway_pb2.GatewayGenerateRequest(
-                    deployment=DEPLOYMENT, token_ids=common_pb2.TokenIds(ids=[VOCAB + 1]))).read()
-            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "outside the vocabulary" in raised.value.details()
+            await _refused_as_out_of_vocabulary(stack)
             assert (len(canary.worker.started), len(stable.worker.started)) == (1, 1)
             assert stack.gateway.metrics.stats(DEPLOYMENT, artifacts.canary, since=0.0).errors == 0
 
     run(scenario())
+
+
+async def _canary_with_a_shorter_window(stack, artifacts):
+    return await _full_canary(stack, artifacts, 20, context_tokens=12)
 
 
 def test_a_canary_generation_cut_short_by_its_context_window_counts_against_the_canary(artifacts):
