@@ -23,13 +23,19 @@ requests in a row (mark_failed; one it finishes, mark_succeeded, clears the coun
 Quarantine.after_failures, quarantines it: its heartbeats leave it unhealthy for Quarantine.first_s, each
 further quarantine of the same run twice as long (at most max_s). Once the time is over its next heartbeat
 makes it healthy on probation: one more failure quarantines it again, one finished request clears its record.
-Only a worker with a healthy peer serving its artifact is quarantined (see _quarantine for why)."""
+Only a worker with a healthy peer serving its artifact is quarantined (see _quarantine for why).
+
+A request with a session key goes to the same worker of its artifact while that worker is not much busier
+than the least loaded one (rendezvous hashing of the key over the workers' addresses, the same on every
+gateway replica): a conversation's next turn starts with the previous ones, whose K/V that worker's prefix
+cache still holds. Past AFFINITY_SLACK of capacity above the least loaded, load wins."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import enum
+import hashlib
 import logging
 import random
 import time
@@ -53,6 +59,11 @@ _CHANNEL_OPTIONS = (("grpc.client_idle_timeout_ms", 2**31 - 1),)
 
 # Why a stalled worker gets no requests and loses its open streams (ListWorkers, the streams' failure).
 STALLED_REASON = "its engine stalled (no progress with requests in flight)"
+
+
+# How much busier (open streams over capacity) a session's own worker may be than the least loaded one and still
+# get the session's request: its cached prefix saves the prompt's recomputation, but not at any queueing cost.
+AFFINITY_SLACK = 0.25
 
 
 class Health(enum.Enum):
@@ -400,9 +411,10 @@ class WorkerPool:
     def healthy(self, artifact_id: str) -> list[PooledWorker]:
         return [w for w in self.workers.values() if w.artifact.artifact_id == artifact_id and w.health is Health.HEALTHY]
 
-    def pick(self, artifact_id: str, exclude: set[str] = frozenset()) -> PooledWorker:
+    def pick(self, artifact_id: str, exclude: set[str] = frozenset(), session_key: str = "") -> PooledWorker:
         """The least-loaded healthy worker that holds the artifact (open streams over capacity, then its
-        last reported queue), ties broken at random so equal workers share the load."""
+        last reported queue), ties broken at random so equal workers share the load; with a session key,
+        the session's own worker unless it is AFFINITY_SLACK busier (see the module docstring)."""
         candidates = [w for w in self.healthy(artifact_id) if w.worker_id not in exclude]
         if not candidates:
             raise NoWorker(f"no healthy worker serves artifact {artifact_id}")
@@ -411,8 +423,14 @@ class WorkerPool:
             raise AdmissionFull(f"every worker serving artifact {artifact_id} is at capacity "
                                 f"({', '.join(f'{w.address} {w.in_flight}/{w.capacity}' for w in candidates)}); "
                                 f"retry later")
-        return min(open_, key=lambda w: (w.in_flight / w.capacity, w.waiting_requests + w.running_requests,
-                                         random.random()))
+        least = min(open_, key=lambda w: (w.in_flight / w.capacity, w.waiting_requests + w.running_requests,
+                                          random.random()))
+        if session_key:
+            own = max(open_, key=lambda w: hashlib.blake2b(f"{session_key}\x00{w.address}".encode(),
+                                                           digest_size=8).digest())
+            if own.in_flight / own.capacity <= least.in_flight / least.capacity + AFFINITY_SLACK:
+                return own
+        return least
 
     async def close(self) -> None:
         for worker in list(self.workers.values()):

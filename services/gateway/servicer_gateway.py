@@ -84,6 +84,7 @@ class Trace:
 
     arrival: float
     route: Route
+    session_key: str = ""  # the client's: its requests go to the same worker while it has room (pool.pick)
     worker_started: float | None = None
     first_token_at: float | None = None
     delivered: int = 0  # tokens sent to the client
@@ -174,7 +175,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # duplicate (ALREADY_EXISTS), and Worker.Abort by id would stop another client's generation.
         worker_key = f"{request_id[:128]}.{uuid.uuid4().hex[:16]}"
         deployment = await self.deployments.for_routing(request.deployment)
-        trace = Trace(arrival=arrival, route=router.choose(deployment, request.session_key))
+        trace = Trace(arrival=arrival, route=router.choose(deployment, request.session_key),
+                      session_key=request.session_key)
         tried: set[str] = set()
         failures: list[str] = []
         failed_route: Route | None = None  # the route of a failed attempt, counted once another one starts
@@ -282,7 +284,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         chosen = trace.route
         full: AdmissionFull | None = None
         try:
-            return self.pool.pick(chosen.artifact.artifact_id, exclude=tried)
+            return self.pool.pick(chosen.artifact.artifact_id, exclude=tried, session_key=trace.session_key)
         except NoWorker:
             pass
         except AdmissionFull as exc:
@@ -290,7 +292,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         fallbacks = router.fallback_routes(deployment, chosen)
         for route in fallbacks:
             try:
-                worker = self.pool.pick(route.artifact.artifact_id, exclude=tried)
+                worker = self.pool.pick(route.artifact.artifact_id, exclude=tried, session_key=trace.session_key)
             except NoWorker:
                 continue
             except AdmissionFull as exc:

@@ -62,6 +62,36 @@ def test_requests_go_to_the_least_loaded_healthy_worker(artifacts):
     run(scenario())
 
 
+def test_a_sessions_requests_stay_on_one_worker_while_it_is_not_much_busier(artifacts):
+    """A conversation's next turn starts with the previous ones, whose K/V its worker's prefix cache holds: a
+    session key keeps its requests on one worker (the same choice on every gateway replica, by address), the
+    keys spread over the workers, and a session's worker loaded past the slack loses the request to load."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            fakes = [await stack.add_worker(artifacts.stable, capacity=4, tokens=1) for _ in range(3)]
+
+            async def worker_of(key: str):
+                before = [len(f.worker.started) for f in fakes]
+                await stack.generate("turn", session_key=key)
+                return next(f for f, n in zip(fakes, before) if len(f.worker.started) > n)
+
+            homes = {}
+            for key in (f"user-{i}" for i in range(30)):
+                homes[key] = await worker_of(key)
+                assert await worker_of(key) is homes[key]
+            assert len({id(h) for h in homes.values()}) == 3  # the keys spread over the 3 workers
+            key, home = next(iter(homes.items()))
+            pool = stack.gateway.pool
+            for _ in range(2):  # 2 of its 4 slots taken: 0.5 above the idle others, past the slack
+                pool.acquire(pool.get(home.worker_id))
+            assert await worker_of(key) is not home
+            await pool.release(pool.get(home.worker_id))  # 0.25 above: within the slack, back home
+            assert await worker_of(key) is home
+            await pool.release(pool.get(home.worker_id))
+
+    run(scenario())
+
+
 def test_a_worker_at_capacity_gets_no_more_and_a_full_pool_is_resource_exhausted(artifacts):
     async def scenario():
         async with gateway_stack(artifacts) as stack:
