@@ -233,10 +233,15 @@ def test_shared_prefixes_under_pressure_give_every_request_its_own_tokens(seed):
     starts = [[rng.randint(1, V - 1) for _ in range(rng.randint(4, context // 2))] for _ in range(3)]
     arrivals = []
     for i in range(rng.randint(6, 14)):
-        start = rng.choice(starts)
-        prompt = (start + [rng.randint(1, V - 1) for _ in range(rng.randint(0, 8))])[: context - 1]
         options = SamplingOptions(max_new_tokens=rng.choice([1, 2, 5, 20]), ignore_eos=rng.random() < 0.5)
-        arrivals.append((rng.randint(0, 40), f"r{i}", prompt, options))
+        if arrivals and rng.random() < 0.3:  # a conversation's next turn: an earlier prompt, its answer, more
+            at, _, before, before_options = rng.choice(arrivals)
+            start = before + _expected(before, before_options, context)
+            at += rng.randint(5, 30)
+        else:
+            start, at = rng.choice(starts), rng.randint(0, 40)
+        prompt = (start + [rng.randint(1, V - 1) for _ in range(rng.randint(0, 8))])[: context - 1]
+        arrivals.append((at, f"r{i}", prompt, options))
     outs, aborted, step = {}, set(), 0
     while True:
         for at, rid, prompt, options in arrivals:
@@ -249,7 +254,7 @@ def test_shared_prefixes_under_pressure_give_every_request_its_own_tokens(seed):
             aborted.add(rid)
         moved = engine.step()
         step += 1
-        if not moved and step > 40:
+        if not moved and step > max(at for at, *_ in arrivals):
             break
         assert step < 5000, engine.stats()
     stats = engine.stats()
@@ -359,3 +364,25 @@ def test_a_preempted_prompt_is_looked_up_once_in_the_hit_rate():
     sched._preempt(seq)
     assert sched.schedule().chunks[0].start == 12  # its own blocks found again
     assert (sched.prefix_queried_tokens, sched.prefix_hit_tokens) == (13, 0)
+
+
+def test_a_conversations_next_turn_finds_the_previous_answer_cached():
+    """A finished sequence's generated tokens are named too: the next turn's prompt (this prompt, this answer,
+    a new message) finds every full block before the answer's last token, whose K/V was never written."""
+    limits = EngineLimits(num_blocks=32, max_running=4, max_waiting=8, max_batch_tokens=64, max_context=64)
+    engine = Engine(CacheReadingRunner(), Letters(), limits, eos_token_ids=(), prefix_caching=True)
+    prompt, options = list(range(1, 7)), SamplingOptions(max_new_tokens=12, ignore_eos=True)
+    first = []
+    engine.add_request("turn-1", prompt, options, first.append)
+    while engine.step():
+        pass
+    answer = [t for o in first for t in o.token_ids]
+    assert answer == _expected(prompt, options, 64)
+    second_prompt = prompt + answer + [30, 31, 32]
+    second = []
+    engine.add_request("turn-2", second_prompt, options, second.append)
+    while engine.step():
+        pass
+    # 6 + 12 tokens, the last never fed: 17 written, 4 full blocks of 4
+    assert engine.stats().prefix_cache_hit_tokens == 16
+    assert [t for o in second for t in o.token_ids] == _expected(second_prompt, options, 64)

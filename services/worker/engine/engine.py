@@ -380,6 +380,9 @@ class Engine:
                 # The held-back tail (text before an incomplete character) completed a stop string,
                 # which came before the length limit or the EOS in the text.
                 reason = FinishReason.STOP
+            # The last token was sampled, never fed: the K/V of every token before it are written, by steps
+            # read back (the one that fed the token before it is the one that sampled this one).
+            self.scheduler.name_finished_blocks(seq, len(seq.prompt_ids) + generated - 1)
             self._finish(live, reason, [token], text)
 
     def _finish(self, live: _Live, reason: FinishReason, token_ids: list[int], text: str) -> None:

@@ -18,7 +18,9 @@ after them, always leaving at least its last token to compute (its logits are ne
 only the blocks it still needs; the shared ones it holds are not free any more if nobody held them.
 A prompt's blocks are named (name_prompt_blocks) by the engine once the step that completed the
 prompt has come back with finite logits, not when it is launched: a step's NaN, or a failed step,
-is known only then, and a request admitted meanwhile must not take blocks that may be broken.
+is known only then, and a request admitted meanwhile must not take blocks that may be broken. When a
+sequence finishes, the blocks of its generated tokens are named too (name_finished_blocks): a
+conversation's next turn starts with this turn's prompt and answer.
 """
 
 from __future__ import annotations
@@ -148,6 +150,14 @@ class Scheduler:
         (the table of the step that computed them: a sequence preempted or ended since has another)."""
         if seq.prompt_hashes and seq.block_table is table and seq.state is SeqState.RUNNING:
             for block, name in zip(table, seq.prompt_hashes):
+                self.blocks.name(block, name)
+
+    def name_finished_blocks(self, seq: Sequence, known: int) -> None:
+        """Enters the full blocks of seq's first `known` tokens (prompt and generated) in the prefix cache, as
+        it finishes: tokens whose K/V steps already read back have written."""
+        if self.blocks.prefix_caching and seq.state is SeqState.RUNNING:
+            names = prefix_block_hashes(seq.token_at(0, known), self.blocks.block_size)
+            for block, name in zip(seq.block_table, names):
                 self.blocks.name(block, name)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
