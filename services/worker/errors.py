@@ -64,6 +64,14 @@ class ArtifactNotFound(ArtifactRefused):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class ArtifactUnavailable(ArtifactRefused):
+    """The artifact's objects cannot be fetched (the object store unreachable, or refusing this worker's
+    credentials) and no complete cached copy is at hand: nothing says the artifact is damaged, and a
+    later start may succeed."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class ArtifactNotReady(ArtifactRefused):
     """The registry has the artifact as PENDING (publication under way) or FAILED: never served."""
 

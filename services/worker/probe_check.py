@@ -41,6 +41,7 @@ def check_probe(runner, reader: ArtifactReader, num_blocks: int, max_context: in
         log.warning("artifact %s has no probe (made before probes): its logits on this worker's kernels are not "
                     "checked against the quantizer's reference", artifact_id)
         return None
+    _check_fits(probe, reader.manifest.model_config["vocab_size"], artifact_id)
     length = len(probe.token_ids)
     if length > max_context or math.ceil(length / runner.block_size) > num_blocks:
         log.warning("artifact %s: the probe's %d tokens do not fit this worker's context (%d tokens, %d KV blocks); "
@@ -60,6 +61,18 @@ def check_probe(runner, reader: ArtifactReader, num_blocks: int, max_context: in
     log.info("probe: logits within %.4f of the reference on average (relative L2; at most %.4f, %d positions; "
              "limit %g) in %.2f s", mean, worst, len(errors), max_error, time.perf_counter() - started)
     return mean
+
+
+def _check_fits(probe: Probe, vocab_size: int, artifact_id: str) -> None:
+    """ArtifactCorrupt unless the probe is of the model's vocabulary: Probe.read checks only its own rows, and
+    a token id or logits width of another vocabulary would crash the runner or the comparison with a traceback."""
+    if probe.logits.dim() != 2 or probe.logits.shape[1] != vocab_size:
+        raise ArtifactCorrupt(f"artifact {artifact_id}: the probe's logits are {tuple(probe.logits.shape)}, not "
+                              f"(rows, {vocab_size}): the model's vocab_size is {vocab_size}")
+    outside = [token for token in probe.token_ids if not 0 <= token < vocab_size]
+    if outside:
+        raise ArtifactCorrupt(f"artifact {artifact_id}: the probe's token id {outside[0]} is outside the model's "
+                              f"vocabulary [0, {vocab_size})")
 
 
 def probe_logits(runner, probe: Probe, max_batch_tokens: int) -> torch.Tensor:

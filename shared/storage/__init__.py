@@ -8,7 +8,7 @@
 
 from .base import ObjectInfo, ObjectStore, Progress
 from .config import StorageConfig, open_store
-from .errors import InsufficientSpace, InvalidConfig, InvalidKey, ObjectNotFound, StorageError
+from .errors import InsufficientSpace, InvalidConfig, InvalidKey, ObjectNotFound, StorageError, VerificationFailed
 from .fetch import fetch_folder
 from .keys import STAGING_ROOT
 from .local import LocalStore
@@ -27,6 +27,7 @@ __all__ = [
     "StorageConfig",
     "StorageError",
     "TransferProgress",
+    "VerificationFailed",
     "fetch_folder",
     "open_store",
 ]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from shared.disk_space import RoomCheck, shortage
 
-from .errors import InsufficientSpace, InvalidKey, ObjectNotFound, StorageError
+from .errors import InsufficientSpace, InvalidKey, ObjectNotFound, StorageError, VerificationFailed
 from .hashing import sha256_file
 from .keys import STAGING_ROOT, check_key, check_prefix, folder_prefix
 
@@ -301,12 +301,12 @@ def staging_attempt_is_stale(attempt: str, older_than_s: float) -> bool:
 
 def _check_same(where: str, stored: ObjectInfo, reference: ObjectInfo, *, what: str, check_sha: bool) -> None:
     if stored.size != reference.size:
-        raise StorageError(
+        raise VerificationFailed(
             f"verification of {where} failed: the object has {stored.size} bytes, "
             f"the {what} {reference.size}"
         )
     if check_sha and stored.sha256 != reference.sha256:
-        raise StorageError(
+        raise VerificationFailed(
             f"verification of {where} failed: the object's sha256 is {stored.sha256}, "
             f"the {what}'s {reference.sha256}"
         )

@@ -23,3 +23,8 @@ class InsufficientSpace(StorageError):
     def __init__(self, message: str, needed: int):
         super().__init__(message)
         self.needed = needed  # bytes the download needs free
+
+
+class VerificationFailed(StorageError):
+    """An object's bytes do not match their recorded size or sha256 (altered in transit or in the store):
+    unlike an unreachable store, something is damaged."""

@@ -212,3 +212,31 @@ def test_downloads_of_different_artifacts_into_one_cache_take_turns(artifacts, t
     assert end_a <= start_b
     for item in loaded:
         os.close(item.cache_hold)
+
+
+@pytest.mark.parametrize("why", ["evicted", "damaged"])
+def test_a_copy_left_half_deleted_by_a_killed_worker_is_reclaimed_for_room(tmp_path, monkeypatch, why):
+    """A worker killed while deleting a cached copy (renamed aside, then removed) leaves the aside folder: the
+    next worker that needs room removes it, rather than refusing the download for room that garbage holds."""
+    cache = tmp_path / "cache"
+    left = cache / f".{A}.{why}-{'0' * 32}"  # artifact_cache.aside_path's name
+    (left / "weights").mkdir(parents=True)
+    (left / "weights" / "block_000.safetensors").write_bytes(b"x" * 10)
+    monkeypatch.setattr("shared.disk_space.free_bytes", lambda path: 100 + 10 * (not left.exists()))
+    assert make_room(cache, 110, keep=KEEP) == []  # no artifact was evicted: the garbage was the room
+    assert not left.exists()
+
+
+def test_a_damaged_copy_just_moved_aside_by_a_live_worker_is_left_to_it(tmp_path):
+    """For a few system calls the aside name of a damaged copy may hold another worker's fresh copy, which the
+    worker discarding it (holding the artifact) puts back: not garbage until no worker holds the artifact."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    held = hold(cache, A)
+    aside = artifact_cache.aside_path(cache / A, artifact_cache.DAMAGED)
+    aside.mkdir()
+    try:
+        assert artifact_cache.remove_leftovers(cache) == 0 and aside.exists()
+    finally:
+        os.close(held)
+    assert artifact_cache.remove_leftovers(cache) == 1 and not aside.exists()

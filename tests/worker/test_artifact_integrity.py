@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+import types
 from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from services.worker.config import WorkerConfig
 from services.worker.engine.loading import open_artifact
 from services.worker.errors import ArtifactCorrupt
 from services.worker.serving import load_served_model
+from shared.formats.artifact import ArtifactReader
 
 
 @pytest.fixture
@@ -79,3 +83,37 @@ def test_weights_of_another_shape_than_the_model_config_are_refused_at_start(art
     with pytest.raises(ArtifactCorrupt, match="model_config") as err:
         load_served_model(config)
     assert err.value.code == grpc.StatusCode.DATA_LOSS
+
+
+class _StandInTritonRunner:
+    """What the GPU runner's constructor does first with the artifact (its config, then its weights), on the
+    CPU: a host without a GPU runs the GPU path's error handling."""
+
+    SUPPORTED_FORMATS = ("w4a8kv4-g128", "w4a8kv4-chn", "fp16")
+
+    def __init__(self, reader, device, block_size, settings):
+        from services.worker.engine.gpu_weights import load_weights
+        from shared.model.config import LlamaConfig
+
+        self.config = LlamaConfig.from_dict(reader.manifest.model_config)
+        self.weights = load_weights(reader, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("field, factor", [("intermediate_size", 2), ("hidden_size", 2), ("head_dim", None)])
+def test_a_corrupt_artifact_on_the_gpu_path_is_data_loss_not_a_mismatch(artifact_copy, monkeypatch, field, factor):
+    """The GPU runner's ValueErrors name a format or shape it cannot run (FAILED_PRECONDITION); an ArtifactError
+    or CheckpointError (also ValueErrors) from its constructor is the artifact's fault, as on the CPU."""
+    from services.worker.engine import loading
+
+    new = (lambda v: v * factor) if factor else (lambda v: 127)  # head_dim 127: no Llama has it
+    _edit_manifest(artifact_copy, lambda m: m["model_config"].update({field: new(m["model_config"].get(field, 0))}))
+    runner_module = types.ModuleType("stand_in_triton_runner")
+    runner_module.TritonRunner = _StandInTritonRunner
+    runner_module.TritonRunnerSettings = lambda **options: options
+    monkeypatch.setitem(sys.modules, runner_module.__name__, runner_module)
+    monkeypatch.setattr(loading, "TRITON_RUNNER_MODULE", runner_module.__name__)
+    reader = ArtifactReader(artifact_copy)  # every listed file matches: manifest.json is not in its own list
+    with pytest.raises(ArtifactCorrupt) as err:
+        loading.load_runner(reader, torch.device("cuda"), 16, max_batch_tokens=512)
+    assert err.value.code == grpc.StatusCode.DATA_LOSS
+    assert reader.manifest.artifact_id in str(err.value)

@@ -4,6 +4,7 @@ corrupt or partial files; and loading an artifact id from the object store."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -13,10 +14,10 @@ import pytest
 from services.worker.config import WorkerConfig
 from services.worker.engine.artifact_cache import LOCKS_DIR
 from services.worker.engine.loading import open_artifact
-from services.worker.errors import ArtifactCorrupt, ArtifactMismatch, ArtifactNotFound, ArtifactRefused
+from services.worker.errors import ArtifactCorrupt, ArtifactMismatch, ArtifactNotFound, ArtifactRefused, ArtifactUnavailable
 from services.worker.server import BackgroundWorker, main
 from shared.formats.artifact import ArtifactReader
-from shared.storage import LocalStore, StorageConfig
+from shared.storage import LocalStore, ObjectInfo, StorageConfig, StorageError
 
 
 @pytest.fixture
@@ -299,3 +300,43 @@ def test_a_damaged_cache_does_not_delete_the_fresh_copy_another_worker_loads(art
     other[0].reader.verify()
     loaded.reader.verify()
     assert [p.name for p in cache.iterdir() if p.name != LOCKS_DIR] == [artifact_id]
+
+
+def _store_down(monkeypatch) -> None:
+    """An object store outage (S3/MinIO unreachable): every listing fails."""
+    def down(self, prefix=""):
+        raise StorageError(f"cannot reach S3 endpoint for listing of {self.uri(prefix)}: Could not connect")
+
+    monkeypatch.setattr(LocalStore, "list", down)
+
+
+def test_a_complete_cached_copy_is_served_while_the_store_is_down(artifacts, tmp_path, monkeypatch):
+    """A worker restarting during a store outage serves its verified cached copy, reporting the same prefix."""
+    manifest, prefix, store, cache = _in_store(artifacts, tmp_path)
+    os.close(open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache).cache_hold)
+    _store_down(monkeypatch)
+    loaded = open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
+    assert loaded.folder == cache / manifest.artifact_id and loaded.object_prefix == prefix
+
+
+def test_a_store_outage_without_a_cached_copy_is_unavailable_not_data_loss(artifacts, tmp_path, monkeypatch):
+    manifest, _prefix, store, cache = _in_store(artifacts, tmp_path)
+    _store_down(monkeypatch)
+    with pytest.raises(ArtifactUnavailable, match=f"artifact {manifest.artifact_id} cannot be fetched: the object "
+                                                  "store is unavailable") as err:
+        open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_download_not_matching_its_sha256_is_data_loss(artifacts, tmp_path, monkeypatch):
+    manifest, _prefix, store, cache = _in_store(artifacts, tmp_path)
+    real_get = LocalStore.get_file
+
+    def altered_in_transit(self, key, local_path):
+        got = real_get(self, key, local_path)
+        return ObjectInfo(got.key, got.size, "0" * 64)
+
+    monkeypatch.setattr(LocalStore, "get_file", altered_in_transit)
+    with pytest.raises(ArtifactCorrupt, match=f"artifact {manifest.artifact_id} could not be downloaded intact") as err:
+        open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
+    assert err.value.code == grpc.StatusCode.DATA_LOSS

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from services.worker.config import ConfigError, WorkerConfig
@@ -116,3 +117,18 @@ def test_a_worker_starts_serving_with_nothing_in_its_prefix_cache(artifacts):
     stats = _load(artifacts["fp16"]).engine.stats()
     assert stats.prefix_cache_queried_tokens > 0  # the self-check went through the engine
     assert stats.kv_blocks_cached == 0 and stats.kv_blocks_free == stats.kv_blocks_total
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t, vocab: t.update(logits=torch.zeros(t["logits"].shape[0], vocab + 8)), r"logits are \(\d+, {vocab8}\)"),
+    (lambda t, vocab: t["decode_ids"].__setitem__(0, vocab + 5), r"token id {vocab5} is outside"),
+], ids=["logits_columns", "token_id"])
+def test_a_probe_of_another_vocabulary_is_a_corrupt_artifact(artifact_copy, edit, message):
+    """Listed with its sha256, so it passes the file checks; run, it would crash start-up with a traceback."""
+    vocab = json.loads((artifact_copy / "manifest.json").read_text())["model_config"]["vocab_size"]
+    tensors = load_file(str(artifact_copy / PROBE_FILE))
+    edit(tensors, vocab)
+    save_file(tensors, str(artifact_copy / PROBE_FILE))
+    _relist(artifact_copy, PROBE_FILE)
+    with pytest.raises(ArtifactCorrupt, match=message.format(vocab8=vocab + 8, vocab5=vocab + 5)):
+        _load(artifact_copy)

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +37,12 @@ log = logging.getLogger(__name__)
 ARTIFACT_ID_RE = re.compile(r"^[0-9a-f]{32}$")  # uuid4 hex, as the quantizer assigns
 LOCKS_DIR = ".locks"
 DOWNLOAD_LOCK = "download"  # <cache>/.locks/download: held by the worker downloading into the cache
+# A cached copy being deleted is first renamed aside to `.<id>.<why>-<hex>` (aside()): evicted by make_room, or
+# found damaged (loading._discard_damaged).
+EVICTED, DAMAGED = "evicted", "damaged"
+ASIDE_RE = re.compile(rf"^\.([0-9a-f]{{32}})\.({EVICTED}|{DAMAGED})-[0-9a-f]{{32}}$")
+# A damaged copy's aside name holds, for a few system calls, a fresh copy that is being put back: far longer.
+ASIDE_GRACE_S = 60.0
 
 
 def hold(cache_dir: Path, artifact_id: str) -> int | None:
@@ -87,6 +94,7 @@ def download_turn(cache_dir: Path, artifact_id: str) -> Iterator[None]:
 def make_room(cache_dir: Path, needed: int, keep: str) -> list[str]:
     """Deletes cached artifacts no worker holds, least recently held first, until `needed` bytes are free
     (or none is left to delete); never `keep`. Returns the ids deleted."""
+    remove_leftovers(cache_dir)  # garbage first: it may be all the room needed
     evicted = []
     for artifact_id in _least_recently_held(cache_dir, keep):
         if disk_space.free_bytes(cache_dir) >= needed:
@@ -121,7 +129,7 @@ def _delete_if_unused(cache_dir: Path, artifact_id: str) -> bool:
         except BlockingIOError:
             return False  # a worker serves it
         folder = cache_dir / artifact_id
-        aside = cache_dir / f".{artifact_id}.evicted-{uuid.uuid4().hex}"
+        aside = aside_path(folder, EVICTED)
         try:
             size = disk_space.tree_bytes(folder)
             os.rename(folder, aside)
@@ -132,6 +140,53 @@ def _delete_if_unused(cache_dir: Path, artifact_id: str) -> bool:
         log.warning("deleted cached artifact %s (%s, used by no worker here) to make room in %s", artifact_id,
                     disk_space.gib(size), cache_dir)
         return True
+    finally:
+        os.close(fd)
+
+
+def aside_path(folder: Path, why: str) -> Path:
+    """A name of this process's own to rename a cached copy to before deleting it (`why`: EVICTED or DAMAGED):
+    no reader looks there, and remove_leftovers knows it for garbage."""
+    return folder.with_name(f".{folder.name}.{why}-{uuid.uuid4().hex}")
+
+
+def remove_leftovers(cache_dir: Path) -> int:
+    """Removes the aside folders (aside_path) that a worker killed while deleting a cached copy left behind:
+    nothing else would (eviction lists only artifact folders, the stale-download sweep only partial downloads),
+    and the room they take would refuse later downloads. Returns how many were removed."""
+    try:
+        paths = list(cache_dir.iterdir())
+    except FileNotFoundError:
+        return 0
+    removed = 0
+    for path in paths:
+        match = ASIDE_RE.match(path.name)
+        if match is None or not _is_garbage(cache_dir, match[1], match[2], path):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        log.warning("removed %s, left behind by a worker that died while deleting that cached copy", path)
+        removed += 1
+    return removed
+
+
+def _is_garbage(cache_dir: Path, artifact_id: str, why: str, path: Path) -> bool:
+    """An evicted copy always is: no reader looks there, and removing it beside a live evictor only shares its
+    work. A damaged one may, for a few system calls, be another worker's fresh copy that the discarding worker
+    (which holds the artifact meanwhile) puts back: it is garbage once no worker holds the artifact, or long
+    after it was moved there (a rename sets the folder's ctime)."""
+    if why == EVICTED:
+        return True
+    try:
+        if time.time() - path.stat().st_ctime > ASIDE_GRACE_S:
+            return True
+        fd = _open_lock(cache_dir, artifact_id)
+    except OSError:  # gone meanwhile, or a read-only cache
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False  # a worker holds it: maybe in the middle of putting it back
     finally:
         os.close(fd)
 
@@ -150,6 +205,7 @@ def _open_lock(cache_dir: Path, artifact_id: str) -> int:
 def download_into_cache(object_store: ObjectStore, prefix: str, folder: Path, ref: str) -> None:
     """Downloads into the cache, first deleting cached artifacts no worker uses when the disk lacks the room;
     logs the progress every 10 s (a 70B artifact takes minutes) and the end with the rate."""
+    remove_leftovers(folder.parent)  # before download_folder's space check: they hold room for nothing
     progress = TransferProgress(lambda done: log.info("artifact %s: %s downloaded", ref, done),
                                 total_bytes=sum(info.size for info in object_store.list(prefix)))
     try:

@@ -12,19 +12,20 @@ import importlib
 import logging
 import os
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from services.worker.engine.artifact_cache import ARTIFACT_ID_RE, download_into_cache, download_turn, hold
+from services.worker.engine.artifact_cache import (ARTIFACT_ID_RE, DAMAGED, aside_path, download_into_cache, download_turn,
+                                                   hold)
 from services.worker.errors import (ArtifactCorrupt, ArtifactMismatch, ArtifactNotFound, ArtifactNotReady, ArtifactRefused,
-                                   RunnerUnavailable)
+                                   ArtifactUnavailable, RunnerUnavailable)
 from shared.formats.artifact import ArtifactError, ArtifactReader, sha256_file
 from shared.formats.manifest import MANIFEST_NAME
 from shared.formats.spec import FORMATS
-from shared.storage import InsufficientSpace, ObjectNotFound, StorageConfig, StorageError, open_store
+from shared.model.config import CheckpointError
+from shared.storage import InsufficientSpace, ObjectNotFound, StorageConfig, StorageError, VerificationFailed, open_store
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ def load_runner(
         options["max_batch_tokens"] = max_batch_tokens
     try:
         return cls(reader, device, block_size, settings_cls(**options))
+    except (ArtifactError, CheckpointError) as exc:  # ValueErrors too, but the files' fault, not the GPU's
+        raise ArtifactCorrupt(f"artifact {reader.manifest.artifact_id} cannot be loaded: {exc}") from exc
     except ValueError as exc:  # the runner names the format it cannot run and those it can
         m = reader.manifest
         raise ArtifactMismatch(f"artifact {m.artifact_id} (format {m.format!r}) is refused by the GPU runner: {exc}") from exc
@@ -175,46 +178,85 @@ def open_artifact(
 
 def _fetch(ref: str, gpu_target: str, formats: tuple[str, ...], expected_format: str | None, store: StorageConfig,
            registry_url: str | None, cache_dir: Path) -> LoadedArtifact:
-    """The cached copy of artifact `ref`, verified; downloaded first when there is none (or it is damaged)."""
+    """The cached copy of artifact `ref`, verified; downloaded first when there is none (or it is damaged).
+    The store is contacted only for a download: a worker restarting while the store is down serves its
+    complete cached copy."""
     record = _registry_lookup(ref, registry_url) if registry_url else None
     folder = cache_dir / ref
+    cached = _cached_copy(folder, ref, gpu_target, formats, expected_format, record)
+    if cached is not None:
+        return cached
+    prefix = _download(ref, store, record, folder, cache_dir)
+    reader = _read(folder, gpu_target, formats, expected_format)
+    _check_identity(reader, ref, record, folder)
+    return _loaded(reader, folder, ref, prefix or _object_prefix(reader, ref, record), record)
+
+
+def _cached_copy(folder: Path, ref: str, gpu_target: str, formats: tuple[str, ...], expected_format: str | None,
+                 record: RegistryRecord | None) -> LoadedArtifact | None:
+    """The complete, verified cached copy of `ref`; None when there is none, or it was damaged (then discarded)."""
+    # Held open while the cached copy is read: what is discarded must be the copy found damaged
+    # (an open folder's inode number cannot be reused by another worker's fresh copy).
+    pin = _open_folder(folder)
+    if pin is None:
+        return None
     try:
-        object_store = open_store(store)
-        prefix = record.object_prefix if record else _find_prefix(object_store, ref)
-        # Held open while the cached copy is read: what is discarded must be the copy found damaged
-        # (an open folder's inode number cannot be reused by another worker's fresh copy).
-        pin = _open_folder(folder)
-        if pin is not None:
+        reader = _read(folder, gpu_target, formats, expected_format)
+        _check_identity(reader, ref, record, folder)
+        return _loaded(reader, folder, ref, _object_prefix(reader, ref, record), record)
+    except ArtifactCorrupt as exc:
+        log.warning("cached copy of %s is unusable (%s); downloading it again", ref, exc)
+        _discard_damaged(folder, os.fstat(pin))
+        return None
+    finally:
+        os.close(pin)
+
+
+def _download(ref: str, store: StorageConfig, record: RegistryRecord | None, folder: Path,
+              cache_dir: Path) -> str | None:
+    """Downloads `ref` into `folder`; returns its prefix in the store, None when another worker's copy landed
+    there first (the store is then not contacted). Only bytes not matching their sha256 or size are
+    ArtifactCorrupt: a store that cannot be reached says nothing about the artifact (ArtifactUnavailable)."""
+    if folder.exists():  # another worker put a complete, verified copy there meanwhile
+        return None
+    try:
+        with download_turn(cache_dir, ref):  # one download at a time per cache (artifact_cache)
+            if folder.exists():
+                return None
+            object_store = open_store(store)
+            prefix = record.object_prefix if record else _find_prefix(object_store, ref)
+            log.info("downloading artifact %s from %s", ref, object_store.uri(prefix))
             try:
-                reader = _read(folder, gpu_target, formats, expected_format)
-                _check_identity(reader, ref, record, folder)
-                return _loaded(reader, folder, ref, prefix, record)
-            except ArtifactCorrupt as exc:
-                log.warning("cached copy of %s is unusable (%s); downloading it again", ref, exc)
-                _discard_damaged(folder, os.fstat(pin))
-            finally:
-                os.close(pin)
-        if not folder.exists():  # else another worker put a complete, verified copy there meanwhile
-            with download_turn(cache_dir, ref):  # one download at a time per cache (artifact_cache)
+                download_into_cache(object_store, prefix, folder, ref)
+            except StorageError:
+                # Another worker's download may have landed between the check and ours (one of an older
+                # build, without the download lock; the store renames only complete, verified copies
+                # into place): it is read and verified by the caller.
                 if not folder.exists():
-                    log.info("downloading artifact %s from %s", ref, object_store.uri(prefix))
-                    try:
-                        download_into_cache(object_store, prefix, folder, ref)
-                    except StorageError:
-                        # Another worker's download may have landed between the check and ours (one of an older
-                        # build, without the download lock; the store renames only complete, verified copies
-                        # into place): it is read and verified below.
-                        if not folder.exists():
-                            raise
+                    raise
+            return prefix
     except ObjectNotFound as exc:
         raise ArtifactNotFound(f"artifact {ref}: {exc}") from exc
     except InsufficientSpace as exc:  # the cache's disk, not the artifact: nothing is corrupt
         raise ArtifactRefused(f"artifact {ref} cannot be fetched into --cache-dir {cache_dir}: {exc}") from exc
-    except StorageError as exc:
+    except VerificationFailed as exc:
         raise ArtifactCorrupt(f"artifact {ref} could not be downloaded intact: {exc}") from exc
-    reader = _read(folder, gpu_target, formats, expected_format)
-    _check_identity(reader, ref, record, folder)
-    return _loaded(reader, folder, ref, prefix, record)
+    except StorageError as exc:
+        raise ArtifactUnavailable(
+            f"artifact {ref} cannot be fetched: the object store is unavailable and no complete copy is cached "
+            f"in {cache_dir}: {exc}"
+        ) from exc
+
+
+def _object_prefix(reader: ArtifactReader, ref: str, record: RegistryRecord | None) -> str:
+    """Where the artifact is in the store, without asking the store: the registry's record, else the
+    quantizer's layout (shared.registry.artifacts.object_prefix) from its manifest, whose id is `ref`."""
+    if record is not None:
+        return record.object_prefix
+    from shared.registry.artifacts import object_prefix  # the one layout, the registry's
+
+    m = reader.manifest
+    return object_prefix(m.model_name, m.model_version, m.format, m.gpu_target, ref)
 
 
 def _open_folder(folder: Path) -> int | None:
@@ -230,7 +272,7 @@ def _discard_damaged(folder: Path, damaged: os.stat_result) -> None:
     Workers sharing the cache folder may find the same damaged copy: it is first renamed aside to a
     name of this worker's own (atomic), so a copy that is already gone is left alone, and a fresh
     copy another worker put there meanwhile (and may be loading) is put back rather than deleted."""
-    aside = folder.with_name(f".{folder.name}.damaged-{uuid.uuid4().hex}")
+    aside = aside_path(folder, DAMAGED)
     try:
         os.rename(folder, aside)
     except FileNotFoundError:
