@@ -13,13 +13,16 @@ from qctl.devices import resolve_device
 from qctl.errors import user_errors
 from shared.model.config import LlamaConfig
 
+DEFAULT_SEQ_LEN = 512  # eval's window when --seq-len is not given (or the model's context, if shorter)
+
 
 @user_errors
 def evaluate(
     model: Path = typer.Option(..., "--model", help="the source checkpoint folder (its tokenizer is used)"),
     artifact: Path = typer.Option(None, "--artifact", help="an artifact folder made from --model [default: the fp model]"),
     data: Path = typer.Option(..., "--data", help="text file, tokenized whole, no special tokens"),
-    seq_len: int = typer.Option(512, help="window length; windows do not overlap"),
+    seq_len: int = typer.Option(None, help="window length; windows do not overlap "
+                                "[default: 512, or the model's max_position_embeddings if shorter]"),
     max_windows: int = typer.Option(0, help="score only the first N windows (0: all)"),
     batch_size: int = typer.Option(8, help="windows per forward"),
     device: str = typer.Option("auto", help="cpu, cuda, or auto"),
@@ -41,6 +44,7 @@ def evaluate(
     text = data.read_text(encoding="utf-8", errors="replace")
     if not text.strip():
         raise ValueError(f"data file {data} is empty")
+    seq_len = window_length(seq_len, LlamaConfig.from_folder(model).max_position_embeddings)
     if artifact is not None:
         reader = ArtifactReader(artifact)
         if LlamaConfig.from_dict(reader.manifest.model_config) != LlamaConfig.from_folder(model):
@@ -66,3 +70,15 @@ def evaluate(
         print(json.dumps({"ppl": result.ppl, "tokens": result.tokens, "windows": result.windows}))
     else:
         print(f"perplexity {result.ppl:.4f} over {result.tokens} tokens ({result.windows} windows of {seq_len})")
+
+
+def window_length(seq_len: int | None, context: int) -> int:
+    """The eval window: the user's, if the model serves that many positions, else refused (its positions
+    beyond max_position_embeddings were never trained nor are they served, so the perplexity would be a
+    plausible number about nothing); without one, 512 or the model's whole context if that is shorter."""
+    if seq_len is None:
+        return min(DEFAULT_SEQ_LEN, context)
+    if seq_len > context:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens "
+                         f"(config.json max_position_embeddings); give at most {context}")
+    return seq_len

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,33 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        # A zero or negative value here gives inf/NaN RoPE frequencies, and a model that answers garbage
+        # without any error: refuse it by its config.json name.
+        _require_positive("rope_theta", self.theta)
+        if self.type in ("linear", "llama3"):
+            _require_positive("factor", self.factor)
+        if self.type == "llama3":
+            _check_llama3_bands(self)
+
+
+def _require_positive(name: str, value) -> None:
+    if not _is_number(value) or not value > 0:
+        raise CheckpointError(f"{name}={value!r} must be a positive number")
+
+
+def _check_llama3_bands(rope: RopeConfig) -> None:
+    """Llama-3.1 RoPE divides by original_max_position_embeddings / low_freq_factor and by
+    high_freq_factor - low_freq_factor: each must be positive for finite frequencies."""
+    if not _is_positive_int(rope.original_max_position_embeddings):
+        raise CheckpointError(f"original_max_position_embeddings={rope.original_max_position_embeddings!r} "
+                              "must be a positive integer")
+    _require_positive("low_freq_factor", rope.low_freq_factor)
+    _require_positive("high_freq_factor", rope.high_freq_factor)
+    if not rope.high_freq_factor > rope.low_freq_factor:
+        raise CheckpointError(f"high_freq_factor={rope.high_freq_factor!r} must be greater than "
+                              f"low_freq_factor={rope.low_freq_factor!r} for llama3 RoPE")
 
 
 @dataclass(slots=True, frozen=True)
@@ -154,6 +182,11 @@ def _is_positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def _is_number(value) -> bool:
+    """A finite JSON number (JSON's NaN and Infinity pass json.loads, and bool is an int in Python)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _per_head(hidden_size, heads) -> int:
     """hidden_size / heads; 0 (refused by LlamaConfig, naming the bad value) when either is not a positive int."""
     return hidden_size // heads if _is_positive_int(hidden_size) and _is_positive_int(heads) else 0
@@ -187,20 +220,42 @@ def _check_not_prequantized(hf: dict) -> None:
 
 def _rope_from_hf(hf: dict) -> RopeConfig:
     # transformers >= 5 nests everything under rope_parameters; older configs use rope_theta + rope_scaling.
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
+    params = _rope_section(hf, "rope_parameters")
+    scaling = _rope_section(hf, "rope_scaling")
     merged = {**scaling, **params}
-    theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+
+    def number(key: str, default) -> float:
+        # Named as config.json places it, so the user knows which entry to fix.
+        where = "rope_parameters." if key in params else "rope_scaling." if key in scaling else ""
+        return _hf_number(where + key, merged.get(key, default))
+
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     _check_full_rotary(hf, merged)
     return RopeConfig(
-        theta=float(theta),
+        theta=number("rope_theta", hf.get("rope_theta", 10000.0)),
         type=rope_type,
-        factor=float(merged.get("factor", 1.0)),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        factor=number("factor", 1.0),
+        low_freq_factor=number("low_freq_factor", 1.0),
+        high_freq_factor=number("high_freq_factor", 4.0),
         original_max_position_embeddings=_original_length(hf, merged),
     )
+
+
+def _rope_section(hf: dict, key: str) -> dict:
+    """rope_parameters / rope_scaling: an object, or null (or absent) for none."""
+    value = hf.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{key}={value!r} must be a JSON object or null")
+    return dict(value)
+
+
+def _hf_number(name: str, value) -> float:
+    """A RoPE number of config.json as float; a null, a string or a list would be a TypeError in float()."""
+    if not _is_number(value):
+        raise CheckpointError(f"{name}={value!r} must be a positive number")
+    return float(value)
 
 
 def _original_length(hf: dict, rope: dict) -> int:
@@ -209,8 +264,15 @@ def _original_length(hf: dict, rope: dict) -> int:
     and with neither it is max_position_embeddings (not Llama-3.1's 8192)."""
     for value in (hf.get("original_max_position_embeddings"), rope.get("original_max_position_embeddings")):
         if value is not None:
-            return int(value)
-    return int(hf.get("max_position_embeddings", 2048))
+            return _hf_int("original_max_position_embeddings", value)
+    return _hf_int("max_position_embeddings", hf.get("max_position_embeddings", 2048))
+
+
+def _hf_int(name: str, value) -> int:
+    """A positive whole number of config.json (8192.0 too, as int() took it before); refused by name otherwise."""
+    if not _is_number(value) or not value > 0 or value != int(value):
+        raise CheckpointError(f"{name}={value!r} must be a positive integer")
+    return int(value)
 
 
 def _check_full_rotary(hf: dict, rope: dict) -> None:
@@ -218,5 +280,5 @@ def _check_full_rotary(hf: dict, rope: dict) -> None:
     fails on it for scaled RoPE, so a checkpoint carrying one was trained by other code: refuse it
     rather than rotate dimensions it never rotated."""
     for value in (rope.get("partial_rotary_factor"), hf.get("partial_rotary_factor")):
-        if value is not None and float(value) != 1.0:
+        if value is not None and value != 1.0:  # not float(value): a list or a string would be a TypeError
             raise CheckpointError(f"partial_rotary_factor={value} is not supported; Llama applies RoPE to the whole head")

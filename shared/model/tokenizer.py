@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -27,12 +28,18 @@ class Tokenizer:
                 raise CheckpointError(f"{folder / 'tokenizer.json'} is not a readable tokenizer: {e}") from e
             self._hf = None
         elif (folder / "tokenizer.model").is_file() or (folder / "tokenizer_config.json").is_file():
-            from transformers import AutoTokenizer
-
             self._fast = None
-            self._hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            self._hf = _transformers_tokenizer(folder)
         else:
             raise CheckpointError(f"{folder} has no tokenizer.json or tokenizer.model")
+        self._check_encodes(folder)
+
+    def _check_encodes(self, folder: Path) -> None:
+        """A tokenizer with no vocabulary (transformers builds one from a lone tokenizer_config.json) encodes
+        every text to no ids: calibration and eval would then fail far from the cause, or score nothing."""
+        if not self.encode(_PROBE_TEXT):
+            raise CheckpointError(f"the tokenizer of {folder} encodes {_PROBE_TEXT!r} to no tokens: it has no "
+                                  "vocabulary; add the checkpoint's tokenizer.json")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if self._fast is not None:
@@ -65,6 +72,25 @@ class Tokenizer:
         if self._fast is not None:
             return self._fast.decode(ids, skip_special_tokens=False)
         return self._hf.decode(ids)
+
+
+_PROBE_TEXT = "def main():"
+
+
+def _transformers_tokenizer(folder: Path):
+    """A tokenizer without tokenizer.json, through transformers. Its SentencePiece reader needs the
+    sentencepiece package, which is no dependency of ours; without it transformers falls back to a tiktoken
+    reader and fails with a message about tiktoken, so say what is really missing."""
+    if (folder / "tokenizer.model").is_file() and importlib.util.find_spec("sentencepiece") is None:
+        raise CheckpointError(f"{folder} has only tokenizer.model (SentencePiece) and no tokenizer.json: install the "
+                              "sentencepiece package, or add the checkpoint's tokenizer.json")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # transformers raises ValueError, OSError, ImportError... with multi-line messages
+        raise CheckpointError(f"{folder} has no tokenizer.json and transformers cannot load its tokenizer: "
+                              f"{' '.join(str(e).split())}") from e
 
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int, source: str) -> None:

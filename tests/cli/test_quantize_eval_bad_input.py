@@ -94,3 +94,47 @@ def test_eval_refuses_an_artifact_of_another_checkpoint_of_the_same_shape(tmp_pa
     assert code == 2 and "was not made from" in _error_line(output) and "other weights" in output, output
     code, output = _eval(other, data, "--artifact", tmp_path / "art", "--max-windows", "1")
     assert code == 0, output
+
+
+def _with_config(model, **changes):
+    config = json.loads((model / "config.json").read_text())
+    config.update(changes)
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_a_null_rope_value_in_config_json_is_one_line_naming_the_key(tmp_path, tiny_llama):
+    """float(None) / int(None) were a TypeError traceback (exit 1)."""
+    model, data = _small_model(tmp_path)
+    for changes, named in [({"rope_theta": None}, "rope_theta=None"),
+                           ({"rope_scaling": {"rope_type": "linear", "factor": None}}, "rope_scaling.factor=None"),
+                           ({"max_position_embeddings": None}, "max_position_embeddings=None"),
+                           ({"rope_scaling": ["linear", 2.0]}, "rope_scaling=")]:
+        code, output = _eval(_with_config(model, **changes), data)
+        assert code == 2 and named in _error_line(output), output
+        _with_config(model, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=2048)
+
+
+def test_windows_beyond_the_models_context_are_refused_naming_both_lengths(tmp_path, tiny_llama):
+    """Positions past max_position_embeddings were never trained and are never served: a perplexity or a
+    calibration over them was a plausible number about nothing."""
+    model, data = _small_model(tmp_path)
+    _with_config(model, max_position_embeddings=32)
+    code, output = _eval(model, data)  # --seq-len 64
+    line = _error_line(output)
+    assert code == 2 and "--seq-len 64" in line and "context of 32" in line, output
+    code, output = _run("quantize", "--model", model, "--format", "w4a8kv4-g128", "--out", tmp_path / "out",
+                        "--calib", data, "--calib-samples", "2", "--calib-seq-len", "64", "--device", "cpu",
+                        "--gpu-target", "cpu")
+    line = _error_line(output)
+    assert code == 2 and "64 tokens" in line and "context of 32" in line, output
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_without_seq_len_uses_a_short_models_whole_context(tmp_path, tiny_llama):
+    """The default window (512) is shortened to the model's context, not refused: the user asked for nothing."""
+    model, data = _small_model(tmp_path)
+    _with_config(model, max_position_embeddings=32)
+    code, output = _run("eval", "--model", model, "--data", data, "--device", "cpu", "--max-windows", "2", "--json")
+    assert code == 0, output
+    assert json.loads(output.strip().splitlines()[-1])["tokens"] == 2 * 32, output  # was 2 windows of 512

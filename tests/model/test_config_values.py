@@ -4,10 +4,12 @@ not left to fail deep in the arithmetic (TypeError, ZeroDivisionError) or, worse
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from shared.model.config import CheckpointError, LlamaConfig
+from shared.model.rope import inverse_frequencies
 
 BASE = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
@@ -38,3 +40,65 @@ def test_a_config_json_that_is_not_utf8_is_a_checkpoint_error(tmp_path):
     (tmp_path / "config.json").write_bytes(b'{"model_type": "llama", "x": "\xff"}')
     with pytest.raises(CheckpointError, match="not valid JSON"):
         LlamaConfig.from_folder(tmp_path)
+
+
+@pytest.mark.parametrize("key, value, named", [
+    # A null was a TypeError from float(None) / int(None): a traceback in qctl instead of one line.
+    ("rope_theta", None, "rope_theta=None must be a positive number"),
+    ("rope_theta", "abc", "rope_theta='abc' must be a positive number"),
+    ("max_position_embeddings", None, "max_position_embeddings=None must be a positive integer"),
+    ("rope_scaling", {"rope_type": "linear", "factor": None}, "rope_scaling.factor=None must be a positive number"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": None},
+     "rope_parameters.rope_theta=None must be a positive number"),
+    ("rope_scaling", 4, "rope_scaling=4 must be a JSON object or null"),
+    ("rope_scaling", ["linear", 2.0], "rope_scaling=['linear', 2.0] must be a JSON object or null"),
+    ("rope_scaling", "linear", "rope_scaling='linear' must be a JSON object or null"),
+    ("rope_parameters", 10000.0, "rope_parameters=10000.0 must be a JSON object or null"),
+])
+def test_a_null_or_non_object_rope_value_is_refused_by_name(key, value, named):
+    with pytest.raises(CheckpointError, match=re.escape(named)):
+        LlamaConfig.from_hf({**BASE, key: value})
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("key, value, named", [
+    # Each of these gave inf or NaN inverse frequencies, and a model that answered garbage without an error.
+    ("rope_theta", 0, "rope_theta=0.0 must be a positive number"),
+    ("rope_theta", -1.0, "rope_theta=-1.0 must be a positive number"),
+    ("rope_scaling", {"rope_type": "linear", "factor": 0}, "factor=0.0 must be a positive number"),
+    ("rope_scaling", {"rope_type": "linear", "factor": -2.0}, "factor=-2.0 must be a positive number"),
+    ("rope_scaling", {**LLAMA3, "factor": 0.0}, "factor=0.0 must be a positive number"),
+    ("rope_scaling", {**LLAMA3, "original_max_position_embeddings": 0},
+     "original_max_position_embeddings=0 must be a positive integer"),
+    ("rope_scaling", {**LLAMA3, "low_freq_factor": 0.0}, "low_freq_factor=0.0 must be a positive number"),
+    ("rope_scaling", {**LLAMA3, "low_freq_factor": 4.0}, "high_freq_factor=4.0 must be greater than low_freq_factor=4.0"),
+    ("rope_scaling", {**LLAMA3, "high_freq_factor": 0.5}, "high_freq_factor=0.5 must be greater than low_freq_factor=1.0"),
+])
+def test_a_rope_value_out_of_range_is_refused_by_name(key, value, named):
+    with pytest.raises(CheckpointError, match=re.escape(named)):
+        LlamaConfig.from_hf({**BASE, key: value})
+
+
+@pytest.mark.parametrize("extra", [
+    {"rope_scaling": None},  # null: no scaling, as transformers reads it
+    {"rope_parameters": None, "rope_theta": 500000.0},
+    {"rope_theta": 500000.0, "rope_scaling": LLAMA3},  # Llama-3.1
+    {"rope_parameters": {**LLAMA3, "rope_theta": 500000.0}},  # Llama-3.1 as transformers >= 5 writes it
+    {"rope_theta": 500000.0, "max_position_embeddings": 8192},  # Llama-3: plain RoPE
+    {"rope_scaling": {"type": "linear", "factor": 2.0}},
+])
+def test_valid_rope_configs_still_load_with_finite_frequencies(extra):
+    config = LlamaConfig.from_hf({**BASE, **extra})
+    inv_freq = inverse_frequencies(config.rope, config.head_dim)
+    assert inv_freq.isfinite().all() and (inv_freq > 0).all()
+
+
+def test_an_artifact_manifest_with_a_bad_rope_is_refused_too():
+    """from_dict (a manifest's model_config) builds RopeConfig directly: the same checks hold there."""
+    d = LlamaConfig.from_hf(BASE).to_dict()
+    d["rope"]["theta"] = 0.0
+    with pytest.raises(CheckpointError, match="rope_theta=0.0 must be a positive number"):
+        LlamaConfig.from_dict(d)
