@@ -164,7 +164,8 @@ class WorkerServer:
         await self._health.enter_graceful_shutdown()
         engine = self.served.engine
         deadline = time.monotonic() + grace
-        while engine.num_in_flight and time.monotonic() < deadline:
+        # Requests still tokenizing were accepted before the drain began: they are in flight too.
+        while (engine.num_in_flight or self.servicer.admitting) and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         left = engine.in_flight()
         if left:

@@ -28,6 +28,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.engine.on_step = metrics.observe_step
         self.draining = False
         self.stalled = False  # set by the server's engine watch: requests in flight, no step for too long
+        # Generate calls past the draining check and not in the engine yet (tokenizing): a drain waits for
+        # them as for the engine's requests, or the server's stop would cut a stream it had accepted.
+        self.admitting = 0
         self.limits = PromptLimits(
             vocab_size=served.vocab_size, max_context=self.engine.limits.max_context,
             add_bos=served.add_bos, bos_token_id=served.bos_token_id,
@@ -43,20 +46,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if self.stalled:
                 raise Stalled("this worker's engine has made no progress for a while (a hung device?) and takes no "
                                "new requests; send it to another worker")
-            # Off the event loop: tokenizing a long prompt takes a while (up to ~0.3 s per MB), and every
-            # other stream, Abort, Info and the gateway's heartbeats share this loop.
-            gen = await asyncio.to_thread(generation_from_pb, request, self.limits, self.served.tokenizer.encode)
+            self.admitting += 1
+            try:
+                # Off the event loop: tokenizing a long prompt takes a while (up to ~0.3 s per MB), and every
+                # other stream, Abort, Info and the gateway's heartbeats share this loop.
+                gen = await asyncio.to_thread(generation_from_pb, request, self.limits, self.served.tokenizer.encode)
 
-            def sink(out: RequestOutput) -> None:
-                # Counted here, on the engine's thread: the finish of a request whose caller
-                # cancelled never reaches the stream, and must be counted all the same.
-                if out.finish is not None:
-                    self.metrics.observe_finish(out.finish)
-                elif out.error is not None:
-                    self.metrics.observe_error(out.non_finite)
-                loop.call_soon_threadsafe(queue.put_nowait, out)
+                def sink(out: RequestOutput) -> None:
+                    # Counted here, on the engine's thread: the finish of a request whose caller
+                    # cancelled never reaches the stream, and must be counted all the same.
+                    if out.finish is not None:
+                        self.metrics.observe_finish(out.finish)
+                    elif out.error is not None:
+                        self.metrics.observe_error(out.non_finite)
+                    loop.call_soon_threadsafe(queue.put_nowait, out)
 
-            self.engine.add_request(gen.request_id, gen.prompt_ids, gen.sampling, sink)
+                self.engine.add_request(gen.request_id, gen.prompt_ids, gen.sampling, sink)
+            finally:
+                self.admitting -= 1
         except WorkerError as exc:
             self.metrics.rejected.labels(exc.code.name).inc()
             await context.abort(exc.code, str(exc), exc.trailing_metadata)

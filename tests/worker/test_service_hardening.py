@@ -96,3 +96,28 @@ def test_tokenizing_a_prompt_does_not_stop_the_other_streams(start_worker):
     running.cancel()
     _wait_for(lambda: _idle(client), 5.0, "the cancelled request's blocks to be freed")
     channel.close()
+
+
+def test_a_stop_waits_for_a_request_accepted_while_its_prompt_was_being_tokenized(start_worker):
+    """Tokenized off the event loop, a request is not in the engine yet while its prompt is encoded: a drain
+    that looked only at the engine found nothing in flight, and the server's stop cut the stream it had accepted."""
+    w = start_worker("fp16")
+    channel, client = stub(w)
+    entered = threading.Event()
+    real_encode = w.server.served.tokenizer.encode
+
+    def slow_encode(text):
+        entered.set()
+        time.sleep(1.0)
+        return real_encode(text)
+
+    w.server.served.tokenizer.encode = slow_encode
+    result = {}
+    sender = threading.Thread(target=lambda: result.update(messages=list(client.Generate(worker_pb2.GenerateRequest(
+        text="def main(", sampling={"max_new_tokens": 4, "ignore_eos": True}), timeout=60))))
+    sender.start()
+    assert entered.wait(10)
+    w.stop(grace_s=20)
+    sender.join(30)
+    assert result["messages"][-1].finish.generated_tokens == 4
+    channel.close()
