@@ -91,10 +91,20 @@ class Trace:
     generated: int | None = None  # from the worker's final message
     finish: common_pb2.Finish | None = None  # the worker's final message
     server_error: bool = False
+    # When the arm that serves now took the request: the arrival, or the move from another arm. Its time to the
+    # first token counts from there: a canary slow to fail would otherwise put its own delay on the stable's
+    # TTFT, and the guard (which judges the stable first) fall back a healthy stable for the canary's fault.
+    arm_since: float | None = None
+
+    def move_to(self, route: Route) -> None:
+        if route.arm is not self.route.arm:
+            self.arm_since = time.monotonic()
+        self.route = route
 
     def outcome(self) -> Outcome:
         now = time.monotonic()
-        ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
+        start = self.arrival if self.arm_since is None else self.arm_since
+        ttft = None if self.first_token_at is None else self.first_token_at - start
         tokens = self.delivered if self.generated is None else self.generated
         tpot = (now - self.first_token_at) / (tokens - 1) if ttft is not None and tokens > 1 else None
         return Outcome(at=time.time(), server_error=self.server_error, ttft_s=ttft, tpot_s=tpot, tokens=self.delivered)
@@ -211,7 +221,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     # its share of such requests as the client's fault, unseen by the guard: the stable decides.
                     log.warning("deployment %s: the canary's worker %s refused request %r (%s: %s); trying the "
                                 "stable", deployment.name, attempt.worker.address, request_id, exc.code.name, exc)
-                    refused_on_canary, trace.route = (trace.route, exc), Route(Arm.STABLE, deployment.stable)
+                    refused_on_canary = (trace.route, exc)
+                    trace.move_to(Route(Arm.STABLE, deployment.stable))
                     continue
                 if attempt.finished:
                     # The stable served what the canary refused: the canary's error. A stable worker that
@@ -298,7 +309,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             except AdmissionFull as exc:
                 full = full or exc
                 continue
-            trace.route = route
+            trace.move_to(route)
             log.warning("deployment %s: no healthy worker%s for the %s arm (%s), sending to the %s arm (%s)",
                         deployment.name, " with room" if full is not None else "", chosen.arm.label,
                         chosen.artifact.artifact_id, route.arm.label, route.artifact.artifact_id)

@@ -32,6 +32,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.delay_s = delay_s  # before each token
         self.max_running, self.max_waiting = max_running, max_waiting
         self.fail_before_first = False  # every Generate fails UNAVAILABLE before any token
+        self.fail_delay_s = 0.0  # ... after this long (a worker dying in prefill)
         self.fail_after: int | None = None  # every Generate fails UNAVAILABLE after this many tokens
         # every Generate stops after this many tokens and waits until cancelled (a hung device)
         self.hang_after: int | None = None
@@ -54,6 +55,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         if self.refuse_draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker draining", DRAINING_METADATA)
         if self.fail_before_first:
+            await asyncio.sleep(self.fail_delay_s)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker failing before the first token")
         if request.WhichOneof("prompt") == "text":
             prompt = list(request.text.encode())

@@ -192,6 +192,35 @@ def test_a_stable_over_budget_falls_back_and_aborts_the_canary_too(artifacts):
     run(scenario())
 
 
+def test_a_canary_slow_to_fail_is_aborted_and_its_delay_is_not_the_stables_ttft(artifacts):
+    """Requests a canary fails before its first token (after 150 ms each: dying in prefill) are served by the
+    stable; measured from their arrival, the stable's TTFT carried the canary's delay, and the guard (which
+    judges the stable first) fell the whole deployment back to fp16 for the canary's fault."""
+    budget = FallbackBudget(max_error_rate=0.1, max_tpot_p95_s=10.0, max_ttft_p95_s=0.1, window_s=30.0,
+                            min_requests=10, enabled=False)  # judged by hand below
+    async def scenario():
+        async with gateway_stack(artifacts, budget=budget) as stack:
+            await stack.add_worker(artifacts.stable, tokens=2, max_running=64)
+            await stack.add_worker(artifacts.baseline, tokens=2, max_running=64)
+            canary = await stack.add_worker(artifacts.canary, tokens=2, max_running=64)
+            canary.worker.fail_before_first, canary.worker.fail_delay_s = True, 0.15
+            await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=20), metadata=ADMIN)
+            for i in range(60):
+                stack.gateway.pool.heartbeat(canary.worker_id, 0, 0, 1, draining=False)  # failing, yet alive
+                await stack.generate(f"p{i}", session_key=f"user-{i}")  # every client served, by the stable
+            stable = stack.gateway.metrics.stats(DEPLOYMENT, artifacts.stable, since=0.0)
+            assert stable.requests == 60 and stable.ttft_p95_s < 0.1
+            assert stack.gateway.metrics.stats(DEPLOYMENT, artifacts.canary, since=0.0).errors >= 5
+            await stack.gateway.fallback.check()
+            deployment = await stack.deployment()
+            assert not deployment.fallback and not deployment.HasField("canary")  # the canary alone aborted
+            abort = json.loads((await events(stack))[0].detail)
+            assert abort["canary"] == artifacts.canary and abort.get("judged", True)
+
+    run(scenario(), timeout_s=60)
+
+
 def test_a_stable_breaking_the_tpot_budget_triggers_fallback_once(artifacts):
     async def scenario():
         async with gateway_stack(artifacts, budget=SLOW_STABLE_BUDGET, fallback_check_s=0.05) as stack:
