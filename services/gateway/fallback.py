@@ -177,8 +177,6 @@ class AutoFallback:
         while True:
             await asyncio.sleep(interval_s)
             try:
-                if self.fleet is not None:
-                    await self.fleet.publish()  # never raises: an unreachable registry keeps them for later
                 await self.check()
             except Exception:  # a registry outage must not end the monitor; the next pass retries
                 log.exception("automatic fallback check failed")

@@ -43,6 +43,13 @@ class FleetView:
         self._last_purge = 0.0
         self._failing = False  # logged once per outage
 
+    async def run(self, interval_s: float) -> None:
+        """Publishes this replica's reports every interval_s, whether or not its own guard runs: a replica with
+        the guard off still serves traffic the other replicas' guards must see."""
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.publish()  # never raises: an unreachable registry keeps them for later
+
     async def publish(self, now: float | None = None) -> int:
         """Writes the seconds that have ended since the last call; returns how many arm-seconds."""
         now = time.time() if now is None else now

@@ -107,6 +107,7 @@ class GatewayServer:
         self._tasks = [asyncio.create_task(self._expire_workers(), name="gateway-heartbeats")]
         if config.deployment_cache_s > 0:
             self._tasks.append(asyncio.create_task(self.deployments.refresh(), name="gateway-deployments"))
+        self._tasks.append(asyncio.create_task(self.fleet.run(config.fallback_check_s), name="gateway-arm-reports"))
         if config.budget.enabled:
             self._tasks.append(asyncio.create_task(self.fallback.run(config.fallback_check_s), name="gateway-fallback"))
         log.info("gateway serving on port %d%s%s", self.port, " over TLS" if config.tls else "",

@@ -279,3 +279,25 @@ def test_rollout_status_shows_the_fleet_latencies_the_guard_holds_to_its_budget(
             assert canary.tpot_p95.ToNanoseconds() == 0
 
     run(scenario())
+
+
+def test_a_replica_without_the_guard_still_reports_what_it_served(artifacts):
+    """Only the replicas whose own guard runs published their arm reports: a replica started with the guard
+    off (a flag rolled across the fleet, or one replica meant to act) served its share of a failing canary
+    where no other replica's guard could see it."""
+    async def scenario():
+        async with gateway_stack(artifacts, deployment_cache_s=CACHE_S, budget=GUARD["budget"],
+                                 fallback_check_s=0.1) as a, \
+                gateway_stack(artifacts, create_deployment=False, deployment_cache_s=CACHE_S,
+                              budget=FallbackBudget(enabled=False), fallback_check_s=0.1) as b:
+            failing = await failing_canary_on_both(a, b, artifacts)
+            await asyncio.sleep(math.ceil(time.time() + CLOCK_MARGIN_S) - time.time() + 0.05)
+            for stack in (a, b):  # 6 each: under the minimum of 10 for either alone
+                await failing_traffic(stack, failing, await worker_id_on(stack, failing.address), requests=6)
+            deadline = time.monotonic() + 10
+            while (await a.deployment()).HasField("canary"):  # a's guard, on its own loop, sees b's reports
+                assert time.monotonic() < deadline, "the guarded replica never saw the other replica's requests"
+                await asyncio.sleep(0.1)
+            assert (await events(a))[-1] == ("abort", "auto")
+
+    run(scenario())
