@@ -152,7 +152,8 @@ class AutoFallback:
         since, found = self.window_start(view, now), {}
         for arm, ref in (("stable", view.stable if _judges_stable(view) else None), ("canary", view.canary)):
             if ref is not None:
-                found[arm] = await self.fleet.others(view.name, ref.artifact_id, since, now)
+                found[arm] = await self.fleet.others(view.name, ref.artifact_id, since, now,
+                                                     since_change=since > now - self.budget.window_s)
         return found
 
     def _act(self, name: str, action: GuardAction, reason: str, revision: int) -> DeploymentView | None:

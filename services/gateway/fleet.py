@@ -85,13 +85,18 @@ class FleetView:
                 purge_arm_reports(session, purge_before)
         return written
 
-    async def others(self, deployment: str, artifact_id: str, since: float, until: float) -> ArmTotals:
-        """The other replicas' reports of [since, until] for the arm (whole seconds: a report's second is
-        counted when it began CLOCK_MARGIN_S or more after `since`); none when the registry cannot be read."""
+    async def others(self, deployment: str, artifact_id: str, since: float, until: float,
+                     since_change: bool = True) -> ArmTotals:
+        """The other replicas' reports of [since, until] for the arm, in whole seconds, from the first that
+        begins at or after `since`, or CLOCK_MARGIN_S after it when the window starts at a change
+        (`since_change`; a sliding window's start has no before to keep out); none when the registry cannot
+        be read."""
+        first = math.ceil(since + CLOCK_MARGIN_S) if since_change else math.ceil(since)
+
         def read() -> ArmTotals:
             with self.registry.sessions() as session:
-                return fleet_arm_totals(session, deployment, artifact_id, math.ceil(since + CLOCK_MARGIN_S),
-                                        math.floor(until), exclude_gateway=self.gateway_id)
+                return fleet_arm_totals(session, deployment, artifact_id, first, math.floor(until),
+                                        exclude_gateway=self.gateway_id)
         try:
             return await asyncio.to_thread(read)
         except Exception as exc:

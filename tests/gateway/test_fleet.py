@@ -66,3 +66,44 @@ def test_another_replicas_first_second_after_a_change_is_not_counted(tmp_path):
         assert asyncio.run(fleet.others("chat", "c1", since=998.5, until=1010.0)).requests == 8
     finally:
         registry.close()
+
+
+def test_a_sliding_window_counts_every_ended_second_of_the_others_inside_it(tmp_path):
+    """The clock margin keeps a window that starts at a change free of the requests of before it; applied to a
+    plain sliding window too, it dropped a second or more of the other replicas' traffic on every pass (all of
+    it with --fallback-window-s 2: the only second left was the one not yet written)."""
+    registry = create_registry(sqlite_url(tmp_path / "registry.db"))
+    with registry.transaction() as session:  # replica b: second 999 has ended
+        write_arm_seconds(session, "b" * 32, [ArmSecond("chat", "c1", 999, 30, 30)])
+    fleet = FleetView(registry, GatewayMetrics(), gateway_id="a" * 32)
+    try:
+        now = 1000.4  # a window of 2 s: [998.4, 1000.4]
+        sliding = asyncio.run(fleet.others("chat", "c1", since=now - 2.0, until=now, since_change=False))
+        assert sliding.requests == 30
+        # A window that starts at a change at 998.4: second 999 began within the margin, maybe before the change.
+        assert asyncio.run(fleet.others("chat", "c1", since=now - 2.0, until=now)).requests == 0
+    finally:
+        registry.close()
+
+
+def test_the_guard_asks_for_the_margin_only_when_its_window_starts_at_a_change():
+    from types import SimpleNamespace
+
+    from services.gateway.config import FallbackBudget
+    from services.gateway.fallback import AutoFallback
+
+    asked = []
+
+    class Fleet:
+        async def others(self, deployment, artifact_id, since, until, since_change=True):
+            asked.append(since_change)
+            return ArmTotals()
+
+    changes = {"recent": time.time() - 5, "long ago": time.time() - 3600}
+    deployments = SimpleNamespace(changed_at=lambda view: changes[view.name])
+    guard = AutoFallback(None, deployments, GatewayMetrics(), FallbackBudget(window_s=30.0), None, Fleet())
+    canary = SimpleNamespace(artifact_id="c1")
+    for name in ("recent", "long ago"):
+        view = SimpleNamespace(name=name, fallback=False, stable=None, baseline=None, canary=canary)
+        asyncio.run(guard._others(view, time.time()))
+    assert asked == [True, False]
