@@ -81,10 +81,12 @@ class AutoFallback:
         if stats.error_rate > self.budget.max_error_rate:
             return (f"{arm} {ref.artifact_id} error rate {stats.error_rate:.1%} ({stats.errors}/{stats.requests}) "
                     f"over the budget {self.budget.max_error_rate:.1%} in the last {now - since:.0f} s")
-        latencies = (("time per output token", stats.tpot_p95_s, self.budget.max_tpot_p95_s),
-                     ("time to first token", stats.ttft_p95_s, self.budget.max_ttft_p95_s))  # a budget of 0: not judged
-        for what, p95, budget in latencies:
-            if budget and p95 > budget:
+        latencies = (("time per output token", stats.tpot_p95_s, stats.tpot_samples, self.budget.max_tpot_p95_s),
+                     ("time to first token", stats.ttft_p95_s, stats.ttft_samples, self.budget.max_ttft_p95_s))
+        for what, p95, samples, budget in latencies:
+            # A budget of 0: not judged. A p95 of fewer than min_requests samples (mostly one-token or refused
+            # requests) is not judged either: it could be a single slow request.
+            if budget and samples >= self.budget.min_requests and p95 > budget:
                 return (f"{arm} {ref.artifact_id} {what} p95 {p95 * 1000:.1f} ms over the budget {budget * 1000:.1f} "
                         f"ms in the last {now - since:.0f} s ({stats.requests} requests)")
         return None

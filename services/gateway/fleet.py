@@ -117,7 +117,7 @@ def with_others(outcomes: list[Outcome], others: ArmTotals) -> ArmStats:
     return ArmStats(requests=local.requests + others.requests, errors=local.errors + others.errors,
                     ttft_p50_s=quantile(ttfts, 0.5), ttft_p95_s=quantile(ttfts, 0.95),
                     tpot_p50_s=quantile(tpots, 0.5), tpot_p95_s=quantile(tpots, 0.95),
-                    generated_tokens=local.generated_tokens)
+                    generated_tokens=local.generated_tokens, ttft_samples=len(ttfts), tpot_samples=len(tpots))
 
 
 def _in_steps(reported: Mapping[int, int], local: Mapping[int, int], step_s: float) -> list[float]:

@@ -43,6 +43,10 @@ class ArmStats:
     tpot_p50_s: float = 0.0
     tpot_p95_s: float = 0.0
     generated_tokens: int = 0
+    # The requests each quantile is taken over (those with that time: not failed, a first token, two or more
+    # tokens): a p95 of few samples says little, whatever the request count.
+    ttft_samples: int = 0
+    tpot_samples: int = 0
 
     @property
     def error_rate(self) -> float:
@@ -157,7 +161,7 @@ def stats_of(outcomes: list[Outcome]) -> ArmStats:
         requests=len(outcomes), errors=len(outcomes) - len(ok),
         ttft_p50_s=quantile(ttfts, 0.5), ttft_p95_s=quantile(ttfts, 0.95),
         tpot_p50_s=quantile(tpots, 0.5), tpot_p95_s=quantile(tpots, 0.95),
-        generated_tokens=sum(o.tokens for o in outcomes),
+        generated_tokens=sum(o.tokens for o in outcomes), ttft_samples=len(ttfts), tpot_samples=len(tpots),
     )
 
 

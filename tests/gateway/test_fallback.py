@@ -221,6 +221,32 @@ def test_a_canary_slow_to_fail_is_aborted_and_its_delay_is_not_the_stables_ttft(
     run(scenario(), timeout_s=60)
 
 
+def test_a_latency_p95_is_judged_only_over_enough_samples(artifacts):
+    """min_requests counted every finished request, while a p95 is taken over those with that time: among 19
+    one-token requests (scoring traffic: no TPOT), one slow generation made the TPOT "p95" and fell a healthy
+    stable back to fp16. With min_requests slow samples it does."""
+    budget = FallbackBudget(max_error_rate=0.1, max_tpot_p95_s=0.5, window_s=30.0, min_requests=20, enabled=False)
+
+    def served(tpot_s, tokens):
+        return Outcome(at=time.time(), server_error=False, ttft_s=0.05, tpot_s=tpot_s, tokens=tokens)
+
+    async def scenario():
+        async with gateway_stack(artifacts, budget=budget) as stack:
+            await stack.add_worker(artifacts.stable)
+            await stack.add_worker(artifacts.baseline)
+            metrics = stack.gateway.metrics
+            for _ in range(19):
+                metrics.record(DEPLOYMENT, "stable", artifacts.stable, served(None, 1))
+            metrics.record(DEPLOYMENT, "stable", artifacts.stable, served(0.6, 50))
+            assert await stack.gateway.fallback.check() == [] and not (await stack.deployment()).fallback
+            for _ in range(19):
+                metrics.record(DEPLOYMENT, "stable", artifacts.stable, served(0.6, 50))
+            assert await stack.gateway.fallback.check() == [DEPLOYMENT]
+            assert "time per output token p95" in (await stack.deployment()).fallback_reason
+
+    run(scenario())
+
+
 def test_a_stable_breaking_the_tpot_budget_triggers_fallback_once(artifacts):
     async def scenario():
         async with gateway_stack(artifacts, budget=SLOW_STABLE_BUDGET, fallback_check_s=0.05) as stack:
