@@ -70,6 +70,21 @@ def stack_errors(fn):
     return wrapper
 
 
+
+def print_serving_help(console: Console, gateway: str, admin_token: str, quantizer: str, quantizer_token: str,
+                       deployment: str) -> None:
+    """The commands to use the running stack from another shell. Not wrapped at the terminal's width: a pasted
+    export line split in two would leave the second half's variables unexported (qctl then dials its defaults)."""
+    console.print(
+        f"\n[bold]serving[/]; in another shell:\n"
+        f"  export QCTL_GATEWAY={gateway} QCTL_TOKEN={admin_token} QCTL_QUANTIZER={quantizer} "
+        f"QCTL_QUANTIZER_TOKEN={quantizer_token}\n"
+        f"  qctl generate -d {deployment} 'def main():'    qctl rollout status {deployment}    "
+        f"qctl fallback on {deployment}\n"
+        f"Ctrl-C stops the stack.",
+        soft_wrap=True,
+    )
+
 class StackError(RuntimeError):
     """A step of the demo path failed; the message says which and why."""
 
@@ -133,13 +148,7 @@ def up(
 
         if once:
             return
-        console.print(
-            f"\n[bold]serving[/]; in another shell:\n"
-            f"  export QCTL_GATEWAY={gateway} QCTL_TOKEN={stack.admin_token} QCTL_QUANTIZER={quantizer} "
-            f"QCTL_QUANTIZER_TOKEN={stack.quantizer_token}\n"
-            f"  qctl generate -d {name} 'def main():'    qctl rollout status {name}    qctl fallback on {name}\n"
-            f"Ctrl-C stops the stack."
-        )
+        print_serving_help(console, gateway, stack.admin_token, quantizer, stack.quantizer_token, name)
         _wait_for_interrupt()
     finally:
         console.print("stopping the stack")

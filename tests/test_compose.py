@@ -44,7 +44,7 @@ def test_the_stack_has_every_part(compose):
     services = compose["services"]
     assert {"minio", "minio-init", "postgres", "quantizer", "gateway", "worker", "worker-baseline"} <= set(services)
     assert "mc mb --ignore-existing local/qserve-artifacts" in " ".join(services["minio-init"]["command"])
-    for name in ("worker", "worker-baseline"):
+    for name in ("worker", "worker-baseline", "quantizer"):  # the quantizer's --device=auto finds it
         devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
 

@@ -110,3 +110,18 @@ def test_the_up_stack_quantizer_takes_only_its_generated_token(tmp_path):
                 raise AssertionError("the stack's quantizer answered a call without its token")
     finally:
         stack.stop()
+
+
+def test_the_commands_printed_for_another_shell_are_not_wrapped_at_the_terminals_width():
+    """At 80 columns rich split the ~150-character export line in two: pasted, the second half's variables were
+    not exported and qctl dialled its default quantizer."""
+    import io
+
+    from rich.console import Console
+
+    from qctl.up_cmd import print_serving_help
+
+    out = io.StringIO()
+    print_serving_help(Console(file=out, width=80), "127.0.0.1:50051", "a" * 43, "127.0.0.1:50061", "q" * 43, "demo")
+    (export,) = [line for line in out.getvalue().splitlines() if "export" in line]
+    assert export.strip().startswith("export QCTL_GATEWAY=") and export.endswith("q" * 43)
