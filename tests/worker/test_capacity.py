@@ -56,3 +56,25 @@ def test_a_context_the_cache_cannot_hold_is_lowered_with_a_warning(artifacts, ca
         info = _started_info(artifacts, kv_blocks=4, block_size=8, max_context_tokens=64)
     assert info.max_context_tokens == 32
     assert "--max-context-tokens 64 lowered to 32" in caplog.text
+
+
+def test_decode_partials_are_reserved_for_the_rows_that_can_decode_only():
+    """Decode attention's partial results (per row, per head, per 256-position partition) are taken by decode
+    rows, one per running sequence at most: reserved for every token of a 4096-token step, a Llama-3.1-8B
+    (128k context) estimate held ~32 GiB of the budget that the KV cache never got."""
+    from types import SimpleNamespace
+
+    from services.worker.engine.triton_runner import TritonRunner, TritonRunnerSettings
+    from shared.model.config import LlamaConfig
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                         head_dim=128, vocab_size=128256, max_position_embeddings=131072)
+    runner = SimpleNamespace(config=config, max_model_len=131072,
+                             settings=TritonRunnerSettings(max_batch_tokens=4096, max_decode_batch=32))
+    runner._token_bytes = lambda: TritonRunner._token_bytes(runner)
+    partials_per_row = config.num_heads * (131072 // 256) * (config.head_dim + 2) * 4
+    step = TritonRunner._step_bytes(runner, 4096)
+    assert step == 4096 * runner._token_bytes() + 4096 * config.vocab_size * 6 + 32 * partials_per_row
+    assert step < 4 * 2**30  # was ~36 GiB
+    assert TritonRunner._step_bytes(runner, 8) - 8 * runner._token_bytes() - 8 * config.vocab_size * 6 \
+        == 8 * partials_per_row  # a decode batch below the limit: its own rows

@@ -220,7 +220,10 @@ class TritonRunner:
         c = self.config
         v = c.vocab_size
         parts = cdiv(self.max_model_len, 256)  # decode partials: the smallest tuned partition
-        partials = t * c.num_heads * parts * (c.head_dim + 2) * 4
+        # Only decode rows take partials, one per running sequence at most: counted for every token of a
+        # 4096-token step, a 128k-context model's estimate held ~32 GiB that the KV cache never got.
+        rows = min(t, self.settings.max_decode_batch or t)
+        partials = rows * c.num_heads * parts * (c.head_dim + 2) * 4
         logits = t * v * (4 + 2)  # fp16 GEMM output, fp32 copy
         return t * self._token_bytes() + partials + logits
 
