@@ -208,21 +208,22 @@ class TritonRunner:
         total = self._step_bytes(max_batch_tokens) + self.workspace_bytes
         if self.graphs is not None:
             b = self.graphs.buckets[-1]
-            total += self._step_bytes(b) + b * self.config.vocab_size * 4
+            total += self._step_bytes(b, decode_rows=b) + b * self.config.vocab_size * 4  # padded to the bucket
         if self.step_graphs is not None:
             # The static buffers, and the pool of what a piece allocates (no attention, no logits).
             b = self.step_graphs.buckets[-1]
             total += self.step_graphs.buffers.nbytes() + b * self._token_bytes()
         return total
 
-    def _step_bytes(self, t: int) -> int:
-        """Buffers that can be live at once in a step of t tokens."""
+    def _step_bytes(self, t: int, decode_rows: int | None = None) -> int:
+        """Buffers that can be live at once in a step of t tokens, of which decode_rows decode (default: as many
+        as can, one per running sequence at most)."""
         c = self.config
         v = c.vocab_size
         parts = cdiv(self.max_model_len, 256)  # decode partials: the smallest tuned partition
-        # Only decode rows take partials, one per running sequence at most: counted for every token of a
-        # 4096-token step, a 128k-context model's estimate held ~32 GiB that the KV cache never got.
-        rows = min(t, self.settings.max_decode_batch or t)
+        # Only decode rows take partials: counted for every token of a 4096-token step, a 128k-context model's
+        # estimate held ~32 GiB that the KV cache never got.
+        rows = min(t, self.settings.max_decode_batch or t) if decode_rows is None else decode_rows
         partials = rows * c.num_heads * parts * (c.head_dim + 2) * 4
         logits = t * v * (4 + 2)  # fp16 GEMM output, fp32 copy
         return t * self._token_bytes() + partials + logits
