@@ -3,7 +3,8 @@ logits (shared.formats.probe), before the worker serves.
 
 The quantizer's accuracy gate ran the reference numerics; the NaN self-check (serving._self_check) catches
 only non-finite logits. A kernel that computes finite but wrong numbers on this GPU would serve fluent-looking
-garbage that no error rate or latency budget sees. The probe feeds its prompt as one chunk and then its decode
+garbage that no error rate or latency budget sees. The probe feeds its prompt in two chunks (the second
+continuing the first through the paged cache, the path of a chunked prompt or a cached prefix) and then its decode
 tokens one at a time (teacher-forced, so one wrong token does not change the rest) through the runner the worker
 serves with: GEMMs at the prompt's M and at M = 1, prefill and paged decode attention, the KV4 cache writes and
 the decode CUDA graphs."""
@@ -76,13 +77,15 @@ def _check_fits(probe: Probe, vocab_size: int, artifact_id: str) -> None:
 
 
 def probe_logits(runner, probe: Probe, max_batch_tokens: int) -> torch.Tensor:
-    """The runner's logits rows for the probe: the prompt in chunks of at most max_batch_tokens (the step's
-    budget, which sizes the GPU runner's workspace), then each decode token on its own (teacher-forced), in
-    blocks 0.. of the cache (before the engine serves, every block is free)."""
+    """The runner's logits rows for the probe: the prompt in two chunks (or more, of at most max_batch_tokens:
+    the step's budget sizes the GPU runner's workspace), so that the kernel of a chunk continuing a cached
+    prefix (prefix caching, chunked prompts) is checked and compiled before serving too; then each decode token
+    on its own (teacher-forced), in blocks 0.. of the cache (before the engine serves, every block is free)."""
     tokens, prompt = probe.token_ids, len(probe.prompt_ids)
     table = list(range(math.ceil(len(tokens) / runner.block_size)))
-    for start in range(0, prompt, max_batch_tokens):
-        end = min(start + max_batch_tokens, prompt)
+    chunk = min(max_batch_tokens, max(1, prompt // 2))
+    for start in range(0, prompt, chunk):
+        end = min(start + chunk, prompt)
         last = runner.step(StepBatch([SequenceChunk(PROBE_SEQ_ID, tokens[start:end], start, table, end == prompt)]))
     rows = [last]
     for position in range(prompt, len(tokens)):

@@ -1,6 +1,7 @@
 """The artifact's probe: a fixed token sequence and the logits the quantizer's reference forward gives for it.
 
-    probe.safetensors   prompt_ids (P,) int64    the prompt, fed as one chunk
+    probe.safetensors   prompt_ids (P,) int64    the prompt, fed in two chunks (the second continues the first
+                                                 through the paged cache, as a cached prefix does)
                         decode_ids (D,) int64    then fed one token at a time (teacher-forced decode steps)
                         logits (D + 1, V) fp32   the reference logits after the prompt's last token and after
                                                  each decode token (positions P - 1 .. P + D - 1)
@@ -20,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 PROBE_FILE = "probe.safetensors"
-PROMPT_TOKENS = 24  # one prefill chunk: exercises the GEMMs at M = 24 and prefill attention
+PROMPT_TOKENS = 24  # two prefill chunks: GEMMs at M = 12, prefill and continuing-chunk (paged) attention
 DECODE_TOKENS = 8  # decode steps: the GEMV / small-M paths, paged KV4 attention and the decode graphs
 _SEED = 20261207
 

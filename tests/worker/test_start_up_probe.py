@@ -132,3 +132,23 @@ def test_a_probe_of_another_vocabulary_is_a_corrupt_artifact(artifact_copy, edit
     _relist(artifact_copy, PROBE_FILE)
     with pytest.raises(ArtifactCorrupt, match=message.format(vocab8=vocab + 8, vocab5=vocab + 5)):
         _load(artifact_copy)
+
+
+def test_the_probe_prompt_goes_in_two_chunks_so_the_continuing_chunk_kernel_is_checked(artifacts):
+    """A chunk continuing a cached prefix (prefix caching, a chunked prompt) runs its own attention kernel: the
+    probe's second prompt chunk checks its numbers (and, on a GPU, compiles it) before the worker serves."""
+    from services.worker.engine.reference_runner import ReferenceRunner
+    from services.worker.probe_check import probe_logits
+    from shared.formats.artifact import ArtifactReader
+
+    reader = ArtifactReader(artifacts["fp16"], verify=False)
+    runner = ReferenceRunner(reader, "cpu", block_size=4)
+    runner.allocate_cache(16)
+    steps, real_step = [], runner.step
+    runner.step = lambda batch: steps.append([(c.start_position, len(c.token_ids)) for c in batch.chunks]) \
+        or real_step(batch)
+    probe = reader.probe()
+    rows = probe_logits(runner, probe, max_batch_tokens=256)
+    half = len(probe.prompt_ids) // 2
+    assert steps[:2] == [[(0, half)], [(half, len(probe.prompt_ids) - half)]]
+    assert max(probe.errors(rows)) < 0.01  # fp16: the chunks change no number
