@@ -22,7 +22,8 @@ def quantize(
     out: Path = typer.Option(..., "--out", help="artifact folder to write (replaced only if it holds the same artifact)"),
     calib: Path = typer.Option(None, "--calib", help="calibration text file [default: the Python standard library sources]"),
     calib_samples: int = typer.Option(DEFAULT_SAMPLES, help="calibration windows"),
-    calib_seq_len: int = typer.Option(DEFAULT_SEQ_LEN, help="tokens per calibration window"),
+    calib_seq_len: int = typer.Option(None, help=f"tokens per calibration window [default: {DEFAULT_SEQ_LEN}, or the "
+                                                 "model's context if shorter]"),
     gpu_target: str = typer.Option("auto", help="GPU the artifact is bound to: cpu, sm80, sm89, sm90, or auto"),
     device: str = typer.Option("auto", help="torch device that runs the quantization: cpu, cuda, or auto"),
     name: str = typer.Option(None, help="model name recorded in the manifest [default: the folder name]"),

@@ -54,7 +54,7 @@ class QuantizeSettings:
     options: QoQOptions = field(default_factory=QoQOptions)
     calib_path: Path | None = None  # None: the built-in default calibration text
     calib_samples: int = DEFAULT_SAMPLES
-    calib_seq_len: int = DEFAULT_SEQ_LEN
+    calib_seq_len: int | None = None  # None: DEFAULT_SEQ_LEN, or the model's context if that is shorter
     model_name: str | None = None  # default: the checkpoint folder's name
     device: str = "cpu"
     # The free-space check before any work: a SharedSpace's when other jobs write to the same disk.
@@ -121,9 +121,10 @@ def quantize_checkpoint(settings: QuantizeSettings, progress: Progress | None = 
     tokens, calibration = None, None
     if needs_calibration(spec, options):
         # Before the (long, for a 7B model) content hash, so a bad calibration file fails fast.
-        check_window_fits(settings.calib_seq_len, config.max_position_embeddings)
+        seq_len = settings.calib_seq_len or min(DEFAULT_SEQ_LEN, config.max_position_embeddings)
+        check_window_fits(seq_len, config.max_position_embeddings)  # one asked for explicitly
         tokens, calibration = load_calibration(
-            settings.calib_path, Tokenizer(settings.model_dir), settings.calib_samples, settings.calib_seq_len
+            settings.calib_path, Tokenizer(settings.model_dir), settings.calib_samples, seq_len
         )
         check_token_ids(tokens, config.vocab_size, f"the calibration text {calibration.data_name}")
     model_version = ckpt.content_hash()

@@ -138,3 +138,13 @@ def test_eval_without_seq_len_uses_a_short_models_whole_context(tmp_path, tiny_l
     code, output = _run("eval", "--model", model, "--data", data, "--device", "cpu", "--max-windows", "2", "--json")
     assert code == 0, output
     assert json.loads(output.strip().splitlines()[-1])["tokens"] == 2 * 32, output  # was 2 windows of 512
+
+
+def test_quantize_without_calib_seq_len_uses_a_short_models_whole_context(tmp_path, tiny_llama):
+    """As for eval: the default calibration window (512) is shortened to a model's shorter context, not refused."""
+    model, data = _small_model(tmp_path)
+    _with_config(model, max_position_embeddings=32)
+    code, output = _run("quantize", "--model", model, "--format", "w4a8kv4-g128", "--out", tmp_path / "out",
+                        "--calib", data, "--calib-samples", "2", "--device", "cpu", "--gpu-target", "cpu")
+    assert code == 0, output
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["calibration"]["seq_len"] == 32
