@@ -74,3 +74,14 @@ def test_a_shape_or_m_the_table_misses_gets_the_default_and_one_log_line(caplog)
     assert len(lines) == 2, lines  # once per shape, not once per call
     assert "4096x4096" in lines[0] and "covers no M = 300" in lines[0]
     assert "1024x4096" in lines[1] and "has no rows" in lines[1]
+
+
+def test_a_row_naming_a_variant_that_cannot_run_its_m_says_so(caplog):
+    """A table row whose variant cannot take that M (here a GEMV for a 32-token step) falls back to the default;
+    the log line named it "covers no M", sending the reader to the wrong row."""
+    table = {"gemm": {"w4g128p": {"4096x4096": [[64, "g128.gemv.n4m1g16"]]}}}
+    policy = GemmPolicy.from_manifest(table)
+    with caplog.at_level("WARNING", logger="services.worker.engine.kernel_policy"):
+        assert policy.variant("w4g128p", 4096, 4096, 32) == w4a8_gemm.default_variant_name(32, "w4g128p")
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "names g128.gemv.n4m1g16 for M = 32, which cannot run it" in line and "exceeds 1" in line

@@ -34,15 +34,17 @@ class GemmPolicy:
 
     def variant(self, kind: str, n: int, k: int, m: int) -> str:
         """The variant name for an (M, N, K) GEMM on `kind` weights (the table's, else the default)."""
+        why = "has no rows for this shape" if (kind, n, k) not in self.rows else f"covers no M = {m}"
         for max_m, name in self.rows.get((kind, n, k), ()):
             if max_m is None or m <= max_m:
-                if w4a8_gemm.get_variant(name).can_implement(m, n, k, kind)[0]:
+                runs, reason = w4a8_gemm.get_variant(name).can_implement(m, n, k, kind)
+                if runs:
                     return name
+                why = f"names {name} for M = {m}, which cannot run it ({reason})"
                 break
         default = w4a8_gemm.default_variant_name(m, kind)
         if (kind, n, k) not in self.logged_misses:
             self.logged_misses.add((kind, n, k))
-            why = "has no rows for this shape" if (kind, n, k) not in self.rows else f"covers no M = {m}"
             log.warning("kernel policy %s %s %dx%d: the table %s; using the default %s (logged once per shape)",
                         "gemm", kind, n, k, why, default)
         return default
