@@ -44,10 +44,11 @@ def evaluate(
     text = data.read_text(encoding="utf-8", errors="replace")
     if not text.strip():
         raise ValueError(f"data file {data} is empty")
-    seq_len = window_length(seq_len, LlamaConfig.from_folder(model).max_position_embeddings)
+    config = LlamaConfig.from_folder(model)
+    seq_len = config.window(seq_len, DEFAULT_SEQ_LEN, "--seq-len", "an eval")
     if artifact is not None:
         reader = ArtifactReader(artifact)
-        if LlamaConfig.from_dict(reader.manifest.model_config) != LlamaConfig.from_folder(model):
+        if LlamaConfig.from_dict(reader.manifest.model_config) != config:
             raise ValueError(f"artifact {artifact} was not made from {model}: their model configurations differ")
         # The same configuration is not the same model (a fine-tune, another version): scored with the wrong
         # checkpoint's tokenizer, the number would be compared with that checkpoint's fp16 perplexity.
@@ -60,7 +61,7 @@ def evaluate(
     else:
         net = fp_model(HfCheckpoint(model), dev)
     windows = windows_of(Tokenizer(model).encode(text), seq_len)
-    check_token_ids(windows, LlamaConfig.from_folder(model).vocab_size, f"the data file {data}")
+    check_token_ids(windows, config.vocab_size, f"the data file {data}")
     if max_windows > 0:
         windows = windows[:max_windows]
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as bar:
@@ -70,15 +71,3 @@ def evaluate(
         print(json.dumps({"ppl": result.ppl, "tokens": result.tokens, "windows": result.windows}))
     else:
         print(f"perplexity {result.ppl:.4f} over {result.tokens} tokens ({result.windows} windows of {seq_len})")
-
-
-def window_length(seq_len: int | None, context: int) -> int:
-    """The eval window: the user's, if the model serves that many positions, else refused (its positions
-    beyond max_position_embeddings were never trained nor are they served, so the perplexity would be a
-    plausible number about nothing); without one, 512 or the model's whole context if that is shorter."""
-    if seq_len is None:
-        return min(DEFAULT_SEQ_LEN, context)
-    if seq_len > context:
-        raise ValueError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens "
-                         f"(config.json max_position_embeddings); give at most {context}")
-    return seq_len

@@ -423,12 +423,14 @@ class WorkerPool:
             raise AdmissionFull(f"every worker serving artifact {artifact_id} is at capacity "
                                 f"({', '.join(f'{w.address} {w.in_flight}/{w.capacity}' for w in candidates)}); "
                                 f"retry later")
-        least = min(open_, key=lambda w: (w.in_flight / w.capacity, w.waiting_requests + w.running_requests,
-                                          random.random()))
+        def load(w: PooledWorker) -> float:
+            return w.in_flight / w.capacity
+
+        least = min(open_, key=lambda w: (load(w), w.waiting_requests + w.running_requests, random.random()))
         if session_key:
             own = max(open_, key=lambda w: hashlib.blake2b(f"{session_key}\x00{w.address}".encode(),
                                                            digest_size=8).digest())
-            if own.in_flight / own.capacity <= least.in_flight / least.capacity + AFFINITY_SLACK:
+            if load(own) <= load(least) + AFFINITY_SLACK:
                 return own
         return least
 

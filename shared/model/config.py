@@ -120,6 +120,19 @@ class LlamaConfig:
         """Query heads per KV head (grouped-query attention)."""
         return self.num_heads // self.num_kv_heads
 
+    def window(self, asked: int | None, default: int, option: str, what: str) -> int:
+        """A window of tokens to score or calibrate on (`what`: "an eval", "a calibration"): `asked` if the
+        model serves that many positions, else refused naming `option` (positions past max_position_embeddings
+        were never trained nor are they served: a perplexity or scales fitted over them would be plausible
+        numbers about nothing); none asked: `default`, or the whole context if that is shorter."""
+        context = self.max_position_embeddings
+        if asked is None:
+            return min(default, context)
+        if asked > context:
+            raise ValueError(f"{option} {asked}: {what} window of {asked} tokens exceeds the model's context of "
+                             f"{context} tokens (config.json max_position_embeddings); give at most {context}")
+        return asked
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -56,17 +56,17 @@ class Tokenizer:
     def vocabulary_digest(self) -> str:
         """sha256 of the id -> token table, added tokens included: two tokenizers with the same digest give
         token ids the same meaning, whatever else their files say (a chat template, a default length)."""
-        vocab = self._fast.get_vocab(with_added_tokens=True) if self._fast is not None else self._hf.get_vocab()
-        table = json.dumps(sorted((int(i), str(t)) for t, i in vocab.items()), ensure_ascii=False)
+        table = json.dumps(sorted((int(i), str(t)) for t, i in self._vocab().items()), ensure_ascii=False)
         return hashlib.sha256(table.encode()).hexdigest()
 
     def longest_token_chars(self) -> int:
         """The most characters one token of the vocabulary stands for (its table's longest entry, at least 1):
         a text longer than the context window times this cannot fit the window, however it encodes."""
-        if not hasattr(self, "_longest"):
-            vocab = self._fast.get_vocab(with_added_tokens=True) if self._fast is not None else self._hf.get_vocab()
-            self._longest = max((len(t) for t in vocab), default=1) or 1
-        return self._longest
+        return max((len(t) for t in self._vocab()), default=1) or 1
+
+    def _vocab(self) -> dict[str, int]:
+        """token -> id, added tokens included."""
+        return self._fast.get_vocab(with_added_tokens=True) if self._fast is not None else self._hf.get_vocab()
 
     def decode(self, ids: list[int]) -> str:
         if self._fast is not None:

@@ -46,14 +46,6 @@ def default_calibration_text(max_bytes: int = 2_000_000) -> tuple[str, str]:
     return f"python{sys.version_info.major}.{sys.version_info.minor}-stdlib", "\n".join(parts)
 
 
-def check_window_fits(seq_len: int, context: int) -> None:
-    """Calibration windows past the model's max_position_embeddings would fit the scales to positions the
-    model was never trained on and is never served at: the artifact would look fine and be tuned wrongly."""
-    if seq_len > context:
-        raise CalibrationError(f"calibration window of {seq_len} tokens (--calib-seq-len) exceeds the model's "
-                               f"context of {context} tokens (config.json max_position_embeddings); give at most {context}")
-
-
 def load_calibration(
     path: str | Path | None,
     tokenizer: Tokenizer,

@@ -37,7 +37,7 @@ from shared.model.load import reference_probe
 from shared.model.rope import cos_sin, inverse_frequencies
 from shared.model.tokenizer import TOKENIZER_FILES, Tokenizer, check_token_ids
 from shared.quant.block import WorkBlock
-from shared.quant.calibration import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, check_window_fits, load_calibration
+from shared.quant.calibration import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, load_calibration
 from shared.quant.options import QoQOptions
 from shared.quant.qoq import quantize_block
 from shared.quant.rotation import rotation_matrix
@@ -121,8 +121,7 @@ def quantize_checkpoint(settings: QuantizeSettings, progress: Progress | None = 
     tokens, calibration = None, None
     if needs_calibration(spec, options):
         # Before the (long, for a 7B model) content hash, so a bad calibration file fails fast.
-        seq_len = settings.calib_seq_len or min(DEFAULT_SEQ_LEN, config.max_position_embeddings)
-        check_window_fits(seq_len, config.max_position_embeddings)  # one asked for explicitly
+        seq_len = config.window(settings.calib_seq_len or None, DEFAULT_SEQ_LEN, "--calib-seq-len", "a calibration")
         tokens, calibration = load_calibration(
             settings.calib_path, Tokenizer(settings.model_dir), settings.calib_samples, seq_len
         )

@@ -8,8 +8,8 @@ been computed it is entered in the cache under that name; a later prompt with th
 the block (its reference count goes up) and computes only what follows. A block no sequence holds
 any more keeps its content while nothing else needs the space: it is counted free, and handed out
 again (its name forgotten) only when no never-used block is left, least recently released first.
-Only full blocks of prompts are named: a sequence writes only past its shared blocks, so no block is
-ever written while shared.
+Only full blocks are named (a prompt's once computed, and a finished sequence's generated ones): a
+sequence writes only past its shared blocks, so no block is ever written while shared.
 
 The engine calls it under its lock; the runner never allocates or frees.
 """
@@ -25,12 +25,13 @@ class OutOfBlocks(RuntimeError):
     """More blocks were asked for than are free (the scheduler checks first; this is a bug guard)."""
 
 
-def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+def prefix_block_hashes(token_ids: list[int], block_size: int, known: list[bytes] = ()) -> list[bytes]:
     """The name of each full block of token_ids: sha256 of the previous block's name and this block's
     ids. A cryptographic hash, not Python's: a collision would hand one request another's K/V, and
-    Python's hash of integers is predictable enough for a client to aim at one."""
-    hashes, parent = [], b""
-    for start in range(0, len(token_ids) // block_size * block_size, block_size):
+    Python's hash of integers is predictable enough for a client to aim at one. `known`: the names of
+    the first blocks, already computed (they are returned, and only the blocks after them hashed)."""
+    hashes, parent = list(known), known[-1] if known else b""
+    for start in range(len(known) * block_size, len(token_ids) // block_size * block_size, block_size):
         parent = hashlib.sha256(parent + array("q", token_ids[start : start + block_size]).tobytes()).digest()
         hashes.append(parent)
     return hashes

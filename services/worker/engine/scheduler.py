@@ -156,7 +156,8 @@ class Scheduler:
         """Enters the full blocks of seq's first `known` tokens (prompt and generated) in the prefix cache, as
         it finishes: tokens whose K/V steps already read back have written."""
         if self.blocks.prefix_caching and seq.state is SeqState.RUNNING:
-            names = prefix_block_hashes(seq.token_at(0, known), self.blocks.block_size)
+            # The prompt's names were made at admission: only the generated blocks are hashed here.
+            names = prefix_block_hashes(seq.token_at(0, known), self.blocks.block_size, seq.prompt_hashes or ())
             for block, name in zip(seq.block_table, names):
                 self.blocks.name(block, name)
 
