@@ -273,6 +273,22 @@ def test_an_abort_counts_only_the_tokens_generated_so_far():
     assert finish.reason is FinishReason.ABORT and finish.generated_tokens == len(streamed)
 
 
+@pytest.mark.parametrize("how", ["abort", "stop"])
+def test_an_abort_ends_the_stream_with_the_text_held_back_for_a_possible_stop_string(how):
+    """Text that could start a stop string is held back; its tokens are streamed. An abort (the Abort rpc,
+    a drain, the engine stopping) must send it, or the streamed text is not the text of the streamed ids."""
+    engine = _engine([3, 4, 5])
+    outs = []
+    engine.add_request("r", [1, 2], SamplingOptions(ignore_eos=True, stop=("efdefdefdx",)), outs.append)
+    for _ in range(4):
+        engine.step()
+    streamed = [t for o in outs for t in o.token_ids]
+    assert len(streamed) >= 2 and "".join(o.text for o in outs) == ""  # "efd..." could start the stop string
+    engine.abort("r") if how == "abort" else engine.stop()
+    assert outs[-1].finish.reason is FinishReason.ABORT
+    assert "".join(o.text for o in outs) == Text().decode(streamed)
+
+
 class HalfCharacterText(Text):
     """Token 9 decodes to "j" and the first byte of a multi-byte character: its text is held back
     until the character completes, or until the end of the generation."""

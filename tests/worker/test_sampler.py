@@ -62,6 +62,16 @@ def test_a_seed_reproduces_the_same_tokens_whatever_the_batch():
     assert len(unseeded) > 1  # no seed: fresh randomness per request
 
 
+def test_seeds_differing_only_in_their_high_bits_draw_different_tokens():
+    """The proto's seed is 64 bits; the CPU generator keeps only the low 32 of its own seed."""
+    logits = torch.zeros(4096)
+    for a, b in ((1, 2**32 + 1), (0, 2**63), (12345, 12345 + 7 * 2**40)):
+        draws = [_draws(SamplingOptions(temperature=1.0, seed=s), logits, 8) for s in (a, b)]
+        assert draws[0] != draws[1], (a, b)
+    assert _draws(SamplingOptions(temperature=1.0, seed=2**64 - 1), logits, 8) == \
+        _draws(SamplingOptions(temperature=1.0, seed=2**64 - 1), logits, 8)
+
+
 def test_a_tiny_temperature_samples_the_argmax_instead_of_failing_the_step():
     """A valid (finite, > 0) but tiny fp32 temperature overflows logits / temperature to inf; the
     softmax then gives NaN and multinomial raises, which failed the whole step (every request

@@ -171,7 +171,7 @@ class Engine:
             live = self._live.get(request_id)
             if live is None:
                 return False
-            self._finish(live, FinishReason.ABORT, [], "")
+            self._abort(live)
             return True
 
     def stats(self) -> EngineStats:
@@ -213,7 +213,7 @@ class Engine:
         """Aborts what is in flight and ends the loop (after the step in progress)."""
         with self._cond:
             for live in list(self._live.values()):
-                self._finish(live, FinishReason.ABORT, [], "")
+                self._abort(live)
             self._stopping = True
             self._cond.notify_all()
         if self._thread is not None:
@@ -391,6 +391,11 @@ class Engine:
         self.scheduler.finish(seq)
         seq.finish_reason = reason
         _deliver(live, RequestOutput(seq.request_id, token_ids, text, _finish_info(seq, reason)))
+
+    def _abort(self, live: _Live) -> None:
+        # The text the detokenizer held back (a possible start of a stop string, a character still
+        # incomplete) belongs to tokens already streamed: it ends the stream, as at any other finish.
+        self._finish(live, FinishReason.ABORT, [], live.detok.flush())
 
     def _fail(self, seqs: list[Sequence], message: str, non_finite: bool = False) -> None:
         with self._cond:

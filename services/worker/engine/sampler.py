@@ -13,6 +13,8 @@ assert on CUDA, which would end every request of the worker, not just this one.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from services.worker.engine.sequence import SamplingOptions
@@ -26,8 +28,16 @@ def new_generator(options: SamplingOptions, device: torch.device) -> torch.Gener
     if options.seed is None:
         g.seed()
     else:
-        g.manual_seed(options.seed)
+        g.manual_seed(mixed_seed(options.seed))
     return g
+
+
+def mixed_seed(seed: int) -> int:
+    """The request's 64-bit seed, hashed: the CPU generator (a Mersenne twister) keeps only the low 32 bits
+    of its seed, so seeds a client derives from a counter or a 64-bit hash (1 and 2**32 + 1) drew the same
+    tokens. Hashed, seeds differing anywhere give different streams (but for chance collisions)."""
+    digest = hashlib.blake2b(seed.to_bytes(8, "little"), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
