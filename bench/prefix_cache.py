@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere, as the other ben
 
 from bench.e2e import random_artifact
 from bench.e2e_engine import make_engine, run_requests
+from bench.jit_compiles import recorded_compiles
 from bench.machine import gpu_machine
 from bench.random_model import SHAPES
 from services.worker.engine.triton_runner import TritonRunner, TritonRunnerSettings
@@ -73,11 +74,13 @@ def main() -> None:
         engine.blocks.forget_cached()  # the warm-up's prompts share the prefix: the run starts from an empty cache
         before = engine.stats()
         got: dict[int, list[int]] = {}
-        run = run_requests(engine, prompts, args.output, "run", got)
+        with recorded_compiles() as compiled:  # a kernel first launched in the timed run paid its compile there
+            run = run_requests(engine, prompts, args.output, "run", got)
         after = engine.stats()
         run.update(prefix_caching=prefix_caching, warm_up_s=warm_s, tokens_per_s=run["output_tokens"] / run["total_s"],
                    prefix_cache_hit_tokens=after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens,
-                   prefix_cache_queried_tokens=after.prefix_cache_queried_tokens - before.prefix_cache_queried_tokens)
+                   prefix_cache_queried_tokens=after.prefix_cache_queried_tokens - before.prefix_cache_queried_tokens,
+                   kernels_compiled=compiled)
         tokens.append((prefix_caching, got))
         result["runs"].append(run)
         print(json.dumps(run), flush=True)
