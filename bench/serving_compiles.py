@@ -25,7 +25,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere, as the other bench scripts
 
-from bench.jit_compiles import recorded_compiles
+from bench.jit_compiles import differences, recorded_compiles
 from bench.machine import cpu_machine, gpu_machine
 from services.worker.config import WorkerConfig
 from services.worker.engine.sequence import SamplingOptions
@@ -96,7 +96,7 @@ def main() -> int:
             served = load_served_model(config)
         engine = served.engine
         record = {"format": served.format, "start_up_s": time.perf_counter() - t0,
-                  "kernels_compiled_at_start_up": len(at_start), "phases": []}
+                  "kernels_compiled_at_start_up": at_start, "phases": []}
         late = 0
         for name, prompts, options in phases(served.vocab_size, engine.limits.max_context,
                                              engine.limits.max_batch_tokens, engine.limits.max_running):
@@ -104,11 +104,13 @@ def main() -> int:
             with recorded_compiles() as compiled:
                 tokens = run(engine, prompts, options)
             late += len(compiled)
+            for entry in compiled:
+                entry["differs_from_start_up"] = differences(entry, at_start)
             record["phases"].append({"phase": name, "requests": len(prompts), "tokens": tokens,
                                      "seconds": time.perf_counter() - t1, "kernels_compiled": compiled})
             print(f"{artifact.name}: {name}: {len(compiled)} kernels compiled", flush=True)
-            for line in compiled:
-                print("   ", line[:300], flush=True)
+            for entry in compiled:
+                print("   ", entry["kernel"], entry["differs_from_start_up"], flush=True)
         result["artifacts"][str(artifact)] = record
         result["checks"].append({"name": f"kernels compiled while serving after the start-up ({served.format})",
                                  "value": late, "target": 0, "op": "<=", "met": late == 0})

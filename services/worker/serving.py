@@ -14,6 +14,7 @@ from services.worker.engine.engine import Engine, EngineLimits
 from services.worker.engine.loading import LoadedArtifact, load_runner, open_artifact, runner_formats, worker_gpu_target
 from services.worker.engine.sequence import SamplingOptions
 from services.worker.errors import ArtifactBroken, ArtifactCorrupt
+from services.worker.kernel_warm_up import warm_attention_kernels
 from services.worker.probe_check import check_probe
 from shared.formats.artifact import ArtifactError
 from shared.model.config import CheckpointError
@@ -90,8 +91,10 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
     _self_check(engine, reader.manifest.artifact_id, model_config.vocab_size)
     probe_error = check_probe(runner, reader, num_blocks, max_context, config.max_batch_tokens,
                               config.probe_max_error)
-    # The probe wrote its K/V into blocks 0.. behind the engine's back, over blocks the self-check's prompt
-    # left named in the prefix cache: a request starting like that prompt must not reuse them.
+    if device.type == "cuda":
+        warm_attention_kernels(runner, num_blocks, max_context, config.max_batch_tokens, config.max_running_sequences)
+    # The probe and the warm-up wrote K/V into blocks 0.. behind the engine's back, over blocks the self-check's
+    # prompt left named in the prefix cache: a request starting like that prompt must not reuse them.
     engine.blocks.forget_cached()
     log.info("artifact %s (%s, %s) on %s: %d KV blocks of %d tokens, context %d",
              reader.manifest.artifact_id, reader.manifest.format, reader.manifest.gpu_target, gpu_name,
