@@ -106,6 +106,9 @@ class GatewayConfig:
     worker_forget_s: float = 300.0  # a worker silent this long is removed from the pool (its channel closed)
     deployment_cache_s: float = 0.25  # how stale a deployment read from the registry may be
     worker_info_timeout_s: float = 5.0  # RegisterWorker's call to the worker's Info
+    # A worker that sends nothing for this long after taking a request has failed it: the request is retried
+    # elsewhere (servicer_gateway). 0 = no limit. Above any queue wait plus prefill a loaded worker may take.
+    first_reply_timeout_s: float = 120.0
     budget: FallbackBudget = field(default_factory=FallbackBudget)
     quarantine: Quarantine = field(default_factory=Quarantine)  # of workers failing request after request
     fallback_check_s: float = 0.5  # how often the automatic fallback looks at the windows
@@ -143,6 +146,9 @@ class GatewayConfig:
         if self.worker_forget_s <= self.heartbeat_timeout_s:
             raise ConfigError(f"worker_forget_s={self.worker_forget_s} must exceed heartbeat_timeout_s="
                               f"{self.heartbeat_timeout_s}: a worker is marked unhealthy before it is forgotten")
+        if not (_positive(self.first_reply_timeout_s) or self.first_reply_timeout_s == 0):
+            raise ConfigError(f"--first-reply-timeout-s {self.first_reply_timeout_s} must be a positive number of "
+                              f"seconds, or 0 (no limit)")
         if not (_positive(self.deployment_cache_s) or self.deployment_cache_s == 0) or self.deployment_cache_s > 1.0:
             raise ConfigError(f"deployment_cache_s={self.deployment_cache_s} must be 0..1 s: a fallback switch "
                               f"must take effect within a second")
@@ -194,6 +200,7 @@ class GatewayConfig:
             heartbeat_interval_s=args.heartbeat_interval_s,
             heartbeat_timeout_s=args.heartbeat_timeout_s,
             worker_forget_s=args.worker_forget_s,
+            first_reply_timeout_s=args.first_reply_timeout_s,
             budget=FallbackBudget(
                 max_error_rate=args.max_error_rate, max_tpot_p95_s=args.max_tpot_p95_ms / 1000.0,
                 max_ttft_p95_s=args.max_ttft_p95_ms / 1000.0,
@@ -262,6 +269,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-forget-s", type=float, default=300.0,
                    help="a worker with no heartbeat for this long is removed from the pool (it registers again "
                         "when it comes back)")
+    p.add_argument("--first-reply-timeout-s", type=float, default=120.0,
+                   help="a worker that has sent nothing for this long after taking a request is taken to have "
+                        "failed it: its stream is cancelled, the failure counts towards its quarantine, and the "
+                        "request is retried on another worker; a client that leaves before its first token after "
+                        "waiting longer counts as an error of its arm. Keep it above the longest queue wait plus "
+                        "prefill a loaded worker takes. 0 turns it off")
     p.add_argument("--auto-fallback", action=argparse.BooleanOptionalAction, default=True,
                    help="abort a canary that breaks its budget; turn fallback on when the quantized stable does")
     p.add_argument("--max-error-rate", type=float, default=0.05, help="error-rate budget of the stable and canary arms")

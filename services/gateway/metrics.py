@@ -29,7 +29,9 @@ class Outcome:
 
     at: float  # wall-clock seconds (time.time()) when it finished
     server_error: bool  # ended non-OK because of the serving side (not the client's input or cancel)
-    ttft_s: float | None  # None when no token was delivered
+    # None when no token was delivered; for a client that left before its first token, the time it waited (a
+    # lower bound: without it a canary that never answers would show no TTFT for the budget to judge)
+    ttft_s: float | None
     tpot_s: float | None  # None when fewer than two tokens were delivered
     tokens: int
 
@@ -43,8 +45,8 @@ class ArmStats:
     tpot_p50_s: float = 0.0
     tpot_p95_s: float = 0.0
     generated_tokens: int = 0
-    # The requests each quantile is taken over (those with that time: not failed, a first token, two or more
-    # tokens): a p95 of few samples says little, whatever the request count.
+    # The requests each quantile is taken over (those with that time: not failed, a first token or a client that
+    # left waiting for it, two or more tokens): a p95 of few samples says little, whatever the request count.
     ttft_samples: int = 0
     tpot_samples: int = 0
 
@@ -76,8 +78,9 @@ class GatewayMetrics:
                                 "before the request moved to another worker (counted as errors of their arm)", labels, registry=self.registry)
         self.errors = Counter("qserve_gateway_errors", "Requests that failed on the serving side", labels,
                               registry=self.registry)
-        self.ttft = Histogram("qserve_gateway_time_to_first_token_seconds", "Arrival to first token sent, of "
-                              "requests not failed on the serving side", labels,
+        self.ttft = Histogram("qserve_gateway_time_to_first_token_seconds", "Arrival to first token sent (to the "
+                              "client's leaving, for one that left before it), of requests not failed on the "
+                              "serving side", labels,
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("qserve_gateway_time_per_output_token_seconds", "Mean gap between tokens after the "
                               "first, per request not failed on the serving side", labels, buckets=_LATENCY_BUCKETS,

@@ -14,7 +14,10 @@ for their clients' deadlines: one whose heartbeat says its engine stalled (a hun
 and its heartbeats carry on), and one whose heartbeats stopped. Each open stream registers a callback
 with acquire() (removed by release()), which the pool calls then; the stream's owner cancels its worker
 call, and retries the request elsewhere when it can (servicer_gateway). A draining worker's streams are
-left alone: they are moving, and finishing them is the point of a drain.
+left alone: they are moving, and finishing them is the point of a drain. Nor will a worker finish a stream it
+knows nothing of: one whose request, or whose connection, was lost on the way while its heartbeats (on another
+connection) carry on. Streams that have had no reply across two heartbeats in a row that said the worker has
+nothing running or waiting are ended the same way (_end_unheard), whatever the worker's health.
 
 A failed request marks its worker unhealthy until its next heartbeat. A worker that fails request after
 request while its heartbeats carry on (a GPU with ECC errors producing non-finite logits, a broken local
@@ -54,11 +57,22 @@ from shared.rpc.tls import ClientTls, ReloadingClientTls, aio_channel
 
 log = logging.getLogger(__name__)
 # gRPC drops an idle connection after 30 min by default; the pool would read that as a worker gone.
-_CHANNEL_OPTIONS = (("grpc.client_idle_timeout_ms", 2**31 - 1),)
+# Keepalive pings find a connection whose peer vanished without a word (a dead host, NAT or conntrack state
+# lost): the gateway sends nothing on a stream it reads, so without them nothing ever notices, and the streams
+# on it wait for ever. Every 5 min and no sooner: a worker's gRPC server (default settings) takes pings more
+# frequent than that, while it sends nothing, as abuse and closes the connection (GOAWAY too_many_pings) with
+# every stream on it. Sent only while calls are open; a stream silent from its start is the first-reply
+# timeout's (servicer_gateway) to end sooner.
+KEEPALIVE_TIME_MS = 300_000
+_CHANNEL_OPTIONS = (("grpc.client_idle_timeout_ms", 2**31 - 1), ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+                    ("grpc.keepalive_timeout_ms", 20_000))
 
 
 # Why a stalled worker gets no requests and loses its open streams (ListWorkers, the streams' failure).
 STALLED_REASON = "its engine stalled (no progress with requests in flight)"
+# Why a stream the worker knows nothing of is ended (WorkerPool._end_unheard).
+UNHEARD_REASON = ("no reply, and two heartbeats in a row report nothing running or waiting (the request or the "
+                  "connection was lost on the way)")
 
 
 # How much busier (open streams over capacity) a session's own worker may be than the least loaded one and still
@@ -112,6 +126,10 @@ class PooledWorker:
     # One callback per open stream that asked to be ended should the worker be unable to finish it
     # (WorkerPool.acquire); called with the reason, and removed, by WorkerPool._end_streams.
     stream_enders: set[Callable[[str], None]] = field(default_factory=set)
+    # Those of them whose stream has had no reply from the worker yet (WorkerPool.heard_from), and those that
+    # had none at its last heartbeat, if that heartbeat said it has nothing running or waiting (_end_unheard).
+    silent_streams: set[Callable[[str], None]] = field(default_factory=set)
+    silent_at_idle_beat: set[Callable[[str], None]] = field(default_factory=set)
 
     def health_label(self) -> str:
         """Its health for the workers gauge (GatewayMetrics.watch_workers): a quarantined worker apart from
@@ -262,6 +280,24 @@ class WorkerPool:
             self._end_streams(worker, STALLED_REASON)
         elif was_stalled:
             log.warning("worker %s (%s): its engine moves again; taking requests", worker.worker_id, worker.address)
+        self._end_unheard(worker, idle=running + waiting == 0)
+
+    def _end_unheard(self, worker: PooledWorker, idle: bool) -> None:
+        """Ends the streams that had no reply across two heartbeats in a row that both said the worker has nothing
+        running or waiting: it does not know of them (see the module docstring), so nothing would ever answer.
+        Two, not one: a heartbeat taken just before a request reached the worker says nothing runs as well."""
+        if not idle:
+            worker.silent_at_idle_beat = set()
+            return
+        lost = worker.silent_at_idle_beat & worker.silent_streams
+        worker.silent_at_idle_beat = worker.silent_streams - lost
+        if lost:
+            log.warning("worker %s (%s) reports nothing running or waiting two heartbeats in a row, yet %d stream(s) "
+                        "open on it have had no reply: ending them", worker.worker_id, worker.address, len(lost))
+        for end in lost:
+            worker.stream_enders.discard(end)
+            worker.silent_streams.discard(end)
+            end(UNHEARD_REASON)
 
     async def remove(self, worker_id: str) -> PooledWorker:
         """No new requests; the channel stays open while streams are in flight (release closes it)."""
@@ -276,15 +312,21 @@ class WorkerPool:
 
     def acquire(self, worker: PooledWorker, end: Callable[[str], None] | None = None) -> None:
         """A stream opened on the worker. end(reason), when given, is called (once, at most) if the worker
-        turns out unable to finish it: stalled, or its heartbeats stopped. release() with the same end
-        unregisters it."""
+        turns out unable to finish it: stalled, its heartbeats stopped, or it knows nothing of the stream
+        (_end_unheard; heard_from says the stream had a reply). release() with the same end unregisters it."""
         worker.in_flight += 1
         if end is not None:
             worker.stream_enders.add(end)
+            worker.silent_streams.add(end)
+
+    def heard_from(self, worker: PooledWorker, end: Callable[[str], None]) -> None:
+        """The stream acquired with `end` got its first reply: the worker knows of it (see _end_unheard)."""
+        worker.silent_streams.discard(end)
 
     async def release(self, worker: PooledWorker, end: Callable[[str], None] | None = None) -> None:
         worker.in_flight -= 1
         worker.stream_enders.discard(end)  # already gone if the pool ended the stream
+        worker.silent_streams.discard(end)
         if worker.in_flight == 0:
             await _close_retired(worker)
             if self.workers.get(worker.worker_id) is not worker:
@@ -393,6 +435,7 @@ class WorkerPool:
         """Calls, and unregisters, the enders of the streams open on the worker. Each is removed before it
         is called, so a stream is ended once whatever triggers follow (a stalled worker's heartbeats, then
         their expiry)."""
+        worker.silent_streams.clear()
         while worker.stream_enders:
             worker.stream_enders.pop()(reason)
 

@@ -79,7 +79,8 @@ class GatewayServer:
         self.fallback = AutoFallback(self.registry, self.deployments, self.metrics, config.budget, self.pool,
                                      self.fleet)
         self.gateway = GatewayServicer(self.pool, self.deployments, self.metrics, ApiKeys(config.api_keys),
-                                       config.max_concurrent_streams, config.max_streams_per_client)
+                                       config.max_concurrent_streams, config.max_streams_per_client,
+                                       config.first_reply_timeout_s)
         admin = AdminServicer(self.registry, self.pool, self.deployments, self.metrics, AdminAuth(config.admin_tokens),
                               config.heartbeat_interval_s, config.worker_info_timeout_s, datetime.now(timezone.utc),
                               self.fleet)
@@ -124,6 +125,8 @@ class GatewayServer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
         self._server = None
+        # The streams just ended sent Worker.Abort for their requests; closing the channels now would lose them.
+        await self.gateway.finish_aborts()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()

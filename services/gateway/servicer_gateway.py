@@ -12,6 +12,16 @@ cancelled and an explicit Worker.Abort sent, so the worker frees the KV blocks e
 is lost on the way. A worker that will not finish a stream (its heartbeat says its engine stalled, or its
 heartbeats stopped: WorkerPool) has it ended the same way and counted as a failed attempt, under the
 rules above: without that the client would wait for its deadline. A draining worker's are left to finish.
+A stream on which the worker has sent nothing for --first-reply-timeout-s (a worker that took the request and
+hung, or a connection to it that dropped without a word while its heartbeats, on another connection, carry on)
+is ended the same way, draining or not, as is one the pool finds the worker knows nothing of
+(WorkerPool._end_unheard).
+
+A client that leaves (its cancel, its deadline) before its first token is recorded as having waited that long
+for it: a lower bound on its TTFT, which the TTFT budget sees. Counted as a plain success with no TTFT instead,
+a canary whose workers take requests but never answer would show no errors and no TTFT, and the guard would
+never take it out. It counts as an error of its arm only when it waited past --first-reply-timeout-s: a client
+with a short deadline on a healthy but busy worker must not abort a canary.
 
 Each failed attempt also counts towards its worker's quarantine (WorkerPool.mark_failed), and each request
 a worker finishes clears that count (mark_succeeded). A worker that answered full (RESOURCE_EXHAUSTED), that
@@ -35,7 +45,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -55,6 +65,11 @@ from shared.rpc.refusal import refused_for_draining
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 2.0
+# A client's request_id is echoed in every message of its stream and in log lines, and its session_key is
+# hashed once per candidate worker (pool.pick): both bounded, or one request could make the gateway send
+# megabytes per token. The worker takes request ids of up to 256 characters; the gateway adds a suffix.
+MAX_REQUEST_ID_CHARS = 128
+MAX_SESSION_KEY_CHARS = 256
 # Worker answers that are about the request itself: the client gets them as they are, no retry.
 _FULL = "admission full: "  # marks the failure of a worker that answered RESOURCE_EXHAUSTED
 _DRAINING = "draining: "  # marks the refusal of a worker that has begun to drain (shared.rpc.refusal)
@@ -91,6 +106,7 @@ class Trace:
     generated: int | None = None  # from the worker's final message
     finish: common_pb2.Finish | None = None  # the worker's final message
     server_error: bool = False
+    left_at: float | None = None  # when the client went away before its first token (client_left)
     # When the arm that serves now took the request: the arrival, or the move from another arm. Its time to the
     # first token counts from there: a canary slow to fail would otherwise put its own delay on the stable's
     # TTFT, and the guard (which judges the stable first) fall back a healthy stable for the canary's fault.
@@ -101,12 +117,27 @@ class Trace:
             self.arm_since = time.monotonic()
         self.route = route
 
+    def waiting_since(self) -> float:
+        """When the arm that serves now took the request: its TTFT counts from there."""
+        return self.arrival if self.arm_since is None else self.arm_since
+
+    def client_left(self, first_reply_timeout_s: float) -> None:
+        """The client went away (its cancel, its deadline, or the gateway stopping). Before its first token, the
+        time it waited is its TTFT sample, a lower bound (see the module docstring), and past the first-reply
+        timeout (0: off) a failure of its arm: the gateway's own timer would have failed that wait."""
+        if self.first_token_at is not None:
+            return
+        self.left_at = time.monotonic()
+        if first_reply_timeout_s and self.left_at - self.waiting_since() > first_reply_timeout_s:
+            self.server_error = True
+
     def outcome(self) -> Outcome:
         now = time.monotonic()
-        start = self.arrival if self.arm_since is None else self.arm_since
-        ttft = None if self.first_token_at is None else self.first_token_at - start
+        start = self.waiting_since()
+        first = self.first_token_at if self.first_token_at is not None else self.left_at
+        ttft = None if first is None else first - start
         tokens = self.delivered if self.generated is None else self.generated
-        tpot = (now - self.first_token_at) / (tokens - 1) if ttft is not None and tokens > 1 else None
+        tpot = (now - self.first_token_at) / (tokens - 1) if self.first_token_at is not None and tokens > 1 else None
         return Outcome(at=time.time(), server_error=self.server_error, ttft_s=ttft, tpot_s=tpot, tokens=self.delivered)
 
 
@@ -118,14 +149,18 @@ def _duration(seconds: float) -> Duration:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, pool: WorkerPool, deployments: DeploymentCache, metrics: GatewayMetrics, api_keys: ApiKeys,
-                 max_concurrent_streams: int, max_streams_per_client: int = 0):
+                 max_concurrent_streams: int, max_streams_per_client: int = 0, first_reply_timeout_s: float = 0.0):
         self.pool = pool
         self.deployments = deployments
         self.metrics = metrics
         self.api_keys = api_keys
         self.max_concurrent_streams = max_concurrent_streams
         self.max_streams_per_client = max_streams_per_client  # 0 = none
+        # A worker that sends nothing for this long after taking a request has failed it (0 = no limit; see _relay)
+        self.first_reply_timeout_s = first_reply_timeout_s
         self.open_streams = 0
+        self._no_streams = asyncio.Event()  # set while open_streams is 0 (see finish_aborts)
+        self._no_streams.set()
         self.open_by_client: collections.Counter[ApiKey] = collections.Counter()
         self._aborts: set[asyncio.Task] = set()  # Worker.Abort calls in flight (kept so they are not collected)
 
@@ -147,6 +182,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except MAPPED as exc:
             await self._reject(context, status_of(exc), str(exc))
         self.open_streams += 1
+        self._no_streams.clear()
         self.metrics.open_streams.inc()
         client_tokens = None  # the client's token counter, looked up once per stream rather than per message
         if client is not None:
@@ -168,6 +204,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await self._reject(context, status_of(exc), str(exc))
         finally:
             self.open_streams -= 1
+            if not self.open_streams:
+                self._no_streams.set()
             self.metrics.open_streams.dec()
             if client is not None:
                 self.open_by_client[client] -= 1
@@ -183,7 +221,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         request_id = request.request_id or uuid.uuid4().hex
         # The worker-side id must be unique even when clients reuse request ids: a worker refuses a
         # duplicate (ALREADY_EXISTS), and Worker.Abort by id would stop another client's generation.
-        worker_key = f"{request_id[:128]}.{uuid.uuid4().hex[:16]}"
+        # _validate bounds request_id (MAX_REQUEST_ID_CHARS): with the suffix it stays within the worker's limit.
+        worker_key = f"{request_id}.{uuid.uuid4().hex[:16]}"
         deployment = await self.deployments.for_routing(request.deployment)
         trace = Trace(arrival=arrival, route=router.choose(deployment, request.session_key),
                       session_key=request.session_key)
@@ -248,6 +287,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     )
         except NoWorker:
             trace.server_error = True
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            trace.client_left(self.first_reply_timeout_s)
             raise
         except AdmissionFull:
             counted = False
@@ -334,9 +376,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
         self.pool.acquire(worker, lose)
         trace.worker_started = time.monotonic()
+        timer = self._first_reply_timer(lose)
+        silent = True  # nothing received from the worker yet
         artifact_id, arm = trace.route.artifact.artifact_id, trace.route.arm.value
         try:
             async for reply in call:
+                if silent:  # it answers: neither the timer nor the pool's check for unheard streams applies now
+                    silent = False
+                    self.pool.heard_from(worker, lose)
+                    if timer is not None:
+                        timer.cancel()
                 if reply.token_ids and trace.first_token_at is None:
                     trace.first_token_at = time.monotonic()
                 trace.delivered += len(reply.token_ids)
@@ -374,6 +423,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 attempt.failure = (_FULL if code is grpc.StatusCode.RESOURCE_EXHAUSTED else "") + \
                     f"{worker.address}: {code.name}: {err.details()}"
         finally:
+            if timer is not None:
+                timer.cancel()
             if not attempt.finished and (attempt.lost or not attempt.failure):
                 # The client went away (or the gateway is stopping), or the pool gave up on the worker: stop
                 # the worker's work now (a worker that merely stalled frees the request's KV blocks).
@@ -386,16 +437,50 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         log.warning("request %r on worker %s failed after %d tokens: %r", request_id, worker.address,
                     trace.delivered, attempt.failure)
 
+    def _first_reply_timer(self, lose: Callable[[str], None]) -> asyncio.TimerHandle | None:
+        """Fails the attempt (lose) when the worker has sent nothing within first_reply_timeout_s; None when off.
+        Neither the connection's state nor the heartbeats (on another connection) show a stream that a worker
+        took and hung on, or one lost with a connection that dropped without a word: its client would wait for
+        its deadline, or for ever, while a healthy peer could serve it. Lost, it is retried like any failure
+        before the first token, and counts towards the worker's quarantine."""
+        if not self.first_reply_timeout_s:
+            return None
+        reason = f"sent nothing within the first-reply timeout of {self.first_reply_timeout_s:g} s"
+        return asyncio.get_running_loop().call_later(self.first_reply_timeout_s, lose, reason)
+
     def _send_abort(self, worker: PooledWorker, worker_request_id: str) -> None:
         async def abort() -> None:
             try:
                 await worker.stub.Abort(worker_pb2.AbortRequest(request_id=worker_request_id), timeout=ABORT_TIMEOUT_S)
-            except grpc.aio.AioRpcError as err:  # the cancelled call alone still frees the blocks
-                log.info("Abort of %s on %s failed: %s", worker_request_id, worker.address, err.code().name)
+            except Exception as err:  # the cancelled call alone still frees the blocks; nothing left unretrieved
+                why = err.code().name if isinstance(err, grpc.aio.AioRpcError) else repr(err)
+                log.info("Abort of %s on %s failed: %s", worker_request_id, worker.address, why)
+            finally:
+                await self.pool.release(worker)
 
+        # The Abort holds the worker as a stream does: the stream's own release follows at once, and the last
+        # release closes the channel of a worker removed meanwhile (draining), which the Abort still needs. The
+        # worker holds the request until the Abort (or the cancel) reaches it, so it is rightly counted busy.
+        self.pool.acquire(worker)
         task = asyncio.ensure_future(abort())
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
+
+    async def finish_aborts(self, timeout_s: float = ABORT_TIMEOUT_S) -> None:
+        """At gateway stop, once the server has stopped and before the pool closes the channels: the streams it
+        cancelled end (on the next turns of the loop: each sends its Worker.Abort then) and the Aborts in flight
+        finish, within timeout_s in all; the Aborts still running then are cancelled."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._no_streams.wait(), timeout_s)
+        pending = set(self._aborts)
+        if not pending:
+            return
+        _, late = await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()))
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
 
     def _finish(self, finish: common_pb2.Finish, trace: Trace) -> common_pb2.Finish:
         now = time.monotonic()
@@ -437,6 +522,11 @@ def _unavailable(deployment: DeploymentView, chosen: Route, fallbacks: list[Rout
 def _validate(request: gateway_pb2.GatewayGenerateRequest) -> None:
     if not request.deployment:
         raise InvalidRequest("deployment is required: the name of a deployment (`qctl deploy create` makes one)")
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # worded as the worker words it (worker/requests.py)
+        raise InvalidRequest(f"request_id has {len(request.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+    if len(request.session_key) > MAX_SESSION_KEY_CHARS:
+        raise InvalidRequest(f"session_key has {len(request.session_key)} characters; at most "
+                             f"{MAX_SESSION_KEY_CHARS}")
     which = request.WhichOneof("prompt")
     if which is None or (which == "text" and not request.text) or (which == "token_ids" and not request.token_ids.ids):
         raise InvalidRequest("prompt is required: give a non-empty text or a non-empty token_ids list")

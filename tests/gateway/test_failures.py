@@ -82,8 +82,8 @@ def test_a_client_that_cancels_aborts_the_request_on_the_worker(artifacts):
                 if seen == 2:
                     call.cancel()
                     break
-            for _ in range(50):
-                if worker.aborts and worker.cancelled:
+            for _ in range(50):  # the Worker.Abort holds the worker until it returns
+                if worker.aborts and worker.cancelled and not stack.gateway.gateway._aborts:
                     break
                 await asyncio.sleep(0.02)
             assert worker.aborts == worker.started  # Worker.Abort named the request the worker was running
@@ -209,11 +209,13 @@ def test_a_stream_closed_at_a_yield_releases_its_worker_at_once(artifacts):
             pooled = pool.get(stack.workers[0].worker_id)
             assert pooled.in_flight == 1 and servicer.open_streams == 1
             await stream.aclose()  # no loop turn after this before the checks
-            assert pooled.in_flight == 0 and servicer.open_streams == 0
+            # the stream's slot is released; the Worker.Abort it sent holds the worker until it returns
+            assert not pooled.stream_enders and pooled.in_flight == len(servicer._aborts) == 1
+            assert servicer.open_streams == 0
             for _ in range(50):
-                if worker.aborts:
+                if worker.aborts and pooled.in_flight == 0:
                     break
                 await asyncio.sleep(0.02)
-            assert worker.aborts == worker.started
+            assert worker.aborts == worker.started and pooled.in_flight == 0
 
     run(scenario())

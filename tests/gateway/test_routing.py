@@ -310,6 +310,31 @@ def test_generate_rejects_bad_requests(artifacts):
     run(scenario())
 
 
+def test_request_ids_and_session_keys_past_their_limits_are_refused(artifacts):
+    """The request_id is echoed in every message of the stream and in log lines, the session_key hashed per
+    candidate worker: a 3 MiB request_id made the gateway send megabytes per token. Refused before any worker
+    is asked, naming the field and its limit (worded as the worker words its own limit)."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            worker = (await stack.add_worker(artifacts.stable, tokens=2)).worker
+            for field, size, limit in (("request_id", 129, 128), ("request_id", 3 << 20, 128),
+                                       ("session_key", 257, 256)):
+                request = gateway_pb2.GatewayGenerateRequest(deployment=DEPLOYMENT, text="hi", **{field: "r" * size})
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    async for _ in stack.gw.Generate(request):
+                        pass
+                assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert raised.value.details() == f"{field} has {size} characters; at most {limit}"
+            assert worker.started == []
+            request = gateway_pb2.GatewayGenerateRequest(deployment=DEPLOYMENT, text="hi", request_id="r" * 128,
+                                                         session_key="s" * 256)
+            replies = [reply async for reply in stack.gw.Generate(request)]
+            assert {r.request_id for r in replies} == {"r" * 128} and replies[-1].HasField("finish")
+            assert worker.started[0].startswith("r" * 128 + ".")
+
+    run(scenario())
+
+
 def test_clients_reusing_a_request_id_get_distinct_worker_request_ids(artifacts):
     """request_id is the caller's id for logs: two clients may both send "1". The worker refuses a
     duplicate in-flight id, and the gateway's Worker.Abort (on a cancel) names the request by id, so

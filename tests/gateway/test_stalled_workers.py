@@ -94,8 +94,8 @@ async def _check_ended(stack: Stack, call, received: list[int], delivered: int, 
     else:
         await asyncio.wait_for(_read_rest(call, received), ENDED_WITHIN_S)
         assert received == expected and len(spare.worker.finished) == 1
-    # the worker's call cancelled and Worker.Abort sent, as for a client that leaves
-    await _until(lambda: stuck.worker.cancelled and stuck.worker.aborts)
+    # the worker's call cancelled and Worker.Abort sent (and returned), as for a client that leaves
+    await _until(lambda: stuck.worker.cancelled and stuck.worker.aborts and not stack.gateway.gateway._aborts)
     assert stuck.worker.cancelled == stuck.worker.started == stuck.worker.aborts
     stats = stack.gateway.metrics.stats(DEPLOYMENT, stack.artifacts.stable, since=0.0)
     assert (stats.requests, stats.errors) == ((1, 1) if delivered else (2, 1))  # the failed attempt counted
