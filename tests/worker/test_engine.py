@@ -10,6 +10,7 @@ import torch
 from services.worker.engine.engine import Engine, EngineLimits
 from services.worker.engine.runner import StepBatch, resolve_token_ids
 from services.worker.engine.sequence import FinishReason, SamplingOptions
+from services.worker.errors import InvalidRequest
 from shared.model.config import LlamaConfig
 
 VOCAB = 16
@@ -89,6 +90,15 @@ def test_ignore_eos_runs_to_max_new_tokens():
 def test_the_context_window_ends_an_unlimited_generation():
     outs = _run(_engine([3], max_context=10), [1, 2, 3])
     assert outs[-1].finish.reason is FinishReason.LENGTH and outs[-1].finish.generated_tokens == 7
+
+
+def test_a_prompt_that_leaves_no_room_in_the_context_is_refused_not_queued_for_ever():
+    engine = _engine([3], max_context=10)
+    for prompt in ([], [1] * 10, [1] * 17):
+        with pytest.raises(InvalidRequest, match="the engine takes 1 to 9"):
+            engine.add_request("long", prompt, SamplingOptions(), lambda out: None)
+    outs = _run(engine, [1] * 9)  # the longest it takes: one token, LENGTH at the window
+    assert outs[-1].finish.reason is FinishReason.LENGTH and outs[-1].finish.generated_tokens == 1
 
 
 def test_abort_frees_blocks_at_once_and_reports_abort():

@@ -38,7 +38,7 @@ from services.worker.engine.runner import ModelRunner, SequenceChunk, StepBatch
 from services.worker.engine.sampler import NON_FINITE, finite_rows, ids_for_host, new_generator, sample
 from services.worker.engine.scheduler import Schedule, Scheduler
 from services.worker.engine.sequence import FinishReason, SamplingOptions, Sequence
-from services.worker.errors import DuplicateRequest, QueueFull
+from services.worker.errors import DuplicateRequest, InvalidRequest, QueueFull
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,13 @@ class Engine:
     # ---- called from any thread ----
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingOptions, sink: Sink) -> None:
-        """Queues a validated request. Raises DuplicateRequest or QueueFull."""
+        """Queues a validated request. Raises DuplicateRequest, QueueFull, or InvalidRequest for a prompt that
+        leaves no room for a token in the context window (requests.py refuses those first, with the wording a
+        client sees; the engine's own callers, the start-up checks and benchmarks, get it here: queued, such a
+        prompt could never be admitted and every request behind it would wait for ever)."""
+        if not 0 < len(prompt_ids) < self.limits.max_context:
+            raise InvalidRequest(f"a prompt of {len(prompt_ids)} tokens: the engine takes 1 to "
+                                 f"{self.limits.max_context - 1} (its context window is {self.limits.max_context})")
         with self._cond:
             if request_id in self._live:
                 raise DuplicateRequest(f"request_id {request_id!r} is already in flight on this worker")
