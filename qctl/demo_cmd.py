@@ -6,6 +6,7 @@ is noise. Point --model at a trained checkpoint for meaningful perplexity and te
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import typer
@@ -29,7 +30,6 @@ def demo(
 
     from shared.formats.artifact import ArtifactReader
     from shared.model.checkpoint import HfCheckpoint
-    from shared.model.demo import write_demo_checkpoint
     from shared.model.load import artifact_model, fp_model
     from shared.model.perplexity import perplexity, windows_of
     from shared.model.tokenizer import Tokenizer
@@ -38,10 +38,7 @@ def demo(
 
     console = Console(stderr=True)
     if model is None:
-        model = workdir / "demo-model"
-        if not (model / "config.json").is_file():
-            console.print(f"no --model given: writing a small random-weight Llama to {model} (no download)")
-            write_demo_checkpoint(model, "tiny")
+        model = demo_model(workdir / "demo-model", console)
     out = workdir / f"artifact-{format.value}"
     console.print(f"quantizing {model} -> {out} ({format.value})")
     settings = QuantizeSettings(model_dir=model, out_dir=out, format=format.value, calib_samples=8, calib_seq_len=256)
@@ -58,3 +55,18 @@ def demo(
         logits = quantized.forward(torch.tensor([ids]))
         ids.append(int(logits[0, -1].argmax()))
     print(tokenizer.decode(ids))
+
+
+def demo_model(folder: Path, console: Console, note: str = "") -> Path:
+    """The small random-weight Llama at folder (`qctl demo`'s and `qctl up`'s without --model), written when it
+    is not there. One that an older qctl left half written (stopped while writing it in place; it is written
+    into a temporary folder now) is deleted and written again: that folder is qctl's own, under its --workdir."""
+    from shared.model.demo import demo_checkpoint_complete, write_demo_checkpoint  # here, not at the top: torch
+
+    if demo_checkpoint_complete(folder):
+        return folder
+    if folder.exists():
+        console.print(f"{folder} is incomplete (a run was stopped while writing it): deleting it")
+        shutil.rmtree(folder)
+    console.print(f"no --model given: writing a small random-weight Llama to {folder} (no download){note}")
+    return write_demo_checkpoint(folder, "tiny")

@@ -1,4 +1,4 @@
-"""`qctl deploy create|show|ls`: deployments on the gateway (a deployment is needed before a rollout)."""
+"""`qctl deploy create|ls`: deployments on the gateway (a deployment is needed before a rollout)."""
 
 from __future__ import annotations
 

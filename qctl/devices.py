@@ -21,13 +21,14 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def resolve_gpu_target(target: str) -> str:
-    """'auto' -> 'smXY' of the visible GPU (when the project has a target for it), else 'cpu'."""
+def resolve_gpu_target(target: str, device: str | None = None) -> str:
+    """'auto' -> 'smXY' of the GPU `device` names ('cuda:1'; None or 'cuda': the current one) when the project
+    has a target for it, else 'cpu'."""
     if target != "auto":
         return target
     import torch  # here, not at the top: see resolve_device
     if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
+        major, minor = torch.cuda.get_device_capability(device)
         name = f"sm{major}{minor}"
         if name in GPU_TARGETS:
             return name

@@ -11,6 +11,8 @@ from qctl.gateway_client import GATEWAY_OPTION, gateway_client, ms, rpc_errors
 from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
 
+EXIT_INCOMPLETE = 1  # the generation was aborted, or the stream ended without its finish: the text is cut short
+
 
 def _token_ids(text: str) -> list[int]:
     try:
@@ -37,7 +39,9 @@ def generate(
     gateway: str = GATEWAY_OPTION,
     api_key: str = typer.Option(None, "--api-key", envvar="QCTL_API_KEY", help="when the gateway requires one"),
 ):
-    """Stream the generated text to stdout; the finish line (reason, artifact, timings) goes to stderr."""
+    """Stream the generated text to stdout; the finish line (reason, artifact, timings) goes to stderr. Exit 1
+    when the text is cut short: the generation was aborted (the worker or the stack stopped) or the stream
+    ended without a finish."""
     if (prompt is None) == (token_ids is None):
         raise typer.BadParameter("give either a PROMPT or --token-ids (exactly one)")
     sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
@@ -51,15 +55,25 @@ def generate(
         request.token_ids.ids.extend(_token_ids(token_ids))
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
     try:
-        _stream(gateway, request, metadata)
+        finished = _stream(gateway, request, metadata)
     except KeyboardInterrupt:
         # The partial text ends its line, and the shell's prompt does not land after it.
         print(file=sys.stdout)
         print("interrupted", file=sys.stderr)
         raise typer.Exit(code=130) from None
+    # A script reading the exit code must not take a cut-short text for a whole one (it exited 0 after an abort).
+    if finished is None:
+        print(file=sys.stdout)
+        print("error: the stream ended without a finish: the text may be cut short", file=sys.stderr)
+        raise typer.Exit(code=EXIT_INCOMPLETE)
+    if finished == common_pb2.FINISH_REASON_ABORT:
+        print("error: the generation was aborted: the text is cut short", file=sys.stderr)
+        raise typer.Exit(code=EXIT_INCOMPLETE)
 
 
-def _stream(gateway: str, request: gateway_pb2.GatewayGenerateRequest, metadata) -> None:
+def _stream(gateway: str, request: gateway_pb2.GatewayGenerateRequest, metadata) -> int | None:
+    """Writes the text as it comes; returns the finish reason (None when the stream ended without one)."""
+    finished = None
     with gateway_client(gateway) as stub:
         for reply in stub.Generate(request, metadata=metadata):
             sys.stdout.write(reply.text)
@@ -72,3 +86,5 @@ def _stream(gateway: str, request: gateway_pb2.GatewayGenerateRequest, metadata)
                 print(f"[{reason}] {f.generated_tokens} tokens from {arm} {reply.artifact_id}; "
                       f"ttft {ms(f.timings.time_to_first_token)}, tpot {ms(f.timings.time_per_output_token)}, "
                       f"total {ms(f.timings.total)}", file=sys.stderr)
+                finished = f.reason
+    return finished

@@ -70,11 +70,13 @@ def publish(
     version_label: str = typer.Option("", "--version-label", help="human label of the model version"),
     calib: str = typer.Option(None, "--calib", help="calibration text file or s3:// URI [default: the quantizer's]"),
     calib_samples: int = typer.Option(0, min=0, max=UINT32_MAX, help="calibration windows (0: the quantizer's default)"),
-    calib_seq_len: int = typer.Option(0, min=0, max=UINT32_MAX, help="tokens per calibration window (0: the quantizer's default)"),
+    calib_seq_len: int = typer.Option(0, min=0, max=UINT32_MAX, help="tokens per calibration window (0: the quantizer's "
+                                      "default, 512 or the model's context if shorter)"),
     budget: float = typer.Option(None, "--budget",
                                  help="largest accepted relative perplexity increase, e.g. 0.05 [default: the quantizer's]"),
     eval_data: str = typer.Option(None, "--eval-data", help="eval text file or s3:// URI [default: the quantizer's]"),
-    eval_seq_len: int = typer.Option(0, min=0, max=UINT32_MAX, help="eval window length (0: 512)"),
+    eval_seq_len: int = typer.Option(0, min=0, max=UINT32_MAX, help="eval window length (0: 512, or the model's "
+                                     "context if shorter)"),
     eval_max_windows: int = typer.Option(0, min=0, max=UINT32_MAX, help="score at most this many eval windows (0: all)"),
     calib_sha256: str = typer.Option("", "--calib-sha256", help="pin the calibration file's content: the job fails "
                                      "if it reads otherwise (`sha256sum FILE`)"),

@@ -10,8 +10,12 @@ generation through the gateway. Then it keeps serving (Ctrl-C stops it) unless -
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import fcntl
 import functools
+import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -23,27 +27,32 @@ from typing import TYPE_CHECKING
 import grpc
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from qctl.choices import QuantizedFormatName
+from qctl.demo_cmd import demo_model
 from qctl.devices import resolve_device, resolve_gpu_target
 from qctl.errors import user_errors
 from qctl.gateway_client import admin_client, gateway_client
 from qctl.publish_cmd import follow_job, quantizer_stub
 from services.worker.errors import WorkerError
+from shared.model.config import LlamaConfig
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2, quantizer_pb2
 from shared.storage import StorageError
 
 if TYPE_CHECKING:
     from qctl.stack import LocalStack
+    from services.quantizer.evaluate import EvalWindows
 
 Q, G = quantizer_pb2, gateway_pb2
 SESSIONS = 20  # session keys sent during the canary, to show the split and its stickiness
 WORKER_WAIT_S = 60.0
 # How long a worker may take to load: on a GPU its first start on a machine compiles every Triton kernel
 # its artifact uses and captures the CUDA graphs (2 min for the demo model on a fresh H100, longer for a 7B).
-WORKER_START_S = {"cpu": 300.0, "cuda": 1200.0}
+WORKER_START_S = {"cpu": 300.0, "cuda": 1200.0}  # by device type: --device cuda:1 is a "cuda" device
 WORKER_GPU_SHARE = 0.45
+EVAL_SEQ_LEN = 256  # the accuracy check's window, or the model's context if that is shorter
 
 
 def stack_errors(fn):
@@ -95,26 +104,40 @@ def up(
     model: Path = typer.Option(None, "--model", help="checkpoint folder [default: make a small random demo model]"),
     workdir: Path = typer.Option(Path(".qserve-up"), "--workdir", help="registry, store and caches go here"),
     format: QuantizedFormatName = typer.Option("w4a8kv4-g128", "--format", help="the quantized format to roll out"),
-    device: str = typer.Option("auto", "--device", help="auto (a GPU when there is one), cpu or cuda"),
+    device: str = typer.Option("auto", "--device", help="auto (a GPU when there is one), cpu, cuda or cuda:N"),
     eval_data: Path = typer.Option(None, "--eval-data",
-                                   help="held-out text for the accuracy check [default: Python stdlib sources]"),
-    eval_windows: int = typer.Option(8, "--eval-windows", min=1, help="eval windows of 256 tokens to score"),
+                                   help="held-out text for the accuracy check [default: Python stdlib sources]. "
+                                        "In a --workdir used before, the artifacts published there are reused: "
+                                        "one evaluated on other text or another number of windows is evaluated "
+                                        "again on this run's, so the perplexities printed are always this run's"),
+    eval_windows: int = typer.Option(8, "--eval-windows", min=1,
+                                     help="eval windows of 256 tokens (or the model's context, if shorter) to score"),
     canary_percent: int = typer.Option(20, "--canary-percent", min=1, max=100, help="canary share during rollout"),
     prompt: str = typer.Option("def fibonacci(n):", "--prompt", help="prompt streamed at the end"),
     new_tokens: int = typer.Option(32, "--new-tokens", min=1, help="tokens to generate for the prompt"),
     once: bool = typer.Option(False, "--once", help="stop after the demo instead of serving until Ctrl-C"),
 ):
-    """Quantizer + gateway + workers on loopback: publish, roll out, stream tokens; then keep serving."""
+    """Quantizer + gateway + workers on loopback: publish, roll out, stream tokens; then keep serving.
+    One run at a time per --workdir."""
+    if not prompt:  # refused now, not by the worker after minutes of publishing and starting
+        raise typer.BadParameter("give a non-empty prompt to stream", param_hint="--prompt")
+    device = resolve_device(device)  # before the lock: a device refused leaves no --workdir behind
+    workdir = workdir.resolve()
+    with _workdir_lock(workdir):
+        _up(model, workdir, format, device, eval_data, eval_windows, canary_percent, prompt, new_tokens, once)
+
+
+def _up(model: Path | None, workdir: Path, format: QuantizedFormatName, device: str, eval_data: Path | None,
+        eval_windows: int, canary_percent: int, prompt: str, new_tokens: int, once: bool) -> None:
     # Imported here, not at the top: the services' servers import torch and the registry, which only
     # this command's run needs.
     from qctl.stack import LocalStack
 
     console = Console(stderr=True)
-    workdir = workdir.resolve()
-    device = resolve_device(device)
-    gpu_target = "cpu" if device == "cpu" else resolve_gpu_target("auto")
+    gpu_target = "cpu" if device == "cpu" else resolve_gpu_target("auto", device)
     model, demo = _model(model, workdir, console)
     eval_path = eval_data.resolve() if eval_data else _builtin_eval_text(workdir)
+    eval_seq_len = _eval_seq_len(model)
     name = _deployment_name(model.name if not demo else "demo")
 
     stack = LocalStack(workdir, device)
@@ -126,9 +149,11 @@ def up(
 
         small = dict(num_samples=8, seq_len=256) if demo else {}  # the random demo model learns nothing more
         token = stack.quantizer_token
-        baseline_id = _publish(quantizer, token, model, name, "fp16", gpu_target, eval_windows, {}, console)
-        quantized_id = _publish(quantizer, token, model, name, format.value, gpu_target, eval_windows, small,
-                                console)
+        check = _AccuracyCheck(stack.store.root, model, eval_path, eval_seq_len, eval_windows, device, console)
+        baseline_id = check.show(_publish(quantizer, token, model, name, "fp16", gpu_target, check.request, {},
+                                          console))
+        quantized_id = check.show(_publish(quantizer, token, model, name, format.value, gpu_target, check.request,
+                                           small, console))
 
         budget = _worker_budget(device)
         for artifact_id in (baseline_id, quantized_id):
@@ -155,19 +180,49 @@ def up(
         stack.stop()
 
 
+@contextlib.contextmanager
+def _workdir_lock(workdir: Path):
+    """Holds <workdir>/.lock (an exclusive flock) for the run. A second run in the same folder is refused: its
+    quantizer would fail the first run's live jobs as orphans (the stack's quantizer takes every RUNNING job as
+    left by a killed run) and delete their objects, and it would reset the first run's deployment. The kernel
+    releases the lock when the process ends, killed too, so a killed run leaves nothing to clean up."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / ".lock", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            pid = lock.read().strip()
+            print(f"error: another qctl up{f' (pid {pid})' if pid else ''} is using {workdir}: stop it, or give "
+                  f"this one another --workdir", file=sys.stderr)
+            raise typer.Exit(code=2) from None
+        lock.truncate(0)
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        yield
+
+
 def _model(model: Path | None, workdir: Path, console: Console) -> tuple[Path, bool]:
     if model is not None:
         if not (model / "config.json").is_file():
             raise FileNotFoundError(f"--model {model} has no config.json: give a Hugging Face Llama checkpoint folder")
         return model.resolve(), False
-    from shared.model.demo import write_demo_checkpoint  # here, not at the top: it imports torch
+    # What a run killed while writing the demo model left (write_demo_checkpoint's temporary folder): this run
+    # holds the --workdir's lock, so none of them is being written.
+    for stale in workdir.glob(".demo-model.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    note = "; its text is noise, give --model for a trained checkpoint"
+    return demo_model(workdir / "demo-model", console, note), True
 
-    model = workdir / "demo-model"
-    if not (model / "config.json").is_file():
-        console.print(f"no --model given: writing a small random-weight Llama to {model} (no download); "
-                      "its text is noise, give --model for a trained checkpoint")
-        write_demo_checkpoint(model, "tiny")
-    return model, True
+
+def _eval_seq_len(model: Path) -> int:
+    """EVAL_SEQ_LEN, or the model's context if shorter (LlamaConfig.window's rule): a window past the context
+    scores positions the model was never trained on nor serves, and the quantizer refuses it."""
+    try:
+        config = LlamaConfig.from_folder(model)
+    except (ValueError, TypeError, ArithmeticError, OSError):
+        return EVAL_SEQ_LEN  # a config.json the quantizer refuses, naming what is wrong, when it is published
+    return config.window(None, EVAL_SEQ_LEN, "--eval-windows", "an eval")
 
 
 def _worker_budget(device: str) -> int | None:
@@ -198,11 +253,11 @@ def _deployment_name(text: str) -> str:
     return name or "model"
 
 
-def _publish(quantizer: str, token: str, model: Path, name: str, fmt: str, gpu_target: str, eval_windows: int,
-             calibration: dict, console: Console) -> str:
+def _publish(quantizer: str, token: str, model: Path, name: str, fmt: str, gpu_target: str, eval: Q.EvalData,
+             calibration: dict, console: Console) -> common_pb2.ArtifactInfo:
     request = Q.PublishRequest(
         source=str(model), model_name=name, format=fmt, gpu_target=gpu_target,
-        calibration=Q.Calibration(**calibration), eval=Q.EvalData(seq_len=256, max_windows=eval_windows),
+        calibration=Q.Calibration(**calibration), eval=eval,
     )
     console.print(f"[bold]publishing[/] {model.name} as {fmt}")
     channel, stub = quantizer_stub(quantizer, token)
@@ -210,15 +265,80 @@ def _publish(quantizer: str, token: str, model: Path, name: str, fmt: str, gpu_t
         job = follow_job(stub, stub.Publish(request).job_id, console)
     if job is None or job.state != Q.JOB_STATE_SUCCEEDED:
         raise StackError(f"publishing {fmt} failed: {job.error if job else 'the progress stream ended empty'}")
-    e = job.artifact.evaluation
-    console.print(f"  {fmt} artifact {job.artifact.artifact_id} READY: perplexity {e.perplexity_quantized:.3f} "
-                  f"vs fp16 {e.perplexity_fp16:.3f} ({e.perplexity_quantized / e.perplexity_fp16 - 1:+.2%})")
-    return job.artifact.artifact_id
+    return job.artifact
+
+
+class _AccuracyCheck:
+    """Prints each published artifact's perplexities against fp16, and the text and windows they were measured on.
+
+    The quantizer evaluates an artifact once, when it builds it. In a --workdir used before, a publish hands back
+    the READY artifact of the same binding with the evaluation an earlier run made, maybe on other text or another
+    number of windows (--eval-data, --eval-windows). Printing that as this run's check would report an accuracy
+    never measured on this run's text: such an artifact is evaluated again here, with the quantizer's own
+    functions on the same windows, so the figures are those a fresh --workdir would print."""
+
+    def __init__(self, store_root: Path, model: Path, eval_path: Path, seq_len: int, max_windows: int, device: str,
+                 console: Console):
+        self.store_root, self.model, self.eval_path, self.device, self.console = (
+            store_root, model, eval_path, device, console)
+        self.request = Q.EvalData(seq_len=seq_len, max_windows=max_windows)
+        self._windows: EvalWindows | None = None
+        self._ppl_fp16: float | None = None
+
+    def show(self, artifact: common_pb2.ArtifactInfo) -> str:
+        """Prints artifact's check (measured again when its evaluation is not this run's); returns its id."""
+        from services.quantizer.config import DEFAULT_BUDGET
+        from shared.formats.manifest import Manifest
+
+        e = Manifest.read(self.store_root / artifact.object_key_prefix).evaluation
+        windows = self.windows()
+        what = f"{artifact.format} artifact {artifact.artifact_id}"
+        ours = _on(windows.name, windows.count, windows.seq_len)
+        if e is not None and (e.data_sha256, e.seq_len, e.windows) == (windows.sha256, windows.seq_len, windows.count):
+            ppl_fp16, ppl_quantized = e.ppl_fp16, e.ppl_quantized
+        else:
+            theirs = _on(e.data_name, e.windows, e.seq_len) if e else "no text"
+            self.console.print(f"  {what}, published by an earlier run in this --workdir, was evaluated on {theirs}: "
+                               f"evaluating it again on {ours}")
+            ppl_fp16, ppl_quantized = self._measure(artifact)
+            # The budget this run's publish was held to: it asks none, so the stack's quantizer's default.
+            budget = DEFAULT_BUDGET
+            if ppl_quantized > ppl_fp16 * (1 + budget):  # what the quantizer refuses to publish
+                raise StackError(f"{what}: on {ours} its perplexity {ppl_quantized:.3f} is "
+                                 f"{ppl_quantized / ppl_fp16 - 1:+.2%} over fp16's {ppl_fp16:.3f}, above the "
+                                 f"accuracy budget of {budget:.2%}")
+        self.console.print(f"  {what} READY: perplexity {ppl_quantized:.3f} vs fp16 {ppl_fp16:.3f} "
+                           f"({ppl_quantized / ppl_fp16 - 1:+.2%}) on {ours}")
+        return artifact.artifact_id
+
+    def windows(self) -> EvalWindows:
+        """This run's eval windows, as the quantizer cuts them (the same function on the same request)."""
+        from services.quantizer.evaluate import eval_windows  # here, not at the top: it imports torch
+
+        if self._windows is None:
+            self._windows = eval_windows(self.eval_path, self.eval_path.stem, self.model, self.request.seq_len,
+                                         self.request.max_windows)
+        return self._windows
+
+    def _measure(self, artifact: common_pb2.ArtifactInfo) -> tuple[float, float]:
+        from services.quantizer.evaluate import artifact_perplexity, checkpoint_perplexity
+        from shared.model.checkpoint import HfCheckpoint
+
+        if self._ppl_fp16 is None:  # both artifacts' reference: measured once
+            self._ppl_fp16 = checkpoint_perplexity(HfCheckpoint(self.model), self.windows(), self.device)
+        if artifact.format == "fp16":  # the artifact is the checkpoint's own weights, as the quantizer takes it
+            return self._ppl_fp16, self._ppl_fp16
+        folder = self.store_root / artifact.object_key_prefix
+        return self._ppl_fp16, artifact_perplexity(folder, self.windows(), self.device)
+
+
+def _on(name: str, windows: int, seq_len: int) -> str:
+    return f"{escape(name)}, {windows} window{'s' if windows != 1 else ''} of {seq_len} tokens"
 
 
 def _start_worker(stack: LocalStack, artifact_id: str, budget: int | None, device: str, console: Console) -> None:
     """Starts a worker with a spinner: a GPU worker's first start compiles kernels for minutes, silently."""
-    timeout_s = WORKER_START_S[device]
+    timeout_s = WORKER_START_S["cpu" if device == "cpu" else "cuda"]
     doing = "loading" if device == "cpu" else "loading, compiling kernels and capturing CUDA graphs (minutes the first time)"
     try:
         with console.status(f"worker {artifact_id}: {doing}"):

@@ -27,7 +27,7 @@ from services.quantizer.evaluate import (
     checkpoint_perplexity,
     eval_windows,
 )
-from services.quantizer.publish_spec import PublishSpec
+from services.quantizer.publish_spec import DEFAULT_EVAL_SEQ_LEN, PublishSpec
 from services.quantizer.sources import local_file, local_folder
 from services.quantizer.views import ArtifactDetails, EvaluationView, Stage
 from shared.disk_space import SharedSpace
@@ -35,6 +35,7 @@ from shared.formats.artifact import TOKENIZER_DIR, sha256_file
 from shared.formats.manifest import MANIFEST_NAME, Evaluation, Manifest
 from shared.formats.spec import format_spec
 from shared.model.checkpoint import HfCheckpoint
+from shared.model.config import LlamaConfig
 from shared.model.tokenizer import Tokenizer
 from shared.quant.quantize_model import QuantizeSettings, check_group_divisibility, quantize_checkpoint
 from shared.registry import (
@@ -162,7 +163,7 @@ class Pipeline:
             self.reporter.progress(Stage.LOAD, message=f"downloaded {self.spec.source}: {downloaded.summary()}")
         checkpoint = HfCheckpoint(folder)  # config.json, a Llama-family model, every tensor present
         check_group_divisibility(checkpoint.config, format_spec(self.spec.format))
-        windows = self._eval_windows(folder)  # a bad eval text fails now rather than after quantizing
+        windows = self._eval_windows(folder, checkpoint.config)  # a bad eval text fails now, not after quantizing
         model_version = checkpoint.content_hash()
         self.reporter.progress(Stage.LOAD, message=f"model version {model_version[:12]}")
         return folder, checkpoint, model_version, windows
@@ -197,11 +198,14 @@ class Pipeline:
         )
         return out
 
-    def _eval_windows(self, folder: Path) -> EvalWindows:
+    def _eval_windows(self, folder: Path, config: LlamaConfig) -> EvalWindows:
         spec = self.spec
+        # An s3:// source's window is settled here, once its config.json is read (publish_spec: a local source's
+        # was at Publish): the default or the context if shorter, an asked one refused past the context.
+        seq_len = config.window(spec.eval_seq_len, DEFAULT_EVAL_SEQ_LEN, "eval.seq_len", "an eval")
         text = local_file(spec.eval_data, self.work_dir / "eval", self.services.config.store)
         _check_pinned(text, spec.eval_sha256, "eval.data", spec.eval_data)
-        return eval_windows(text, spec.eval_name, folder, spec.eval_seq_len, spec.eval_max_windows)
+        return eval_windows(text, spec.eval_name, folder, seq_len, spec.eval_max_windows)
 
     def _quantize_and_fp16_eval(self, folder: Path, checkpoint: HfCheckpoint, model_version: str,
                                 windows: EvalWindows) -> tuple[Path, float]:

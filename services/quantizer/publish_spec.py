@@ -38,12 +38,14 @@ class PublishSpec:
     gpu_target: str
     calib_data: str  # local path or s3:// URI; '' = the built-in calibration text
     calib_samples: int
-    calib_seq_len: int
+    # None: not asked, and the model's context not known yet (an s3:// source): quantize_checkpoint applies
+    # LlamaConfig.window's rule once the job has read config.json
+    calib_seq_len: int | None
     qoq: dict[str, bool]  # the proto's switches as given (unset ones absent)
     budget: float  # largest accepted perplexity_quantized / perplexity_fp16 - 1
     eval_data: str  # local path or s3:// URI
     eval_name: str
-    eval_seq_len: int
+    eval_seq_len: int | None  # None: as calib_seq_len (the pipeline applies the rule once config.json is read)
     eval_max_windows: int  # 0 = every window of the text
     calib_sha256: str = ""  # the content the request pinned (lowercase hex); '' = not pinned
     eval_sha256: str = ""
@@ -82,7 +84,7 @@ class PublishSpec:
                     f"max_relative_perplexity_increase {budget!r} is not accepted: use a finite number >= 0 "
                     "(0.05 = quantized perplexity at most 5% above fp16)"
                 )
-        source = _check_source(req.source, req.format, config)
+        source, model_config = _check_source(req.source, req.format, config)
         calib_data = req.calibration.data or config.default_calib_data or ""
         calib_sha256 = _pinned("calibration.sha256", req.calibration.sha256)
         if calib_sha256 and not calib_data:
@@ -113,12 +115,13 @@ class PublishSpec:
             calib_data=calib_data,
             calib_samples=_count("calibration.num_samples", req.calibration.num_samples, DEFAULT_SAMPLES,
                                  1, MAX_CALIB_SAMPLES),
-            calib_seq_len=_count("calibration.seq_len", req.calibration.seq_len, DEFAULT_SEQ_LEN, 2, MAX_SEQ_LEN),
+            calib_seq_len=_window("calibration.seq_len", req.calibration.seq_len, DEFAULT_SEQ_LEN, "a calibration",
+                                  model_config),
             qoq=qoq,
             budget=float(budget),
             eval_data=eval_data,
             eval_name=eval_name,
-            eval_seq_len=_count("eval.seq_len", req.eval.seq_len, DEFAULT_EVAL_SEQ_LEN, 2, MAX_SEQ_LEN),
+            eval_seq_len=_window("eval.seq_len", req.eval.seq_len, DEFAULT_EVAL_SEQ_LEN, "an eval", model_config),
             eval_max_windows=req.eval.max_windows,
             calib_sha256=calib_sha256,
             eval_sha256=eval_sha256,
@@ -132,13 +135,13 @@ class PublishSpec:
             format=self.format,
             gpu_target=self.gpu_target,
             calibration=quantizer_pb2.Calibration(
-                data=self.calib_data, num_samples=self.calib_samples, seq_len=self.calib_seq_len,
+                data=self.calib_data, num_samples=self.calib_samples, seq_len=self.calib_seq_len or 0,
                 sha256=self.calib_sha256,
             ),
             qoq=quantizer_pb2.QoQOptions(**self.qoq),
             max_relative_perplexity_increase=self.budget,
             eval=quantizer_pb2.EvalData(
-                data=self.eval_data, name=self.eval_name, seq_len=self.eval_seq_len, max_windows=self.eval_max_windows,
+                data=self.eval_data, name=self.eval_name, seq_len=self.eval_seq_len or 0, max_windows=self.eval_max_windows,
                 sha256=self.eval_sha256,
             ),
         )
@@ -148,12 +151,13 @@ def is_s3(uri: str) -> bool:
     return uri.startswith("s3://")
 
 
-def _check_source(source: str, format: str, config: QuantizerConfig) -> str:
+def _check_source(source: str, format: str, config: QuantizerConfig) -> tuple[str, LlamaConfig | None]:
+    """The source, and its model configuration when it is a local folder (None for s3://: read by the job)."""
     if not source:
         raise InvalidRequest("source is required: a checkpoint folder or an s3://bucket/prefix URI")
     if is_s3(source):
         _check_s3_uri("source", source, config)
-        return source  # read when the job runs: its errors end the job FAILED
+        return source, None  # read when the job runs: its errors end the job FAILED
     folder = Path(source).expanduser()
     if not folder.is_dir():
         raise MissingInput(f"source checkpoint folder {source!r} does not exist (on the quantizer's host)")
@@ -170,7 +174,7 @@ def _check_source(source: str, format: str, config: QuantizerConfig) -> str:
             f"source {source!r}: its config.json cannot be used as a Llama configuration "
             f"({type(exc).__name__}: {exc})"
         ) from exc
-    return str(folder.resolve())
+    return str(folder.resolve()), model_config
 
 
 def _check_text_file(what: str, uri: str, config: QuantizerConfig) -> None:
@@ -190,11 +194,26 @@ def _check_s3_uri(what: str, uri: str, config: QuantizerConfig) -> None:
         raise InvalidRequest(f"{what} {uri!r} is not a usable S3 URI: {exc}") from exc
 
 
-def _count(what: str, value: int, default: int, low: int, high: int) -> int:
+def _window(what: str, asked: int, default: int, what_for: str, model: LlamaConfig | None) -> int | None:
+    """A window of tokens (0 = not asked), by LlamaConfig.window's rule as `qctl quantize` and `qctl eval` apply
+    it: not asked, the default or the model's context if that is shorter; asked past the context, refused (no
+    trained or served positions there). Filling in the default before the context is known (512 for a model of
+    256 positions) refused it as if the caller had asked for it. None: not asked, and no context known yet."""
+    asked = _count(what, asked, 0, 2, MAX_SEQ_LEN, f"{default}, or the model's context if shorter")
+    if model is None:
+        return asked or None
+    try:
+        return model.window(asked or None, default, what, what_for)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def _count(what: str, value: int, default: int, low: int, high: int, default_text: str | None = None) -> int:
     if value == 0:
         return default
     if not low <= value <= high:
-        raise InvalidRequest(f"{what}={value} is out of range: use {low} to {high}, or 0 for the default ({default})")
+        raise InvalidRequest(f"{what}={value} is out of range: use {low} to {high}, or 0 for the default "
+                             f"({default_text or default})")
     return value
 
 

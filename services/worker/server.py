@@ -38,7 +38,7 @@ from shared.config import fail
 from shared.registry import RegistryError
 from shared.rpc.qserve.v1 import worker_pb2, worker_pb2_grpc
 from shared.rpc.cert_expiry import CertificateExpiry
-from shared.rpc.serving import BackgroundLoop, listen, wait_for_stop_signal
+from shared.rpc.serving import BackgroundLoop, in_daemon_thread, listen, wait_for_stop_signal
 from shared.rpc.tls import certificate_files
 from shared.storage import StorageError
 
@@ -72,7 +72,8 @@ class WorkerServer:
         serves; returns the bound gRPC port."""
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
-        served = await asyncio.to_thread(load_served_model, self.config)
+        # Not asyncio.to_thread: a process stopped during the load (minutes on a GPU) would wait for it at exit.
+        served = await in_daemon_thread(load_served_model, self.config)
         served.engine.start()
         metrics = WorkerMetrics(served.engine.stats, served.probe_error)
         metrics.registry.register(

@@ -8,6 +8,9 @@ byte-level BPE trained on the running Python's standard library sources, so it e
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,13 +54,37 @@ def train_demo_tokenizer(folder: Path, vocab: int) -> None:
     )
 
 
+# The files write_demo_checkpoint writes after the shards. Versions that wrote in place (not into a temporary
+# folder) wrote them in this order, after every shard: a folder without all of them was left by a stopped run.
+DEMO_FILES = ("model.safetensors.index.json", "config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def demo_checkpoint_complete(folder: Path) -> bool:
+    """Whether folder holds a whole demo checkpoint (False for one an older version left half written)."""
+    return all((folder / name).is_file() for name in DEMO_FILES)
+
+
 def write_demo_checkpoint(folder: str | Path, shape: str = "tiny", seed: int = 0) -> Path:
-    """Writes config.json, one safetensors shard per block (with an index) and a tokenizer."""
+    """Writes config.json, one safetensors shard per block (with an index) and a tokenizer into folder, which
+    must not exist yet (or be empty). They are written into a temporary sibling folder, renamed to folder once
+    complete: a write stopped midway (Ctrl-C, a kill) leaves no folder that looks like a checkpoint but lacks
+    its tokenizer (every later `qctl up` took such a folder as the model and failed to load it)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown demo shape {shape!r}; expected one of: {', '.join(SHAPES)}")
-    s = SHAPES[shape]
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        _write(tmp, SHAPES[shape], seed)
+        os.replace(tmp, folder)  # an OSError if folder is there and not empty: it is not replaced
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _write(folder: Path, s: DemoShape, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     head_dim = s.hidden // s.heads
 
@@ -99,4 +126,3 @@ def write_demo_checkpoint(folder: str | Path, shape: str = "tiny", seed: int = 0
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     train_demo_tokenizer(folder, s.vocab)
-    return folder

@@ -67,6 +67,37 @@ def _stop_now(sig: signal.Signals) -> None:
     os._exit(128 + sig)
 
 
+async def in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on a daemon thread of its own, awaited: for a blocking call of minutes that nothing can interrupt
+    (a worker's start-up load). asyncio.to_thread runs it on the loop's executor, whose threads the interpreter
+    joins at exit: a process stopped meanwhile (Ctrl-C while `qctl up` starts a worker) waited for the load to
+    finish. A cancelled await, or a loop closed under it, leaves the call to run on alone; its result is dropped."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # cancelled: nothing waits for it
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting coroutine
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop was closed: the server was given up on
+            pass
+
+    threading.Thread(target=run, name=getattr(fn, "__name__", "in_daemon_thread"), daemon=True).start()
+    return await future
+
+
 class BackgroundLoop:
     """An asyncio event loop running on a daemon thread; `call` runs a coroutine on it and waits."""
 

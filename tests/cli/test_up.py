@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from typer.testing import CliRunner
 
 from qctl.main import app
@@ -36,15 +38,33 @@ def test_up_names_a_model_folder_that_is_not_a_checkpoint(tmp_path):
 
 def test_up_runs_again_in_the_same_workdir(tmp_path):
     """`qctl up --once`, then `qctl up` again in the same --workdir (the default .qserve-up/): the second
-    run finds the deployment the first left (quantized stable) and must still roll out and promote."""
+    run finds the deployment the first left (quantized stable) and must still roll out and promote.
+
+    It asks for another number of eval windows: the artifacts it reuses were evaluated on the first run's, and
+    it printed those perplexities as its own check. It evaluates them again on its windows, and says so."""
     workdir = tmp_path / "stack"
-    args = ["up", "--workdir", str(workdir), "--once", "--new-tokens", "4", "--eval-windows", "1"]
-    first = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    args = ["up", "--workdir", str(workdir), "--once", "--new-tokens", "4"]
+    first = CliRunner().invoke(app, [*args, "--eval-windows", "1"], env={"COLUMNS": "200"})
     assert first.exit_code == 0, first.stderr
-    second = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    second = CliRunner().invoke(app, [*args, "--eval-windows", "2"], env={"COLUMNS": "200"})
     assert second.exit_code == 0, second.stderr
     assert "takes 20% as the canary" in second.stderr and "is now stable" in second.stderr
     assert "tokens from stable" in second.stderr
+
+    first_err, second_err = (" ".join(result.stderr.split()) for result in (first, second))
+    checks = re.findall(r"(\S+) artifact \w+ READY: perplexity ([\d.]+) vs fp16 ([\d.]+) \([^)]*\) on (.+? tokens)",
+                        first_err)
+    assert [(fmt, on) for fmt, _, _, on in checks] == [("fp16", "eval, 1 window of 256 tokens"),
+                                                       ("w4a8kv4-g128", "eval, 1 window of 256 tokens")], first_err
+    again = ("published by an earlier run in this --workdir, was evaluated on eval, 1 window of 256 tokens: "
+             "evaluating it again on eval, 2 windows of 256 tokens")
+    assert second_err.count(again) == 2, second_err
+    rechecks = re.findall(r"(\S+) artifact \w+ READY: perplexity ([\d.]+) vs fp16 ([\d.]+) \([^)]*\) on (.+? tokens)",
+                          second_err)
+    assert [(fmt, on) for fmt, _, _, on in rechecks] == [("fp16", "eval, 2 windows of 256 tokens"),
+                                                         ("w4a8kv4-g128", "eval, 2 windows of 256 tokens")], second_err
+    (_, fp16, fp16_ref, _), (_, quantized, quantized_ref, _) = rechecks
+    assert fp16 == fp16_ref == quantized_ref != checks[0][1]  # one fp16 reference, measured on this run's windows
 
     registry = create_registry(sqlite_url(workdir / "registry.db"))
     with registry.sessions() as session:
