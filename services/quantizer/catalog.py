@@ -29,6 +29,8 @@ class ArtifactFilter:
     model_version: str = ""
 
     def __post_init__(self) -> None:
+        _check_no_nul("model_name filter", self.model_name)
+        _check_no_nul("model_version filter", self.model_version)
         if self.format and self.format not in FORMATS:
             raise InvalidRequest(f"format filter {self.format!r} is not a format; accepted: {', '.join(FORMATS)}")
         if self.gpu_target and self.gpu_target not in GPU_TARGETS:
@@ -41,11 +43,13 @@ def artifact_view(registry: Registry, store: ObjectStore, artifact_id: str, deta
     """One artifact (raises the registry's NotFound). For a READY artifact this process did not publish,
     the size and eval window settings are read from its manifest in the store."""
     with registry.sessions() as session:
-        row = get_artifact(session, artifact_id)
-        known = details(artifact_id)
-        if known is None and row.state == ArtifactState.READY:
-            known = _details_from_store(store, row)
-        return ArtifactView.from_row(row, known)
+        row = get_artifact(session, artifact_id)  # with its model version and model (joined eagerly)
+    # The store is read after the session ends: a slow store (an S3 GET may retry for minutes) must not
+    # keep a registry transaction open meanwhile.
+    known = details(artifact_id)
+    if known is None and row.state == ArtifactState.READY:
+        known = _details_from_store(store, row)
+    return ArtifactView.from_row(row, known)
 
 
 def artifact_views(registry: Registry, where: ArtifactFilter, details: Details) -> list[ArtifactView]:
@@ -67,6 +71,7 @@ def artifact_views(registry: Registry, where: ArtifactFilter, details: Details) 
 
 def model_views(registry: Registry, model_name: str, details: Details) -> list[ModelView]:
     """Models by name, each with its versions newest first and every artifact of each version."""
+    _check_no_nul("model_name filter", model_name)
     models = sa.select(Model).order_by(Model.name)
     if model_name:
         models = models.where(Model.name == model_name)
@@ -87,6 +92,13 @@ def _version_view(session, version: ModelVersion, details: Details) -> VersionVi
     ).unique()
     return VersionView(version.content_hash, version.label, version.created_at,
                        tuple(ArtifactView.from_row(row, details(row.id)) for row in rows))
+
+
+def _check_no_nul(what: str, value: str) -> None:
+    # PostgreSQL refuses text holding NUL (a DataError, which no status maps) where SQLite finds no row:
+    # refused here, the same on both.
+    if "\x00" in value:
+        raise InvalidRequest(f"{what} {value!r} is not accepted: it holds a NUL character")
 
 
 def _details_from_store(store: ObjectStore, row: Artifact) -> ArtifactDetails | None:

@@ -326,6 +326,9 @@ class JobRunner:
                 if artifact.state != ArtifactState.FAILED or prefix_served_by_another(session, artifact):
                     return  # retried meanwhile (its job clears the prefix first), or someone's objects
                 prefix = artifact.object_prefix
+                # Under the lock on purpose, though on SQLite it holds the whole registry's write lock: deleted
+                # after the commit, a retry taking the artifact in between would have objects it had just
+                # uploaded deleted, and publish a READY artifact missing them.
                 removed = self.services.store.delete_prefix(prefix)
         except Exception as exc:
             log.warning("could not delete what the orphaned job of artifact %s left in the store: %s", artifact_id, exc)

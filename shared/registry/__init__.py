@@ -46,7 +46,7 @@ from shared.registry.jobs import (
     report_progress,
     start_job,
 )
-from shared.registry.migrate import current_revision, head_revision, upgrade
+from shared.registry.migrate import current_revision, downgrade, head_revision, upgrade
 from shared.registry.models import (
     Artifact,
     ArtifactState,
@@ -63,7 +63,7 @@ __all__ = [
     "Artifact", "ArtifactState", "Conflict", "Deployment", "Event", "EventKind", "EventRecord", "InvalidState",
     "InvalidValue", "JobState", "Model", "ModelVersion", "NotFound", "QuantJob", "Registry", "RegistryError",
     "Reservation", "abort_rollout", "append_event", "cancel_job", "cancel_requests", "create_deployment", "create_job", "create_registry",
-    "current_revision", "fail_job", "fail_orphaned_jobs", "find_artifact", "find_ready_by_digest", "prefix_served_by_another", "finish_job",
+    "current_revision", "downgrade", "fail_job", "fail_orphaned_jobs", "find_artifact", "find_ready_by_digest", "prefix_served_by_another", "finish_job",
     "get_artifact", "get_deployment", "get_job", "get_model_version", "get_or_create_model", "head_revision",
     "heartbeat", "last_rollout_event", "list_artifacts", "list_deployments", "list_events", "list_jobs",
     "list_model_versions", "make_engine", "mark_artifact_failed", "mark_artifact_ready", "object_prefix", "promote",

@@ -3,6 +3,8 @@
     registry = create_registry("sqlite:///var/qserve/registry.db")   # migrates to head
     with registry.transaction() as session:                          # commits on success
         reserve_artifact(session, version, "w4a8kv4-g128", "sm90")
+    with registry.sessions() as session:                             # reads only
+        get_artifact(session, artifact_id)
 """
 
 from __future__ import annotations
@@ -21,17 +23,20 @@ from shared.registry.errors import InvalidState, InvalidValue
 
 _ACCEPTED_URLS = "sqlite:///path/to/registry.db or postgresql+psycopg://user@host:5432/dbname"
 _SQLITE_LOCK_WAIT_S = 30.0
+# Execution option of the engine behind Registry.sessions: its transactions only read (see _on_begin).
+_READ_ONLY = "qserve_registry_read_only"
 
 
 def sqlite_url(path: str | Path) -> str:
     return f"sqlite:///{Path(path).expanduser().resolve()}"
 
 
-def make_engine(url: str) -> sa.Engine:
+def make_engine(url: str, *, create: bool = True) -> sa.Engine:
+    """With create=False a SQLite file that does not exist is refused (InvalidValue) instead of created."""
     parsed = sa.make_url(url)
     backend = parsed.get_backend_name()
     if backend == "sqlite":
-        return _sqlite_engine(parsed)
+        return _sqlite_engine(parsed, create)
     if backend == "postgresql":
         if parsed.drivername == "postgresql":  # the bare scheme means psycopg2, which is not a dependency
             parsed = parsed.set(drivername="postgresql+psycopg")
@@ -45,13 +50,21 @@ def make_engine(url: str) -> sa.Engine:
     raise InvalidValue(f"registry URL {shown!r}: backend {backend!r} is not supported; use {_ACCEPTED_URLS}")
 
 
-def _sqlite_engine(url: sa.URL) -> sa.Engine:
+def _sqlite_engine(url: sa.URL, create: bool) -> sa.Engine:
     if not url.database or url.database == ":memory:":
         raise InvalidValue(
             f"registry URL {url.render_as_string()!r}: an in-memory SQLite database is not shared between "
             f"connections; use a file, e.g. sqlite:///var/qserve/registry.db"
         )
-    Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+    path = Path(url.database)
+    if not create and not path.is_file():
+        # sqlite3 would create an empty database (and mkdir below its folders) at a mistyped path, which the
+        # schema check then calls an old registry.
+        raise InvalidValue(
+            f"registry URL {url.render_as_string()!r}: there is no SQLite database at {str(path.resolve())!r}; "
+            f"check --registry-url (the quantizer and the gateway create the registry, a worker only opens it)"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
     engine = sa.create_engine(url, connect_args={"timeout": _SQLITE_LOCK_WAIT_S})
 
     @sa.event.listens_for(engine, "connect")
@@ -64,9 +77,18 @@ def _sqlite_engine(url: sa.URL) -> sa.Engine:
 
     @sa.event.listens_for(engine, "begin")
     def _on_begin(conn: sa.Connection) -> None:
+        if conn.get_execution_options().get(_READ_ONLY):
+            # Registry.sessions: a deferred BEGIN takes no lock, and in WAL mode it reads a snapshot beside
+            # a writer, so a slow reader (one that reads the store meanwhile) never locks the other services
+            # out. query_only makes a write in it fail at once, instead of now and then with the SQLITE_BUSY
+            # of a lock upgrade that the busy timeout does not retry (see below).
+            conn.exec_driver_sql("PRAGMA query_only = ON")
+            conn.exec_driver_sql("BEGIN")
+            return
         # Take the write lock up front: a deferred transaction that reads and then writes can fail at
         # once with SQLITE_BUSY when another writer got in between, with no wait and no retry. The
         # registry's transactions are short, so serializing them costs little.
+        conn.exec_driver_sql("PRAGMA query_only = OFF")  # the pooled connection may last have read only
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
@@ -90,11 +112,14 @@ def _use_wal(cursor) -> None:
 @dataclass
 class Registry:
     engine: sa.Engine
+    # Sessions that only read: on SQLite their transactions take no lock, and a write in one is refused.
     sessions: sessionmaker[Session]
+    # Sessions that write (transaction() begins one): on SQLite each transaction holds the write lock.
+    writes: sessionmaker[Session]
 
     def transaction(self) -> AbstractContextManager[Session]:
         """A session in a transaction that commits when the block ends and rolls back on an exception."""
-        return self.sessions.begin()
+        return self.writes.begin()
 
     def close(self) -> None:
         self.engine.dispose()
@@ -102,14 +127,18 @@ class Registry:
 
 def create_registry(url: str, *, migrate_to_head: bool = True) -> Registry:
     """Opens the registry at `url`. By default migrates it to head first (creating it when empty);
-    with migrate_to_head=False it refuses a database that is not already at head."""
-    engine = make_engine(url)
+    with migrate_to_head=False it refuses a database that is not already at head (nor creates one)."""
+    engine = make_engine(url, create=migrate_to_head)
     try:
         _migrate_or_check(engine, migrate_to_head)
     except BaseException:
         engine.dispose()
         raise
-    return Registry(engine=engine, sessions=sessionmaker(engine, expire_on_commit=False))
+    return Registry(
+        engine=engine,
+        sessions=sessionmaker(engine.execution_options(**{_READ_ONLY: True}), expire_on_commit=False),
+        writes=sessionmaker(engine, expire_on_commit=False),
+    )
 
 
 def _migrate_or_check(engine: sa.Engine, migrate_to_head: bool) -> None:
@@ -122,5 +151,6 @@ def _migrate_or_check(engine: sa.Engine, migrate_to_head: bool) -> None:
     if current != head:
         raise InvalidState(
             f"registry at {engine.url.render_as_string(hide_password=True)!r} is at schema revision "
-            f"{current!r}, this code needs {head!r}: open it once with migrate_to_head=True"
+            f"{current!r}, this code needs {head!r}: start the quantizer or the gateway of this version once "
+            f"against it (they migrate the registry), or check --registry-url"
         )

@@ -3,6 +3,8 @@
 A job is held by an `owner`, a string naming one quantizer process (host, pid and a per-boot id, so a
 restarted process is a new owner). The owner calls heartbeat() while it lives; when a quantizer starts
 it calls fail_orphaned_jobs() to fail what a dead process left QUEUED or RUNNING, with its artifact.
+Heartbeats are stamped and judged with the database's clock, not the hosts': quantizers on hosts whose
+clocks disagree would otherwise fail each other's live jobs.
 
 cancel_job() ends a QUEUED job at once; a RUNNING one only gets a cancel request, because only its owner
 can stop its pipeline and clean up (work folder, uploaded objects). The owner learns of it through
@@ -12,7 +14,7 @@ can no longer succeed (finish_job refuses it), so nothing is published after a c
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
@@ -44,7 +46,7 @@ def create_job(
     now = utcnow()
     job = QuantJob(
         id=new_id(), state=JobState.QUEUED, owner=owner, artifact_id=artifact_id, model_name=model_name,
-        block_index=0, block_count=0, heartbeat_at=now, created_at=now, updated_at=now,
+        block_index=0, block_count=0, heartbeat_at=_db_now(session), created_at=now, updated_at=now,
     )
     session.add(job)
     session.flush()
@@ -92,7 +94,8 @@ def start_job(session: Session, job_id: str, *, owner: str) -> QuantJob:
     job = _lock(session, job_id)
     _require(job, (JobState.QUEUED,), "start_job")
     now = utcnow()
-    job.state, job.owner, job.started_at, job.heartbeat_at, job.updated_at = JobState.RUNNING, owner, now, now, now
+    job.state, job.owner, job.started_at, job.updated_at = JobState.RUNNING, owner, now, now
+    job.heartbeat_at = _db_now(session)
     append_event(session, EventKind.JOB_STARTED, actor=owner, job_id=job.id, artifact_id=job.artifact_id)
     session.flush()
     return job
@@ -112,16 +115,16 @@ def report_progress(session: Session, job_id: str, *, stage: str, block_index: i
         )
     job = _lock(session, job_id)
     _require(job, (JobState.RUNNING,), "report_progress")
-    now = utcnow()
     job.stage, job.block_index, job.block_count = stage, block_index, block_count
-    job.heartbeat_at = job.updated_at = now
+    job.heartbeat_at, job.updated_at = _db_now(session), utcnow()
     session.flush()
     return job
 
 
 def heartbeat(session: Session, owner: str, *, now: datetime | None = None) -> int:
-    """Marks every QUEUED or RUNNING job of `owner` alive; returns how many there are."""
-    now = now or utcnow()
+    """Marks every QUEUED or RUNNING job of `owner` alive; returns how many there are. `now` (tests) stands
+    for the database's clock."""
+    now = now or _db_now(session)
     stmt = (
         sa.update(QuantJob)
         .where(QuantJob.owner == owner, QuantJob.state.in_(_ACTIVE))
@@ -173,11 +176,12 @@ def fail_orphaned_jobs(
 ) -> list[QuantJob]:
     """Fails every QUEUED or RUNNING job that is not `current_owner`'s and whose heartbeat is older
     than `stale_after`, and fails its PENDING artifact too, so that the binding can be retried.
-    With one quantizer per registry, stale_after=timedelta(0) fails everything a previous process left."""
+    With one quantizer per registry, stale_after=timedelta(0) fails everything a previous process left.
+    `now` (tests) stands for the database's clock."""
     check_text("orphan reason", reason, 10_000)
     if not isinstance(stale_after, timedelta) or stale_after < timedelta(0):
         raise InvalidValue(f"stale_after {stale_after!r} is not accepted: use a timedelta >= 0")
-    cutoff = (now or utcnow()) - stale_after
+    cutoff = (now or _db_now(session)) - stale_after
     orphaned = (QuantJob.state.in_(_ACTIVE), QuantJob.owner != current_owner, QuantJob.heartbeat_at <= cutoff)
     candidates = session.execute(sa.select(QuantJob.id, QuantJob.artifact_id).where(*orphaned)).all()
     # Artifacts before jobs: the order in which a quantizer finishing (mark_artifact_ready, then
@@ -267,6 +271,16 @@ def _fail_pending_artifact(session: Session, job: QuantJob, *, actor: str) -> No
     if job.artifact_id is not None and get_artifact(session, job.artifact_id).state == ArtifactState.PENDING:
         ended = "was cancelled" if job.state == JobState.CANCELLED else "failed"
         mark_artifact_failed(session, job.artifact_id, f"quantization job {job.id} {ended}: {job.error}", actor=actor)
+
+
+def _db_now(session: Session) -> datetime:
+    """The database's clock, for heartbeat_at and the orphan sweep's cutoff: one clock for every quantizer
+    sharing the registry, whatever their hosts' clocks say."""
+    if session.get_bind().dialect.name == "sqlite":
+        # UTC text; CURRENT_TIMESTAMP would drop the fraction of a second that %f keeps (milliseconds).
+        text = session.scalar(sa.select(sa.func.strftime("%Y-%m-%d %H:%M:%f", "now")))
+        return datetime.fromisoformat(text).replace(tzinfo=timezone.utc)
+    return session.scalar(sa.select(sa.func.now())).astimezone(timezone.utc)
 
 
 def _require(job: QuantJob, states: tuple[JobState, ...], action: str) -> None:

@@ -1,13 +1,17 @@
 """Alembic, configured from code so that migrations run from an installed package (no alembic.ini).
 
-    upgrade("sqlite:///var/registry.db")          # to head
-    upgrade(engine, "0001")                       # to a given revision
-    revision(engine, "add artifact size")         # developers: autogenerate a new version file
+    upgrade("sqlite:///var/registry.db")            # to head
+    upgrade(engine, "0001")                         # to a given revision
+    downgrade("sqlite:///var/registry.db", "0004")  # back to a revision, to run an older release against it
+    revision(engine, "add artifact size")           # developers: autogenerate a new version file
+
+Migrate through these functions, not the alembic command line (migrations/env.py refuses it): they hold
+the migration lock and handle SQLite's foreign keys.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -76,16 +80,29 @@ def refuse_unknown_schema(conn: sa.Connection) -> None:
 
 def upgrade(url_or_engine: str | sa.Engine, target: str = "head") -> None:
     """Migrates the database to `target` (default head), creating the schema on an empty database."""
+    _migrate(url_or_engine, target, command.upgrade, create=True)
+
+
+def downgrade(url_or_engine: str | sa.Engine, target: str) -> None:
+    """Migrates the database back to `target` (a revision such as "0004", or "base": no registry tables),
+    so that an older release can run against it. What the later revisions added is dropped (each version's
+    downgrade() says how). Stop the services first: the code of this version needs head."""
+    _migrate(url_or_engine, target, command.downgrade, create=False)
+
+
+def _migrate(url_or_engine: str | sa.Engine, target: str, step: Callable[[Config, str], None], create: bool) -> None:
+    """One alembic step in one transaction: under PostgreSQL's advisory lock, with SQLite's foreign keys
+    off (downgrades rebuild tables too) and the references checked before the commit."""
     from shared.registry.db import make_engine  # db imports this module
 
     owned = isinstance(url_or_engine, str)
-    engine = make_engine(url_or_engine) if owned else url_or_engine
+    engine = make_engine(url_or_engine, create=create) if owned else url_or_engine
     try:
         with engine.connect() as conn, _sqlite_foreign_keys_off(conn), conn.begin():
             if conn.dialect.name == "postgresql":
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
             refuse_unknown_schema(conn)  # under the lock: what another process migrated meanwhile counts
-            command.upgrade(alembic_config(conn), target)
+            step(alembic_config(conn), target)
             _refuse_dangling_references(conn, target)
     finally:
         if owned:
@@ -95,10 +112,10 @@ def upgrade(url_or_engine: str | sa.Engine, target: str = "head") -> None:
 @contextmanager
 def _sqlite_foreign_keys_off(conn: sa.Connection) -> Iterator[None]:
     """SQLite alters a table by rebuilding it (alembic batch mode: copy, drop the old, rename the copy),
-    and with foreign keys enforced, dropping a table that other rows refer to fails: any migration that
-    alters artifacts, jobs, versions or deployments would fail with 'FOREIGN KEY constraint failed' on
-    every registry in use. SQLite's own recipe for such changes: foreign keys off around the
-    transaction, checked before it commits (_refuse_dangling_references), on again after. The pragma
+    and with foreign keys enforced, dropping a table that other rows refer to fails: any migration (up
+    or down) that alters artifacts, jobs, versions or deployments would fail with 'FOREIGN KEY
+    constraint failed' on every registry in use. SQLite's own recipe for such changes: foreign keys off
+    around the transaction, checked before it commits (_refuse_dangling_references), on again after. The pragma
     does nothing inside a transaction, hence on the driver connection, before BEGIN."""
     if conn.dialect.name != "sqlite":
         yield

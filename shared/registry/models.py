@@ -144,7 +144,8 @@ class Artifact(Base):
 
 class QuantJob(Base):
     """A quantization run. `owner` names the quantizer process (host, pid, boot id) that holds it;
-    `heartbeat_at` is refreshed while that process lives, so a restart can fail what a dead one left.
+    `heartbeat_at` is refreshed while that process lives (by the database's clock), so a restart can fail
+    what a dead one left.
     A cancel of a RUNNING job is a request (`cancel_requested_at`, `cancel_reason`) that its owner acts
     on, since only the owner can stop its pipeline and clean up after it."""
 

@@ -113,6 +113,11 @@ def test_list_filters_check_their_values(quantizer):
     assert error.code() == INVALID and "accepted: w4a8kv4-g128" in error.details()
     error = _error(quantizer.stub.ListArtifacts, Q.ListArtifactsRequest(gpu_target="tpu"))
     assert error.code() == INVALID and "accepted: cpu, sm80" in error.details()
+    for call, request in ((quantizer.stub.ListArtifacts, Q.ListArtifactsRequest(model_name="m\x00")),
+                          (quantizer.stub.ListArtifacts, Q.ListArtifactsRequest(model_version="a\x00")),
+                          (quantizer.stub.ListModels, Q.ListModelsRequest(model_name="m\x00"))):
+        error = _error(call, request)  # as on PostgreSQL, which cannot compare text holding NUL
+        assert error.code() == INVALID and "holds a NUL character" in error.details()
     assert not quantizer.stub.ListModels(Q.ListModelsRequest(model_name="unknown")).models
     assert not quantizer.stub.ListArtifacts(Q.ListArtifactsRequest(state=common_pb2.ARTIFACT_STATE_READY)).artifacts
 

@@ -209,7 +209,7 @@ def test_a_publish_whose_job_row_did_not_commit_takes_no_queue_slot(bucket_store
 
     @contextmanager
     def commit_fails():  # the database goes away as the transaction commits: nothing was written
-        session = registry.sessions()
+        session = registry.writes()
         try:
             with session.begin():
                 yield session

@@ -39,7 +39,8 @@ def registry(db_url: str) -> Iterator[Registry]:
 
 @pytest.fixture
 def session(registry: Registry) -> Iterator[Session]:
-    with registry.sessions() as session:
+    """A session that may write (registry.sessions() only reads), never committed."""
+    with registry.writes() as session:
         yield session
 
 

@@ -90,3 +90,21 @@ def test_restart_fails_the_jobs_and_artifacts_a_dead_process_left(session: Sessi
     assert fail_orphaned_jobs(session, "again", current_owner=ME, stale_after=timedelta(seconds=60), now=now) == []
     with pytest.raises(InvalidValue, match=r"stale_after datetime.timedelta\(days=-1\) is not accepted"):
         fail_orphaned_jobs(session, "x", current_owner=ME, stale_after=timedelta(days=-1))
+
+
+def test_liveness_is_judged_by_the_database_clock_not_the_hosts(session: Session, version: ModelVersion,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # Quantizers on two hosts share the registry. Before: heartbeat_at carried the owner's clock and the sweep
+    # compared it with the sweeper's, so a sweeper whose clock ran a minute ahead failed live jobs.
+    artifact = reserve_artifact(session, version, "w4a8kv4-g128", "sm90").artifact
+    host_clock = lambda skew: lambda: utcnow() + skew  # noqa: E731
+    monkeypatch.setattr("shared.registry.jobs.utcnow", host_clock(timedelta(seconds=-61)))  # the owner's host
+    queued = create_job(session, owner=ALIVE)
+    running = create_job(session, owner=ALIVE, artifact_id=artifact.id)
+    start_job(session, running.id, owner=ALIVE)
+    report_progress(session, running.id, stage="calibrate", block_index=1, block_count=6)
+    heartbeat(session, ALIVE)
+    monkeypatch.setattr("shared.registry.jobs.utcnow", host_clock(timedelta(seconds=61)))  # the sweeper's host
+    assert fail_orphaned_jobs(session, "no heartbeat", current_owner=ME, stale_after=timedelta(seconds=60)) == []
+    assert [get_job(session, job.id).state for job in (queued, running)] == [JobState.QUEUED, JobState.RUNNING]
+    assert get_artifact(session, artifact.id).state == ArtifactState.PENDING

@@ -1,12 +1,29 @@
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import sqlalchemy as sa
-from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 
-from shared.registry import InvalidState, InvalidValue, create_registry, current_revision, head_revision, upgrade
+from shared.registry import (
+    InvalidState,
+    InvalidValue,
+    create_deployment,
+    create_job,
+    create_registry,
+    current_revision,
+    downgrade,
+    head_revision,
+    mark_artifact_ready,
+    register_model_version,
+    reserve_artifact,
+    sqlite_url,
+    upgrade,
+)
 from shared.registry.db import make_engine
 from shared.registry.migrate import alembic_config
 from shared.registry.models import Base
@@ -33,8 +50,7 @@ def test_upgrade_twice_is_harmless_and_downgrade_round_trips(db_url: str) -> Non
     upgrade(db_url)
     engine = make_engine(db_url)
     try:
-        with engine.begin() as conn:
-            command.downgrade(alembic_config(conn), "base")
+        downgrade(engine, "base")
         assert not TABLES & set(sa.inspect(engine).get_table_names())
         upgrade(engine)
         assert current_revision(engine) == head_revision()
@@ -43,10 +59,69 @@ def test_upgrade_twice_is_harmless_and_downgrade_round_trips(db_url: str) -> Non
 
 
 def test_opening_without_migrating_refuses_an_old_schema(db_url: str) -> None:
-    with pytest.raises(InvalidState, match=f"schema revision None, this code needs '{head_revision()}'"):
+    upgrade(db_url, "0001")
+    with pytest.raises(InvalidState) as raised:
         create_registry(db_url, migrate_to_head=False)
+    # Said to an operator (a worker's --registry-url), not in terms of a Python keyword.
+    message = str(raised.value)
+    assert f"schema revision '0001', this code needs '{head_revision()}': start the quantizer or the gateway" in message
+    assert "check --registry-url" in message and "migrate_to_head" not in message
     create_registry(db_url).close()
     create_registry(db_url, migrate_to_head=False).close()
+
+
+def test_opening_without_migrating_creates_nothing_at_a_missing_sqlite_path(tmp_path: Path) -> None:
+    # A worker's mistyped --registry-url: before, its folders and an empty database were created there
+    # (which a gateway or quantizer started with the same typo would then have served).
+    typo = tmp_path / "var" / "qserv" / "registry.db"
+    with pytest.raises(InvalidValue, match=re.escape(f"there is no SQLite database at '{typo}'; check --registry-url")):
+        create_registry(sqlite_url(typo), migrate_to_head=False)
+    with pytest.raises(InvalidValue, match="there is no SQLite database"):
+        downgrade(sqlite_url(typo), "0001")
+    assert not (tmp_path / "var").exists()
+
+
+def _in_use(db_url: str) -> None:
+    """A registry at head holding rows that refer to each other: a deployment, a job, their events."""
+    registry = create_registry(db_url)
+    try:
+        with registry.transaction() as session:
+            version = register_model_version(session, "tiny-llama", "a" * 64, label="v1")
+            artifact = reserve_artifact(session, version, "w4a8kv4-g128", "sm90").artifact
+            mark_artifact_ready(session, artifact.id, manifest_sha256="b" * 64, content_digest="d")
+            create_deployment(session, "chat", stable_artifact_id=artifact.id, actor="alice")
+            create_job(session, owner="host-a:1:boot", artifact_id=artifact.id)
+    finally:
+        registry.close()
+
+
+def _counts(db_url: str) -> dict[str, int]:
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return {table: conn.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one() for table in TABLES}
+    finally:
+        engine.dispose()
+
+
+BELOW_HEAD = [r.revision for r in ScriptDirectory.from_config(alembic_config()).walk_revisions()][1:]
+
+
+@pytest.mark.parametrize("target", BELOW_HEAD)
+def test_a_registry_in_use_downgrades_keeping_its_rows_and_upgrades_again(db_url: str, target: str) -> None:
+    # Before: on SQLite the downgrades that rebuild artifacts or quant_jobs (batch mode: copy, drop, rename)
+    # failed with 'FOREIGN KEY constraint failed', foreign keys being enforced while the old table was dropped.
+    _in_use(db_url)
+    before = _counts(db_url)
+    downgrade(db_url, target)
+    engine = make_engine(db_url)
+    try:
+        assert current_revision(engine) == target
+    finally:
+        engine.dispose()
+    assert _counts(db_url) == before
+    upgrade(db_url)
+    assert _counts(db_url) == before
 
 
 @pytest.mark.parametrize(

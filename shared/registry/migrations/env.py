@@ -8,8 +8,8 @@ config = context.config
 connection = config.attributes.get("connection")
 if connection is None:
     raise RuntimeError(
-        "registry migrations need a connection: call shared.registry.migrate.upgrade(url), "
-        "not the alembic command line"
+        "registry migrations need a connection: call shared.registry.migrate.upgrade(url) or "
+        "shared.registry.migrate.downgrade(url, revision), not the alembic command line"
     )
 
 context.configure(
