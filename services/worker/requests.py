@@ -101,6 +101,8 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, vocab_size: int) -> Sampling
 
 
 def _check_vocab(what: str, ids, vocab_size: int, why: str = "") -> None:
-    bad = next((i for i in ids if i >= vocab_size), None)
+    # Negative too: the wire's ids are unsigned, but a text prompt's BOS and the tokenizer's ids are not, and a
+    # negative id fails the detokenizer (or indexes the embedding table from its end).
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"{what} {bad} is outside the vocabulary: ids are 0..{vocab_size - 1}{why}")

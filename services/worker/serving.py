@@ -118,13 +118,8 @@ def _text_conventions(reader, model_config) -> tuple[Tokenizer, tuple[int, ...],
         add_bos = prompt_adds_bos(reader.tokenizer_dir, tokenizer, model_config.bos_token_id)
     except CheckpointError as exc:
         raise ArtifactCorrupt(f"artifact {reader.manifest.artifact_id}: {exc}") from exc
-    if add_bos and model_config.bos_token_id >= model_config.vocab_size:
-        # Every text prompt would start with an id past the embedding table: a worker that reports
-        # SERVING and refuses every text request. Refused before serving instead.
-        raise ArtifactCorrupt(
-            f"artifact {reader.manifest.artifact_id}: text prompts get BOS id {model_config.bos_token_id}, outside "
-            f"the model's vocabulary of {model_config.vocab_size} (model_config.bos_token_id / vocab_size)"
-        )
+    # No BOS check here: LlamaConfig refused a BOS id outside the vocabulary (a worker reporting SERVING and
+    # refusing every text prompt) with the model_config.
     return tokenizer, eos_token_ids, add_bos
 
 

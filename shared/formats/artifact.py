@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from shared.formats.kv4 import FULL_KV_RANGE, check_key_feedback, range_margin
@@ -174,6 +174,13 @@ class ArtifactReader:
         num_layers = self.manifest.model_config.get("num_layers")
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ArtifactError(f"artifact {self.folder}: model_config.num_layers {num_layers!r} is not a positive integer")
+        # Each layer has a file of its own besides the embeddings' and the head's: a count past what is listed
+        # cannot be right, and the set of names below would take memory in proportion to it (10**12: all the host's).
+        if num_layers + 2 > len(listed):
+            raise ArtifactError(
+                f"artifact {self.folder} is corrupt: model_config.num_layers={num_layers}, but the manifest lists "
+                f"only {len(listed)} files"
+            )
         weights = {EMBED_FILE, HEAD_FILE} | {block_file(i) for i in range(num_layers)}
         missing = sorted(weights - listed)
         if missing:
@@ -210,7 +217,15 @@ class ArtifactReader:
         path = self.folder / relpath
         if not path.is_file():
             raise ArtifactError(f"artifact {self.folder} lacks {relpath}")
-        return load_file(str(path))
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError) as e:
+            raise self._unreadable(relpath, e) from e
+
+    def _unreadable(self, relpath: str, e: Exception) -> ArtifactError:
+        # A file listed with its own sha256 can still be no safetensors file at all (truncated then re-signed, a
+        # header claiming more bytes than the file has): the artifact's fault, refused as such.
+        return ArtifactError(f"artifact {self.folder}: {relpath} is not a readable safetensors file: {e}")
 
     def _shape(self, relpath: str, name: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
         if tuple(got) != tuple(expected):
@@ -279,10 +294,13 @@ class ArtifactReader:
         path = self.folder / block_file(i)
         if not path.is_file():
             raise ArtifactError(f"artifact {self.folder} lacks {block_file(i)}")
-        with safe_open(str(path), framework="pt") as f:
-            if name not in f.keys():
-                return None
-            t = f.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                if name not in f.keys():
+                    return None
+                t = f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise self._unreadable(block_file(i), e) from e
         try:
             check(t)
         except ValueError as e:

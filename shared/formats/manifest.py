@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -11,6 +12,10 @@ from shared.formats.spec import FORMATS
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 GPU_TARGETS = ("cpu", "sm80", "sm89", "sm90")
+ARTIFACT_ID_RE = re.compile(r"^[0-9a-f]{32}$")  # uuid4 hex, as the quantizer and the registry assign
+# Strings a worker reports (Info, gateway registration) and builds object keys from: another JSON type there
+# failed only once it was serving.
+_IDENTITY_FIELDS = ("model_name", "model_version", "quantizer_version", "created_at")
 
 
 class ManifestError(ValueError):
@@ -87,6 +92,12 @@ class Manifest:
             raise ManifestError(f"manifest has missing or unknown fields: {e}") from e
         if not isinstance(manifest.model_config, dict):
             raise ManifestError(f"manifest model_config must be an object, got {type(manifest.model_config).__name__}")
+        if not (isinstance(manifest.artifact_id, str) and ARTIFACT_ID_RE.fullmatch(manifest.artifact_id)):
+            raise ManifestError(f"manifest artifact_id {manifest.artifact_id!r} is not an artifact id "
+                                "(32 lowercase hex characters)")
+        for name in _IDENTITY_FIELDS:
+            if not isinstance(getattr(manifest, name), str):
+                raise ManifestError(f"manifest {name} {getattr(manifest, name)!r} must be a string")
         for f in manifest.files:
             if not (isinstance(f.path, str) and isinstance(f.sha256, str) and type(f.size) is int and f.size >= 0):
                 raise ManifestError(f"manifest file entry {f!r} needs a path, a sha256 string and a size in bytes")

@@ -24,6 +24,9 @@ PROBE_FILE = "probe.safetensors"
 PROMPT_TOKENS = 24  # two prefill chunks: GEMMs at M = 12, prefill and continuing-chunk (paged) attention
 DECODE_TOKENS = 8  # decode steps: the GEMV / small-M paths, paged KV4 attention and the decode graphs
 _SEED = 20261207
+# What Probe.read accepts: the quantizer writes int64 ids and fp32 logits.
+_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,18 @@ class Probe:
     def read(cls, path: Path) -> Probe:
         try:
             t = load_file(str(path))
-            probe = cls(t["prompt_ids"].tolist(), t["decode_ids"].tolist(), t["logits"])
+            prompt_ids, decode_ids, logits = t["prompt_ids"], t["decode_ids"], t["logits"]
         except Exception as exc:  # safetensors' own error type for a damaged header, KeyError for a missing tensor
             raise ValueError(f"{path}: {exc}") from exc
+        # Other ranks or dtypes failed in the worker's comparison with a traceback (nested lists of ids, the norm of
+        # integer logits), or float ids were truncated without a word.
+        for name, ids in (("prompt_ids", prompt_ids), ("decode_ids", decode_ids)):
+            if ids.dim() != 1 or ids.dtype not in _ID_DTYPES:
+                raise ValueError(f"{path}: {name} is {tuple(ids.shape)} {ids.dtype}, not a 1-D tensor of integer ids")
+        if logits.dim() != 2 or logits.dtype not in _LOGITS_DTYPES:
+            raise ValueError(f"{path}: logits are {tuple(logits.shape)} {logits.dtype}, not a 2-D floating point "
+                             "tensor")
+        probe = cls(prompt_ids.tolist(), decode_ids.tolist(), logits)
         if probe.logits.shape[0] != len(probe.decode_ids) + 1 or not probe.prompt_ids:
             raise ValueError(f"{path}: {probe.logits.shape[0]} logits rows for {len(probe.prompt_ids)} prompt and "
                              f"{len(probe.decode_ids)} decode tokens (expected decode + 1 rows, a prompt)")

@@ -30,6 +30,13 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtyp
         raise FormatError(f"{name}: expected {tuple(shape)} {dtype}, got {tuple(t.shape)} {t.dtype}")
 
 
+def _matrix(name: str, t: torch.Tensor) -> tuple[int, int]:
+    """t's (rows, columns); a FormatError for another rank (unpacking its shape would be a bare ValueError)."""
+    if t.dim() != 2:
+        raise FormatError(f"{name}: expected a 2-D tensor, got {tuple(t.shape)} {t.dtype}")
+    return tuple(t.shape)
+
+
 def _check_groups(half_k: int) -> None:
     """4-bit kinds pack K in chunks of WEIGHT_PACK_CHUNK (= GROUP_SIZE): K must be a multiple of it."""
     if (half_k * 2) % WEIGHT_PACK_CHUNK:
@@ -94,7 +101,7 @@ class W8Weight(PackedWeight):
     scale: torch.Tensor  # (N,) fp16
 
     def __post_init__(self):
-        n, k = self.qweight.shape
+        n, k = _matrix("qweight", self.qweight)
         _check("qweight", self.qweight, (n, k), torch.int8)
         _check("scale", self.scale, (n,), torch.float16)
 
@@ -122,7 +129,7 @@ class W4G128ProgressiveWeight(PackedWeight):
     zero: torch.Tensor  # (N, G) uint8 in [0, 15], level-2 group zero point
 
     def __post_init__(self):
-        n, half_k = self.qweight.shape
+        n, half_k = _matrix("qweight", self.qweight)
         g = half_k * 2 // GROUP_SIZE
         _check_groups(half_k)
         _check("qweight", self.qweight, (n, half_k), torch.uint8)
@@ -162,7 +169,7 @@ class W4ChannelWeight(PackedWeight):
     zero: torch.Tensor  # (N,) fp16, an integer in [0, 15]
 
     def __post_init__(self):
-        n, half_k = self.qweight.shape
+        n, half_k = _matrix("qweight", self.qweight)
         _check_groups(half_k)
         _check("qweight", self.qweight, (n, half_k), torch.uint8)
         _check("scale", self.scale, (n,), torch.float16)
@@ -190,7 +197,7 @@ class W4G128Weight(PackedWeight):
     zero: torch.Tensor  # (N, G) uint8 in [0, 15]
 
     def __post_init__(self):
-        n, half_k = self.qweight.shape
+        n, half_k = _matrix("qweight", self.qweight)
         g = half_k * 2 // GROUP_SIZE
         _check_groups(half_k)
         _check("qweight", self.qweight, (n, half_k), torch.uint8)

@@ -106,6 +106,12 @@ class LlamaConfig:
             raise CheckpointError(
                 f"rope type {self.rope.type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        # Token ids index the embedding table: a negative one or one past it (or a string) passed the start-up
+        # checks, which feed token ids, and failed every text prompt (BOS first) once the worker served.
+        if self.bos_token_id is not None:
+            _check_token_id("bos_token_id", self.bos_token_id, self.vocab_size)
+        for token in self.eos_token_ids:
+            _check_token_id("eos_token_ids entry", token, self.vocab_size)
 
     @property
     def q_size(self) -> int:
@@ -142,9 +148,15 @@ class LlamaConfig:
         newer quantizer's) or a missing one is refused by name: a guess could run the model wrongly."""
         d = dict(d)
         _check_keys("model_config", d, cls)
-        _check_keys("model_config.rope", d.get("rope", {}), RopeConfig)
-        d["rope"] = RopeConfig(**d.get("rope", {}))
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        rope, eos = d.get("rope", {}), d.get("eos_token_ids", ())
+        # Other JSON types were TypeErrors below (iterating a number or a null): refused by name instead.
+        if not isinstance(rope, dict):
+            raise CheckpointError(f"model_config.rope={rope!r} must be an object")
+        if not isinstance(eos, (list, tuple)):
+            raise CheckpointError(f"model_config.eos_token_ids={eos!r} must be a list of token ids")
+        _check_keys("model_config.rope", rope, RopeConfig)
+        d["rope"] = RopeConfig(**rope)
+        d["eos_token_ids"] = tuple(eos)
         return cls(**d)
 
     @classmethod
@@ -189,6 +201,11 @@ class LlamaConfig:
             return cls.from_hf(hf)
         except KeyError as e:
             raise CheckpointError(f"{path} lacks required key {e.args[0]!r}") from e
+
+
+def _check_token_id(name: str, value, vocab_size: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise CheckpointError(f"{name} {value!r} is not a token id of the vocabulary [0, {vocab_size})")
 
 
 def _is_positive_int(value) -> bool:

@@ -7,7 +7,7 @@ from shared.formats.manifest import Evaluation, FileEntry, Manifest, ManifestErr
 
 def _manifest(**kw):
     base = dict(
-        artifact_id="a1", model_name="m", model_version="v" * 64, format="w4a8kv4-g128", gpu_target="sm90",
+        artifact_id="a1" * 16, model_name="m", model_version="v" * 64, format="w4a8kv4-g128", gpu_target="sm90",
         quantizer_version="0.1.0", model_config={"hidden_size": 8}, options={"rotation": True},
         calibration={"data_name": "c.txt", "data_sha256": "0" * 64, "samples": 2, "seq_len": 16},
         created_at="2026-11-29T00:00:00+00:00",
@@ -60,3 +60,22 @@ def test_a_manifest_of_the_wrong_shape_is_a_manifest_error(edit):
     d = json.loads(_manifest(files=[FileEntry("weights/embed.safetensors", "2" * 64, 10)]).to_json())
     with pytest.raises(ManifestError):
         Manifest.from_json(json.dumps(edit(d)))
+
+
+@pytest.mark.parametrize("field, value", [
+    # A number or a null was served: Info and the gateway registration then failed on every call (or registered '').
+    ("artifact_id", 123),
+    ("artifact_id", None),
+    ("artifact_id", "a1"),  # not the quantizer's uuid4 hex, which names the cache folder and the registry row
+    ("artifact_id", "A1" * 16),
+    ("artifact_id", "a1" * 16 + "\n"),
+    ("model_name", ["m"]),
+    ("model_version", 1),
+    ("quantizer_version", None),
+    ("created_at", 20261129),
+])
+def test_an_identity_field_of_the_wrong_type_or_form_is_a_manifest_error(field, value):
+    d = json.loads(_manifest().to_json())
+    d[field] = value
+    with pytest.raises(ManifestError, match=f"manifest {field} "):
+        Manifest.from_json(json.dumps(d))

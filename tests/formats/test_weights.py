@@ -58,3 +58,15 @@ def test_a_4bit_weight_whose_k_is_not_a_multiple_of_the_group_is_refused(kind):
     }[kind]
     with pytest.raises(FormatError, match="multiple of"):
         cls(**tensors)
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+@pytest.mark.parametrize("kind", ["w8", "w4g128p", "w4chn", "w4g128"])
+def test_a_qweight_of_another_rank_is_a_format_error(kind, rank):
+    """Unpacking its shape was a bare ValueError ("not enough values to unpack"): not the FormatError an artifact
+    reader turns into a refusal, so a worker died with a traceback on such an artifact."""
+    tensors = WEIGHT_QUANTIZERS[kind][0](torch.randn(8, 128)).tensors("down")
+    qweight = tensors["down.qweight"]
+    tensors["down.qweight"] = qweight.flatten() if rank == 1 else qweight[None]
+    with pytest.raises(FormatError, match=r"qweight: expected a 2-D tensor"):
+        WEIGHT_KINDS[kind].from_tensors("down", tensors)

@@ -102,3 +102,43 @@ def test_an_artifact_manifest_with_a_bad_rope_is_refused_too():
     d["rope"]["theta"] = 0.0
     with pytest.raises(CheckpointError, match="rope_theta=0.0 must be a positive number"):
         LlamaConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("key, value, named", [
+    # Each was a TypeError (iterating a number or a null, joining an int key): a worker's traceback at start-up.
+    ("eos_token_ids", 5, "model_config.eos_token_ids=5 must be a list"),
+    ("rope", None, "model_config.rope=None must be an object"),
+    ("rope", [1], "model_config.rope=[1] must be an object"),
+])
+def test_a_manifest_model_config_field_of_the_wrong_json_type_is_refused_by_name(key, value, named):
+    d = json.loads(json.dumps(LlamaConfig.from_hf(BASE).to_dict()))  # as a manifest holds it
+    d[key] = value
+    with pytest.raises(CheckpointError, match=re.escape(named)):
+        LlamaConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("key, value, named", [
+    # A negative BOS id passed the start-up checks (they feed token ids) and failed every text prompt once the
+    # worker served; a string one was a TypeError.
+    ("bos_token_id", -1, "bos_token_id -1 is not a token id of the vocabulary [0, 256)"),
+    ("bos_token_id", 256, "bos_token_id 256 is not a token id"),
+    ("bos_token_id", "1", "bos_token_id '1' is not a token id"),
+    ("bos_token_id", True, "bos_token_id True is not a token id"),
+    ("eos_token_ids", [2, -1], "eos_token_ids entry -1 is not a token id"),
+    ("eos_token_ids", [256], "eos_token_ids entry 256 is not a token id"),
+    ("eos_token_ids", [2.0], "eos_token_ids entry 2.0 is not a token id"),
+])
+def test_a_token_id_outside_the_vocabulary_is_refused_by_name(key, value, named):
+    d = LlamaConfig.from_hf(BASE).to_dict()
+    d[key] = value
+    with pytest.raises(CheckpointError, match=re.escape(named)):
+        LlamaConfig.from_dict(d)
+    hf_key = {"eos_token_ids": "eos_token_id"}.get(key, key)  # config.json's name
+    with pytest.raises(CheckpointError, match="is not a token id"):
+        LlamaConfig.from_hf({**BASE, hf_key: value})
+
+
+def test_token_ids_inside_the_vocabulary_still_load():
+    config = LlamaConfig.from_hf({**BASE, "bos_token_id": 0, "eos_token_id": [1, 255]})
+    assert (config.bos_token_id, config.eos_token_ids) == (0, (1, 255))
+    assert LlamaConfig.from_dict(config.to_dict()) == config

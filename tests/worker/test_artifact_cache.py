@@ -45,11 +45,32 @@ def test_the_least_recently_held_unused_artifacts_go_first_and_only_as_many_as_n
     try:
         _free_grows_as_folders_go(monkeypatch, cache, (A, B, C, KEEP), base=0)
         assert make_room(cache, 10, keep=KEEP) == [A]
-        assert make_room(cache, 30, keep=KEEP) == [C]  # B is in use: skipped; nothing else is left to delete
-        assert sorted(p.name for p in cache.iterdir()) == sorted([LOCKS_DIR, B, KEEP])
+        # B is in use: skipped. C alone cannot free the 20 bytes missing, so it stays (it used to be deleted
+        # for a refusal all the same).
+        assert make_room(cache, 30, keep=KEEP) == []
+        assert sorted(p.name for p in cache.iterdir()) == sorted([LOCKS_DIR, B, C, KEEP])
     finally:
         os.close(in_use)
-    assert make_room(cache, 30, keep=KEEP) == [B]  # its worker has exited
+    assert make_room(cache, 30, keep=KEEP) == [C, B]  # its worker has exited: together they free enough
+    assert sorted(p.name for p in cache.iterdir()) == sorted([LOCKS_DIR, KEEP])
+
+
+def test_a_download_no_deletion_could_make_room_for_deletes_nothing(artifacts, tmp_path, monkeypatch, caplog):
+    """An artifact too large for the cache's disk even with every unused copy gone (oversized, hostile, a wrong
+    id) emptied the cache of them (the copies a rollback, or a restart while the store is down, serves) and was
+    refused all the same."""
+    manifest, store = _store_with_g128(artifacts, tmp_path)
+    cache = tmp_path / "cache"
+    now = time.time()
+    _cached(cache, A, held_at=now - 200)
+    _cached(cache, B, held_at=now - 100)
+    _free_grows_as_folders_go(monkeypatch, cache, (A, B), base=1000)  # the artifact needs megabytes
+    with caplog.at_level(logging.WARNING, logger=artifact_cache.__name__), \
+            pytest.raises(ArtifactRefused, match="not enough disk space"):
+        open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
+    assert (cache / A / "weights.bin").is_file() and (cache / B / "weights.bin").is_file()
+    assert not any("deleted cached artifact" in r.getMessage() for r in caplog.records)
+    assert any(f"no cached artifact deleted in {cache}" in r.getMessage() for r in caplog.records)
 
 
 def test_a_hold_waits_while_another_worker_deletes_the_copy(tmp_path):
@@ -82,6 +103,8 @@ def test_a_worker_fetching_onto_a_full_cache_deletes_an_unused_artifact_then_dow
     manifest, store = _store_with_g128(artifacts, tmp_path)
     cache = tmp_path / "cache"
     _cached(cache, A, held_at=time.time() - 3600)  # the artifact of the last rollout, no longer served
+    # Large enough that deleting it makes the room (make_room deletes nothing otherwise): sparse, takes no disk.
+    os.truncate(cache / A / "weights.bin", 1 << 30)
     # The disk has room for the new artifact only once A is gone.
     monkeypatch.setattr("shared.disk_space.free_bytes", lambda path: 1 << 40 if not (cache / A).exists() else 1000)
     with caplog.at_level(logging.WARNING, logger=artifact_cache.__name__):

@@ -17,8 +17,10 @@ from safetensors.torch import load_file, save_file
 from services.worker.config import WorkerConfig
 from services.worker.engine.loading import open_artifact
 from services.worker.errors import ArtifactCorrupt
+from services.worker.server import main
 from services.worker.serving import load_served_model
 from shared.formats.artifact import ArtifactReader
+from shared.storage.hashing import sha256_file
 
 
 @pytest.fixture
@@ -55,6 +57,19 @@ def test_a_tokenizer_file_the_manifest_does_not_list_is_refused(artifact_copy):
     _unlist(artifact_copy, relpath)
     with pytest.raises(ArtifactCorrupt, match=relpath):
         open_artifact(str(artifact_copy), gpu_target="cpu")
+
+
+def test_a_listed_weights_file_that_is_not_safetensors_is_a_one_line_data_loss_refusal(artifact_copy, capsys):
+    """Truncated to nothing and re-signed (listed with its true size and sha256, which the file checks pass):
+    safetensors' own error escaped, and the worker command died with a traceback and exit 1."""
+    relpath = "weights/block_000.safetensors"
+    (artifact_copy / relpath).write_bytes(b"")
+    size, digest = sha256_file(artifact_copy / relpath)
+    _edit_manifest(artifact_copy, lambda m: next(f for f in m["files"] if f["path"] == relpath).update(
+        size=size, sha256=digest))
+    assert main(["--artifact", str(artifact_copy), "--port", "0", "--metrics-port", "-1", "--kv-blocks", "8"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error (DATA_LOSS):") and f"{relpath} is not a readable safetensors file" in line
 
 
 def test_a_model_config_with_fewer_layers_than_the_weights_is_refused(artifact_copy):

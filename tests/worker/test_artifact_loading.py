@@ -340,3 +340,41 @@ def test_a_download_not_matching_its_sha256_is_data_loss(artifacts, tmp_path, mo
     with pytest.raises(ArtifactCorrupt, match=f"artifact {manifest.artifact_id} could not be downloaded intact") as err:
         open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
     assert err.value.code == grpc.StatusCode.DATA_LOSS
+
+
+def test_a_cached_copy_whose_manifest_differs_from_the_registrys_is_fetched_again(artifacts, tmp_path, caplog):
+    """Its manifest still parses (here its GPU target was changed): the binding check refused it (ArtifactMismatch)
+    before the registry's digest of manifest.json was compared, so the damaged copy was never discarded and every
+    restart was refused until someone deleted it by hand."""
+    import logging
+
+    from services.worker.engine import loading
+    from shared.formats.artifact import sha256_file
+    from shared.registry import mark_artifact_ready
+
+    registry, url, artifact_id, _prefix, folder = _publish_pending(artifacts, tmp_path, "fp16")
+    with registry.transaction() as session:
+        mark_artifact_ready(session, artifact_id, manifest_sha256=sha256_file(folder / "manifest.json"),
+                            content_digest="d" * 64)
+    registry.close()
+    store, cache = StorageConfig(kind="local", root=tmp_path / "store"), tmp_path / "cache"
+    os.close(open_artifact(artifact_id, gpu_target="cpu", store=store, registry_url=url, cache_dir=cache).cache_hold)
+    _set_manifest(cache / artifact_id, gpu_target="sm90")
+    with caplog.at_level(logging.WARNING, logger=loading.__name__):
+        loaded = open_artifact(artifact_id, gpu_target="cpu", store=store, registry_url=url, cache_dir=cache)
+    assert loaded.reader.manifest.gpu_target == "cpu"
+    assert sha256_file(loaded.folder / "manifest.json") == sha256_file(folder / "manifest.json")
+    assert any("manifest.json does not match the registry's sha256" in r.getMessage() for r in caplog.records)
+    os.close(loaded.cache_hold)
+
+
+def test_an_object_key_no_store_accepts_is_data_loss_not_unavailable(artifacts, tmp_path):
+    """The store answered, and the artifact's objects are malformed (here a backslash in a key): reported as the
+    store being unavailable (UNAVAILABLE: "a later start may succeed"), the start was retried forever."""
+    manifest, prefix, store, cache = _in_store(artifacts, tmp_path)
+    (store.root / prefix / "tokenizer" / "a\\b.json").write_text("{}")
+    with pytest.raises(ArtifactCorrupt, match=f"artifact {manifest.artifact_id} is malformed in the store: object "
+                                              "key 'tokenizer/a") as err:
+        open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
+    assert err.value.code == grpc.StatusCode.DATA_LOSS
+    assert not (cache / manifest.artifact_id).exists()

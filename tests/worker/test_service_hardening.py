@@ -9,6 +9,8 @@ import time
 import grpc
 import pytest
 
+from services.worker.errors import InvalidRequest
+from services.worker.requests import PromptLimits, generation_from_pb
 from shared.rpc.qserve.v1 import worker_pb2
 from tests.worker.conftest import stub
 from tests.worker.test_service import _idle, _request, _wait_for
@@ -35,6 +37,16 @@ def test_a_text_prompt_outside_the_vocabulary_is_refused_alone(start_worker):
     running.cancel()
     _wait_for(lambda: _idle(client), 5.0, "the cancelled request's blocks to be freed")
     channel.close()
+
+
+@pytest.mark.parametrize("bos, encoded, bad", [(-1, [5], -1), (None, [5, -3], -3)], ids=["bos", "tokenizer"])
+def test_a_negative_token_id_of_a_text_prompt_is_refused(bos, encoded, bad):
+    """The wire's ids are unsigned, but a text prompt's come from the BOS id and the tokenizer: a negative one
+    passed the vocabulary check (only ids past it were refused) and failed in the detokenizer (UNKNOWN)."""
+    limits = PromptLimits(vocab_size=100, max_context=64, add_bos=bos is not None, bos_token_id=bos,
+                          max_text_chars=1000)
+    with pytest.raises(InvalidRequest, match=f"token id {bad} is outside the vocabulary: ids are 0..99"):
+        generation_from_pb(worker_pb2.GenerateRequest(text="def main("), limits, lambda text: encoded)
 
 
 def test_a_prompt_text_too_long_for_the_context_is_refused_before_tokenizing(start_worker):

@@ -134,6 +134,23 @@ def test_a_probe_of_another_vocabulary_is_a_corrupt_artifact(artifact_copy, edit
         _load(artifact_copy)
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.update(prompt_ids=t["prompt_ids"][None]), r"prompt_ids is \(1, \d+\) torch.int64, not a 1-D"),
+    (lambda t: t.update(decode_ids=t["decode_ids"].double()), r"decode_ids is \(\d+,\) torch.float64, not a 1-D"),
+    (lambda t: t.update(logits=t["logits"].to(torch.int32)), r"logits are \(\d+, \d+\) torch.int32, not a 2-D"),
+    (lambda t: t.update(logits=t["logits"][:, None]), r"logits are \(\d+, 1, \d+\) torch.float32, not a 2-D"),
+], ids=["prompt_ids_2d", "decode_ids_float", "logits_int", "logits_3d"])
+def test_a_probe_of_the_wrong_rank_or_dtype_is_a_corrupt_artifact(artifact_copy, edit, message):
+    """2-D ids and integer logits crashed the start-up probe with a traceback (a TypeError comparing a list, the
+    norm of integer logits); float ids were truncated without a word."""
+    tensors = load_file(str(artifact_copy / PROBE_FILE))
+    edit(tensors)
+    save_file(tensors, str(artifact_copy / PROBE_FILE))
+    _relist(artifact_copy, PROBE_FILE)
+    with pytest.raises(ArtifactCorrupt, match=f"unreadable {PROBE_FILE}: .*{message}"):
+        _load(artifact_copy)
+
+
 def test_the_probe_prompt_goes_in_two_chunks_so_the_continuing_chunk_kernel_is_checked(artifacts):
     """A chunk continuing a cached prefix (prefix caching, a chunked prompt) runs its own attention kernel: the
     probe's second prompt chunk checks its numbers (and, on a GPU, compiles it) before the worker serves."""

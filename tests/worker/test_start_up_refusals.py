@@ -6,6 +6,7 @@ A start that fails gives back the ports it took."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -50,12 +51,15 @@ def test_a_model_config_no_llama_can_have_is_an_artifact_refusal(artifact_copy, 
 
 def test_text_prompts_that_would_begin_outside_the_vocabulary_are_refused_at_start_up(artifact_copy):
     """The worker served, and refused (or, before the per-request check, failed with their whole batch)
-    every text prompt."""
+    every text prompt. A negative BOS id passed even the start-up check, and every text prompt then failed
+    in the detokenizer (gRPC UNKNOWN)."""
     _rewrite(artifact_copy, "tokenizer/tokenizer_config.json", json.dumps({"add_bos_token": True}))
     vocab = json.loads((artifact_copy / "manifest.json").read_text())["model_config"]["vocab_size"]
-    _edit_model_config(artifact_copy, bos_token_id=vocab + 10)
-    with pytest.raises(ArtifactCorrupt, match=f"BOS id {vocab + 10}, outside the model's vocabulary of {vocab}"):
-        _load(artifact_copy)
+    for bos in (vocab + 10, -1):
+        _edit_model_config(artifact_copy, bos_token_id=bos)
+        with pytest.raises(ArtifactCorrupt, match=re.escape(f"bos_token_id {bos} is not a token id of the "
+                                                            f"vocabulary [0, {vocab})")):
+            _load(artifact_copy)
     _edit_model_config(artifact_copy, bos_token_id=vocab - 1)  # inside the vocabulary: served, BOS first
     assert _load(artifact_copy).add_bos
 

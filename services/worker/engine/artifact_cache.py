@@ -30,11 +30,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from shared import disk_space
+from shared.formats.manifest import ARTIFACT_ID_RE
 from shared.storage import InsufficientSpace, ObjectStore, TransferProgress
 
 log = logging.getLogger(__name__)
 
-ARTIFACT_ID_RE = re.compile(r"^[0-9a-f]{32}$")  # uuid4 hex, as the quantizer assigns
 LOCKS_DIR = ".locks"
 DOWNLOAD_LOCK = "download"  # <cache>/.locks/download: held by the worker downloading into the cache
 # A cached copy being deleted is first renamed aside to `.<id>.<why>-<hex>` (aside()): evicted by make_room, or
@@ -92,16 +92,35 @@ def download_turn(cache_dir: Path, artifact_id: str) -> Iterator[None]:
 
 
 def make_room(cache_dir: Path, needed: int, keep: str) -> list[str]:
-    """Deletes cached artifacts no worker holds, least recently held first, until `needed` bytes are free
-    (or none is left to delete); never `keep`. Returns the ids deleted."""
+    """Deletes cached artifacts no worker holds, least recently held first, until `needed` bytes are free; never
+    `keep`. Deletes none when even all of them would not free enough: the refusal comes all the same, and those
+    copies are what a rollback, or a restart while the store is down, would serve. Returns the ids deleted."""
     remove_leftovers(cache_dir)  # garbage first: it may be all the room needed
-    evicted = []
-    for artifact_id in _least_recently_held(cache_dir, keep):
-        if disk_space.free_bytes(cache_dir) >= needed:
-            break
-        if _delete_if_unused(cache_dir, artifact_id):
-            evicted.append(artifact_id)
-    return evicted
+    # Locked (exclusively) from the count to the deletion: a worker starting to hold one meanwhile waits for the
+    # outcome, rather than taking away bytes that were counted.
+    unused = {}
+    try:
+        for artifact_id in _least_recently_held(cache_dir, keep):
+            fd = _lock_if_unused(cache_dir, artifact_id)
+            if fd is not None:
+                unused[artifact_id] = fd
+        free = disk_space.free_bytes(cache_dir)
+        reclaimable = sum(disk_space.tree_bytes(cache_dir / artifact_id) for artifact_id in unused)
+        if free + reclaimable < needed:
+            log.warning("no cached artifact deleted in %s: %s free and the %s of the %d no worker uses are less than "
+                        "the %s needed", cache_dir, disk_space.gib(free), disk_space.gib(reclaimable), len(unused),
+                        disk_space.gib(needed))
+            return []
+        evicted = []
+        for artifact_id in unused:
+            if disk_space.free_bytes(cache_dir) >= needed:
+                break
+            if _delete_locked(cache_dir, artifact_id):
+                evicted.append(artifact_id)
+        return evicted
+    finally:
+        for fd in unused.values():
+            os.close(fd)  # drops the lock
 
 
 def _least_recently_held(cache_dir: Path, keep: str) -> list[str]:
@@ -115,33 +134,37 @@ def _least_recently_held(cache_dir: Path, keep: str) -> list[str]:
     return sorted(ids, key=last_held)
 
 
-def _delete_if_unused(cache_dir: Path, artifact_id: str) -> bool:
-    # The lock file stays after the deletion (a few bytes): removing it could let a worker holding the old
-    # file and one creating a new one both believe they hold the only lock.
+def _lock_if_unused(cache_dir: Path, artifact_id: str) -> int | None:
+    """A descriptor holding the artifact's exclusive lock, None when a worker holds it (it serves it)."""
     try:
         fd = _open_lock(cache_dir, artifact_id)
     except OSError as exc:  # a read-only cache: nothing can be deleted from it anyway
         log.warning("cannot lock cached artifact %s to delete it: %s", artifact_id, exc)
-        return False
+        return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False  # a worker serves it
-        folder = cache_dir / artifact_id
-        aside = aside_path(folder, EVICTED)
-        try:
-            size = disk_space.tree_bytes(folder)
-            os.rename(folder, aside)
-        except FileNotFoundError:
-            return False  # another worker evicted it first
-        # Removed under the lock: a worker waiting to hold this id downloads it again only once the space is free.
-        shutil.rmtree(aside, ignore_errors=True)
-        log.warning("deleted cached artifact %s (%s, used by no worker here) to make room in %s", artifact_id,
-                    disk_space.gib(size), cache_dir)
-        return True
-    finally:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         os.close(fd)
+        return None
+    return fd
+
+
+def _delete_locked(cache_dir: Path, artifact_id: str) -> bool:
+    """Deletes the cached copy, its lock held (_lock_if_unused). The lock file stays after the deletion (a few
+    bytes): removing it could let a worker holding the old file and one creating a new one both believe they hold
+    the only lock."""
+    folder = cache_dir / artifact_id
+    aside = aside_path(folder, EVICTED)
+    try:
+        size = disk_space.tree_bytes(folder)
+        os.rename(folder, aside)
+    except FileNotFoundError:
+        return False  # another worker evicted it first
+    # Removed under the lock: a worker waiting to hold this id downloads it again only once the space is free.
+    shutil.rmtree(aside, ignore_errors=True)
+    log.warning("deleted cached artifact %s (%s, used by no worker here) to make room in %s", artifact_id,
+                disk_space.gib(size), cache_dir)
+    return True
 
 
 def aside_path(folder: Path, why: str) -> Path:

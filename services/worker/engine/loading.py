@@ -25,7 +25,8 @@ from shared.formats.artifact import ArtifactError, ArtifactReader, sha256_file
 from shared.formats.manifest import MANIFEST_NAME
 from shared.formats.spec import FORMATS
 from shared.model.config import CheckpointError
-from shared.storage import InsufficientSpace, ObjectNotFound, StorageConfig, StorageError, VerificationFailed, open_store
+from shared.storage import (InsufficientSpace, InvalidKey, ObjectNotFound, StorageConfig, StorageError,
+                            VerificationFailed, open_store)
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +188,7 @@ def _fetch(ref: str, gpu_target: str, formats: tuple[str, ...], expected_format:
     if cached is not None:
         return cached
     prefix = _download(ref, store, record, folder, cache_dir)
-    reader = _read(folder, gpu_target, formats, expected_format)
-    _check_identity(reader, ref, record, folder)
+    reader = _read_fetched(folder, ref, record, gpu_target, formats, expected_format)
     return _loaded(reader, folder, ref, prefix or _object_prefix(reader, ref, record), record)
 
 
@@ -201,8 +201,7 @@ def _cached_copy(folder: Path, ref: str, gpu_target: str, formats: tuple[str, ..
     if pin is None:
         return None
     try:
-        reader = _read(folder, gpu_target, formats, expected_format)
-        _check_identity(reader, ref, record, folder)
+        reader = _read_fetched(folder, ref, record, gpu_target, formats, expected_format)
         return _loaded(reader, folder, ref, _object_prefix(reader, ref, record), record)
     except ArtifactCorrupt as exc:
         log.warning("cached copy of %s is unusable (%s); downloading it again", ref, exc)
@@ -241,6 +240,8 @@ def _download(ref: str, store: StorageConfig, record: RegistryRecord | None, fol
         raise ArtifactRefused(f"artifact {ref} cannot be fetched into --cache-dir {cache_dir}: {exc}") from exc
     except VerificationFailed as exc:
         raise ArtifactCorrupt(f"artifact {ref} could not be downloaded intact: {exc}") from exc
+    except InvalidKey as exc:  # the store answered; the artifact's objects are malformed: no later start succeeds
+        raise ArtifactCorrupt(f"artifact {ref} is malformed in the store: {exc}") from exc
     except StorageError as exc:
         raise ArtifactUnavailable(
             f"artifact {ref} cannot be fetched: the object store is unavailable and no complete copy is cached "
@@ -293,12 +294,27 @@ def _loaded(reader: ArtifactReader, folder: Path, ref: str, prefix: str, record:
     return LoadedArtifact(reader, folder, ref, prefix, record.version_label, record.state)
 
 
-def _check_identity(reader: ArtifactReader, ref: str, record: RegistryRecord | None, folder: Path) -> None:
-    """The files must be the artifact asked for: its own manifest, or (with a registry record) the
-    manifest the registry recorded, which may be an identical twin's."""
+def _read_fetched(folder: Path, ref: str, record: RegistryRecord | None, gpu_target: str, formats: tuple[str, ...],
+                  expected_format: str | None) -> ArtifactReader:
+    """_read of a fetched or cached copy of `ref`, which must be the artifact asked for. The registry's digest of
+    manifest.json is checked first: a manifest altered in the cache is a damaged copy (ArtifactCorrupt: discarded
+    and fetched again), not a mismatch to refuse on every start, and nothing it claims is acted on."""
     if record is not None and record.manifest_sha256 is not None:
-        if sha256_file(folder / MANIFEST_NAME) != record.manifest_sha256:
+        try:
+            digest = sha256_file(folder / MANIFEST_NAME)
+        except OSError as exc:
+            raise ArtifactCorrupt(f"artifact {ref}: manifest.json cannot be read: {exc}") from exc
+        if digest != record.manifest_sha256:
             raise ArtifactCorrupt(f"artifact {ref}: manifest.json does not match the registry's sha256")
+    reader = _read(folder, gpu_target, formats, expected_format)
+    _check_identity(reader, ref, record)
+    return reader
+
+
+def _check_identity(reader: ArtifactReader, ref: str, record: RegistryRecord | None) -> None:
+    """The files must be the artifact asked for: its own manifest, or (with a registry record) the
+    manifest the registry recorded (_read_fetched checked its digest), which may be an identical twin's."""
+    if record is not None and record.manifest_sha256 is not None:
         if reader.manifest.artifact_id != ref:
             log.info("artifact %s shares the stored objects of identical artifact %s", ref, reader.manifest.artifact_id)
         return
