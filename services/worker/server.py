@@ -16,6 +16,7 @@ await server.stop()`, or BackgroundWorker(config) from synchronous code.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 import time
@@ -123,7 +124,11 @@ class WorkerServer:
         # as soon as its engine moves again (it is not deregistered). It reports stalled as well
         # (GatewayAnnouncer's `stalled`): a gateway that knows the field ends the streams open on it, which
         # would otherwise wait for their clients' deadlines; draining is kept for gateways that do not.
-        return self.served.engine.stats(), self.servicer.draining or self.servicer.stalled
+        # Requests still being tokenized are not in the engine yet: counted as waiting, or a gateway seeing nothing
+        # running or waiting twice while its stream has had no reply would end it (pool._end_unheard).
+        stats = self.served.engine.stats()
+        stats = dataclasses.replace(stats, waiting=stats.waiting + self.servicer.admitting)
+        return stats, self.servicer.draining or self.servicer.stalled
 
     async def _watch_engine(self) -> None:
         """Marks the worker stalled while requests are in flight and no engine step has completed for

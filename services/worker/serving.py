@@ -72,6 +72,12 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
     # One sequence must always fit in the cache on its own, or preemption could never make room.
     max_context = min(model_config.max_position_embeddings, num_blocks * config.block_size,
                       config.max_context_tokens or model_config.max_position_embeddings)
+    if max_context < 2:
+        # As --max-context-tokens 1 is refused: no prompt and generated token fit, and a worker that started would
+        # announce itself and refuse every request, each refusal counted as the client's fault.
+        raise ConfigError(f"the KV cache holds {num_blocks * config.block_size} token(s) ({num_blocks} blocks of "
+                          f"{config.block_size}): no prompt and generated token fit; raise --kv-blocks, --block-size "
+                          f"or the memory budget")
     if config.max_context_tokens is not None and max_context < config.max_context_tokens:
         log.warning("--max-context-tokens %d lowered to %d: the model's context window is %d and the KV cache "
                     "holds %d tokens", config.max_context_tokens, max_context,

@@ -322,3 +322,18 @@ def test_a_gateway_back_from_a_restart_gets_the_worker_again_within_a_heartbeat_
         await server.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_requests_being_tokenized_count_as_waiting_in_the_heartbeat():
+    """Not yet in the engine while their prompt is tokenized (off the event loop): a heartbeat saying nothing runs
+    or waits twice in a row while a gateway's stream has had no reply makes that gateway end the stream."""
+    from types import SimpleNamespace
+
+    from services.worker.engine.engine import EngineStats
+    from services.worker.server import WorkerServer
+
+    stats = EngineStats(running=1, waiting=2, kv_blocks_total=8, kv_blocks_free=4, kv_blocks_used=4, preemptions=0)
+    worker = SimpleNamespace(served=SimpleNamespace(engine=SimpleNamespace(stats=lambda: stats)),
+                             servicer=SimpleNamespace(admitting=3, draining=False, stalled=False))
+    reported, draining = WorkerServer._load(worker)
+    assert (reported.running, reported.waiting, draining) == (1, 5, False)

@@ -116,3 +116,12 @@ def test_a_context_window_shorter_than_the_self_check_still_starts(artifact_copy
     """The self-check's prompt shrinks to the window (here 8 KV-cache tokens: a 4-token prompt, 4 new)."""
     served = load_served_model(WorkerConfig(artifact=str(artifact_copy), kv_blocks=2, block_size=4, metrics_port=None))
     assert served.engine.limits.max_context == 8 and served.engine.num_in_flight == 0
+
+
+def test_a_cache_of_fewer_than_two_tokens_is_refused_at_start_up(artifacts):
+    """--max-context-tokens 1 is refused; the same window reached through the cache's size was served: a worker
+    that announced itself and refused every request (INVALID_ARGUMENT, the client's fault to the gateway)."""
+    from services.worker.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"the KV cache holds 1 token\(s\) \(1 blocks of 1\).*raise --kv-blocks"):
+        load_served_model(WorkerConfig(artifact=str(artifacts["fp16"]), kv_blocks=1, block_size=1, metrics_port=None))

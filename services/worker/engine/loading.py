@@ -352,7 +352,7 @@ def _registry_lookup(artifact_id: str, registry_url: str) -> RegistryRecord:
 
     registry = create_registry(registry_url, migrate_to_head=False)
     try:
-        with registry.transaction() as session:
+        with registry.sessions() as session:  # reads only: on SQLite it takes no lock (Registry.sessions)
             row = get_artifact(session, artifact_id)
             if row.state is not ArtifactState.READY:
                 # PENDING: still being published (its objects may be partial); FAILED: the quantizer
