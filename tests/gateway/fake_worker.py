@@ -4,10 +4,12 @@ make it fail before or after the first token, or hang; it records what the gatew
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
 
+from services.gateway.pool import PooledWorker, WorkerPool
 from shared.rpc.qserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.rpc.refusal import DRAINING_METADATA
 
@@ -127,3 +129,15 @@ class FakeWorkerServer:
         if self.server is not None:
             await self.server.stop(grace_s)
             self.server = None
+
+
+@contextlib.asynccontextmanager
+async def pool_of_one(artifact) -> AsyncIterator[tuple[WorkerPool, PooledWorker]]:
+    """A WorkerPool holding one fake worker of `artifact` (capacity 4), served on loopback; closed after."""
+    server = await FakeWorkerServer(FakeWorker(artifact.artifact_id)).start()
+    pool = WorkerPool(heartbeat_timeout_s=6.0)
+    try:
+        yield pool, await pool.add(server.address, artifact, capacity=4)
+    finally:
+        await pool.close()
+        await server.stop(0)

@@ -17,7 +17,7 @@ import pytest
 from services.gateway.pool import Health, WorkerPool
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
 from tests.gateway.conftest import ADMIN, DEPLOYMENT, WORKER, Stack, gateway_stack, run
-from tests.gateway.fake_worker import FakeWorker, FakeWorkerServer, expected_tokens
+from tests.gateway.fake_worker import FakeWorkerServer, expected_tokens, pool_of_one
 from tests.gateway.test_heartbeat_expiry import ARTIFACT
 
 TOKENS = 6
@@ -240,10 +240,7 @@ def test_every_stream_unregisters_from_the_pool_however_it_ends(artifacts):
 
 def test_the_pool_ends_each_stream_once_and_only_for_a_stall_or_silence():
     async def scenario():
-        server = await FakeWorkerServer(FakeWorker(ARTIFACT.artifact_id)).start()
-        pool = WorkerPool(heartbeat_timeout_s=6.0)
-        try:
-            worker = await pool.add(server.address, ARTIFACT, capacity=4)
+        async with pool_of_one(ARTIFACT) as (pool, worker):
             ended: list[str] = []
             pool.acquire(worker, ended.append)
             pool.heartbeat(worker.worker_id, 1, 0, 8, draining=True)
@@ -267,8 +264,5 @@ def test_the_pool_ends_each_stream_once_and_only_for_a_stall_or_silence():
             assert len(ended) == 2
             await pool.release(worker, ended.append)
             assert worker.in_flight == 0 and not worker.stream_enders
-        finally:
-            await pool.close()
-            await server.stop(0)
 
     run(scenario())

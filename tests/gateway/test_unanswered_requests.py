@@ -19,7 +19,7 @@ from services.gateway.router import Arm, Route
 from services.gateway.servicer_gateway import Trace
 from shared.rpc.qserve.v1 import gateway_pb2
 from tests.gateway.conftest import ADMIN, DEPLOYMENT, WORKER, Stack, gateway_stack, run, tokens_of
-from tests.gateway.fake_worker import FakeWorker, FakeWorkerServer, expected_tokens
+from tests.gateway.fake_worker import FakeWorkerServer, expected_tokens, pool_of_one
 from tests.gateway.test_heartbeat_expiry import ARTIFACT
 
 PROMPT = "abc"
@@ -241,10 +241,7 @@ def test_a_stream_that_had_a_reply_is_not_ended_by_idle_heartbeats(artifacts):
 
 def test_the_pool_ends_a_silent_stream_after_two_idle_beats_in_a_row_once():
     async def scenario():
-        server = await FakeWorkerServer(FakeWorker(ARTIFACT.artifact_id)).start()
-        pool = WorkerPool(heartbeat_timeout_s=6.0)
-        try:
-            worker = await pool.add(server.address, ARTIFACT, capacity=4)
+        async with pool_of_one(ARTIFACT) as (pool, worker):
             ended: list[str] = []
             answered: list[str] = []
             pool.acquire(worker, ended.append)
@@ -264,9 +261,6 @@ def test_the_pool_ends_a_silent_stream_after_two_idle_beats_in_a_row_once():
             for end in (ended.append, late.append, answered.append):
                 await pool.release(worker, end)
             assert worker.in_flight == 0 and not worker.stream_enders and not worker.silent_streams
-        finally:
-            await pool.close()
-            await server.stop(0)
 
     run(scenario())
 
@@ -284,13 +278,8 @@ def test_worker_channels_send_keepalive_pings_no_more_often_than_a_worker_accept
     monkeypatch.setattr(WorkerPool, "dial", dial)
 
     async def scenario():
-        server = await FakeWorkerServer(FakeWorker(ARTIFACT.artifact_id)).start()
-        pool = WorkerPool(heartbeat_timeout_s=6.0)
-        try:
-            await pool.add(server.address, ARTIFACT, capacity=4)
-        finally:
-            await pool.close()
-            await server.stop(0)
+        async with pool_of_one(ARTIFACT):
+            pass
 
     run(scenario())
     options = dialled[0]

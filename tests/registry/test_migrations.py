@@ -12,21 +12,17 @@ from alembic.script import ScriptDirectory
 from shared.registry import (
     InvalidState,
     InvalidValue,
-    create_deployment,
-    create_job,
     create_registry,
     current_revision,
     downgrade,
     head_revision,
-    mark_artifact_ready,
-    register_model_version,
-    reserve_artifact,
     sqlite_url,
     upgrade,
 )
 from shared.registry.db import make_engine
 from shared.registry.migrate import alembic_config
 from shared.registry.models import Base
+from tests.registry.test_migration_rebuilds import _registry_in_use
 
 TABLES = {"models", "model_versions", "artifacts", "quant_jobs", "deployments", "events"}
 
@@ -81,20 +77,6 @@ def test_opening_without_migrating_creates_nothing_at_a_missing_sqlite_path(tmp_
     assert not (tmp_path / "var").exists()
 
 
-def _in_use(db_url: str) -> None:
-    """A registry at head holding rows that refer to each other: a deployment, a job, their events."""
-    registry = create_registry(db_url)
-    try:
-        with registry.transaction() as session:
-            version = register_model_version(session, "tiny-llama", "a" * 64, label="v1")
-            artifact = reserve_artifact(session, version, "w4a8kv4-g128", "sm90").artifact
-            mark_artifact_ready(session, artifact.id, manifest_sha256="b" * 64, content_digest="d")
-            create_deployment(session, "chat", stable_artifact_id=artifact.id, actor="alice")
-            create_job(session, owner="host-a:1:boot", artifact_id=artifact.id)
-    finally:
-        registry.close()
-
-
 def _counts(db_url: str) -> dict[str, int]:
     engine = make_engine(db_url)
     try:
@@ -111,7 +93,7 @@ BELOW_HEAD = [r.revision for r in ScriptDirectory.from_config(alembic_config()).
 def test_a_registry_in_use_downgrades_keeping_its_rows_and_upgrades_again(db_url: str, target: str) -> None:
     # Before: on SQLite the downgrades that rebuild artifacts or quant_jobs (batch mode: copy, drop, rename)
     # failed with 'FOREIGN KEY constraint failed', foreign keys being enforced while the old table was dropped.
-    _in_use(db_url)
+    _registry_in_use(db_url)
     before = _counts(db_url)
     downgrade(db_url, target)
     engine = make_engine(db_url)
