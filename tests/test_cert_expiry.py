@@ -79,3 +79,14 @@ def test_the_services_export_when_their_certificates_expire(tmp_path):
     assert samples == {str(certs.server_cert): _not_after(certs.server_cert),
                        str(certs.client_cert): _not_after(certs.client_cert)}
     assert list(CertificateExpiry("gateway", [str(tmp_path / "missing.pem")]).collect())[0].samples == []
+
+
+def test_one_certificate_for_both_sides_is_one_expiry_series():
+    """mTLS often uses one certificate to serve and to dial: two samples with the same labels, which Prometheus
+    refuses, made the renewal alert's metric unusable."""
+    from types import SimpleNamespace
+
+    from shared.rpc.tls import certificate_files
+
+    both = SimpleNamespace(cert_file="/etc/qserve/node.pem")
+    assert certificate_files(both, None, SimpleNamespace(cert_file=None), both) == ["/etc/qserve/node.pem"]

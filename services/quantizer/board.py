@@ -25,9 +25,15 @@ class JobBoard:
         self._watchers: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Update]]]] = {}
 
     def post(self, update: Update) -> None:
-        """Thread-safe: records the snapshot and hands it to every watcher of the job."""
+        """Thread-safe: records the snapshot and hands it to every watcher of the job. A snapshot of a job that
+        has ended is final: one read before the end and posted after it (a cancel's "stopping" snapshot, read
+        before the job thread stopped and posted its end) is dropped, or every later watcher would see the job
+        running and wait for an end that was already posted."""
         job_id = update.job.job_id
         with self._lock:
+            previous = self._latest.get(job_id)
+            if previous is not None and previous.job.done and not update.job.done:
+                return
             self._latest[job_id] = update
             self._latest.move_to_end(job_id)
             self._trim()

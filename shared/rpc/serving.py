@@ -39,9 +39,10 @@ def listen(server: grpc.aio.Server, address: str, setting: str, error: type[Exce
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int, setting: str,
                   error: type[Exception]) -> HTTPServer:
-    """Prometheus /metrics over HTTP on a daemon thread; a port that cannot be opened raises `error`."""
+    """Prometheus /metrics over HTTP on a daemon thread; a port that cannot be opened raises `error`. `host` as
+    gRPC takes it: an IPv6 address in brackets ([::]) is given to the HTTP server without them."""
     try:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
+        server, _thread = start_http_server(port, addr=host.removeprefix("[").removesuffix("]"), registry=registry)
     except OSError as exc:
         raise error(f"cannot serve metrics on {host}:{port} ({setting}): {exc.strerror or exc}") from None
     return server

@@ -286,11 +286,12 @@ def _check_dates(chain: bytes, path: Path | str, flag: str) -> None:
 
 
 def certificate_files(*settings: ServerTls | ClientTls | None) -> list[str]:
-    """The certificate files (a server's or a client's own, not CA files) of the given TLS settings."""
-    files = []
+    """The certificate files (a server's or a client's own, not CA files) of the given TLS settings, each once: one
+    certificate for both sides (mTLS) exported its expiry twice with the same labels, a sample Prometheus refuses."""
+    files: list[str] = []
     for tls in settings:
         path = tls.cert_file if tls is not None else None
-        if path:
+        if path and path not in files:
             files.append(path)
     return files
 

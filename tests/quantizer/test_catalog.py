@@ -50,3 +50,23 @@ def test_a_nul_in_a_filter_is_an_invalid_request_on_both_databases(any_registry_
     # Before: PostgreSQL raised a DataError (gRPC UNKNOWN and a traceback) where SQLite found nothing.
     with pytest.raises(InvalidRequest, match="holds a NUL character"):
         ask(open_registry(any_registry_url))
+
+
+def test_a_snapshot_read_before_a_job_ended_does_not_replace_its_end():
+    """A cancel posts a "stopping" snapshot read before the job thread stopped; posted after the thread's
+    CANCELLED, it made every later WatchJob stream RUNNING and wait for an end already posted."""
+    import dataclasses
+    from datetime import datetime, timedelta, timezone
+
+    from services.quantizer.board import JobBoard, Update
+    from services.quantizer.views import JobView
+    from shared.registry import JobState
+
+    running = JobView(job_id="j", state=JobState.RUNNING, stage=None, block_index=0, block_count=0,
+                      elapsed=timedelta(0), remaining=None, error="", artifact=None, request=None,
+                      created_at=datetime.now(timezone.utc))
+    board = JobBoard()
+    board.post(Update(running))
+    board.post(Update(dataclasses.replace(running, state=JobState.CANCELLED)))
+    board.post(Update(running, "stopping: cancel requested"))
+    assert board.latest("j").job.state is JobState.CANCELLED
