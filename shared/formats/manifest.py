@@ -82,7 +82,7 @@ class Manifest:
         if not isinstance(d, dict):
             raise ManifestError(f"manifest must be a JSON object, got {type(d).__name__}")
         version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if type(version) is not int or version != SCHEMA_VERSION:  # not true, which equals 1
             raise ManifestError(f"manifest schema_version {version!r} is not supported (this build reads {SCHEMA_VERSION})")
         try:
             d["files"] = [FileEntry(**f) for f in d.get("files", [])]

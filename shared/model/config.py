@@ -102,6 +102,9 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise CheckpointError(f"head_dim={self.head_dim} must be even for RoPE")
+        if not isinstance(self.tie_word_embeddings, bool):
+            # A string "false" is truthy: the model would read the embedding as its head and answer garbage.
+            raise CheckpointError(f"tie_word_embeddings={self.tie_word_embeddings!r} must be true or false")
         if self.rope.type not in SUPPORTED_ROPE_TYPES:
             raise CheckpointError(
                 f"rope type {self.rope.type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -180,7 +183,7 @@ class LlamaConfig:
             vocab_size=hf["vocab_size"],
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=False if hf.get("tie_word_embeddings") is None else hf["tie_word_embeddings"],
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             rope=_rope_from_hf(hf),

@@ -206,7 +206,7 @@ def _require_rollout(deployment: Deployment, action: str) -> None:
     if deployment.canary_artifact_id is None:
         raise InvalidState(
             f"deployment {deployment.name!r} has no rollout in progress: {action} needs one; "
-            f"start it with start_rollout"
+            f"start one first (`qctl rollout start`, Admin.StartRollout)"
         )
 
 

@@ -36,11 +36,13 @@ def test_unknown_format_and_gpu_are_refused_with_the_accepted_values():
         _manifest(gpu_target="sm100")
 
 
-def test_other_schema_versions_are_refused(tmp_path):
+@pytest.mark.parametrize("version", [99, True, 1.0, "1"])
+def test_other_schema_versions_are_refused(tmp_path, version):
+    """true and 1.0 equal 1 in Python: only the integer 1 is this schema."""
     d = json.loads(_manifest().to_json())
-    d["schema_version"] = 99
+    d["schema_version"] = version
     (tmp_path / "manifest.json").write_text(json.dumps(d))
-    with pytest.raises(ManifestError, match="schema_version 99"):
+    with pytest.raises(ManifestError, match=f"schema_version {version!r}"):
         Manifest.read(tmp_path)
 
 

@@ -36,6 +36,17 @@ def test_a_valid_config_still_loads():
     assert (config.head_dim, config.group_size, config.num_layers) == (16, 2, 2)
 
 
+@pytest.mark.parametrize("value", ["false", 0, 1])
+def test_tie_word_embeddings_must_be_a_boolean(value):
+    """A string "false" was truthy: the head read from the embedding table, a model answering garbage."""
+    with pytest.raises(CheckpointError, match=f"^tie_word_embeddings={value!r} must be true or false"):
+        LlamaConfig.from_hf({**BASE, "tie_word_embeddings": value})
+    with pytest.raises(CheckpointError, match="tie_word_embeddings"):
+        LlamaConfig.from_dict({**LlamaConfig.from_hf(BASE).to_dict(), "tie_word_embeddings": value})
+    assert LlamaConfig.from_hf({**BASE, "tie_word_embeddings": None}).tie_word_embeddings is False
+    assert LlamaConfig.from_hf({**BASE, "tie_word_embeddings": True}).tie_word_embeddings is True
+
+
 def test_a_config_json_that_is_not_utf8_is_a_checkpoint_error(tmp_path):
     (tmp_path / "config.json").write_bytes(b'{"model_type": "llama", "x": "\xff"}')
     with pytest.raises(CheckpointError, match="not valid JSON"):
