@@ -242,10 +242,15 @@ class ArtifactReader:
             raise ArtifactError(f"artifact {self.folder}: model_config lacks a usable {e}") from None
 
     def _tensor(self, relpath: str, t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """An fp tensor of the file (an embedding, a norm): one of integers was served, its values read as
+        numbers, as long as the probe's error stayed under its limit."""
         try:
-            return t[name]
+            tensor = t[name]
         except KeyError:
             raise ArtifactError(f"artifact {self.folder}: {relpath} lacks tensor {name!r}") from None
+        if not tensor.is_floating_point():
+            raise ArtifactError(f"artifact {self.folder}: {relpath}: {name} is {tensor.dtype}, not floating point")
+        return tensor
 
     def embed(self) -> torch.Tensor:
         vocab, hidden = self._config("vocab_size", "hidden_size")

@@ -84,3 +84,20 @@ def test_a_listed_file_that_is_not_safetensors_is_an_artifact_error(tmp_path, da
     reader = ArtifactReader(folder)  # every listed file matches its sha256
     with pytest.raises(ArtifactError, match=f"{relpath} is not a readable safetensors file"):
         read(reader)
+
+
+@pytest.mark.parametrize("relpath, name, read", [
+    (EMBED_FILE, "embed", lambda reader: reader.embed()),
+    (HEAD_FILE, "final_norm", lambda reader: reader.head()),
+    (block_file(0), "attn_norm", lambda reader: reader.block(0)),
+])
+def test_an_embedding_or_norm_of_integers_is_an_artifact_error(tmp_path, relpath, name, read):
+    """Read as numbers, an int64 norm was served as long as the probe's error stayed under its limit."""
+    import torch
+    from safetensors.torch import save
+
+    shape = {"embed": (8, 4)}.get(name, (4,))
+    data = save({name: torch.ones(shape, dtype=torch.int64)})
+    folder = _artifact(tmp_path / "artifact", {EMBED_FILE: b"", HEAD_FILE: b"", block_file(0): b"", relpath: data})
+    with pytest.raises(ArtifactError, match=f"{relpath}: {name} is torch.int64, not floating point"):
+        read(ArtifactReader(folder))
