@@ -79,7 +79,6 @@ def stack_errors(fn):
     return wrapper
 
 
-
 def print_serving_help(console: Console, gateway: str, admin_token: str, quantizer: str, quantizer_token: str,
                        deployment: str) -> None:
     """The commands to use the running stack from another shell. Not wrapped at the terminal's width: a pasted
@@ -93,6 +92,7 @@ def print_serving_help(console: Console, gateway: str, admin_token: str, quantiz
         f"Ctrl-C stops the stack.",
         soft_wrap=True,
     )
+
 
 class StackError(RuntimeError):
     """A step of the demo path failed; the message says which and why."""
@@ -287,7 +287,7 @@ class _AccuracyCheck:
 
     def show(self, artifact: common_pb2.ArtifactInfo) -> str:
         """Prints artifact's check (measured again when its evaluation is not this run's); returns its id."""
-        from services.quantizer.config import DEFAULT_BUDGET
+        from services.quantizer.config import DEFAULT_BUDGET, over_budget
         from shared.formats.manifest import Manifest
 
         e = Manifest.read(self.store_root / artifact.object_key_prefix).evaluation
@@ -303,7 +303,7 @@ class _AccuracyCheck:
             ppl_fp16, ppl_quantized = self._measure(artifact)
             # The budget this run's publish was held to: it asks none, so the stack's quantizer's default.
             budget = DEFAULT_BUDGET
-            if ppl_quantized > ppl_fp16 * (1 + budget):  # what the quantizer refuses to publish
+            if over_budget(ppl_fp16, ppl_quantized, budget):  # what the quantizer refuses to publish
                 raise StackError(f"{what}: on {ours} its perplexity {ppl_quantized:.3f} is "
                                  f"{ppl_quantized / ppl_fp16 - 1:+.2%} over fp16's {ppl_fp16:.3f}, above the "
                                  f"accuracy budget of {budget:.2%}")

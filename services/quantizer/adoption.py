@@ -8,6 +8,7 @@ the artifact's. Those jobs fail, naming the difference, instead of succeeding wi
 
 from __future__ import annotations
 
+from services.quantizer.config import over_budget
 from services.quantizer.errors import AccuracyBudgetExceeded, BindingMismatch
 from services.quantizer.publish_spec import PublishSpec
 from shared.formats.manifest import Manifest
@@ -16,7 +17,7 @@ from shared.formats.manifest import Manifest
 def check_adoptable(spec: PublishSpec, artifact_id: str, manifest: Manifest) -> None:
     """Raises AccuracyBudgetExceeded or BindingMismatch when the artifact does not answer this request."""
     e = manifest.evaluation
-    if e is not None and e.ppl_quantized > e.ppl_fp16 * (1 + spec.budget):
+    if e is not None and over_budget(e.ppl_fp16, e.ppl_quantized, spec.budget):
         raise AccuracyBudgetExceeded(
             f"accuracy budget exceeded: artifact {artifact_id}, already published for this binding, has quantized "
             f"perplexity {e.ppl_quantized:.4f} vs fp16 {e.ppl_fp16:.4f} on {e.data_name} ({e.ratio - 1:+.2%}), "

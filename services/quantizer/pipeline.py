@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from services.quantizer.adoption import check_adoptable
 from services.quantizer.allocation import Binding, Claim, claim_binding
-from services.quantizer.config import QuantizerConfig
+from services.quantizer.config import QuantizerConfig, over_budget
 from services.quantizer.errors import AccuracyBudgetExceeded, InputChanged, JobCancelled
 from services.quantizer.evaluate import (
     EvalWindows,
@@ -268,7 +268,7 @@ class Pipeline:
         increase = ppl_quantized / ppl_fp16 - 1
         numbers = (f"quantized perplexity {ppl_quantized:.4f} vs fp16 {ppl_fp16:.4f} on {windows.name} "
                    f"({windows.count} windows of {windows.seq_len} tokens): {increase:+.2%}")
-        if ppl_quantized > ppl_fp16 * (1 + budget):
+        if over_budget(ppl_fp16, ppl_quantized, budget):
             raise AccuracyBudgetExceeded(
                 f"accuracy budget exceeded: {numbers}, above the budget of {budget:.2%} "
                 f"(max_relative_perplexity_increase={budget:g})"

@@ -105,7 +105,8 @@ def make_room(cache_dir: Path, needed: int, keep: str) -> list[str]:
             if fd is not None:
                 unused[artifact_id] = fd
         free = disk_space.free_bytes(cache_dir)
-        reclaimable = sum(disk_space.tree_bytes(cache_dir / artifact_id) for artifact_id in unused)
+        sizes = {artifact_id: disk_space.tree_bytes(cache_dir / artifact_id) for artifact_id in unused}
+        reclaimable = sum(sizes.values())
         if free + reclaimable < needed:
             log.warning("no cached artifact deleted in %s: %s free and the %s of the %d no worker uses are less than "
                         "the %s needed", cache_dir, disk_space.gib(free), disk_space.gib(reclaimable), len(unused),
@@ -115,7 +116,7 @@ def make_room(cache_dir: Path, needed: int, keep: str) -> list[str]:
         for artifact_id in unused:
             if disk_space.free_bytes(cache_dir) >= needed:
                 break
-            if _delete_locked(cache_dir, artifact_id):
+            if _delete_locked(cache_dir, artifact_id, sizes[artifact_id]):
                 evicted.append(artifact_id)
         return evicted
     finally:
@@ -149,14 +150,13 @@ def _lock_if_unused(cache_dir: Path, artifact_id: str) -> int | None:
     return fd
 
 
-def _delete_locked(cache_dir: Path, artifact_id: str) -> bool:
-    """Deletes the cached copy, its lock held (_lock_if_unused). The lock file stays after the deletion (a few
-    bytes): removing it could let a worker holding the old file and one creating a new one both believe they hold
-    the only lock."""
+def _delete_locked(cache_dir: Path, artifact_id: str, size: int) -> bool:
+    """Deletes the cached copy (of `size` bytes, as counted), its lock held (_lock_if_unused). The lock file stays
+    after the deletion (a few bytes): removing it could let a worker holding the old file and one creating a new
+    one both believe they hold the only lock."""
     folder = cache_dir / artifact_id
     aside = aside_path(folder, EVICTED)
     try:
-        size = disk_space.tree_bytes(folder)
         os.rename(folder, aside)
     except FileNotFoundError:
         return False  # another worker evicted it first
