@@ -8,11 +8,16 @@ Each artifact goes through the worker's own start-up, then through traffic of ev
 by phase (one short prompt; a burst of prompts of mixed lengths with greedy and sampled decoding; a prompt of
 several step budgets; prompts sharing a start, i.e. chunks continuing a cached prefix of every size; decode
 batches of every size up to --max-running-sequences): each phase lists the kernels first launched in it.
+Then decode attention is launched directly at 3, 16 and 32 partitions of the context (a compile at 16 or 32 is
+one a long-context model would pay while serving), and "forks" lists kernels compiled twice with the same
+constexprs. --serial-compile (an A/B) leaves out the start-up's compiling of decode attention's forms at once:
+run each side in its own process with its own empty TRITON_CACHE_DIR to time a cold start-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import shlex
@@ -29,6 +34,8 @@ from bench.jit_compiles import differences, recorded_compiles
 from bench.machine import cpu_machine, gpu_machine
 from services.worker.config import WorkerConfig
 from services.worker.engine.sequence import SamplingOptions
+from services.worker import serving
+from services.worker.kernels import paged_attention
 from services.worker.serving import load_served_model
 
 
@@ -78,13 +85,55 @@ def phases(vocab: int, context: int, step_tokens: int, max_running: int):
         yield f"decode batch {b}", [prompt(rng.randint(1, 40)) for _ in range(b)], [greedy(24)] * b
 
 
+def partition_counts(served) -> dict:
+    """Decode attention launched directly at contexts split into 3, then 16 and 32 partitions (partitions of 32
+    tokens: the fixture's context is too short to reach 16 at the defaults). Triton specializes an integer
+    argument on being a multiple of 16: unless the kernels opt out, 16 and 32 compile a form of their own, as a
+    long-context model's steps would while serving."""
+    runner = served.engine.runner
+    c = runner.config
+    cache = runner.k_cache[0]
+    config = dataclasses.replace(paged_attention.default_config(cache.dtype == torch.uint8, c.num_heads // c.num_kv_heads, c.head_dim,
+                                                                cache.shape[2]),
+                                 partition_size=32, whole_context=False, max_partition_size=None)
+    query = torch.zeros((2, c.num_heads, c.head_dim), dtype=torch.float16, device=cache.device)
+    tables = torch.zeros((2, runner.max_blocks), dtype=torch.int32, device=cache.device)
+    compiled_at = {}
+    for partitions in (3, 16, 32):
+        lens = torch.full((2,), 32 * partitions, dtype=torch.int32, device=cache.device)
+        with recorded_compiles() as compiled:
+            paged_attention.paged_decode_attention(query, cache, runner.v_cache[0], tables, lens, config=config,
+                                                   max_context_len=32 * partitions)
+            torch.cuda.synchronize()
+        compiled_at[partitions] = [e["kernel"] for e in compiled]
+    return compiled_at
+
+
+def forks(compiles: list[dict]) -> list[dict]:
+    """Kernels compiled more than once with the same constexprs: only Triton's specialization of an argument
+    (alignment, a value of 1, a multiple of 16) told the compiles apart."""
+    seen, twice = {}, []
+    for entry in compiles:
+        key = (entry["kernel"], json.dumps(entry.get("constexprs", entry.get("repr")), sort_keys=True))
+        if key in seen:
+            twice.append({"kernel": entry["kernel"], "first": seen[key].get("specialized"),
+                          "again": entry.get("specialized")})
+        else:
+            seen[key] = entry
+    return twice
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifact", required=True, action="append", type=Path)
     p.add_argument("--max-running-sequences", type=int, default=256)
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the phases on the reference runner")
     p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--serial-compile", action="store_true",
+                   help="A/B: the start-up without compiling decode attention's forms at once (one after another)")
     args = p.parse_args()
+    if args.serial_compile:
+        serving.compile_decode_attention = lambda *_, **__: 0
     machine = gpu_machine(torch.device(args.device)) if args.device != "cpu" else cpu_machine()
     result = {"command": "python3 bench/serving_compiles.py " + shlex.join(sys.argv[1:]), "machine": machine,
               "artifacts": {}, "checks": []}
@@ -111,6 +160,12 @@ def main() -> int:
             print(f"{artifact.name}: {name}: {len(compiled)} kernels compiled", flush=True)
             for entry in compiled:
                 print("   ", entry["kernel"], entry["differs_from_start_up"], flush=True)
+        if args.device != "cpu":
+            record["decode_attention_compiled_at_partitions"] = partition_counts(served)
+            refork = sum(len(v) for p, v in record["decode_attention_compiled_at_partitions"].items() if p != 3)
+            result["checks"].append({"name": f"decode attention compiled again at 16 and 32 partitions ({served.format})",
+                                     "value": refork, "target": 0, "op": "<=", "met": refork == 0})
+        record["forks"] = forks(at_start + [e for phase in record["phases"] for e in phase["kernels_compiled"]])
         result["artifacts"][str(artifact)] = record
         result["checks"].append({"name": f"kernels compiled while serving after the start-up ({served.format})",
                                  "value": late, "target": 0, "op": "<=", "met": late == 0})

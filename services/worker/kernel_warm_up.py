@@ -10,16 +10,27 @@ worker's first requests compiled 4 such kernels, and its first burst of traffic 
 (bench/results/h100/serving_compiles.json). Here each form is launched once, on the runner's own step, with
 the cache's blocks as scratch: the K/V it writes there are garbage that no request reads (the caller empties
 the prefix cache after), and the logits are thrown away.
+
+Decode attention compiles slowest by far: on an H100 host each form of the KV4 kernel (launch-overlap class x
+split over the context) took ~40 s, 162 of a cold start-up's 180 s of compiling
+(bench/results/h100/start_up_compile_times.json), nearly all in one Triton pass (TritonGPUCoalesce, which
+walks the whole kernel once per load and store). Triton's compiler releases the GIL, so
+compile_decode_attention compiles those forms at once, one thread each, before the graphs capture them.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from services.worker.engine.runner import SequenceChunk, StepBatch
-from services.worker.kernels.launch_overlap import AFTER_WAIT_MAX_ROWS, PDL_MAX_ROWS
+from services.worker.kernels.launch_overlap import AFTER_WAIT_MAX_ROWS, PDL_MAX_ROWS, pdl_mode
+from services.worker.kernels.paged_attention import DECODE_KERNELS, decode_partitions, paged_decode_attention
 
 log = logging.getLogger(__name__)
 
@@ -61,3 +72,56 @@ def warm_attention_kernels(runner, num_blocks: int, max_context: int, max_batch_
         runner.step(batch)
     log.info("attention kernels launched in every form a request can need (%d steps) in %.1f s", len(steps),
              time.perf_counter() - started)
+
+
+def decode_attention_forms(pdl_class, partitions, max_running: int, max_context: int, graph_batches: tuple[int, ...],
+                           graph_context: int) -> dict[tuple[int, bool], tuple[int, int]]:
+    """{(launch-overlap mode, split): (rows, context) of one launch in that form} for every form serving can
+    reach: eager steps (any rows up to max_running, any context up to max_context: each class's fewest rows
+    split soonest, the longest context most) and the decode graphs (each batch at graph_context).
+    pdl_class(rows) and partitions(rows, context) are the launcher's own rules (launch_overlap.pdl_mode,
+    paged_attention.decode_partitions)."""
+    launches = [(min(rows, max_running), context) for rows in (1, AFTER_WAIT_MAX_ROWS + 1, PDL_MAX_ROWS + 1)
+                for context in (1, max_context)]
+    launches += [(rows, graph_context) for rows in graph_batches]
+    forms: dict[tuple[int, bool], tuple[int, int]] = {}
+    for rows, context in launches:
+        forms.setdefault((pdl_class(rows), partitions(rows, context) > 1), (rows, context))
+    return forms
+
+
+def compile_decode_attention(runner, max_context: int, max_running: int) -> int:
+    """Compiles (and launches once, on layer 0's cache with every table entry block 0) decode attention in each
+    form serving can reach, all at once; returns how many. The tensors are laid out as the runner's (the query
+    a slice of its rotated q/k rows, block tables of its width), so that Triton's specialization (alignment,
+    multiples of 16) is the same as at the runner's launches and these compiles are the ones they use."""
+    device, c = runner.device, runner.config
+    graphs = runner.graphs
+    forms = decode_attention_forms(
+        lambda rows: pdl_mode(device, rows),
+        lambda rows, context: decode_partitions(rows, c.num_heads, c.head_dim, runner.k_cache[0], context),
+        max_running, max_context, graphs.buckets if graphs is not None else (), runner.max_model_len,
+    )
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for kernel in DECODE_KERNELS:
+        # Triton makes a kernel's per-device cache at its first launch on the device: made by two threads at
+        # once, one thread's compile would land in a cache that is then dropped (and compile again later).
+        caches = getattr(kernel, "device_caches", None)
+        if caches is not None:
+            caches[index]
+
+    def launch(rows: int, context: int) -> None:
+        with torch.cuda.device(index):  # a new thread's current device is 0
+            rotated = torch.zeros((rows, c.num_heads + c.num_kv_heads, c.head_dim), dtype=torch.float16, device=device)
+            tables = torch.zeros((rows, runner.max_blocks), dtype=torch.int32, device=device)
+            lens = torch.full((rows,), context, dtype=torch.int32, device=device)
+            paged_decode_attention(rotated[:, : c.num_heads], runner.k_cache[0], runner.v_cache[0], tables, lens,
+                                   max_context_len=context)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, min(len(forms), os.cpu_count() or 1))) as pool:
+        for done in [pool.submit(launch, rows, context) for rows, context in forms.values()]:
+            done.result()  # a launch that fails here would fail serving: the start-up stops on it
+    torch.cuda.synchronize(device)
+    log.info("decode attention compiled in %d forms at once in %.1f s", len(forms), time.perf_counter() - started)
+    return len(forms)

@@ -14,7 +14,7 @@ from services.worker.engine.engine import Engine, EngineLimits
 from services.worker.engine.loading import LoadedArtifact, load_runner, open_artifact, runner_formats, worker_gpu_target
 from services.worker.engine.sequence import SamplingOptions
 from services.worker.errors import ArtifactBroken, ArtifactCorrupt
-from services.worker.kernel_warm_up import warm_attention_kernels
+from services.worker.kernel_warm_up import compile_decode_attention, warm_attention_kernels
 from services.worker.probe_check import check_probe
 from shared.formats.artifact import ArtifactError
 from shared.model.config import CheckpointError
@@ -92,6 +92,8 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
     tokenizer, eos_token_ids, add_bos = _text_conventions(reader, model_config)
     engine = Engine(runner, tokenizer, limits, eos_token_ids, overlap=config.overlap_steps,
                     prefix_caching=config.prefix_caching)
+    if device.type == "cuda":
+        compile_decode_attention(runner, max_context, config.max_running_sequences)  # before the graphs need it
     if config.capture_graphs:
         _capture_graphs(runner)
     _self_check(engine, reader.manifest.artifact_id, model_config.vocab_size)

@@ -4,8 +4,12 @@ compiled after it); here, that its steps are ones the runner runs, within the wo
 
 from __future__ import annotations
 
+import torch
+
 from services.worker.engine.reference_runner import ReferenceRunner
-from services.worker.kernel_warm_up import ROW_CLASSES, warm_attention_kernels
+from services.worker.kernel_warm_up import ROW_CLASSES, decode_attention_forms, warm_attention_kernels
+from services.worker.kernels import paged_attention
+from services.worker.kernels.paged_attention import decode_partitions
 from services.worker.kernels.launch_overlap import AFTER_WAIT_MAX_ROWS, PDL_MAX_ROWS
 from shared.formats.artifact import ArtifactReader
 
@@ -68,3 +72,64 @@ def test_classes_the_limits_never_reach_are_skipped_and_the_steps_run(artifacts)
     assert steps and max(b.num_tokens for b in steps) <= 12  # 17 or 257 rows: over the step budget
     assert max(len(b.chunks) for b in steps) <= 1 + 4  # one prompt token and at most max_running decode rows
     assert {b.num_tokens for b in steps} == {ROW_CLASSES[0], ROW_CLASSES[0] + 1}
+
+
+def _forms(max_running, max_context, graph_batches=(), graph_context=0, split_from=None):
+    """decode_attention_forms under the launcher's row classes, with contexts split past 64 tokens, or past
+    split_from(rows) when given (more rows: longer partitions, as partition_for's whole-context rule)."""
+    return decode_attention_forms(
+        _row_class, lambda rows, context: 1 + (context > (split_from(rows) if split_from else 64)),
+        max_running, max_context, graph_batches, graph_context,
+    )
+
+
+def test_every_decode_attention_form_serving_reaches_is_compiled_once():
+    # Eager steps reach each row class up to max_running, split or not; the graphs add nothing new here.
+    forms = _forms(max_running=300, max_context=200, graph_batches=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+                   graph_context=200)
+    assert set(forms) == {(k, s) for k in (0, 1, 2) for s in (False, True)}
+    for (row_class, split), (rows, context) in forms.items():  # each a launch in its own form
+        assert _row_class(rows) == row_class and (context > 64) == split and rows <= 300 and context <= 200
+    # Within the limits only: 20 running sequences reach classes 0 and 1; a context of 64 never splits.
+    assert set(_forms(max_running=20, max_context=64)) == {(0, False), (1, False)}
+    assert set(_forms(max_running=1, max_context=1000)) == {(0, False), (0, True)}
+
+
+def test_decode_graph_forms_count_even_when_eager_steps_never_split_them():
+    # Many rows take the whole context in one partition (partition_for): the eager launches of class 1 at
+    # the engine's context do not split, a graph captured at the runner's longer context does.
+    forms = _forms(max_running=64, max_context=100, graph_batches=(17, 32, 64), graph_context=2048,
+                   split_from=lambda rows: 1000 if rows > 16 else 64)
+    assert forms[(1, True)] == (17, 2048)
+    assert set(forms) == {(0, False), (0, True), (1, False), (1, True)}
+
+
+class _LaunchSpy:
+    """Stands in for a decode kernel: records each launch's grid and SPLIT form instead of running it."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.launches.append((grid, meta.get("SPLIT")))  # the reduction has none
+
+
+def test_decode_partitions_is_the_launchers_split(monkeypatch):
+    """The warm-up predicts each launch's form with decode_partitions: it must be the partition grid and the
+    SPLIT form paged_decode_attention then launches."""
+    heads, kv_heads, d, block = 4, 2, 64, 16
+    k_cache = torch.zeros((12, kv_heads, block, d // 2 + 4), dtype=torch.uint8)
+    spy = _LaunchSpy()
+    for name in ("_kv4_decode_fma_kernel", "_kv4_decode_mma_kernel", "_kv4_decode_head_rows_kernel",
+                 "_kv4_decode_dot_kernel", "_reduce_partitions_kernel"):
+        monkeypatch.setattr(paged_attention, name, spy)
+    predicted = []
+    for rows, context in ((1, 1), (2, 40), (3, 300), (5, 513), (2, 64 * block)):
+        query = torch.zeros((rows, heads, d), dtype=torch.float16)
+        tables = torch.zeros((rows, 64), dtype=torch.int32)  # every entry block 0
+        lens = torch.full((rows,), context, dtype=torch.int32)
+        paged_attention.paged_decode_attention(query, k_cache, k_cache, tables, lens, max_context_len=context)
+        predicted.append(decode_partitions(rows, heads, d, k_cache, context))
+    decode = [(grid[1], split) for grid, split in spy.launches if split is not None]
+    assert decode == [(n, n > 1) for n in predicted]
+    assert predicted[0] == 1 and predicted[-1] > 1  # both forms seen

@@ -53,7 +53,7 @@ from services.worker.kernels.host_int import cdiv, next_power_of_2
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 from services.worker.kernels.paged_attention_head_rows import _kv4_decode_head_rows_kernel
 from services.worker.kernels.paged_attention_mma import _kv4_decode_mma_kernel
-from services.worker.kernels.paged_decode_parts import _bytes_at_15, _nibble, _program_span, _scale_zero
+from services.worker.kernels.paged_decode_parts import UNSPECIALIZED, _bytes_at_15, _nibble, _program_span, _scale_zero
 from services.worker.kernels.prefill_attention import attention_output, check_index_vectors, check_one_device
 from services.worker.kernels.w4a8_gemv import _dot_chn
 
@@ -497,7 +497,7 @@ def _kv4_fma_tile(
     return m_i, l_i, pw_sum, acc_z, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _kv4_decode_fma_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
@@ -688,7 +688,7 @@ def _fp16_fma_tile(
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _fp16_decode_fma_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
@@ -751,7 +751,7 @@ def _nibbles_f16(x):
     return ((x.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0).to(tl.float16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _kv4_decode_dot_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, k_words_ptr, v_words_ptr, block_tables_ptr, context_lens_ptr,
@@ -827,7 +827,7 @@ def _kv4_decode_dot_kernel(
 # reduction over partitions
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _reduce_partitions_kernel(
     part_m_ptr, part_l_ptr, part_o_ptr, context_lens_ptr, out_ptr,
     num_heads, num_partitions, partition_size, stride_ob, stride_oh,
@@ -898,6 +898,28 @@ def _check(query, k_cache, v_cache, block_tables, context_lens) -> tuple[bool, i
     return kv4, kv_heads, heads // kv_heads
 
 
+def _partitions(cfg: DecodeConfig, group: int, b: int, kv_heads: int, max_context_len: int,
+                device: torch.device) -> tuple[int, int, int]:
+    """A launch's programs per KV head, tokens per partition and partitions of the context (1: no split)."""
+    kv_share = programs_per_kv_head(cfg, group)
+    partition_size = partition_for(cfg, b * kv_heads * kv_share, max_context_len, multiprocessors(device))
+    return kv_share, partition_size, max(1, cdiv(max_context_len, partition_size))
+
+
+def decode_partitions(b: int, heads: int, head_dim: int, k_cache: torch.Tensor, max_context_len: int) -> int:
+    """How many partitions of the context paged_decode_attention (default config) splits a launch of b
+    sequences into (1: no split, the kernels' SPLIT form), without launching it."""
+    kv4, kv_heads = k_cache.dtype == torch.uint8, k_cache.shape[1]
+    group = heads // kv_heads
+    cfg = default_config(kv4, group, head_dim, k_cache.shape[2])
+    return _partitions(cfg, group, b, kv_heads, max_context_len, k_cache.device)[2]
+
+
+# Every kernel paged_decode_attention may launch (kernel_warm_up compiles them ahead, several at once).
+DECODE_KERNELS = (_fp16_decode_fma_kernel, _kv4_decode_fma_kernel, _kv4_decode_head_rows_kernel,
+                  _kv4_decode_mma_kernel, _kv4_decode_dot_kernel, _reduce_partitions_kernel)
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -924,7 +946,6 @@ def paged_decode_attention(
     if cfg.variant == "mma" and not _mma_covers(group, d, k_cache.shape[2]):
         raise ValueError(f"the 'mma' kernel takes 1, 2, 4 or 8 query heads per KV head, head_dim 128 and pages of a "
                          f"multiple of 16 tokens, not group {group}, head_dim {d}, pages of {k_cache.shape[2]}")
-    kv_share = programs_per_kv_head(cfg, group)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if max_context_len is None:
         max_context_len = int(context_lens.max().item()) if b else 0
@@ -935,8 +956,7 @@ def paged_decode_attention(
     out = attention_output(query, out)
     if b == 0:
         return out
-    partition_size = partition_for(cfg, b * kv_heads * kv_share, max_context_len, multiprocessors(query.device))
-    num_partitions = max(1, cdiv(max_context_len, partition_size))
+    kv_share, partition_size, num_partitions = _partitions(cfg, group, b, kv_heads, max_context_len, query.device)
     split = num_partitions > 1
     if split:
         part_m = torch.empty(b, heads, num_partitions, dtype=torch.float32, device=query.device)

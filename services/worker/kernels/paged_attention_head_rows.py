@@ -38,7 +38,7 @@ from services.worker.kernels.paged_attention_mma import (
     _shfl_f32,
     _store_pv_rows,
 )
-from services.worker.kernels.paged_decode_parts import _program_span, _scale_zero
+from services.worker.kernels.paged_decode_parts import UNSPECIALIZED, _program_span, _scale_zero
 
 
 @triton.jit
@@ -240,7 +240,7 @@ def _head_rows_tile(
         q_step, q_sum, m_i, l_p, pw_p, z_p, c0, c1, c2, c3, MASKED, FAST, GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _kv4_decode_head_rows_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,

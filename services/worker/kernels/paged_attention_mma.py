@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release
-from services.worker.kernels.paged_decode_parts import _bytes_at_15, _nibble, _program_span, _scale_zero
+from services.worker.kernels.paged_decode_parts import UNSPECIALIZED, _bytes_at_15, _nibble, _program_span, _scale_zero
 
 TILE = tl.constexpr(32)  # tokens per loop iteration: two MMA row groups of 16
 
@@ -625,7 +625,7 @@ def _tile_math(
     return m_new, l_p, pw_p, z_p, a0, a1, a2, a3, a4, a5, a6, a7
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _kv4_decode_mma_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,

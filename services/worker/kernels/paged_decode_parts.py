@@ -5,6 +5,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Arguments of every decode kernel that Triton must not specialize on (a value of 1, a multiple of 16: each
+# a compile of its own). The partition count follows each step's longest context: with it specialized, a
+# worker compiled the split kernel again the first time a step's count was a multiple of 16 (or stopped
+# being one): seconds to a minute, on a cold cache, with every stream of the worker stalled.
+UNSPECIALIZED = ("num_partitions",)
+
 
 @triton.jit
 def _program_span(context_lens_ptr, num_kv_heads, partition_size, BLOCK_N: tl.constexpr):

@@ -61,7 +61,8 @@ def _store_partial(acc, ws_ptr, offs_n, offs_m, M, N):
     tl.store(ws_ptrs, acc, mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
 
 
-@triton.jit
+# M changes with every batch (as in the GEMMs below); N, a layer's width, keeps ws's rows aligned without it.
+@triton.jit(do_not_specialize=["M"])
 def _split_k_epilogue_kernel(
     # pointers
     ws_ptr, sx_ptr, col_scale_ptr, zero_ptr, rowsum_ptr, out_ptr,
