@@ -351,10 +351,21 @@ def _holds(folder: Path, objects: list[ObjectInfo], src: str) -> bool:
         return False
 
 
+def walk_error(what: str):
+    """os.walk's onerror: a folder it cannot read is an error, not a folder with nothing in it (a listing that
+    skipped it would publish or download an artifact without its files); one removed meanwhile is nothing."""
+
+    def raise_it(exc: OSError) -> None:
+        if not isinstance(exc, FileNotFoundError):
+            raise StorageError(f"{what}: {exc}") from exc
+
+    return raise_it
+
+
 def _files_under(folder: Path) -> list[tuple[str, Path]]:
     """Every regular file under folder (file symlinks followed) as sorted (posix key, path)."""
     found = []
-    for dirpath, _dirnames, filenames in os.walk(folder):
+    for dirpath, _dirnames, filenames in os.walk(folder, onerror=walk_error(f"cannot read the folder {folder}")):
         for name in filenames:
             path = Path(dirpath) / name
             if path.is_file():

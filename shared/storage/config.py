@@ -59,6 +59,11 @@ class StorageConfig:
                 raise InvalidConfig(f"S3 prefix {self.prefix!r} is not valid: {exc}") from exc
         if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):
             raise InvalidConfig(f"endpoint_url {self.endpoint_url!r} must start with http:// or https://")
+        if self.endpoint_url is not None and "@" in urlsplit(self.endpoint_url).netloc:
+            # Not echoed: what precedes the '@' is a secret, and the endpoint is in every error message.
+            raise InvalidConfig(f"endpoint_url http(s)://...@{urlsplit(self.endpoint_url).netloc.rpartition('@')[2]}: "
+                                f"credentials do not belong in the URL; set access_key and secret_key "
+                                f"(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)")
         if (self.access_key is None) != (self.secret_key is None):
             raise InvalidConfig("give both access_key and secret_key, or neither (to use boto3's credential chain)")
         for name in ("multipart_threshold", "multipart_chunk_size"):
@@ -83,9 +88,14 @@ class StorageConfig:
         values = {f.name: getattr(base, f.name) for f in fields(cls)} if base is not None else {}
         values.update(overrides)
         parts = urlsplit(url)
+        if parts.scheme in ("file", "s3") and "#" in url:
+            # urlsplit drops '#...' as a fragment: s3://b/models/llama#ft would name models/llama, another model.
+            raise InvalidConfig(f"storage URL {url!r} holds '#': write it as %23 (a URL's '#' starts a fragment)")
         if parts.scheme in ("", "file"):
             if parts.scheme == "file" and parts.netloc not in ("", "localhost"):
                 raise InvalidConfig(f"{url!r}: a file URL names a local path, as file:///path")
+            if parts.scheme == "file" and parts.query:
+                raise InvalidConfig(f"storage URL {url!r}: a file URL takes no parameters (a '?' in the path is %3F)")
             path = unquote(parts.path) if parts.scheme == "file" else url
             return cls(**{**values, "kind": "local", "root": Path(path)})
         if parts.scheme != "s3":

@@ -11,7 +11,7 @@ import time
 import uuid
 from pathlib import Path
 
-from .base import ObjectInfo, ObjectStore
+from .base import ObjectInfo, ObjectStore, walk_error
 from .errors import InvalidKey, ObjectNotFound, StorageError
 from .hashing import copy_hashing, sha256_file
 from .keys import check_key, check_prefix
@@ -31,7 +31,10 @@ class LocalStore(ObjectStore):
             root.mkdir(parents=True, exist_ok=True)
         self.root = root
         self._tmp = root / TMP_DIR
-        self._tmp.mkdir(exist_ok=True)
+        try:
+            self._tmp.mkdir(exist_ok=True)
+        except OSError:  # a read-only mount, another user's folder: reading needs no .tmp (writes then fail there)
+            pass
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
@@ -53,7 +56,8 @@ class LocalStore(ObjectStore):
     def get_file(self, key: str, local_path: str | os.PathLike[str]) -> ObjectInfo:
         src = self._existing(key)
         dest = Path(local_path)
-        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.partial")
+        # Not named after dest: a file name near the 255-byte limit would leave no room for the suffix.
+        tmp = dest.with_name(f".{uuid.uuid4().hex}.partial")
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
             size, sha = copy_hashing(src, tmp)
@@ -69,7 +73,7 @@ class LocalStore(ObjectStore):
         return ObjectInfo(key, size, sha)
 
     def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
+        return self._is_file(self._path(key), key)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         check_prefix(prefix)
@@ -77,7 +81,7 @@ class LocalStore(ObjectStore):
             return []
         top = self.root / prefix.rpartition("/")[0]
         found = []
-        for dirpath, dirnames, filenames in os.walk(top):
+        for dirpath, dirnames, filenames in os.walk(top, onerror=walk_error(f"cannot list {self.uri(prefix)}")):
             if Path(dirpath) == self.root and TMP_DIR in dirnames:
                 dirnames.remove(TMP_DIR)
             for name in filenames:
@@ -143,9 +147,15 @@ class LocalStore(ObjectStore):
 
     def _existing(self, key: str) -> Path:
         path = self._path(key)
-        if not path.is_file():
+        if not self._is_file(path, key):
             raise ObjectNotFound(f"no object {self.uri(key)}")
         return path
+
+    def _is_file(self, path: Path, key: str) -> bool:
+        try:
+            return path.is_file()  # False where nothing is; OSError where a folder cannot be read, a name too long
+        except OSError as exc:
+            raise StorageError(f"cannot read {self.uri(key)}: {exc}") from exc
 
     def _place(self, src: Path, dest: Path) -> None:
         # A concurrent delete may prune dest's (empty) parent between mkdir and rename: retry.

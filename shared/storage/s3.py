@@ -20,7 +20,7 @@ from boto3.s3.transfer import TransferConfig
 
 from .base import ObjectInfo, ObjectStore, staging_attempt
 from .config import StorageConfig
-from .errors import InvalidKey, ObjectNotFound, StorageError
+from .errors import InvalidConfig, InvalidKey, ObjectNotFound, StorageError
 from .hashing import sha256_file
 from .keys import STAGING_ROOT, check_key, check_prefix
 
@@ -37,13 +37,31 @@ class S3Store(ObjectStore):
             raise StorageError(f"S3Store needs a config of kind 's3', got {config.kind!r}")
         self.bucket = config.bucket
         self.prefix = config.prefix  # '' or ends with '/'
+        try:
+            self._client = self._make_client(config)
+        except botocore.exceptions.BotoCoreError as exc:  # an unknown AWS_PROFILE, a malformed region
+            raise InvalidConfig(f"cannot set up the S3 client for s3://{config.bucket}/: {exc}") from exc
+        self.endpoint = self._client.meta.endpoint_url
+        self._transfer = TransferConfig(
+            multipart_threshold=config.multipart_threshold,
+            multipart_chunksize=config.multipart_chunk_size,
+            max_concurrency=config.max_concurrency,
+            num_download_attempts=config.max_attempts,
+            preferred_transfer_client="classic",
+        )
+        self._open_bucket(config.region, create_bucket)
+
+    @staticmethod
+    def _make_client(config: StorageConfig):
         session = boto3.session.Session(
             aws_access_key_id=config.access_key,
             aws_secret_access_key=config.secret_key,
-            aws_session_token=config.session_token,
+            # A token belongs to the keys it came with; a stray AWS_SESSION_TOKEN beside a profile's credentials
+            # is ignored, as boto3 itself does (passed alone, every request failed with a TypeError).
+            aws_session_token=config.session_token if config.access_key else None,
             region_name=config.region,
         )
-        self._client = session.client(
+        return session.client(
             "s3",
             endpoint_url=config.endpoint_url,
             config=botocore.config.Config(
@@ -55,15 +73,6 @@ class S3Store(ObjectStore):
                 s3={"addressing_style": "path" if config.endpoint_url else "auto"},
             ),
         )
-        self.endpoint = self._client.meta.endpoint_url
-        self._transfer = TransferConfig(
-            multipart_threshold=config.multipart_threshold,
-            multipart_chunksize=config.multipart_chunk_size,
-            max_concurrency=config.max_concurrency,
-            num_download_attempts=config.max_attempts,
-            preferred_transfer_client="classic",
-        )
-        self._open_bucket(config.region, create_bucket)
 
     def __repr__(self) -> str:
         return f"S3Store({self.uri()!r} at {self.endpoint})"

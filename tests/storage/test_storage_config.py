@@ -38,11 +38,22 @@ def test_local_urls_and_paths():
         ("s3://Bad_Bucket/x", "bucket name 'Bad_Bucket' is not valid"),
         ("s3://bucket/a/../b", "prefix 'a/../b' is not valid"),
         ("s3://bucket/x?endpoint=minio:9000", "must start with http:// or https://"),
+        # urlsplit would drop '#ft': the prefix models/llama, another model's checkpoint, read without an error.
+        ("s3://bucket/models/llama#ft", "holds '#': write it as %23"),
+        ("file:///srv/store#2", "holds '#': write it as %23"),
+        ("file:///srv/store?endpoint=http://h", "a file URL takes no parameters"),
+        ("s3://bucket/x?endpoint=http://AKIAEXAMPLE:VerySecret@minio:9000", r"http\(s\)://...@minio:9000: credentials"),
     ],
 )
 def test_bad_urls_say_what_is_accepted(url, message):
-    with pytest.raises(InvalidConfig, match=message):
+    with pytest.raises(InvalidConfig, match=message) as refused:
         StorageConfig.from_url(url)
+    assert "VerySecret" not in str(refused.value)
+
+
+def test_a_plain_path_keeps_its_hash_sign():
+    assert StorageConfig.from_url("/srv/store#2").root == Path("/srv/store#2")  # a file name, not a URL
+    assert StorageConfig.from_url("s3://bucket/models/llama%23ft").prefix == "models/llama#ft/"
 
 
 def test_settings_are_validated():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from shared.storage import InvalidKey, LocalStore, StorageError
@@ -52,3 +55,64 @@ def test_delete_removes_emptied_folders(tmp_path):
     store.delete("a/b/c/one")
     assert not (store.root / "a" / "b").exists()
     assert (store.root / "a" / "two").is_file()
+
+
+def _unreadable(monkeypatch, folder):
+    """os.scandir of folder fails as for a folder this user may not read (the tests run as root, which may)."""
+    scandir = os.scandir
+
+    def refusing(path="."):
+        if os.fspath(path) == os.fspath(folder):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+
+
+def test_a_folder_that_cannot_be_read_is_an_error_not_an_empty_folder(tmp_path, monkeypatch):
+    store = LocalStore(tmp_path / "store", create=True)
+    store.put_bytes(b"{}", "m/id/manifest.json")
+    store.put_bytes(b"w", "m/id/weights/w0.bin")
+    _unreadable(monkeypatch, tmp_path / "store" / "m" / "id" / "weights")
+    # Skipped, the download held the manifest alone and was renamed into place as complete.
+    with pytest.raises(StorageError, match="cannot list .*Permission denied"):
+        store.list("m/id/")
+    with pytest.raises(StorageError, match="cannot list .*Permission denied"):
+        store.download_folder("m/id/", tmp_path / "copy")
+    assert not (tmp_path / "copy").exists()
+    folder = tmp_path / "artifact"
+    (folder / "weights").mkdir(parents=True)
+    (folder / "manifest.json").write_text("{}")
+    (folder / "weights" / "w0.bin").write_bytes(b"w")
+    _unreadable(monkeypatch, folder / "weights")
+    with pytest.raises(StorageError, match="cannot read the folder .*Permission denied"):
+        store.publish_folder(folder, "m/other/")
+
+
+def test_a_long_file_name_downloads(tmp_path):
+    # The partial download was named after the file (+18 characters): a 240-byte name never downloaded.
+    store = LocalStore(tmp_path / "store", create=True)
+    name = "w" * 240 + ".bin"
+    store.put_bytes(b"x", f"m/{name}")
+    store.get_file(f"m/{name}", tmp_path / "copy" / name)
+    assert (tmp_path / "copy" / name).read_bytes() == b"x"
+    with pytest.raises(StorageError, match="cannot read"):  # over the file system's limit: not a raw OSError
+        store.exists("m/" + "w" * 300)
+
+
+def test_a_store_that_cannot_be_written_opens_for_reading(tmp_path, monkeypatch):
+    store = LocalStore(tmp_path / "store", create=True)
+    store.put_bytes(b"x", "k")
+    (tmp_path / "store" / ".tmp").rmdir()
+    mkdir = Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if self.name == ".tmp":
+            raise OSError(30, "Read-only file system", str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    reader = LocalStore(tmp_path / "store")  # raised a raw OSError: a worker on a read-only mount never started
+    assert reader.get_bytes("k") == b"x"
+    with pytest.raises(StorageError, match="cannot write"):
+        reader.put_bytes(b"y", "k2")

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from shared.storage import StorageError, open_store
+from shared.storage import InvalidConfig, StorageError, open_store
 
 MIB = 1024 * 1024
 
@@ -109,3 +109,35 @@ def test_create_makes_the_bucket_once_in_any_region(moto_endpoint, s3_config):
     open_store(config, create=True).put_bytes(b"{}", "k")
     again = open_store(config, create=True)  # the bucket exists now: opening again is fine
     assert again.get_bytes("k") == b"{}"
+
+
+def test_a_client_that_cannot_be_set_up_is_a_storage_error(s3_config, monkeypatch):
+    # Raised by botocore before any request: callers that handle StorageError got a raw botocore exception.
+    with pytest.raises(InvalidConfig, match="cannot set up the S3 client.*region_name 'eu west 1'"):
+        open_store(s3_config("http://127.0.0.1:9", region="eu west 1"))
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    with pytest.raises(InvalidConfig, match=r"cannot set up the S3 client.*profile \(no-such-profile\)"):
+        open_store(s3_config("http://127.0.0.1:9"))
+
+
+def test_a_session_token_without_keys_is_ignored_as_boto3_does(moto_endpoint, s3_config, monkeypatch):
+    """A stray AWS_SESSION_TOKEN beside credentials from the chain (here the environment's keys): passed on
+    its own, every request failed with a TypeError."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    store = open_store(s3_config(moto_endpoint, access_key=None, secret_key=None, session_token="stray"), create=True)
+    store.put_bytes(b"x", "k")
+    assert [o.key for o in store.list()] == ["k"]
+
+
+def test_a_text_file_url_is_percent_decoded_in_its_name_as_in_its_folder(moto_endpoint, s3_config, tmp_path):
+    """The quantizer's --calib / eval text from S3 (services/quantizer/sources.local_file): the folder part was
+    decoded and the file name not, so s3://b/my%20data/eval%20set.txt was 'does not exist'."""
+    from services.quantizer.sources import local_file
+
+    config = s3_config(moto_endpoint)
+    open_store(config, create=True).put_bytes(b"text", "my data/eval set.txt")
+    url = f"s3://{config.bucket}/my%20data/eval%20set.txt"
+    assert local_file(url, tmp_path, config).read_bytes() == b"text"
+    with pytest.raises(InvalidConfig, match="write it as %23"):
+        local_file(f"s3://{config.bucket}/my%20data/eval#2.txt", tmp_path, config)
