@@ -50,15 +50,25 @@ def rpc_errors(service: str):
             except TlsError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 raise typer.Exit(code=2) from None
+            except UnicodeError as exc:  # an argument with bytes that are not UTF-8 (a shell's $'caf\xe9')
+                print(f"error: an argument is not valid UTF-8 text: {exc}", file=sys.stderr)
+                raise typer.Exit(code=2) from None
             except grpc.RpcError as exc:
                 address = kwargs.get(service, "")
-                if _unreachable(exc):
+                details = " ".join((exc.details() or "").split())  # one line: a database's error spans several
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # Connected and silent, or slow (a registry lock): a change asked for may still be applied
+                    # after qctl gave up. Said to be unreachable, an operator retried a promote that had happened.
+                    print(f"error: no answer from the {service} at {address} within its deadline: it may be "
+                          f"unreachable, or slow, and then a change this command asked for may still be applied; "
+                          f"check before retrying (qctl rollout status, qctl events, qctl jobs list)", file=sys.stderr)
+                elif _unreachable(exc):
                     hint = mismatch_hint(exc.details() or "", bool(kwargs.get("tls_ca")), TLS_FLAGS)
-                    print(f"error: cannot reach the {service} at {address} ({exc.code().name}): {exc.details()}"
+                    print(f"error: cannot reach the {service} at {address} ({exc.code().name}): {details}"
                           f"{hint}", file=sys.stderr)
                 else:
                     hint = TOKEN_HINTS.get(service) if exc.code() == grpc.StatusCode.UNAUTHENTICATED else None
-                    print(f"error: {service} {address}: {exc.details()} ({exc.code().name})"
+                    print(f"error: {service} {address}: {details} ({exc.code().name})"
                           f"{f'; {hint}' if hint else ''}", file=sys.stderr)
                 raise typer.Exit(code=2) from None
 
@@ -67,11 +77,15 @@ def rpc_errors(service: str):
     return decorate
 
 
+# What gRPC's transport says when it reaches no server: "failed to connect to all addresses", "DNS resolution
+# failed" or "errors resolving <host>" for a name that does not resolve, "Socket closed" / "Connection reset" for a
+# peer that went away. A service's own UNAVAILABLE can say "connection" too (a gateway whose registry database is
+# down passes on "connection failed: connection to server at ..."): that is the service answering.
+_TRANSPORT_WORDS = ("failed to connect", "dns resolution", "errors resolving", "socket closed", "connection reset")
+
+
 def _unreachable(exc: grpc.RpcError) -> bool:
-    """A transport failure (nothing listening, a timeout), as opposed to the service answering
-    UNAVAILABLE itself (a gateway with no healthy worker does)."""
-    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return True
+    """A transport failure (nothing listening), as opposed to the service answering UNAVAILABLE itself (a gateway
+    with no healthy worker, or without its database, does)."""
     details = (exc.details() or "").lower()
-    # grpc says "DNS resolution failed" or "errors resolving <host>" for a name that does not resolve
-    return exc.code() == grpc.StatusCode.UNAVAILABLE and any(word in details for word in ("connect", "dns", "resolv"))
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and any(word in details for word in _TRANSPORT_WORDS)

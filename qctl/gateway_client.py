@@ -12,13 +12,15 @@ from dataclasses import dataclass
 import typer
 from google.protobuf.duration_pb2 import Duration
 
+from qctl.choices import bearer_token, service_address
 from qctl.errors import rpc_errors as rpc_errors_of
 from qctl.tls import open_channel
 from shared.rpc.qserve.v1 import gateway_pb2_grpc
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
-GATEWAY_OPTION = typer.Option(DEFAULT_GATEWAY, "--gateway", envvar="QCTL_GATEWAY", help="host:port of the gateway")
-TOKEN_OPTION = typer.Option(..., "--token", envvar="QCTL_TOKEN", show_default=False,
+GATEWAY_OPTION = typer.Option(DEFAULT_GATEWAY, "--gateway", envvar="QCTL_GATEWAY", help="host:port of the gateway",
+                              callback=service_address)
+TOKEN_OPTION = typer.Option(..., "--token", envvar="QCTL_TOKEN", show_default=False, callback=bearer_token,
                             help="admin bearer token (scope admin)")
 RPC_TIMEOUT_S = 30.0
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import sys
+import threading
 
+import grpc
 import typer
 
-from qctl.choices import UINT32_MAX, UINT64_MAX
+from qctl.choices import UINT32_MAX, UINT64_MAX, bearer_token
 from qctl.gateway_client import GATEWAY_OPTION, gateway_client, ms, rpc_errors
+from qctl.output import enum_label
 from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
 
@@ -37,7 +40,11 @@ def generate(
     seed: int = typer.Option(None, "--seed", min=0, max=UINT64_MAX, help="for reproducible sampling"),
     session_key: str = typer.Option("", "--session-key", help="same key, same version during a rollout"),
     gateway: str = GATEWAY_OPTION,
-    api_key: str = typer.Option(None, "--api-key", envvar="QCTL_API_KEY", help="when the gateway requires one"),
+    api_key: str = typer.Option(None, "--api-key", envvar="QCTL_API_KEY", help="when the gateway requires one",
+                                callback=bearer_token),
+    reply_timeout_s: float = typer.Option(300.0, "--reply-timeout-s", min=0.0,
+                                          help="give up (exit 2) when the gateway sends nothing for this long, the "
+                                               "first token included; 0 = wait for ever"),
 ):
     """Stream the generated text to stdout; the finish line (reason, artifact, timings) goes to stderr. Exit 1
     when the text is cut short: the generation was aborted (the worker or the stack stopped) or the stream
@@ -55,7 +62,7 @@ def generate(
         request.token_ids.ids.extend(_token_ids(token_ids))
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
     try:
-        finished = _stream(gateway, request, metadata)
+        finished = _stream(gateway, request, metadata, reply_timeout_s)
     except KeyboardInterrupt:
         # The partial text ends its line, and the shell's prompt does not land after it.
         print(file=sys.stdout)
@@ -71,20 +78,65 @@ def generate(
         raise typer.Exit(code=EXIT_INCOMPLETE)
 
 
-def _stream(gateway: str, request: gateway_pb2.GatewayGenerateRequest, metadata) -> int | None:
+def _stream(gateway: str, request: gateway_pb2.GatewayGenerateRequest, metadata, reply_timeout_s: float) -> int | None:
     """Writes the text as it comes; returns the finish reason (None when the stream ended without one)."""
-    finished = None
+    finished, wrote = None, False
     with gateway_client(gateway) as stub:
-        for reply in stub.Generate(request, metadata=metadata):
-            sys.stdout.write(reply.text)
-            sys.stdout.flush()
-            if reply.HasField("finish"):
-                f = reply.finish
-                arm = gateway_pb2.Arm.Name(reply.arm).removeprefix("ARM_").lower()
-                reason = common_pb2.FinishReason.Name(f.reason).removeprefix("FINISH_REASON_").lower()
-                print(file=sys.stdout)
-                print(f"[{reason}] {f.generated_tokens} tokens from {arm} {reply.artifact_id}; "
-                      f"ttft {ms(f.timings.time_to_first_token)}, tpot {ms(f.timings.time_per_output_token)}, "
-                      f"total {ms(f.timings.total)}", file=sys.stderr)
-                finished = f.reason
+        call = stub.Generate(request, metadata=metadata)
+        watchdog = _SilenceWatchdog(call, reply_timeout_s)
+        try:
+            for reply in call:
+                watchdog.heard()
+                sys.stdout.write(reply.text)
+                sys.stdout.flush()
+                wrote = wrote or bool(reply.text)
+                if reply.HasField("finish"):
+                    finished = _print_finish(reply)
+        except grpc.RpcError:
+            if wrote:
+                print(file=sys.stdout)  # the error line goes to stderr: the partial text ends its own line
+            if watchdog.fired:
+                print(f"error: no reply from the gateway at {gateway} for {reply_timeout_s:g} s "
+                      f"(--reply-timeout-s): gave up", file=sys.stderr)
+                raise typer.Exit(code=2) from None
+            raise
+        finally:
+            watchdog.stop()
     return finished
+
+
+class _SilenceWatchdog:
+    """Cancels the call when nothing arrives for `seconds` (0: never): without it a gateway that accepted the
+    stream and went silent (hung, or a connection dropped without a reset) held qctl for ever."""
+
+    def __init__(self, call, seconds: float):
+        self.call, self.seconds, self.fired = call, seconds, False
+        self._timer: threading.Timer | None = None
+        self.heard()
+
+    def heard(self) -> None:
+        self.stop()
+        if self.seconds > 0:
+            self._timer = threading.Timer(self.seconds, self._fire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _fire(self) -> None:
+        self.fired = True
+        self.call.cancel()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _print_finish(reply) -> int:
+    """The text's end, then the finish line on stderr; returns the finish reason."""
+    f = reply.finish
+    arm = enum_label(gateway_pb2.Arm, reply.arm, "ARM_").lower()
+    reason = enum_label(common_pb2.FinishReason, f.reason, "FINISH_REASON_").lower()
+    print(file=sys.stdout)
+    print(f"[{reason}] {f.generated_tokens} tokens from {arm} {reply.artifact_id}; "
+          f"ttft {ms(f.timings.time_to_first_token)}, tpot {ms(f.timings.time_per_output_token)}, "
+          f"total {ms(f.timings.total)}", file=sys.stderr)
+    return f.reason

@@ -8,7 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from qctl.gateway_client import GATEWAY_OPTION, TOKEN_OPTION, admin_client, rpc_errors
-from qctl.output import id_column, table_console
+from qctl.output import enum_label, id_column, table_console
 from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import gateway_pb2
 
@@ -31,7 +31,7 @@ def workers(
     table = Table("worker", "address", id_column("artifact"), "format", "health", "in flight / capacity", "running",
                   "waiting", "kv blocks free", "context", "probe", "last heartbeat (UTC)", "why unhealthy")
     for w in listed:
-        health = gateway_pb2.WorkerHealth.Name(w.health).removeprefix("WORKER_HEALTH_")
+        health = enum_label(gateway_pb2.WorkerHealth, w.health, "WORKER_HEALTH_")
         table.add_row(escape(w.worker_id), escape(w.address), w.artifact.artifact_id, w.artifact.format,
                       f"[{HEALTH_STYLE.get(health, 'white')}]{health}[/]", f"{w.in_flight} / {w.capacity}",
                       str(w.running_requests), str(w.waiting_requests), str(w.kv_blocks_free),

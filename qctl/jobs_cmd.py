@@ -14,7 +14,7 @@ from rich.table import Table
 
 from qctl.errors import rpc_errors
 from qctl.gateway_client import RPC_TIMEOUT_S
-from qctl.output import id_column, table_console
+from qctl.output import enum_label, id_column, table_console
 from qctl.publish_cmd import QUANTIZER_OPTION, QUANTIZER_TOKEN_OPTION, quantizer_stub
 from qctl.tls import tls_options
 from shared.rpc.qserve.v1 import quantizer_pb2
@@ -92,9 +92,9 @@ def job_dict(job: Q.Job) -> dict:
     """The job as plain JSON values: the fields an operator or a script looks at."""
     return {
         "job_id": job.job_id,
-        "state": Q.JobState.Name(job.state).removeprefix("JOB_STATE_"),
+        "state": enum_label(Q.JobState, job.state, "JOB_STATE_"),
         "model_name": job.model_name,
-        "stage": Q.JobStage.Name(job.stage).removeprefix("JOB_STAGE_").lower() if job.stage else "",
+        "stage": enum_label(Q.JobStage, job.stage, "JOB_STAGE_").lower() if job.stage else "",
         "block_index": job.block_index,
         "block_count": job.block_count,
         "created_at": job.created_at.ToJsonString() if job.HasField("created_at") else "",

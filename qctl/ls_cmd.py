@@ -8,7 +8,7 @@ from rich.table import Table
 
 from qctl.errors import rpc_errors
 from qctl.gateway_client import RPC_TIMEOUT_S
-from qctl.output import id_column, table_console
+from qctl.output import enum_label, id_column, table_console
 from qctl.publish_cmd import QUANTIZER_OPTION, QUANTIZER_TOKEN_OPTION, quantizer_stub
 from qctl.tls import tls_options
 from shared.disk_space import gib
@@ -45,7 +45,7 @@ def ls(
                 table.add_row(m.model_name, shown_version, "-", "", "", "", "", "", "", "")
             for ref in version.artifacts:
                 info = artifacts.get(ref.artifact_id)
-                state = common_pb2.ArtifactState.Name(info.state).removeprefix("ARTIFACT_STATE_") if info else "?"
+                state = enum_label(common_pb2.ArtifactState, info.state, "ARTIFACT_STATE_") if info else "?"
                 table.add_row(m.model_name, shown_version, ref.artifact_id,
                               f"[{STATE_STYLE.get(state, 'white')}]{state}[/]", ref.format, ref.gpu_target,
                               _size(info), _perplexities(info), _vocabulary(info),

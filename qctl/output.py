@@ -1,6 +1,6 @@
-"""How qctl's tables show artifact ids: whole, so that one can be pasted into the next command (the gateway
-and the quantizer take only whole ids: a 12-character prefix is NOT_FOUND, and `qctl workers --artifact`
-with one listed nothing)."""
+"""How qctl prints what services send: artifact ids whole, so that one can be pasted into the next command (the
+gateway and the quantizer take only whole ids: a 12-character prefix is NOT_FOUND, and `qctl workers --artifact`
+with one listed nothing), and enum values this qctl may not know."""
 
 from __future__ import annotations
 
@@ -27,3 +27,12 @@ def id_column(header: str) -> Column:
     """A column of ids: in a terminal too narrow for the table they fold onto a second line, whole,
     instead of ending in an ellipsis."""
     return Column(header, overflow="fold")
+
+
+def enum_label(enum, value: int, prefix: str) -> str:
+    """An enum value's name without its prefix. A value this qctl does not know (a newer service's job stage or
+    worker health) is UNKNOWN(n): Name() raised, and `qctl jobs list` or `qctl workers` failed with a traceback."""
+    try:
+        return enum.Name(value).removeprefix(prefix)
+    except ValueError:
+        return f"UNKNOWN({value})"

@@ -14,17 +14,20 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from qctl.choices import UINT32_MAX, FormatName
+from qctl.choices import UINT32_MAX, FormatName, bearer_token, service_address
 from qctl.errors import rpc_errors
+from qctl.gateway_client import RPC_TIMEOUT_S
+from qctl.output import enum_label
 from qctl.tls import open_channel, tls_options
 from shared.formats.manifest import GPU_TARGETS
 from shared.rpc.bearer import bearer_metadata
 from shared.rpc.qserve.v1 import quantizer_pb2, quantizer_pb2_grpc
 
 DEFAULT_QUANTIZER = "127.0.0.1:50061"
-QUANTIZER_OPTION = typer.Option(DEFAULT_QUANTIZER, "--quantizer", envvar="QCTL_QUANTIZER",
+QUANTIZER_OPTION = typer.Option(DEFAULT_QUANTIZER, "--quantizer", envvar="QCTL_QUANTIZER", callback=service_address,
                                 help="host:port of the quantizer service")
 QUANTIZER_TOKEN_OPTION = typer.Option("", "--quantizer-token", envvar="QCTL_QUANTIZER_TOKEN", show_default=False,
+                                      callback=bearer_token,
                                       help="bearer token for the quantizer, one of its QSERVE_QUANTIZER_TOKENS "
                                            "(scope read for listing, publish to publish or cancel); unset or "
                                            "empty: none sent, for a quantizer without tokens")
@@ -119,7 +122,12 @@ def publish(
     console = Console(stderr=True)
     channel, stub = quantizer_stub(quantizer, quantizer_token)
     with channel:
-        job = stub.Publish(request)
+        try:
+            job = stub.Publish(request, timeout=RPC_TIMEOUT_S)  # without one, a quantizer that never answered hung qctl
+        except KeyboardInterrupt:
+            print(f"interrupted: the request may have reached the quantizer at {quantizer} and queued a job; "
+                  f"`qctl jobs list` shows it", file=sys.stderr)
+            raise typer.Exit(code=EXIT_INTERRUPTED) from None
         console.print(f"job {job.job_id} queued at {quantizer}")
         job_id = job.job_id
         try:
@@ -155,7 +163,7 @@ def follow_job(stub: quantizer_pb2_grpc.QuantizerStub, job_id: str, console: Con
         task = bar.add_task("queued", total=None, note="")
         for update in stub.WatchJob(Q.WatchJobRequest(job_id=job_id)):
             job = update.job
-            stage = Q.JobStage.Name(job.stage).removeprefix("JOB_STAGE_").lower() if job.stage else "queued"
+            stage = enum_label(Q.JobStage, job.stage, "JOB_STAGE_").lower() if job.stage else "queued"
             if job.block_count:
                 description = f"{stage} block {job.block_index}/{job.block_count}"
                 bar.update(task, description=description, completed=job.block_index - 1, total=job.block_count,

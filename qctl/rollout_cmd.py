@@ -76,17 +76,20 @@ def status(deployment: str = DEPLOYMENT_ARG, gateway: str = GATEWAY_OPTION, toke
     arms = [(name, getattr(reply, name)) for name in ("stable", "canary", "baseline") if reply.HasField(name)]
     window = reply.window_start.ToDatetime().strftime("%Y-%m-%d %H:%M:%S UTC")
     table = Table("", *(name for name, _ in arms), title=f"since {window}")
+    # An arm that served nothing shows "-", not "0 (0.0%)" and "0.0 ms": a canary no worker serves (its share
+    # goes to the stable) looked like a flawless one.
     rows = (
         ("artifact", lambda m: f"{m.artifact.artifact_id} {m.artifact.format}"),
         ("healthy workers", lambda m: str(m.healthy_workers)),
         ("requests", lambda m: str(m.requests)),
-        ("errors", lambda m: f"{m.errors} ({m.error_rate:.1%})"),
-        ("ttft p50 / p95", lambda m: f"{ms(m.ttft_p50)} / {ms(m.ttft_p95)}"),
-        ("tpot p50 / p95", lambda m: f"{ms(m.tpot_p50)} / {ms(m.tpot_p95)}"),
+        ("errors", lambda m: f"{m.errors} ({m.error_rate:.1%})" if m.requests else "-"),
+        ("ttft p50 / p95", lambda m: f"{ms(m.ttft_p50)} / {ms(m.ttft_p95)}" if m.requests else "-"),
+        ("tpot p50 / p95", lambda m: f"{ms(m.tpot_p50)} / {ms(m.tpot_p95)}" if m.requests else "-"),
         ("generated tokens", lambda m: str(m.generated_tokens)),
         # what the automatic guard counts: this gateway replica's requests and the others' reports
         ("all replicas: requests / errors", lambda m: f"{m.fleet_requests} / {m.fleet_errors}"),
-        ("all replicas: ttft / tpot p95", lambda m: f"{ms(m.fleet_ttft_p95)} / {ms(m.fleet_tpot_p95)}"),
+        ("all replicas: ttft / tpot p95",
+         lambda m: f"{ms(m.fleet_ttft_p95)} / {ms(m.fleet_tpot_p95)}" if m.fleet_requests else "-"),
     )
     for label, cell in rows:
         table.add_row(label, *(cell(metrics) for _, metrics in arms))

@@ -35,6 +35,7 @@ from qctl.demo_cmd import demo_model
 from qctl.devices import resolve_device, resolve_gpu_target
 from qctl.errors import user_errors
 from qctl.gateway_client import admin_client, gateway_client
+from qctl.output import enum_label
 from qctl.publish_cmd import follow_job, quantizer_stub
 from services.worker.errors import WorkerError
 from shared.model.config import LlamaConfig
@@ -395,7 +396,7 @@ def _show_canary_split(gateway: str, name: str, console: Console) -> None:
                 key = f"user-{i}"
                 request = G.GatewayGenerateRequest(deployment=name, text="import ", sampling=sampling, session_key=key)
                 last = list(stub.Generate(request))[-1]
-                arms.setdefault(key, set()).add(G.Arm.Name(last.arm).removeprefix("ARM_").lower())
+                arms.setdefault(key, set()).add(enum_label(G.Arm, last.arm, "ARM_").lower())
     counts = Counter(next(iter(a)) for a in arms.values() if len(a) == 1)
     table = Table("arm", "session keys", title=f"{SESSIONS} session keys, each sent twice")
     for arm, count in sorted(counts.items()):
@@ -421,7 +422,7 @@ def _stream(gateway: str, name: str, prompt: str, new_tokens: int, console: Cons
                 print()
                 ttft = f.timings.time_to_first_token.ToTimedelta().total_seconds() * 1000
                 tpot = f.timings.time_per_output_token.ToTimedelta().total_seconds() * 1000
-                console.print(f"  {f.generated_tokens} tokens from {G.Arm.Name(reply.arm).removeprefix('ARM_').lower()} "
+                console.print(f"  {f.generated_tokens} tokens from {enum_label(G.Arm, reply.arm, 'ARM_').lower()} "
                               f"{reply.artifact_id}; ttft {ttft:.0f} ms, {tpot:.1f} ms/token")
 
 

@@ -31,3 +31,11 @@ def test_a_transport_failure_is_unreachable(details):
 
 def test_the_gateways_own_unavailable_answer_is_not():
     assert not _unreachable(_Failed(grpc.StatusCode.UNAVAILABLE, "no healthy worker serves deployment 'chat'"))
+
+
+def test_a_services_own_unavailable_that_mentions_a_connection_is_not():
+    # A gateway whose registry database is down passes psycopg's text on: the gateway answered.
+    assert not _unreachable(_Failed(grpc.StatusCode.UNAVAILABLE, 'connection failed: connection to server at '
+                                    '"127.0.0.1", port 5432 failed: Connection refused\n\tIs the server running'))
+    # A deadline is not "unreachable" either: the call may have reached the service (qctl.errors says so).
+    assert not _unreachable(_Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
