@@ -16,16 +16,22 @@ instructions, its length and instruction mix: for the decode attention that is t
 tile, the figure that tracked the H200's times in sessions 8 and 9 (an issue-bound kernel whose
 loop did not get shorter did not get faster). The Triton here may not be the GPU image's (3.6):
 compare variants compiled by the same one, and confirm on the GPU (bench/attention.py).
+
+It also prints how long Triton took to compile the kernel (what a worker's cold start-up pays for each form of
+it); MLIR_ENABLE_TIMING=1 in the environment breaks that down by compiler pass (the decode attention kernels spend
+over 90% of it in TritonGPUCoalesce, services/worker/kernel_warm_up.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +68,9 @@ def compile_sass(fn, pointer_types: dict[str, str], constexprs: dict, floats=(),
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in constexprs.items()}, attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fp_fusion,
                **({"maxnreg": maxnreg} if maxnreg else {})}
+    started = time.perf_counter()
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    compile_s = time.perf_counter() - started
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
@@ -70,7 +78,8 @@ def compile_sass(fn, pointer_types: dict[str, str], constexprs: dict, floats=(),
         sass = _run(_tools() / "nvdisasm", "-c", cubin)
     regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
     layouts = sorted(set(re.findall(r"#ttg\.blocked<\{[^}]*\}>", compiled.asm["ttgir"])))
-    return {"regs": regs, "stack": stack, "sass": sass, "ptx": compiled.asm["ptx"], "layouts": layouts}
+    return {"regs": regs, "stack": stack, "sass": sass, "ptx": compiled.asm["ptx"], "layouts": layouts,
+            "compile_s": compile_s}
 
 
 def _run(tool: Path, *args) -> str:
@@ -249,10 +258,13 @@ def main() -> None:
     gv.add_argument("--maxnreg", type=int)
     gv.add_argument("--x-shared", action="store_true", help="M = 1: x held once for all rows (_row_sums_x_shared)")
     a = p.parse_args()
+    # A fresh Triton cache: a kernel compiled before would load from disk, and the compile time printed be nothing.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="sass_count_")
     result, tile_tokens = {"attention": attention, "act_quant": act_quant, "kv_write": kv_write,
                            "gemm": gemm, "gemv": gemv}[a.kernel](a)
     total = len(re.findall(r"/\*[0-9a-f]{4,}\*/", result["sass"]))
-    print(f"{a.kernel}: {result['regs']} registers, {result['stack']} bytes of stack, {total} instructions")
+    print(f"{a.kernel}: {result['regs']} registers, {result['stack']} bytes of stack, {total} instructions, "
+          f"compiled in {result['compile_s']:.1f} s")
     for layout in result["layouts"]:
         print(f"  layout {layout}")
     for body in (b for b in loops(result["sass"]) if len(b) >= a.loop_min):
