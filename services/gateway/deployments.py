@@ -22,6 +22,12 @@ from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
 FALLBACK_KINDS = (EventKind.FALLBACK_ON.value, EventKind.FALLBACK_OFF.value)
+# The changes that start an arm's run afresh for the guard (DeploymentCache.arm_since): a new stable, a new or
+# restarted canary, the fallback switched either way. A canary's percentage and the baseline are not among them.
+RUN_KINDS = {
+    "stable": (EventKind.DEPLOYMENT_CREATE.value, EventKind.PROMOTE.value, *FALLBACK_KINDS),
+    "canary": (EventKind.ROLLOUT_START.value, EventKind.ABORT.value, EventKind.PROMOTE.value, *FALLBACK_KINDS),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +62,8 @@ class DeploymentView:
     created_at: datetime
     updated_at: datetime
     rollout_started_at: datetime | None  # when the canary's rollout started; None without a rollout
+    # by arm ("stable", "canary"): the id of the last event that started its run (RUN_KINDS), 0 for none
+    runs: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_pb(self) -> gateway_pb2.Deployment:
         pb = gateway_pb2.Deployment(name=self.name, stable=self.stable.to_pb(), canary_percent=self.canary_percent,
@@ -91,6 +99,7 @@ def view_of(session: Session, deployment: Deployment) -> DeploymentView:
         canary_percent=deployment.canary_percent, baseline=ref(deployment.baseline_artifact_id),
         fallback=deployment.fallback, fallback_reason=reason, revision=deployment.revision,
         created_at=deployment.created_at, updated_at=deployment.updated_at, rollout_started_at=rollout_started_at,
+        runs={arm: getattr(_last_event(session, deployment, kinds), "id", 0) for arm, kinds in RUN_KINDS.items()},
     )
 
 
@@ -129,6 +138,8 @@ class DeploymentCache:
         self._outage_logged: dict[str, float] = {}  # name -> when routing on a stale view was last logged
         # name -> (revision, wall time this replica first saw it; 0 for the first revision it ever saw)
         self._seen: dict[str, tuple[int, float]] = {}
+        # (name, arm) -> (what identifies the arm's run, when it began): arm_since
+        self._runs: dict[tuple[str, str], tuple[int, float]] = {}
 
     async def get(self, name: str) -> DeploymentView:
         now = time.monotonic()
@@ -174,6 +185,17 @@ class DeploymentCache:
         replica whose clock runs behind cannot date a change before what this one measured before it."""
         revision, seen_at = self._seen.get(view.name, (view.revision, 0.0))
         return max(view.updated_at.timestamp(), seen_at if revision == view.revision else time.time())
+
+    def arm_since(self, view: DeploymentView, arm: str) -> float:
+        """When the arm's ("stable" or "canary") current run began, as changed_at dates it: the changes of
+        RUN_KINDS start a new one; others (the canary's percentage, the baseline) do not. Every change reset both
+        arms' guard window: a canary ramped faster than it gathered --fallback-min-requests reached 100% failing
+        every request. A replica that first sees a run dates it from the revision it sees."""
+        run = view.runs.get(arm, view.revision)  # a view without them: every change starts a run
+        known = self._runs.get((view.name, arm))
+        if known is None or known[0] != run:
+            known = self._runs[(view.name, arm)] = (run, self.changed_at(view))
+        return known[1]
 
     def _store(self, name: str, view: DeploymentView | None, read_at: float) -> None:
         self._entries[name] = (view, read_at)

@@ -62,8 +62,10 @@ class AutoFallback:
         self.fleet = fleet  # the other replicas' requests (fleet.py); None: this replica's alone
         self._held_off_logged: dict[tuple[str, GuardAction], float] = {}  # -> when last logged (monotonic)
 
-    def window_start(self, view: DeploymentView, now: float) -> float:
-        return max(now - self.budget.window_s, self.deployments.changed_at(view))
+    def window_start(self, view: DeploymentView, now: float, arm: str) -> float:
+        """The last window_s, from no earlier than the arm's current run began (DeploymentCache.arm_since: a
+        new stable or canary, a fallback switched; not a ramp of the same canary, whose failures so far count)."""
+        return max(now - self.budget.window_s, self.deployments.arm_since(view, arm))
 
     def arm_breach(self, view: DeploymentView, arm: str, now: float | None = None,
                    others: ArmTotals | None = None) -> str | None:
@@ -73,7 +75,7 @@ class AutoFallback:
         if ref is None:
             return None
         now = time.time() if now is None else now
-        since = self.window_start(view, now)
+        since = self.window_start(view, now, arm)
         outcomes = self.metrics.window(view.name, ref.artifact_id, since, now)
         stats = with_others(outcomes, others or ArmTotals())
         if stats.requests < self.budget.min_requests:
@@ -151,9 +153,10 @@ class AutoFallback:
         """The other replicas' requests of the deployment's stable and canary in the guard's window."""
         if self.fleet is None or view.fallback:
             return {}
-        since, found = self.window_start(view, now), {}
+        found = {}
         for arm, ref in (("stable", view.stable if _judges_stable(view) else None), ("canary", view.canary)):
             if ref is not None:
+                since = self.window_start(view, now, arm)
                 found[arm] = await self.fleet.others(view.name, ref.artifact_id, since, now,
                                                      since_change=since > now - self.budget.window_s)
         return found

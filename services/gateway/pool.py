@@ -19,7 +19,8 @@ knows nothing of: one whose request, or whose connection, was lost on the way wh
 connection) carry on. Streams that have had no reply across two heartbeats in a row that said the worker has
 nothing running or waiting are ended the same way (_end_unheard), whatever the worker's health.
 
-A failed request marks its worker unhealthy until its next heartbeat. A worker that fails request after
+A failed request marks its worker unhealthy until its next heartbeat (the last healthy worker of its artifact
+excepted: see _quarantine). A worker that fails request after
 request while its heartbeats carry on (a GPU with ECC errors producing non-finite logits, a broken local
 cache) would so get traffic back every heartbeat interval, forever. The pool counts each worker's failed
 requests in a row (mark_failed; one it finishes, mark_succeeded, clears the count) and, at
@@ -334,10 +335,14 @@ class WorkerPool:
 
     def mark_failed(self, worker: PooledWorker, reason: str) -> None:
         """A request failed on the worker (not one it refused as full: a full worker is busy, not failing).
-        Unhealthy until its next heartbeat; quarantined once it has failed too many in a row."""
+        Unhealthy until its next heartbeat, unless it is its artifact's last healthy worker; quarantined once it
+        has failed too many in a row (the same exception, _quarantine)."""
         worker.failure_streak += 1
-        if worker.health is Health.HEALTHY:
+        if worker.health is Health.HEALTHY and self._healthy_peers(worker):
             worker.health, worker.failed_reason = Health.UNHEALTHY, reason
+        # The last healthy worker of an artifact keeps its requests, as _quarantine says why: taken out until its
+        # next heartbeat, a one-worker canary failing every request sent its share to the stable between beats,
+        # showed the guard one failure per heartbeat (15 in a 30 s window) and was never judged (20 needed).
         if self.quarantine.enabled and worker.failure_streak >= self.quarantine.after_failures:
             self._quarantine(worker, reason)
 

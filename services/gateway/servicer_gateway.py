@@ -235,10 +235,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             while True:
                 try:
-                    attempt = Attempt(self._pick(deployment, trace, tried, failures))
-                except NoWorker as exc:
-                    if refused_on_canary is not None:  # nothing else to ask: the canary's answer stands
+                    # After a canary's refusal only the stable may judge the request: overflowing to the
+                    # baseline (the stable full or without workers) charged a canary as strict as the stable.
+                    attempt = Attempt(self._pick(deployment, trace, tried, failures,
+                                                 overflow=refused_on_canary is None))
+                except (NoWorker, AdmissionFull) as exc:
+                    if refused_on_canary is not None:  # no stable worker judged it: the canary's answer stands
+                        if failed_route is not None:  # a stable worker that failed it did fail
+                            self._record_failed_attempt(deployment, failed_route)
+                            failed_route = None
+                        trace.move_to(refused_on_canary[0])  # the request is the canary's, refused, uncharged
                         raise refused_on_canary[1] from None
+                    if isinstance(exc, AdmissionFull):
+                        raise
                     busy = [f for f in failures if not f.startswith(_DRAINING)]
                     if busy and all(f.startswith(_FULL) for f in busy):  # alive, only busy
                         raise AdmissionFull(f"every worker tried is at its admission limit; retry later "
@@ -329,8 +338,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.metrics.record(deployment.name, route.arm.label, route.artifact.artifact_id,
                             Outcome(at=time.time(), server_error=True, ttft_s=None, tpot_s=None, tokens=0))
 
-    def _pick(self, deployment: DeploymentView, trace: Trace, tried: set[str], failures: list[str]) -> PooledWorker:
-        """A worker for the request's arm, else for the next of its fallback routes (router.fallback_routes).
+    def _pick(self, deployment: DeploymentView, trace: Trace, tried: set[str], failures: list[str],
+              overflow: bool = True) -> PooledWorker:
+        """A worker for the request's arm, else (overflow) for the next of its fallback routes (router.fallback_routes).
         An arm whose workers are all at capacity (by this gateway's count) overflows like one without workers,
         as it does when its workers answer full themselves (see _generate); AdmissionFull (shed: retry later)
         only when no route has a worker with room."""
@@ -342,7 +352,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             pass
         except AdmissionFull as exc:
             full = exc
-        fallbacks = router.fallback_routes(deployment, chosen)
+        fallbacks = router.fallback_routes(deployment, chosen) if overflow else []
         for route in fallbacks:
             try:
                 worker = self.pool.pick(route.artifact.artifact_id, exclude=tried, session_key=trace.session_key)

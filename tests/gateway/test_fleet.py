@@ -100,7 +100,7 @@ def test_the_guard_asks_for_the_margin_only_when_its_window_starts_at_a_change()
             return ArmTotals()
 
     changes = {"recent": time.time() - 5, "long ago": time.time() - 3600}
-    deployments = SimpleNamespace(changed_at=lambda view: changes[view.name])
+    deployments = SimpleNamespace(arm_since=lambda view, arm: changes[view.name])
     guard = AutoFallback(None, deployments, GatewayMetrics(), FallbackBudget(window_s=30.0), None, Fleet())
     canary = SimpleNamespace(artifact_id="c1")
     for name in ("recent", "long ago"):

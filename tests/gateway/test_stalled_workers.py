@@ -253,10 +253,11 @@ def test_the_pool_ends_each_stream_once_and_only_for_a_stall_or_silence():
             await pool.release(worker, ended.append)  # what the ended stream does last
             assert worker.in_flight == 0 and not worker.stream_enders
 
-            # a worker marked unhealthy by a failed request, whose heartbeats then stop
+            # a worker marked unhealthy by a failed request (one with a healthy peer: the last healthy worker of
+            # an artifact keeps its requests, WorkerPool.mark_failed), whose heartbeats then stop
             pool.heartbeat(worker.worker_id, 1, 0, 8, draining=False)
             pool.acquire(worker, ended.append)
-            pool.mark_failed(worker, "a request failed")
+            worker.health = Health.UNHEALTHY
             worker.last_heartbeat_mono -= 10.0
             assert pool.expire() == []  # already unhealthy: not newly marked...
             assert len(ended) == 2 and "no heartbeat" in ended[1]  # ...but its streams are ended all the same
