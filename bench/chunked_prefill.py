@@ -57,7 +57,8 @@ def main() -> None:
             row_lens = torch.arange(prefix + 1, total + 1, dtype=torch.int32, device=dev)
 
             def chunk_kernel():
-                return paged_prefill_attention(query, k_cache, v_cache, cu, starts, tables, max_seqlen=chunk)
+                return paged_prefill_attention(query, k_cache, v_cache, cu, starts, tables, max_seqlen=chunk,
+                                               max_context_len=total)
 
             def per_row_decode():
                 return paged_decode_attention(query, k_cache, v_cache, row_tables, row_lens, max_context_len=total)

@@ -67,3 +67,32 @@ def test_bad_inputs_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="starts must be"):
         paged_prefill_attention(query, k_cache, v_cache, cu, starts.long(), tables, max_seqlen=4)
     assert paged_prefill_attention(query[:0], k_cache, v_cache, cu[:1], starts[:0], tables[:0], max_seqlen=0).shape == (0, 4, 128)
+
+
+def test_chunks_past_what_their_block_tables_address_are_refused():
+    """A table one block short for 40-token contexts was accepted: the kernel read the next row's entries
+    (or past the table), garbage that changed from run to run."""
+    _, k_cache, v_cache, tables, _ = paged_batch([40, 40], 2, 2, 128, True, seed=6)
+    query = torch.zeros(8, 4, 128, dtype=torch.float16)
+    cu, starts = torch.tensor([0, 4, 8], dtype=torch.int32), torch.tensor([36, 36], dtype=torch.int32)
+    short = tables[:, :1].contiguous()  # 1 block of 16 tokens
+    with pytest.raises(ValueError, match="chunks end at up to 40 tokens, past what block_tables of 1 blocks"):
+        paged_prefill_attention(query, k_cache, v_cache, cu, starts, short, max_seqlen=4)  # read from the tensors
+    with pytest.raises(ValueError, match="past what block_tables of 1 blocks"):
+        paged_prefill_attention(query, k_cache, v_cache, cu, starts, short, max_seqlen=4, max_context_len=40)
+
+
+@pytest.mark.parametrize("cu", [[0, 4, 12], [1, 4, 8], [0, 6, 4]])
+def test_offsets_past_the_rows_or_out_of_order_are_refused_when_read(cu):
+    """Read to size the grid (no max_seqlen / max_context_len), they are checked: an end past the rows had the
+    kernels read and write beyond the tensors (rows of a larger buffer behind `out` overwritten)."""
+    from services.worker.kernels.prefill_attention import prefill_attention
+
+    _, k_cache, v_cache, tables, _ = paged_batch([40, 40], 2, 2, 128, True, seed=6)
+    query = torch.zeros(8, 4, 128, dtype=torch.float16)
+    offsets, starts = torch.tensor(cu, dtype=torch.int32), torch.tensor([16, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to at most the 8 rows"):
+        paged_prefill_attention(query, k_cache, v_cache, offsets, starts, tables, max_seqlen=8)
+    key = torch.zeros(8, 2, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to at most the 8 rows"):
+        prefill_attention(query, key, key, offsets)

@@ -398,6 +398,7 @@ class TritonRunner:
             paged_prefill_attention.paged_prefill_attention(
                 q_rot[p : p + n], self.k_cache[i], self.v_cache[i], st.chunk_cu, st.chunk_starts, st.chunk_tables,
                 max_seqlen=st.max_chunk, out=out[p : p + n],
+                max_context_len=self.max_model_len,  # the tables' width covers it: no sync to read the chunks' ends
             )
         if p + n < t:
             self._paged(i, q_rot[p + n :], st, out=out[p + n :])

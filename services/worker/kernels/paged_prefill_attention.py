@@ -39,6 +39,7 @@ from services.worker.kernels.prefill_attention import (
     attention_output,
     check_index_vectors,
     check_one_device,
+    checked_offsets,
     default_prefill_config,
 )
 
@@ -142,12 +143,15 @@ def paged_prefill_attention(
     sm_scale: float | None = None,
     config: PrefillConfig | None = None,
     out: torch.Tensor | None = None,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
     """Chunks continuing cached prefixes: (T, heads, D) fp16 rotated queries -> (T, heads, D) fp16 (in `out` if given).
 
     k_cache / v_cache: KV4 (uint8) or fp16 pages holding every position up to each chunk's end
     (this step's rows included); cu_seqlens (B + 1,) int32 over the rows; starts (B,) int32;
     block_tables (B, max_blocks) int32; max_seqlen >= every chunk's length (sizes the grid).
+    max_context_len >= every chunk's end (start + length) is checked against what block_tables address;
+    without it the launcher reads starts and cu_seqlens (a device sync).
     """
     if query.dim() != 3 or query.dtype != torch.float16 or query.stride(-1) != 1:
         raise ValueError(f"query must be (T, heads, D) fp16, contiguous in D; got {tuple(query.shape)} {query.dtype}")
@@ -183,6 +187,14 @@ def paged_prefill_attention(
     out = attention_output(query, out)
     if total == 0 or batch == 0 or max_seqlen == 0:
         return out
+    if max_context_len is None:
+        cu = checked_offsets(cu_seqlens, total)
+        max_context_len = max(start + b - a for start, a, b in zip(starts.tolist(), cu, cu[1:]))
+    if max_context_len > block_tables.shape[1] * block_size:
+        # A chunk past its table's last entry would read the next row's entries (or past the table): garbage
+        # attention, different from run to run, and no error.
+        raise ValueError(f"chunks end at up to {max_context_len} tokens, past what block_tables of {block_tables.shape[1]} "
+                         f"blocks of {block_size} tokens address ({block_tables.shape[1] * block_size})")
     # KV4: codes read bytewise from the uint8 pages, each row's scale/zero word from an int32 view.
     k_tail = k_cache.view(torch.int32) if kv4 else k_cache
     v_tail = v_cache.view(torch.int32) if kv4 else v_cache

@@ -145,6 +145,16 @@ def check_one_device(reference_name: str, reference: torch.Tensor, **tensors: to
             raise ValueError(f"{name} is on {t.device}, the {reference_name} on {reference.device}: all on one device")
 
 
+def checked_offsets(cu_seqlens: torch.Tensor, total: int) -> list[int]:
+    """cu_seqlens read to the host (a device sync), checked: from 0, never decreasing, ending within the total
+    rows. The kernels trust them: an end past the rows read and wrote rows beyond the tensors."""
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > total:
+        shown = ", ".join(map(str, cu[:8])) + (", ..." if len(cu) > 8 else "")
+        raise ValueError(f"cu_seqlens must rise from 0 to at most the {total} rows, got [{shown}]")
+    return cu
+
+
 def prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -183,7 +193,8 @@ def prefill_attention(
     cfg = config or default_prefill_config(d)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if max_seqlen is None:
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+        cu = checked_offsets(cu_seqlens, total)
+        max_seqlen = max(b - a for a, b in zip(cu, cu[1:]))
     out = attention_output(query, out)
     batch = cu_seqlens.numel() - 1
     if total == 0 or max_seqlen == 0:
