@@ -8,6 +8,10 @@ Tiny shapes: the Triton interpreter runs only the reference side of these tests.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -94,9 +98,9 @@ def test_word_gemm_refuses_a_strided_rowsum(variant):
     weight = W4ChannelWeight(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
                              (torch.rand(n, generator=g) * 0.01).half(), torch.randint(0, 16, (n,), generator=g).half())
     act = quantize(torch.randn(2, k, generator=g).half())
-    with pytest.raises(AssertionError, match="rowsum must be contiguous"):
+    with pytest.raises(ValueError, match="rowsum must be contiguous"):
         w4a8_gemm.w4a8_gemm(act.x8, act.scale, weight, _strided(act.rowsum), variant=variant)
-    with pytest.raises(AssertionError, match="one device"):
+    with pytest.raises(ValueError, match="one device"):
         w4a8_gemm.w4a8_gemm(act.x8, act.scale, weight, act.rowsum.to("meta"), variant=variant)
 
 
@@ -112,3 +116,22 @@ def test_a_malformed_policy_table_is_refused_as_such(table):
         parse_policy(table)
     with pytest.raises(KernelPolicyError):
         GemmPolicy.from_manifest(table)
+
+
+def test_gemm_input_checks_are_value_errors_that_survive_python_dash_o():
+    """They were asserts: `python -O` stripped them, and an `out` one column short was written past its end."""
+    script = (
+        "import torch; from services.worker.kernels import w4a8_gemm; from shared.formats.weights import W4ChannelWeight\n"
+        "from services.worker.kernels.act_quant import quantize\n"
+        "g = torch.Generator().manual_seed(0); n = k = 128\n"
+        "w = W4ChannelWeight(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),\n"
+        "    (torch.rand(n, generator=g) * 0.01).half(), torch.randint(0, 16, (n,), generator=g).half())\n"
+        "a = quantize(torch.randn(2, k, generator=g).half())\n"
+        "try:\n"
+        "    w4a8_gemm.w4a8_gemm(a.x8, a.scale, w, a.rowsum, out=torch.empty(2, n - 1, dtype=torch.float16))\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    done = subprocess.run([sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert "refused: out: expected (2, 128) fp16" in done.stdout, done.stdout + done.stderr

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.kernels.host_int import cdiv, next_power_of_2
+from services.worker.kernels.host_int import cdiv, next_power_of_2, require
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 
 # Adding and subtracting 1.5 * 2^23 rounds an fp32 |v| < 2^22 to the nearest integer, ties to
@@ -231,8 +231,8 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.
     """
     _check_rows("rmsnorm_quant x", x, x.shape[-1])
     m, k = x.shape
-    assert weight.shape == (k,) and weight.stride(0) == 1, f"weight: expected ({k},) contiguous, got {tuple(weight.shape)}"
-    assert weight.device == x.device
+    require(weight.shape == (k,) and weight.stride(0) == 1, f"weight: expected ({k},) contiguous, got {tuple(weight.shape)}")
+    require(weight.device == x.device, f"weight is on {weight.device}, x on {x.device}")
     if add is not None:
         _check_rows("rmsnorm_quant add", add, add.shape[-1])
         if add.shape != x.shape or add.device != x.device:

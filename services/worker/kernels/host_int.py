@@ -1,4 +1,4 @@
-"""Integer helpers for launchers' host code: grids, block sizes, partition counts.
+"""Helpers for launchers' host code: grids, block sizes, partition counts, input checks.
 
 `triton.cdiv` and `triton.next_power_of_2` are constexpr functions in Triton 3.6+, and a call from
 the host goes through their wrapper (argument unwrapping; ~5 us a call here, ~6.6 us under cProfile
@@ -16,3 +16,10 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n for n >= 1 (0 for 0), as triton.next_power_of_2."""
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def require(condition: bool, message: str) -> None:
+    """A launcher's input check: a ValueError naming the problem. Not `assert`: `python -O` strips those, and an
+    `out` one column short was then written past its end."""
+    if not condition:
+        raise ValueError(message)

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels.gemm_common import _dequant_swar, _num_sms, _rows_aligned, _split_nibbles, _tile_ids
-from services.worker.kernels.host_int import cdiv, next_power_of_2
+from services.worker.kernels.host_int import cdiv, next_power_of_2, require
 from services.worker.kernels.launch_overlap import _overlap_entry, _overlap_release, launch_kwargs
 from services.worker.kernels.w4a8_gemv import _w4a8_gemv_kernel
 from services.worker.kernels.w4a8_int8_path import int8_path_gemm
@@ -330,7 +330,7 @@ def _gemv(kind: str, bn: int, bm: int, groups_per_step: int, x_shared: bool = Fa
     name = f"{prefix}.gemv.n{bn}m{bm}g{groups_per_step}" + (".xs" if x_shared else "")
     # The x-shared loop puts every lane along K: 4 vectors of 4 words per group, 32 lanes per warp.
     warps = groups_per_step // 8 if x_shared else 4
-    assert not x_shared or (bm == 1 and groups_per_step * 4 == 32 * warps), name
+    require(not x_shared or (bm == 1 and groups_per_step * 4 == 32 * warps), name)
     # No automatic split-K: on the H200 its second (epilogue) launch cost more than the extra
     # programs gained at every Llama-2-7B shape; an explicit split_k still works. The x-shared loop
     # runs one program per token, up to X_SHARED_MAX_M tokens (each row block's weights then come
@@ -484,7 +484,7 @@ def _k_slices(variant: GemmVariant, M: int, N: int, K: int, split_k: int | None,
 def k_slices(K: int, split: int) -> tuple[int, int]:
     """-> 128-groups per K slice, slices: K cut at most `split` ways in whole groups, no empty slice."""
     groups = K // GROUP_SIZE
-    assert 1 <= split <= groups, f"split_k={split} must be in [1, {groups}]"
+    require(1 <= split <= groups, f"split_k={split} must be in [1, {groups}]")
     per_split = cdiv(groups, split)
     return per_split, cdiv(groups, per_split)
 
@@ -514,17 +514,17 @@ def split_factor(variant: GemmVariant, M: int, N: int, K: int, device: torch.dev
 
 
 def _check_common(x8: torch.Tensor, sx: torch.Tensor, N: int, K: int, out: torch.Tensor | None) -> torch.Tensor:
-    assert x8.dim() == 2 and x8.dtype == torch.int8, f"x8: expected (M, K) int8, got {tuple(x8.shape)} {x8.dtype}"
+    require(x8.dim() == 2 and x8.dtype == torch.int8, f"x8: expected (M, K) int8, got {tuple(x8.shape)} {x8.dtype}")
     M = x8.shape[0]
-    assert x8.shape[1] == K, f"x8 has K={x8.shape[1]}, the weight has K={K}"
-    assert x8.stride(1) == 1, f"x8 must be contiguous along K, strides {x8.stride()}"
-    assert sx.dtype == torch.float32 and sx.numel() == M, f"sx: expected ({M},) fp32, got {tuple(sx.shape)} {sx.dtype}"
+    require(x8.shape[1] == K, f"x8 has K={x8.shape[1]}, the weight has K={K}")
+    require(x8.stride(1) == 1, f"x8 must be contiguous along K, strides {x8.stride()}")
+    require(sx.dtype == torch.float32 and sx.numel() == M, f"sx: expected ({M},) fp32, got {tuple(sx.shape)} {sx.dtype}")
     sx = sx.reshape(M)
-    assert sx.stride(0) == 1 or M == 1, "sx must be contiguous"
+    require(sx.stride(0) == 1 or M == 1, "sx must be contiguous")
     if out is not None:
-        assert out.shape == (M, N) and out.dtype == torch.float16, f"out: expected ({M}, {N}) fp16"
-        assert out.stride(1) == 1, f"out must be contiguous along N, strides {out.stride()}"
-        assert out.device == x8.device
+        require(out.shape == (M, N) and out.dtype == torch.float16, f"out: expected ({M}, {N}) fp16")
+        require(out.stride(1) == 1, f"out must be contiguous along N, strides {out.stride()}")
+        require(out.device == x8.device, f"out is on {out.device}, x8 on {x8.device}")
     return sx
 
 
@@ -534,7 +534,7 @@ def _launch_grid(variant: GemmVariant, M: int, N: int, K: int, split_k: int | No
     ws = WORKSPACE.get(device, _split_workspace_elements(split, M, N))
     if variant.x_shared:
         row_blocks = cdiv(N, variant.block_n)
-        assert row_blocks <= 65535, f"N={N}: {row_blocks} row blocks exceed the grid's second axis (65535)"
+        require(row_blocks <= 65535, f"N={N}: {row_blocks} row blocks exceed the grid's second axis (65535)")
         return (M, row_blocks, split), per_split, split, ws
     tiles = cdiv(M, variant.block_m) * cdiv(N, variant.block_n)
     return (tiles, split), per_split, split, ws
@@ -570,17 +570,17 @@ def w4a8_g128_gemm(
     sx = _check_common(x8, sx, N, K, out)
     M = x8.shape[0]
     ok, reason = variant.can_implement(M, N, K, weight.kind)
-    assert ok, reason
-    assert qw.dtype == torch.uint8 and qw.stride(1) == 1, "qweight: (N, K // 2) uint8 contiguous along K"
-    assert s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride(), "s2 / zero: (N, G) alike"
-    assert s1.shape == (N,) and s1.dtype == torch.float16 and s1.stride(0) == 1, "s1: (N,) fp16 contiguous"
-    assert all(t.device == x8.device for t in (sx, qw, s2, zero, s1) + ((group_sums,) if group_sums is not None else ())), (
-        "all tensors on one device")
+    require(ok, reason)
+    require(qw.dtype == torch.uint8 and qw.stride(1) == 1, "qweight: (N, K // 2) uint8 contiguous along K")
+    require(s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride(), "s2 / zero: (N, G) alike")
+    require(s1.shape == (N,) and s1.dtype == torch.float16 and s1.stride(0) == 1, "s1: (N,) fp16 contiguous")
+    require(all(t.device == x8.device for t in (sx, qw, s2, zero, s1) + ((group_sums,) if group_sums is not None else ())),
+            "all tensors on one device")
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
     group_sums = _group_sums_read_by(variant, group_sums, M, K)
     if variant.int8_path:
-        assert split_k in (None, 1), f"{variant.name} does not split K"
+        require(split_k in (None, 1), f"{variant.name} does not split K")
         return int8_path_gemm(x8, sx, weight, variant, scratch_int8(x8.device, N * K), out)
     grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
     _w4a8_g128_kernel[grid](
@@ -617,16 +617,16 @@ def w4a8_channel_gemm(
     sx = _check_common(x8, sx, N, K, out)
     M = x8.shape[0]
     ok, reason = variant.can_implement(M, N, K, weight.kind)
-    assert ok, reason
-    assert qw.dtype == torch.uint8 and qw.stride(1) == 1, "qweight: (N, K // 2) uint8 contiguous along K"
-    assert scale.shape == zero.shape == (N,) and scale.dtype == zero.dtype == torch.float16, "scale / zero: (N,) fp16"
-    assert scale.stride(0) == zero.stride(0) == 1, "scale / zero must be contiguous"
+    require(ok, reason)
+    require(qw.dtype == torch.uint8 and qw.stride(1) == 1, "qweight: (N, K // 2) uint8 contiguous along K")
+    require(scale.shape == zero.shape == (N,) and scale.dtype == zero.dtype == torch.float16, "scale / zero: (N,) fp16")
+    require(scale.stride(0) == zero.stride(0) == 1, "scale / zero must be contiguous")
     if rowsum is not None:
-        assert rowsum.dtype == torch.int32 and rowsum.numel() == M, f"rowsum: expected ({M},) int32"
+        require(rowsum.dtype == torch.int32 and rowsum.numel() == M, f"rowsum: expected ({M},) int32")
         rowsum = rowsum.reshape(M)
-        assert rowsum.stride(0) == 1 or M == 1, "rowsum must be contiguous"
-    assert all(t.device == x8.device for t in (sx, qw, scale, zero) + ((rowsum,) if rowsum is not None else ())), (
-        "all tensors on one device")
+        require(rowsum.stride(0) == 1 or M == 1, "rowsum must be contiguous")
+    require(all(t.device == x8.device for t in (sx, qw, scale, zero) + ((rowsum,) if rowsum is not None else ())),
+            "all tensors on one device")
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
     grid, per_split, split, ws = _launch_grid(variant, M, N, K, split_k, x8.device)
@@ -647,7 +647,7 @@ def w4a8_channel_gemm(
 def _as_words(t: torch.Tensor, name: str) -> torch.Tensor:
     """A (rows, bytes) int8/uint8 tensor, contiguous along bytes, as (rows, bytes // 4) int32 words."""
     t = _rows_aligned(t, 4)
-    assert t.stride(1) == 1 and t.shape[1] % 4 == 0, f"{name}: rows must be contiguous whole words"
+    require(t.stride(1) == 1 and t.shape[1] % 4 == 0, f"{name}: rows must be contiguous whole words")
     return t.view(torch.int32)
 
 
@@ -657,9 +657,9 @@ def _group_sums_read_by(variant: GemmVariant, group_sums: torch.Tensor | None, M
     if group_sums is None:
         return None
     groups = K // GROUP_SIZE
-    assert group_sums.dtype == torch.int32 and group_sums.shape == (M, groups), (
-        f"group_sums: expected ({M}, {groups}) int32, got {tuple(group_sums.shape)} {group_sums.dtype}")
-    assert group_sums.stride(-1) == 1, "group_sums rows must be contiguous"
+    require(group_sums.dtype == torch.int32 and group_sums.shape == (M, groups),
+            f"group_sums: expected ({M}, {groups}) int32, got {tuple(group_sums.shape)} {group_sums.dtype}")
+    require(group_sums.stride(-1) == 1, "group_sums rows must be contiguous")
     return group_sums if variant.takes_group_sums else None
 
 
@@ -681,11 +681,12 @@ def w4a8_word_gemm(
     sx = _check_common(x8, sx, N, K, out)
     M = x8.shape[0]
     ok, reason = variant.can_implement(M, N, K, weight.kind)
-    assert ok and variant.gemv, reason
+    require(ok and variant.gemv, reason)
     g128 = isinstance(weight, W4G128ProgressiveWeight)
     if g128:
         s2, zero, col_scale = weight.s2, weight.zero, weight.s1
-        assert s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride() and s2.stride(1) == 1
+        require(s2.shape == zero.shape == (N, K // GROUP_SIZE) and s2.stride() == zero.stride() and s2.stride(1) == 1,
+                "s2 / zero: (N, G) alike, contiguous along G")
         # The g128 x-sums input is the group sums, read by the M = 1 GEMV loops only (the x-shared
         # one steps through them by whole rows of K / 128).
         x_sums = _group_sums_read_by(variant, group_sums, M, K)
@@ -696,12 +697,12 @@ def w4a8_word_gemm(
         col_scale = weight.scale
         x_sums = rowsum
         if rowsum is not None:
-            assert rowsum.dtype == torch.int32 and rowsum.numel() == M, f"rowsum: expected ({M},) int32"
+            require(rowsum.dtype == torch.int32 and rowsum.numel() == M, f"rowsum: expected ({M},) int32")
             x_sums = rowsum.reshape(M)
-            assert x_sums.stride(0) == 1 or M == 1, "rowsum must be contiguous"  # read at base + m
-    assert col_scale.stride(0) == 1 and (g128 or zero.stride(0) == 1), "column scale / zero must be contiguous"
-    assert all(t.device == x8.device for t in (sx, qw, s2, zero, col_scale) + ((x_sums,) if x_sums is not None else ())), (
-        "all tensors on one device")
+            require(x_sums.stride(0) == 1 or M == 1, "rowsum must be contiguous")  # read at base + m
+    require(col_scale.stride(0) == 1 and (g128 or zero.stride(0) == 1), "column scale / zero must be contiguous")
+    require(all(t.device == x8.device for t in (sx, qw, s2, zero, col_scale) + ((x_sums,) if x_sums is not None else ())),
+            "all tensors on one device")
     if out is None:
         out = torch.empty((M, N), dtype=torch.float16, device=x8.device)
     x32, qw32 = _as_words(x8, "x8"), _as_words(qw, "qweight")

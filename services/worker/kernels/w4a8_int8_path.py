@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from services.worker.kernels.gemm_common import _dequant_swar, _num_sms, _rows_aligned, _split_nibbles, _tile_at
-from services.worker.kernels.host_int import cdiv
+from services.worker.kernels.host_int import cdiv, require
 from services.worker.kernels.launch_overlap import PDL_MAX_ROWS, _overlap_entry, _overlap_release, launch_kwargs
 from shared.formats.weights import GROUP_SIZE, W4G128ProgressiveWeight
 
@@ -124,7 +124,7 @@ def dequantize_g128_to_int8(weight: W4G128ProgressiveWeight, w8: torch.Tensor, o
     the rows and 128-groups of one program (bench/int8_pass_ab.py times the choices)."""
     qw, s2, zero = weight.qweight, weight.s2, weight.zero
     N, K = qw.shape[0], qw.shape[1] * 2
-    assert w8.dtype == torch.int8 and w8.numel() >= N * K and w8.is_contiguous(), "w8: a contiguous int8 buffer of N * K"
+    require(w8.dtype == torch.int8 and w8.numel() >= N * K and w8.is_contiguous(), "w8: a contiguous int8 buffer of N * K")
     w8 = w8.view(-1)[: N * K].view(N, K)
     _g128_to_int8_kernel[(cdiv(N, block_n), cdiv(K // GROUP_SIZE, groups))](
         qw, s2, zero, w8, N, K, qw.stride(0), s2.stride(0), s2.stride(1),
