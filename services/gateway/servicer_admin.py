@@ -65,7 +65,9 @@ def _since(at: Timestamp) -> datetime:
 
 
 def _refuse_restart_of_auto_aborted(session, deployment, canary: str) -> None:
-    last = reg.last_rollout_event(session, deployment)
+    # This canary's last rollout event, not the deployment's: another rollout started and aborted by hand in
+    # between let the guard-aborted canary back without force.
+    last = reg.last_rollout_event(session, deployment, canary=canary)
     if last is not None and last.kind is reg.EventKind.ABORT and last.actor == GUARD_ACTOR \
             and last.detail.get("canary") == canary and last.detail.get("judged", True):
         raise Precondition(

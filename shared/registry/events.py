@@ -121,12 +121,18 @@ def list_events(
     return [_record(event, name) for event, name in session.execute(stmt)]
 
 
-def last_rollout_event(session: Session, deployment: Deployment) -> EventRecord | None:
-    """The deployment's latest rollout start, promote or abort (None before its first rollout)."""
+def last_rollout_event(session: Session, deployment: Deployment, canary: str | None = None) -> EventRecord | None:
+    """The deployment's latest rollout start, promote or abort (None before its first rollout); with canary, the
+    latest that concerns that artifact (its start, its abort, its promotion), whatever rollouts came after."""
     kinds = (EventKind.ROLLOUT_START.value, EventKind.PROMOTE.value, EventKind.ABORT.value)
-    event = session.scalars(sa.select(Event).where(Event.deployment_id == deployment.id, Event.kind.in_(kinds))
-                            .order_by(Event.id.desc()).limit(1)).first()
-    return None if event is None else _record(event, deployment.name)
+    events = session.scalars(sa.select(Event).where(Event.deployment_id == deployment.id, Event.kind.in_(kinds))
+                             .order_by(Event.id.desc()).execution_options(yield_per=100))
+    for event in events:
+        record = _record(event, deployment.name)
+        # a start or an abort names its canary; a promote, the canary it made the stable
+        if canary is None or record.detail.get("stable" if record.kind is EventKind.PROMOTE else "canary") == canary:
+            return record
+    return None
 
 
 def _record(event: Event, deployment_name: str | None) -> EventRecord:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 
 from services.gateway.config import FallbackBudget
 from services.gateway.router import bucket_of
@@ -115,5 +116,34 @@ def test_a_refusal_the_busy_stable_could_not_judge_is_the_clients_and_charges_no
             assert stack.gateway.metrics.stats(DEPLOYMENT, artifacts.canary, 0, 2e9).errors == 0
             assert await stack.gateway.fallback.check() == []
             busy.cancel()
+
+    run(body())
+
+
+def test_a_guard_aborted_canary_needs_force_even_after_another_rollout(artifacts):
+    """Only the deployment's last rollout event was looked at: a canary the guard aborted, then another canary
+    started and aborted by hand, and the first started again without --force."""
+
+    async def body():
+        budget = FallbackBudget(max_error_rate=0.2, window_s=30.0, min_requests=10)
+        async with gateway_stack(artifacts, budget=budget, fallback_check_s=3600) as stack:
+            await stack.add_worker(artifacts.stable, tokens=2, max_running=64)
+            await stack.add_worker(artifacts.baseline, tokens=2, max_running=64)
+            canary = await stack.add_worker(artifacts.canary, tokens=2, max_running=64)
+            canary.worker.fail_after = 1
+            await _start(stack, artifacts.canary, 10)
+            await _send(stack, 12)
+            assert await stack.gateway.fallback.check() == [DEPLOYMENT]
+            await _start(stack, artifacts.baseline, 10)  # another READY artifact of the model, aborted by hand
+            await stack.admin.AbortRollout(gateway_pb2.AbortRolloutRequest(deployment=DEPLOYMENT, reason="not now"),
+                                           metadata=ADMIN)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _start(stack, artifacts.canary, 10)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "aborted by the automatic guard" in refused.value.details()
+            await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=10, force=True),
+                metadata=ADMIN)
+            assert (await stack.deployment()).canary.artifact_id == artifacts.canary
 
     run(body())

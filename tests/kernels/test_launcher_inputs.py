@@ -135,3 +135,16 @@ def test_gemm_input_checks_are_value_errors_that_survive_python_dash_o():
     done = subprocess.run([sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert "refused: out: expected (2, 128) fp16" in done.stdout, done.stdout + done.stderr
+
+
+def test_an_output_over_what_the_kernel_still_reads_is_refused():
+    """out=key was accepted: the kernel overwrote keys it still read (max |diff| 1.0 against out=None)."""
+    q, k, v = (torch.randn(12, 2, 64).half() for _ in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    with pytest.raises(ValueError, match="out overlaps key in memory"):
+        prefill_attention(q, k, v, cu, max_seqlen=7, out=k)
+    buffer = torch.zeros(12, 4, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="out overlaps value in memory"):
+        prefill_attention(q, k, buffer[:, 2:], cu, max_seqlen=7, out=buffer[:, :2])  # interleaved rows: refused too
+    out = torch.empty_like(q)
+    assert prefill_attention(q, k, v, cu, max_seqlen=7, out=out) is out

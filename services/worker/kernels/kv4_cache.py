@@ -266,7 +266,7 @@ def _launch(key, value, positions, slot_mapping, rope_cache, k_cache, v_cache, q
     if k_cache.device != key.device or v_cache.device != key.device:
         raise ValueError(f"k_cache / v_cache are on {k_cache.device} / {v_cache.device}, the key on {key.device}")
     if query is not None:
-        query_out = attention_output(query, query_out, "query_out")
+        query_out = attention_output(query, query_out, "query_out", reads={"key": key, "value": value})
     elif query_out is not None:
         raise ValueError("query_out is only written with a query to rotate")
     if t == 0:

@@ -953,7 +953,7 @@ def paged_decode_attention(
         # Tokens past the table's last entry would read the next row's entries (or past the table).
         raise ValueError(f"max_context_len {max_context_len} exceeds what block_tables of {block_tables.shape[1]} "
                          f"blocks of {k_cache.shape[2]} tokens address ({block_tables.shape[1] * k_cache.shape[2]})")
-    out = attention_output(query, out)
+    out = attention_output(query, out, reads={"k_cache": k_cache, "v_cache": v_cache})
     if b == 0:
         return out
     kv_share, partition_size, num_partitions = _partitions(cfg, group, b, kv_heads, max_context_len, query.device)

@@ -184,7 +184,7 @@ def paged_prefill_attention(
                      block_tables=block_tables)
     cfg = config or default_prefill_config(d)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
-    out = attention_output(query, out)
+    out = attention_output(query, out, reads={"k_cache": k_cache, "v_cache": v_cache})
     if total == 0 or batch == 0 or max_seqlen == 0:
         return out
     if max_context_len is None:

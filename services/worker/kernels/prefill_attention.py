@@ -119,16 +119,37 @@ def _prefill_kernel(
         tl.store(o_ptrs, out.to(tl.float16), mask=mask_m[:, None])
 
 
-def attention_output(query: torch.Tensor, out: torch.Tensor | None, name: str = "out") -> torch.Tensor:
+def attention_output(query: torch.Tensor, out: torch.Tensor | None, name: str = "out",
+                     reads: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """A launcher's (T, heads, D) fp16 output beside `query`: a new tensor, or the caller's `out` (a slice
     of a larger step buffer, so the runner needs no copy), checked to take the kernels' (row, head)
-    strides with D contiguous. Used by the attention launchers and the cache write's rotated query."""
+    strides with D contiguous, and to lie clear of the other tensors the kernel `reads` (keys, values, caches:
+    written while still being read, they gave wrong results, no error; `out` may be `query` itself). Used by the
+    attention launchers and the cache write's rotated query."""
     if out is None:
         return torch.empty_like(query)
     if out.shape != query.shape or out.dtype != torch.float16 or out.stride(-1) != 1 or out.device != query.device:
         raise ValueError(f"{name} must be {tuple(query.shape)} fp16 on {query.device}, contiguous in D; "
                          f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+    for other, t in (reads or {}).items():
+        if _spans_overlap(out, t):
+            raise ValueError(f"{name} overlaps {other} in memory: the kernel would overwrite what it still reads")
     return out
+
+
+def _spans_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory a and b span (first to last element) overlaps: conservative for interleaved views."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def check_index_vectors(**vectors: torch.Tensor) -> None:
@@ -195,7 +216,7 @@ def prefill_attention(
     if max_seqlen is None:
         cu = checked_offsets(cu_seqlens, total)
         max_seqlen = max(b - a for a, b in zip(cu, cu[1:]))
-    out = attention_output(query, out)
+    out = attention_output(query, out, reads={"key": key, "value": value})
     batch = cu_seqlens.numel() - 1
     if total == 0 or max_seqlen == 0:
         return out
