@@ -20,6 +20,7 @@ compile_decode_attention compiles those forms at once, one thread each, before t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -102,8 +103,9 @@ def compile_decode_attention(runner, max_context: int, max_running: int) -> int:
         lambda rows, context: decode_partitions(rows, c.num_heads, c.head_dim, runner.k_cache[0], context),
         max_running, max_context, graphs.buckets if graphs is not None else (), runner.max_model_len,
     )
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    for kernel in DECODE_KERNELS:
+    on_gpu = device.type == "cuda"  # elsewhere (the CPU tests' interpreter, not thread-safe) one at a time
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else None
+    for kernel in DECODE_KERNELS if on_gpu else ():
         # Triton makes a kernel's per-device cache at its first launch on the device: made by two threads at
         # once, one thread's compile would land in a cache that is then dropped (and compile again later).
         caches = getattr(kernel, "device_caches", None)
@@ -111,7 +113,7 @@ def compile_decode_attention(runner, max_context: int, max_running: int) -> int:
             caches[index]
 
     def launch(rows: int, context: int) -> None:
-        with torch.cuda.device(index):  # a new thread's current device is 0
+        with torch.cuda.device(index) if on_gpu else contextlib.nullcontext():  # a new thread's device is 0
             rotated = torch.zeros((rows, c.num_heads + c.num_kv_heads, c.head_dim), dtype=torch.float16, device=device)
             tables = torch.zeros((rows, runner.max_blocks), dtype=torch.int32, device=device)
             lens = torch.full((rows,), context, dtype=torch.int32, device=device)
@@ -119,9 +121,16 @@ def compile_decode_attention(runner, max_context: int, max_running: int) -> int:
                                    max_context_len=context)
 
     started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, min(len(forms), os.cpu_count() or 1))) as pool:
-        for done in [pool.submit(launch, rows, context) for rows, context in forms.values()]:
-            done.result()  # a launch that fails here would fail serving: the start-up stops on it
-    torch.cuda.synchronize(device)
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(len(forms), os.cpu_count() or 1) if on_gpu else 1)) as pool:
+            for done in [pool.submit(launch, rows, context) for rows, context in forms.values()]:
+                done.result()
+        if on_gpu:
+            torch.cuda.synchronize(device)
+    except Exception:  # only a speed-up: the graphs and the warm-up launch these forms again
+        # A form that cannot launch fails there too, one at a time, and stops the start-up with its own error.
+        log.warning("compiling decode attention's forms at once failed; they compile one at a time instead",
+                    exc_info=True)
+        return 0
     log.info("decode attention compiled in %d forms at once in %.1f s", len(forms), time.perf_counter() - started)
     return len(forms)

@@ -353,3 +353,17 @@ def test_prompt_steps_replay_padded_step_graphs_like_kernel_by_kernel_steps(tiny
         assert sorted(padded[s]) == sorted(whole[s])
         for pos, row in whole[s].items():
             torch.testing.assert_close(padded[s][pos], row, rtol=0, atol=0)
+
+
+def test_decode_attention_compiles_ahead_on_the_runners_own_layout(tiny_artifacts, caplog):
+    """The start-up's compile_decode_attention (on a GPU: every form at once, one thread each) launches decode
+    attention with the runner's cache, table width and query layout; here, on the interpreter, one at a time."""
+    from services.worker.kernel_warm_up import compile_decode_attention
+
+    runner = TritonRunner(ArtifactReader(tiny_artifacts["w4a8kv4-g128"]), "cpu", BLOCK,
+                          TritonRunnerSettings(max_model_len=600, cuda_graphs=False))
+    runner.allocate_cache(16)  # every table entry of the launches is block 0
+    with caplog.at_level("WARNING"):
+        forms = compile_decode_attention(runner, max_context=600, max_running=20)
+    assert "failed" not in caplog.text
+    assert forms == 2  # off a GPU no launch-overlap classes: a context of 1 unsplit, one of 600 split
