@@ -292,6 +292,18 @@ def test_int8_path_walks_every_tile_and_takes_any_x8_rows():
     assert torch.equal(y, ref), f"max diff {(y.float() - ref.float()).abs().max().item()}"
 
 
+def test_int8_path_takes_one_row_at_any_stride():
+    """One row whose stride is not 16 bytes (a column slice of a wider buffer) was handed to the TMA descriptor
+    as it was: 'strides must be 16-byte aligned' (an AssertionError), aligned base or not."""
+    n, k = 64, 128
+    weight = _full_range_g128(n, k, seed=19)
+    wide = quantize_per_token(_activations(1, k + 8, seed=20))[0]
+    sx = torch.rand(1, dtype=torch.float32) / 64 + 1e-3
+    for x8 in (wide[:, 8:], wide[:, :k]):  # an 8-byte offset, and an aligned base with a 136-byte stride
+        ref = (x8.float() @ weight.int8_weight().float().T * sx[:, None] * weight.s1.float()[None, :]).half()
+        assert torch.equal(gemm.w4a8_gemm(x8, sx, weight, variant="g128.i8.n128m128"), ref)
+
+
 def test_int8_path_asks_for_pdl_at_every_m(monkeypatch):
     """The pass and the int8 GEMM ask for the PDL launch of a 256-row launch (the rule's last PDL size)
     whatever M is: above 256 rows the rule turns PDL off for other kernels, and this pair is 0-4%

@@ -18,10 +18,12 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def _rows_aligned(t: torch.Tensor, alignment: int) -> torch.Tensor:
-    """t (rows, bytes), or a copy of it, whose base and row stride are multiples of alignment bytes."""
-    if t.data_ptr() % alignment or (t.shape[0] > 1 and t.stride(0) * t.element_size() % alignment):
-        t = t.contiguous() if not t.is_contiguous() else t.clone()  # a fresh buffer is aligned
+def _rows_aligned(t: torch.Tensor, alignment: int, one_row_stride: bool = False) -> torch.Tensor:
+    """t (rows, bytes), or a copy of it, whose base and row stride are multiples of alignment bytes. A single
+    row's stride is never used, but a TMA descriptor checks it all the same (one_row_stride)."""
+    if t.data_ptr() % alignment or ((t.shape[0] > 1 or one_row_stride) and t.stride(0) * t.element_size() % alignment):
+        # Fresh and packed: clone() keeps a one-row view's stride (torch counts it as contiguous).
+        t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
     return t
 
 

@@ -109,7 +109,7 @@ def _int8_gemm_kernel(
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """t (rows, K) int8 as TMA takes it: 16-byte aligned base and row stride, contiguous along K."""
-    return _rows_aligned(t if t.stride(1) == 1 else t.contiguous(), 16)
+    return _rows_aligned(t if t.stride(1) == 1 else t.contiguous(), 16, one_row_stride=True)
 
 
 def _num_programs(variant, M: int, N: int, device: torch.device) -> int:
