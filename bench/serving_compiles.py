@@ -93,9 +93,9 @@ def partition_counts(served) -> dict:
     runner = served.engine.runner
     c = runner.config
     cache = runner.k_cache[0]
-    config = dataclasses.replace(paged_attention.default_config(cache.dtype == torch.uint8, c.num_heads // c.num_kv_heads, c.head_dim,
-                                                                cache.shape[2]),
-                                 partition_size=32, whole_context=False, max_partition_size=None)
+    defaults = paged_attention.default_config(cache.dtype == torch.uint8, c.num_heads // c.num_kv_heads, c.head_dim,
+                                              cache.shape[2])
+    config = dataclasses.replace(defaults, partition_size=32, whole_context=False, max_partition_size=None)
     query = torch.zeros((2, c.num_heads, c.head_dim), dtype=torch.float16, device=cache.device)
     tables = torch.zeros((2, runner.max_blocks), dtype=torch.int32, device=cache.device)
     compiled_at = {}

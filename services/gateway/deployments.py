@@ -62,8 +62,7 @@ class DeploymentView:
     created_at: datetime
     updated_at: datetime
     rollout_started_at: datetime | None  # when the canary's rollout started; None without a rollout
-    # by arm ("stable", "canary"): the id of the last event that started its run (RUN_KINDS), 0 for none
-    runs: dict[str, int] = dataclasses.field(default_factory=dict)
+    runs: dict[str, int]  # by arm ("stable", "canary"): the id of the last event that started its run (_runs)
 
     def to_pb(self) -> gateway_pb2.Deployment:
         pb = gateway_pb2.Deployment(name=self.name, stable=self.stable.to_pb(), canary_percent=self.canary_percent,
@@ -99,8 +98,18 @@ def view_of(session: Session, deployment: Deployment) -> DeploymentView:
         canary_percent=deployment.canary_percent, baseline=ref(deployment.baseline_artifact_id),
         fallback=deployment.fallback, fallback_reason=reason, revision=deployment.revision,
         created_at=deployment.created_at, updated_at=deployment.updated_at, rollout_started_at=rollout_started_at,
-        runs={arm: getattr(_last_event(session, deployment, kinds), "id", 0) for arm, kinds in RUN_KINDS.items()},
+        runs=_runs(session, deployment),
     )
+
+
+def _runs(session: Session, deployment: Deployment) -> dict[str, int]:
+    """By arm, the id of the last event that started its run (RUN_KINDS), 0 for none: one query for both."""
+    last = dict(session.execute(
+        sa.select(Event.kind, sa.func.max(Event.id))
+        .where(Event.deployment_id == deployment.id, Event.kind.in_({k for kinds in RUN_KINDS.values() for k in kinds}))
+        .group_by(Event.kind)
+    ).all())
+    return {arm: max((last.get(kind, 0) for kind in kinds), default=0) for arm, kinds in RUN_KINDS.items()}
 
 
 def _last_event(session: Session, deployment: Deployment, kinds: tuple[str, ...]) -> Event | None:
@@ -191,7 +200,7 @@ class DeploymentCache:
         RUN_KINDS start a new one; others (the canary's percentage, the baseline) do not. Every change reset both
         arms' guard window: a canary ramped faster than it gathered --fallback-min-requests reached 100% failing
         every request. A replica that first sees a run dates it from the revision it sees."""
-        run = view.runs.get(arm, view.revision)  # a view without them: every change starts a run
+        run = view.runs[arm]
         known = self._runs.get((view.name, arm))
         if known is None or known[0] != run:
             known = self._runs[(view.name, arm)] = (run, self.changed_at(view))

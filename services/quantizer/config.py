@@ -20,16 +20,16 @@ from shared.storage import StorageConfig
 
 DEFAULT_LISTEN = "127.0.0.1:50061"
 DEFAULT_BUDGET = 0.05  # largest accepted perplexity_quantized / perplexity_fp16 - 1
+DEVICES = ("cpu", "cuda", "auto")
+TOKENS_ENV = "QSERVE_QUANTIZER_TOKENS"
+# "publish": every Quantizer rpc; "read": GetJob, WatchJob, GetArtifact, ListArtifacts, ListModels, ListJobs.
+SCOPES = ("publish", "read")
 
 
 def over_budget(ppl_fp16: float, ppl_quantized: float, budget: float) -> bool:
     """The accuracy budget's rule (a publish's gate, the adoption of an existing artifact, `qctl up`'s check): the
     quantized perplexity more than `budget` above fp16's."""
     return ppl_quantized > ppl_fp16 * (1 + budget)
-DEVICES = ("cpu", "cuda", "auto")
-TOKENS_ENV = "QSERVE_QUANTIZER_TOKENS"
-# "publish": every Quantizer rpc; "read": GetJob, WatchJob, GetArtifact, ListArtifacts, ListModels, ListJobs.
-SCOPES = ("publish", "read")
 
 
 class ConfigError(ValueError):

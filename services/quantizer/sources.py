@@ -8,7 +8,8 @@ from urllib.parse import unquote
 from services.quantizer.errors import MissingInput
 from services.quantizer.publish_spec import is_s3
 from shared.disk_space import RoomCheck, shortage
-from shared.storage import InvalidConfig, ObjectNotFound, Progress, StorageConfig, fetch_folder, open_store
+from shared.storage import ObjectNotFound, Progress, StorageConfig, fetch_folder, open_store
+from shared.storage.config import refuse_fragment
 
 
 def local_folder(uri: str, dest: Path, base: StorageConfig, progress: Progress | None = None,
@@ -30,8 +31,7 @@ def local_file(uri: str, dest_dir: Path, base: StorageConfig) -> Path:
         return path
     location, _, query = uri.partition("?")
     parent, _, name = location.rpartition("/")
-    if "#" in name:  # as from_url refuses for the folder part
-        raise InvalidConfig(f"storage URL {uri!r} holds '#': write it as %23 (a URL's '#' starts a fragment)")
+    refuse_fragment(uri)  # as from_url does for the folder part
     store = open_store(StorageConfig.from_url(parent + (f"?{query}" if query else ""), base=_s3_base(base)))
     name = unquote(name)  # percent-decoded as from_url decodes the folder part
     dest = dest_dir / name

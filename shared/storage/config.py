@@ -59,11 +59,8 @@ class StorageConfig:
                 raise InvalidConfig(f"S3 prefix {self.prefix!r} is not valid: {exc}") from exc
         if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):
             raise InvalidConfig(f"endpoint_url {self.endpoint_url!r} must start with http:// or https://")
-        if self.endpoint_url is not None and "@" in urlsplit(self.endpoint_url).netloc:
-            # Not echoed: what precedes the '@' is a secret, and the endpoint is in every error message.
-            raise InvalidConfig(f"endpoint_url http(s)://...@{urlsplit(self.endpoint_url).netloc.rpartition('@')[2]}: "
-                                f"credentials do not belong in the URL; set access_key and secret_key "
-                                f"(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)")
+        if self.endpoint_url is not None:
+            _refuse_credentials("endpoint_url http(s)", urlsplit(self.endpoint_url).netloc)  # in every error message
         if (self.access_key is None) != (self.secret_key is None):
             raise InvalidConfig("give both access_key and secret_key, or neither (to use boto3's credential chain)")
         for name in ("multipart_threshold", "multipart_chunk_size"):
@@ -88,9 +85,8 @@ class StorageConfig:
         values = {f.name: getattr(base, f.name) for f in fields(cls)} if base is not None else {}
         values.update(overrides)
         parts = urlsplit(url)
-        if parts.scheme in ("file", "s3") and "#" in url:
-            # urlsplit drops '#...' as a fragment: s3://b/models/llama#ft would name models/llama, another model.
-            raise InvalidConfig(f"storage URL {url!r} holds '#': write it as %23 (a URL's '#' starts a fragment)")
+        if parts.scheme in ("file", "s3"):
+            refuse_fragment(url)
         if parts.scheme in ("", "file"):
             if parts.scheme == "file" and parts.netloc not in ("", "localhost"):
                 raise InvalidConfig(f"{url!r}: a file URL names a local path, as file:///path")
@@ -103,9 +99,7 @@ class StorageConfig:
                 f"storage URL {url!r} has scheme {parts.scheme!r}; accepted: "
                 "s3://bucket/prefix?endpoint=...&region=..., file:///path, or a plain path"
             )
-        if "@" in parts.netloc:  # the URL is not echoed: what precedes the '@' is a secret
-            raise InvalidConfig(f"storage URL s3://...@{parts.netloc.rpartition('@')[2]}: credentials do not belong in "
-                                f"the URL; set access_key and secret_key (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)")
+        _refuse_credentials("storage URL s3", parts.netloc)
         for name, given in parse_qs(parts.query, keep_blank_values=True).items():
             if name not in URL_PARAMS:
                 raise InvalidConfig(
@@ -146,6 +140,21 @@ class StorageConfig:
             "session_token": env.get("AWS_SESSION_TOKEN"),
         }
         return cls.from_url(url, **overrides)
+
+
+def refuse_fragment(url: str) -> None:
+    """A '#' in an s3:// or file:// URL: urlsplit drops '#...' as a fragment, and s3://b/models/llama#ft would
+    name models/llama, another model."""
+    if "#" in url:
+        raise InvalidConfig(f"storage URL {url!r} holds '#': write it as %23 (a URL's '#' starts a fragment)")
+
+
+def _refuse_credentials(what: str, netloc: str) -> None:
+    """A URL's user:password@ (what: the URL's name and scheme, as in the message). The URL is not echoed: what
+    precedes the '@' is a secret."""
+    if "@" in netloc:
+        raise InvalidConfig(f"{what}://...@{netloc.rpartition('@')[2]}: credentials do not belong in the URL; set "
+                            f"access_key and secret_key (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)")
 
 
 def open_store(config: StorageConfig, *, create: bool = False) -> ObjectStore:
