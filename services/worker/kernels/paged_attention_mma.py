@@ -227,19 +227,38 @@ def _mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FAST: tl.constexpr):
 
 
 @triton.jit
-def _query_fragment(q_row, stride_qh, inv_lane, g, t, base: tl.constexpr, GROUP: tl.constexpr):
+def _int16_bytes(x, j: tl.constexpr):
+    """x (query times its head's inv) rounded to int16, q16 = 256 hi + lo -> (hi, lo) as byte j of a register."""
+    q16 = tl.floor(x + 0.5).to(tl.int32)
+    hi = (q16 + 128) >> 8
+    return (hi & 0xFF) << (8 * j), ((q16 - hi * 256) & 0xFF) << (8 * j)
+
+
+@triton.jit
+def _query_bytes(x0, x1, x2, x3):
+    """Four consecutive query dims times their head's inv, as int16 (_int16_bytes) -> (hi, lo):
+    registers whose byte j is the high / low byte of dim j (lo in [-128, 127])."""
+    hi0, lo0 = _int16_bytes(x0, 0)
+    hi1, lo1 = _int16_bytes(x1, 1)
+    hi2, lo2 = _int16_bytes(x2, 2)
+    hi3, lo3 = _int16_bytes(x3, 3)
+    return hi0 | hi1 | hi2 | hi3, lo0 | lo1 | lo2 | lo3
+
+
+@triton.jit
+def _query_fragment(hi, lo, g, t, base: tl.constexpr, FIRST_HEAD: tl.constexpr, FAST: tl.constexpr):
     """B fragment register of query dims base + 4t .. base + 4t + 3: in column 2h (lanes g = 2h)
-    the high bytes, in column 2h + 1 the low bytes of head h's q * inv rounded to int16
-    (q16 = 256 hi + lo); 0 in the columns past the group. inv_lane: the inv of lane g's head."""
-    head = g // 2
-    packed = tl.zeros(g.shape, tl.int32)
-    for j in tl.static_range(4):
-        x = tl.load(q_row + head * stride_qh + base + 4 * t + j, mask=head < GROUP, other=0.0).to(tl.float32) * inv_lane
-        q16 = tl.floor(x + 0.5).to(tl.int32)
-        hi = (q16 + 128) >> 8
-        byte = tl.where(g % 2 == 0, hi, q16 - hi * 256)
-        packed |= (byte & 0xFF) << (8 * j)
-    return packed
+    head FIRST_HEAD + h's high bytes, in column 2h + 1 its low bytes; 0 in the columns past the group.
+    hi, lo: (G, 32), row h, lane i head h's dims 4i .. 4i + 3 (_query_bytes). Taken by shuffles from
+    lane base / 4 + t, which loaded those dims for the head's scale: the query is read
+    from memory once, and every load is one more op for Triton's coalescing pass, whose time grows
+    with the kernel's memory ops times its size (a worker's cold start-up compiles this kernel)."""
+    src = tl.broadcast_to((base // 4 + t)[None, :], hi.shape)
+    from_hi = _shfl(hi, src, FAST)
+    from_lo = _shfl(lo, src, FAST)
+    heads = tl.arange(0, hi.shape[0])
+    mine = heads[:, None] == (FIRST_HEAD + g // 2)[None, :]
+    return tl.sum(tl.where(mine, tl.where((g % 2 == 0)[None, :], from_hi, from_lo), 0), axis=0)
 
 
 @triton.jit
@@ -660,37 +679,39 @@ def _kv4_decode_mma_kernel(
     # load 4 dims a lane), and it would spread to every (G, 32) tensor, while the shuffles need row
     # h, lane i in lane i. So lane i reads dims 4i .. 4i + 3 of each head with (32,) loads, and the
     # stores go out one head at a time (_store_plane). tests/kernels/test_sass_count.py checks the layout.
-    q_sum = tl.zeros((GROUP, 32), tl.float32)
-    q_max = tl.zeros((GROUP, 32), tl.float32)
+    q0 = tl.zeros((GROUP, 32), tl.float32)  # row h, lane i: head h's dim 4i (q1: 4i + 1, ...)
+    q1 = q0
+    q2 = q0
+    q3 = q0
     for h in tl.static_range(GROUP):
-        for j in tl.static_range(4):
-            x = tl.load(q_row + h * stride_qh + 4 * lane + j).to(tl.float32)[None, :]
-            q_sum += tl.where(heads[:, None] == h, x, 0.0)
-            q_max = tl.maximum(q_max, tl.where(heads[:, None] == h, tl.abs(x), 0.0))
-    q_sum = tl.sum(q_sum, axis=1) * qk_scale  # (G,)
-    q_max = tl.max(q_max, axis=1) * qk_scale
+        row = heads[:, None] == h
+        q0 = tl.where(row, tl.load(q_row + h * stride_qh + 4 * lane).to(tl.float32)[None, :], q0)
+        q1 = tl.where(row, tl.load(q_row + h * stride_qh + 4 * lane + 1).to(tl.float32)[None, :], q1)
+        q2 = tl.where(row, tl.load(q_row + h * stride_qh + 4 * lane + 2).to(tl.float32)[None, :], q2)
+        q3 = tl.where(row, tl.load(q_row + h * stride_qh + 4 * lane + 3).to(tl.float32)[None, :], q3)
+    q_sum = tl.sum(q0 + q1 + q2 + q3, axis=1) * qk_scale  # (G,)
+    q_max = tl.max(tl.maximum(tl.maximum(tl.abs(q0), tl.abs(q1)), tl.maximum(tl.abs(q2), tl.abs(q3))), axis=1)
+    q_max = q_max * qk_scale
     q_step = tl.where(q_max > 0, q_max / 32512.0, 1.0)  # |q16| <= 32512 keeps the high byte in [-127, 127]
-    inv = qk_scale / q_step
-    inv_lane = tl.sum(tl.where(heads[:, None] == (g // 2)[None, :], inv[:, None], 0.0), axis=0)  # lane g's head's
-    qb0 = _query_fragment(q_row, stride_qh, inv_lane, g, t, 0, GROUP)
-    qb1 = _query_fragment(q_row, stride_qh, inv_lane, g, t, 16, GROUP)
-    qb2 = _query_fragment(q_row, stride_qh, inv_lane, g, t, 32, GROUP)
-    qb3 = _query_fragment(q_row, stride_qh, inv_lane, g, t, 48, GROUP)
-    qb4 = _query_fragment(q_row, stride_qh, inv_lane, g, t, HALF, GROUP)
-    qb5 = _query_fragment(q_row, stride_qh, inv_lane, g, t, HALF + 16, GROUP)
-    qb6 = _query_fragment(q_row, stride_qh, inv_lane, g, t, HALF + 32, GROUP)
-    qb7 = _query_fragment(q_row, stride_qh, inv_lane, g, t, HALF + 48, GROUP)
+    inv = (qk_scale / q_step)[:, None]
+    hi, lo = _query_bytes(q0 * inv, q1 * inv, q2 * inv, q3 * inv)  # row h, lane i: head h's dims 4i .. 4i + 3
+    qb0 = _query_fragment(hi, lo, g, t, 0, 0, FAST)
+    qb1 = _query_fragment(hi, lo, g, t, 16, 0, FAST)
+    qb2 = _query_fragment(hi, lo, g, t, 32, 0, FAST)
+    qb3 = _query_fragment(hi, lo, g, t, 48, 0, FAST)
+    qb4 = _query_fragment(hi, lo, g, t, HALF, 0, FAST)
+    qb5 = _query_fragment(hi, lo, g, t, HALF + 16, 0, FAST)
+    qb6 = _query_fragment(hi, lo, g, t, HALF + 32, 0, FAST)
+    qb7 = _query_fragment(hi, lo, g, t, HALF + 48, 0, FAST)
     if GROUP == 8:  # the MMA's 8 columns hold 4 heads: heads 4..7 get fragments of their own
-        q_hi = q_row + 4 * stride_qh
-        inv_hi = tl.sum(tl.where(heads[:, None] == (4 + g // 2)[None, :], inv[:, None], 0.0), axis=0)
-        qc0 = _query_fragment(q_hi, stride_qh, inv_hi, g, t, 0, 4)
-        qc1 = _query_fragment(q_hi, stride_qh, inv_hi, g, t, 16, 4)
-        qc2 = _query_fragment(q_hi, stride_qh, inv_hi, g, t, 32, 4)
-        qc3 = _query_fragment(q_hi, stride_qh, inv_hi, g, t, 48, 4)
-        qc4 = _query_fragment(q_hi, stride_qh, inv_hi, g, t, HALF, 4)
-        qc5 = _query_fragment(q_hi, stride_qh, inv_hi, g, t, HALF + 16, 4)
-        qc6 = _query_fragment(q_hi, stride_qh, inv_hi, g, t, HALF + 32, 4)
-        qc7 = _query_fragment(q_hi, stride_qh, inv_hi, g, t, HALF + 48, 4)
+        qc0 = _query_fragment(hi, lo, g, t, 0, 4, FAST)
+        qc1 = _query_fragment(hi, lo, g, t, 16, 4, FAST)
+        qc2 = _query_fragment(hi, lo, g, t, 32, 4, FAST)
+        qc3 = _query_fragment(hi, lo, g, t, 48, 4, FAST)
+        qc4 = _query_fragment(hi, lo, g, t, HALF, 4, FAST)
+        qc5 = _query_fragment(hi, lo, g, t, HALF + 16, 4, FAST)
+        qc6 = _query_fragment(hi, lo, g, t, HALF + 32, 4, FAST)
+        qc7 = _query_fragment(hi, lo, g, t, HALF + 48, 4, FAST)
     else:  # unused
         qc0, qc1, qc2, qc3, qc4, qc5, qc6, qc7 = qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7
 
