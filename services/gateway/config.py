@@ -43,15 +43,16 @@ class ApiKey:
 
 
 def parse_api_keys(text: str) -> tuple[ApiKey, ...]:
-    """`key` or `name=key`, comma-separated. An entry whose part after its first '=' is empty or only '='
-    is a key without a name (base64 padding: "c2VjcmV0==")."""
+    """`key` or `name=key`, comma-separated; the name ends at the first '='. An entry with nothing but '='
+    after it has an empty key, refused by the config (`team-b=${KEY}` with KEY unset: read as a key, the
+    guessable "team-b=" would be accepted), so a key that itself ends in '=' (base64) is given with a name."""
     keys = []
     for entry in filter(None, (e.strip() for e in text.split(","))):
-        name, _, key = entry.partition("=")
-        if not key.strip("="):
+        name, has_name, key = entry.partition("=")
+        if not has_name:
             keys.append(ApiKey("", entry))
         else:
-            keys.append(ApiKey(name.strip(), key.strip()))
+            keys.append(ApiKey(name.strip(), "" if not key.strip("=") else key.strip()))
     return tuple(keys)
 
 
@@ -226,8 +227,8 @@ def _check_api_keys(keys: Sequence[ApiKey]) -> None:
     secrets: set[str] = set()
     for position, entry in enumerate(keys, 1):
         if not entry.key:
-            raise ConfigError(f"QSERVE_API_KEYS: entry {position} has an empty key; give non-empty keys or none "
-                              f"(no key needed)")
+            raise ConfigError(f"QSERVE_API_KEYS: entry {position} has an empty key (an unset variable?); give "
+                              f"non-empty keys or none (no key needed); a key ending in '=' needs a name: name=KEY")
         if entry.name:
             if not _CLIENT_NAME.fullmatch(entry.name):
                 raise ConfigError(f"QSERVE_API_KEYS: key name {entry.name[:20]!r} is not accepted: 1-64 letters, "

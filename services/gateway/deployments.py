@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -17,10 +18,13 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
+from services.gateway.errors import InvalidRequest
 from shared.registry import Artifact, Deployment, Event, EventKind, NotFound, Registry, get_artifact
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
+# What CreateDeployment accepts (the gateway is what creates deployments), so every name a Generate can ask for.
+DEPLOYMENT_NAME = re.compile(r"[a-z0-9._-]{1,64}")
 FALLBACK_KINDS = (EventKind.FALLBACK_ON.value, EventKind.FALLBACK_OFF.value)
 # The changes that start an arm's run afresh for the guard (DeploymentCache.arm_since): a new stable, a new or
 # restarted canary, the fallback switched either way. A canary's percentage and the baseline are not among them.
@@ -119,9 +123,18 @@ def _last_event(session: Session, deployment: Deployment, kinds: tuple[str, ...]
     ).first()
 
 
+def check_deployment_name(name: str) -> None:
+    """InvalidRequest unless `name` is one CreateDeployment accepts (the message shows at most 64 characters)."""
+    if not DEPLOYMENT_NAME.fullmatch(name):
+        shown = repr(name[:64]) + ("..." if len(name) > 64 else "")
+        raise InvalidRequest(f"deployment name {shown} is not accepted: use 1-64 characters of a-z, 0-9, '.', '_' "
+                             f"and '-'")
+
+
 def read_deployments(registry: Registry, names: list[str]) -> dict[str, DeploymentView | None]:
-    """Snapshots of these deployments in one transaction; None for a name that does not exist."""
-    with registry.transaction() as session:
+    """Snapshots of these deployments, read in one session that takes no write lock (on SQLite a
+    transaction() waits out any writer: every request's routing would); None for a name that does not exist."""
+    with registry.sessions() as session:
         rows = session.scalars(sa.select(Deployment).where(Deployment.name.in_(names)))
         found = {row.name: view_of(session, row) for row in rows}
     return {name: found.get(name) for name in names}

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 from sqlalchemy.exc import OperationalError
 
 from shared.registry import Conflict, InvalidState, InvalidValue, NotFound
+
+log = logging.getLogger(__name__)
 
 
 class GatewayError(Exception):
@@ -59,3 +63,12 @@ MAPPED = tuple(error for error, _ in _CODES)
 
 def status_of(exc: Exception) -> grpc.StatusCode:
     return next(code for error, code in _CODES if isinstance(exc, error))
+
+
+def details_of(exc: Exception) -> str:
+    """What a caller is told of a mapped error: a database error's own text (its SQL, the database's host and
+    port) stays in the gateway's log."""
+    if isinstance(exc, OperationalError):
+        log.warning("the registry's database failed: %s", str(exc).replace("\n", " "))
+        return "the registry's database cannot be reached; retry later"
+    return str(exc)

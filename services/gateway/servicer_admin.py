@@ -17,9 +17,16 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from services.gateway.auth import AdminAuth
-from services.gateway.deployments import ArtifactRefView, DeploymentCache, DeploymentView, timestamp, view_of
+from services.gateway.deployments import (
+    ArtifactRefView,
+    DeploymentCache,
+    DeploymentView,
+    check_deployment_name,
+    timestamp,
+    view_of,
+)
 from services.gateway.fallback import ACTOR as GUARD_ACTOR
-from services.gateway.errors import MAPPED, InvalidRequest, NoWorker, Precondition, status_of
+from services.gateway.errors import MAPPED, InvalidRequest, NoWorker, Precondition, details_of, status_of
 from services.gateway.fleet import FleetView, with_others
 from services.gateway.metrics import ArmStats, GatewayMetrics, stats_of
 from services.gateway.pool import WorkerPool
@@ -29,7 +36,6 @@ from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, work
 from shared.rpc.tls import CLIENT_FLAGS, mismatch_hint
 
 log = logging.getLogger(__name__)
-_NAME = re.compile(r"[a-z0-9._-]{1,64}")
 _ADDRESS = re.compile(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:]+\]:\d{1,5}")
 # Named so in a registration's refusal: the worker reads it, and has settings of the same names itself.
 _GATEWAY_TLS_FLAGS = tuple(f"the gateway's {flag}" for flag in CLIENT_FLAGS)
@@ -45,7 +51,7 @@ def _admin(method):
             actor = self.auth.actor(context.invocation_metadata(), method.__name__)
             return await method(self, request, actor)
         except MAPPED as exc:
-            await context.abort(status_of(exc), str(exc))
+            await context.abort(status_of(exc), details_of(exc))
 
     return wrapper
 
@@ -162,9 +168,7 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
 
     @_admin
     async def CreateDeployment(self, request: gateway_pb2.CreateDeploymentRequest, actor: str):
-        if not _NAME.fullmatch(request.name):
-            raise InvalidRequest(f"deployment name {request.name!r} is not accepted: use 1-64 characters of "
-                                 f"a-z, 0-9, '.', '_' and '-'")
+        check_deployment_name(request.name)
         stable = _required("stable_artifact_id", request.stable_artifact_id)
         baseline = _required("baseline_artifact_id", request.baseline_artifact_id)
 

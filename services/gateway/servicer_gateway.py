@@ -54,8 +54,8 @@ from google.protobuf.duration_pb2 import Duration
 from services.gateway import router
 from services.gateway.auth import ApiKeys
 from services.gateway.config import ApiKey
-from services.gateway.deployments import DeploymentCache, DeploymentView
-from services.gateway.errors import MAPPED, AdmissionFull, InvalidRequest, NoWorker, status_of
+from services.gateway.deployments import DeploymentCache, DeploymentView, check_deployment_name
+from services.gateway.errors import MAPPED, AdmissionFull, InvalidRequest, NoWorker, details_of, status_of
 from services.gateway.metrics import GatewayMetrics, Outcome, client_label
 from services.gateway.pool import PooledWorker, WorkerPool
 from services.gateway.router import Arm, Route
@@ -70,6 +70,10 @@ ABORT_TIMEOUT_S = 2.0
 # megabytes per token. The worker takes request ids of up to 256 characters; the gateway adds a suffix.
 MAX_REQUEST_ID_CHARS = 128
 MAX_SESSION_KEY_CHARS = 256
+# Workers take messages of up to gRPC's default 4 MiB, and a worker's request is the client's less its deployment
+# and session key plus a request id of the gateway's: a larger one would be refused by every worker in turn, each
+# refusal (RESOURCE_EXHAUSTED) read as a full worker, and the client told to retry a request that cannot pass.
+MAX_REQUEST_BYTES = 4 * 1024 * 1024 - 1024
 # Worker answers that are about the request itself: the client gets them as they are, no retry.
 _FULL = "admission full: "  # marks the failure of a worker that answered RESOURCE_EXHAUSTED
 _DRAINING = "draining: "  # marks the refusal of a worker that has begun to drain (shared.rpc.refusal)
@@ -180,7 +184,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise AdmissionFull(f"{client.describe()} has {self.open_by_client[client]} streams open, its limit "
                                     f"(max_streams_per_client) is {self.max_streams_per_client}; retry later")
         except MAPPED as exc:
-            await self._reject(context, status_of(exc), str(exc))
+            await self._reject(context, status_of(exc), details_of(exc))
         self.open_streams += 1
         self._no_streams.clear()
         self.metrics.open_streams.inc()
@@ -201,7 +205,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except WorkerRejected as exc:
             await self._reject(context, exc.code, str(exc))
         except MAPPED as exc:
-            await self._reject(context, status_of(exc), str(exc))
+            await self._reject(context, status_of(exc), details_of(exc))
         finally:
             self.open_streams -= 1
             if not self.open_streams:
@@ -401,6 +405,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 trace.delivered += len(reply.token_ids)
                 out = gateway_pb2.GatewayGenerateResponse(request_id=request_id, token_ids=reply.token_ids,
                                                           text=reply.text, artifact_id=artifact_id, arm=arm)
+                if reply.HasField("finish") and reply.finish.reason == common_pb2.FINISH_REASON_ABORT:
+                    # The worker gave the request up itself: its drain's grace ran out or its engine stops (the
+                    # gateway's own aborts cancel the call first, so their final message is never read here).
+                    # Not a finished request: retried elsewhere when nothing was delivered, else it ends as any
+                    # failed attempt does; what the worker still sent with it goes out first.
+                    if trace.delivered and (reply.token_ids or reply.text):
+                        yield out
+                    self.pool.mark_draining(worker)
+                    attempt.failure = f"{_DRAINING}{worker.address}: the worker aborted the request itself " \
+                                      f"(draining or stopping)"
+                    log.warning("request %r on worker %s: %s after %d tokens", request_id, worker.address,
+                                attempt.failure, trace.delivered)
+                    return
                 if reply.HasField("finish"):
                     attempt.finished = True
                     self.pool.mark_succeeded(worker)
@@ -532,11 +549,15 @@ def _unavailable(deployment: DeploymentView, chosen: Route, fallbacks: list[Rout
 def _validate(request: gateway_pb2.GatewayGenerateRequest) -> None:
     if not request.deployment:
         raise InvalidRequest("deployment is required: the name of a deployment (`qctl deploy create` makes one)")
+    check_deployment_name(request.deployment)  # before the name reaches the deployment cache or the registry
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # worded as the worker words it (worker/requests.py)
         raise InvalidRequest(f"request_id has {len(request.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
     if len(request.session_key) > MAX_SESSION_KEY_CHARS:
         raise InvalidRequest(f"session_key has {len(request.session_key)} characters; at most "
                              f"{MAX_SESSION_KEY_CHARS}")
+    if request.ByteSize() > MAX_REQUEST_BYTES:
+        raise InvalidRequest(f"the request is {request.ByteSize()} bytes; at most {MAX_REQUEST_BYTES} (a worker's "
+                             f"message limit)")
     which = request.WhichOneof("prompt")
     if which is None or (which == "text" and not request.text) or (which == "token_ids" and not request.token_ids.ids):
         raise InvalidRequest("prompt is required: give a non-empty text or a non-empty token_ids list")

@@ -36,6 +36,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.fail_before_first = False  # every Generate fails UNAVAILABLE before any token
         self.fail_delay_s = 0.0  # ... after this long (a worker dying in prefill)
         self.fail_after: int | None = None  # every Generate fails UNAVAILABLE after this many tokens
+        # every Generate ends after this many tokens with an OK final message of reason ABORT, as a worker whose
+        # drain's grace ran out (or whose engine stops) ends the requests it still holds
+        self.abort_after: int | None = None
         # every Generate stops after this many tokens and waits until cancelled (a hung device)
         self.hang_after: int | None = None
         self.hung: list[str] = []  # request ids of Generate calls that reached hang_after
@@ -75,6 +78,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             for i, token in enumerate(ids):
                 if self.fail_after is not None and i == self.fail_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"fake worker failing after {i} tokens")
+                if self.abort_after is not None and i == self.abort_after:
+                    yield worker_pb2.GenerateResponse(request_id=request.request_id, finish=common_pb2.Finish(
+                        reason=common_pb2.FINISH_REASON_ABORT, prompt_tokens=len(prompt), generated_tokens=i))
+                    return
                 if self.hang_after is not None and i == self.hang_after:
                     self.hung.append(request.request_id)
                     await asyncio.Event().wait()

@@ -56,14 +56,17 @@ def test_generate_needs_an_api_key_when_keys_are_configured(artifacts):
 def test_api_keys_take_an_optional_name_and_bad_entries_are_named_without_the_key():
     config = GatewayConfig.from_args(
         ["--registry-url", "sqlite:///x.db", "--max-streams-per-client", "4"],
-        environ={"QSERVE_API_KEYS": " team-a = k1 , c2VjcmV0== ,plain, b.2=x=y"})
-    assert [(k.name, k.key) for k in config.api_keys] == [("team-a", "k1"), ("", "c2VjcmV0=="), ("", "plain"),
+        environ={"QSERVE_API_KEYS": " team-a = k1 , pad=c2VjcmV0== ,plain, b.2=x=y"})
+    assert [(k.name, k.key) for k in config.api_keys] == [("team-a", "k1"), ("pad", "c2VjcmV0=="), ("", "plain"),
                                                           ("b.2", "x=y")]
     assert config.max_streams_per_client == 4 and "k1" not in repr(config)
     for text, message in (("a=s3cr3t,a=other", "key name 'a' appears twice"),
                           ("a=s3cr3t,b=s3cr3t", "entry 2 repeats another entry's key"),
                           ("bad name=s3cr3t", "key name 'bad name' is not accepted"),
-                          ("-x=s3cr3t", "key name '-x' is not accepted")):
+                          ("-x=s3cr3t", "key name '-x' is not accepted"),
+                          # an unset variable in team-b=${KEY}: not the key "team-b=", which anyone could guess
+                          ("a=k1,team-b=", "entry 2 has an empty key"),
+                          ("s3cr3t==", "entry 1 has an empty key"), ("s3cr3t=", "a key ending in '=' needs a name")):
         with pytest.raises(ConfigError, match=re.escape(message)) as raised:
             GatewayConfig(registry_url="sqlite:///x.db", api_keys=parse_api_keys(text))
         assert "s3cr3t" not in str(raised.value)

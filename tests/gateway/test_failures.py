@@ -162,6 +162,43 @@ def test_a_worker_refusing_as_it_begins_to_drain_is_not_counted_as_failing(artif
     run(scenario())
 
 
+def test_a_request_the_worker_aborts_itself_is_a_failed_attempt_not_a_finish(artifacts):
+    """A worker whose drain's grace ran out (or whose engine stops) ends the streams it still holds with an OK final
+    message of reason ABORT. It was relayed as a finished request: an empty stream to the client while a healthy
+    worker could serve it, cut-short text taken for a whole one, and the worker's record cleared as a success.
+    Before any token the request goes to another worker; after tokens the stream ends UNAVAILABLE with the count,
+    as for any worker failing mid-stream. The worker, leaving, gets no new requests; no error of its arm."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            leaving = await stack.add_worker(artifacts.stable, tokens=5, capacity=4)
+            other = await stack.add_worker(artifacts.stable, tokens=5, capacity=4)
+            pool = stack.gateway.pool
+            pool.acquire(pool.get(other.worker_id))  # busier: the leaving worker is picked first
+            leaving.worker.abort_after = 0
+            replies = await stack.generate("p")
+            assert tokens_of(replies) == expected_tokens(list(b"p"), 5)
+            assert replies[-1].finish.reason == common_pb2.FINISH_REASON_LENGTH
+            assert (len(leaving.worker.started), len(other.worker.started)) == (1, 1)
+            assert pool.get(leaving.worker_id).health is Health.DRAINING
+            stable = stack.gateway.metrics.stats(DEPLOYMENT, artifacts.stable, since=0.0)
+            assert (stable.requests, stable.errors) == (1, 0)
+
+            pool.heartbeat(leaving.worker_id, 0, 0, 4, draining=False)  # serving again, then aborting after 2 tokens
+            leaving.worker.abort_after = 2
+            pool.acquire(pool.get(other.worker_id))
+            received = []
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                async for reply in stack.gw.Generate(gateway_pb2.GatewayGenerateRequest(deployment=DEPLOYMENT,
+                                                                                        text="abc")):
+                    received.extend(reply.token_ids)
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "after 2 tokens were delivered" in raised.value.details(), raised.value.details()
+            assert received == expected_tokens(list(b"abc"), 5)[:2]
+            assert (len(leaving.worker.started), len(other.worker.started)) == (2, 1)  # not replayed elsewhere
+
+    run(scenario())
+
+
 def test_a_failure_before_the_other_workers_turned_out_full_still_counts_against_its_arm(artifacts):
     """The canary's one free worker fails the request before any token and its other worker is at capacity:
     the client is told to retry later (RESOURCE_EXHAUSTED), and the failure still counts as the canary's

@@ -4,13 +4,16 @@ arm has no worker."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import time
 
 import grpc
 import pytest
 from sqlalchemy.exc import OperationalError
 
 from services.gateway import deployments as deployments_module
-from services.gateway.deployments import DeploymentCache
+from services.gateway.deployments import DeploymentCache, read_deployments
+from services.gateway.servicer_gateway import MAX_REQUEST_BYTES
 from shared.registry import NotFound, create_registry
 from shared.rpc.qserve.v1 import gateway_pb2
 from tests.gateway.conftest import ADMIN, DEPLOYMENT, WORKER, arm_of, gateway_stack, run, tokens_of
@@ -282,6 +285,8 @@ def test_a_registry_outage_keeps_routing_on_the_last_view_without_its_canary(art
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await stack.generate(deployment="never-read")
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+            # the database's own words (its SQL, its host and port) stay in the gateway's log
+            assert raised.value.details() == "the registry's database cannot be reached; retry later"
             monkeypatch.undo()
             await asyncio.sleep(2 * stack.gateway.deployments.max_age_s)
             assert arm_of(await stack.generate()) == gateway_pb2.ARM_CANARY  # back once the registry is
@@ -295,10 +300,19 @@ def test_generate_rejects_bad_requests(artifacts):
             await stack.add_worker(artifacts.stable)
             for deployment, prompt, code in (("", "x", grpc.StatusCode.INVALID_ARGUMENT),
                                              ("chat", "", grpc.StatusCode.INVALID_ARGUMENT),
-                                             ("nope", "x", grpc.StatusCode.NOT_FOUND)):
+                                             ("nope", "x", grpc.StatusCode.NOT_FOUND),
+                                             # no deployment has such a name (CreateDeployment's rule)
+                                             ("Chat", "x", grpc.StatusCode.INVALID_ARGUMENT),
+                                             ("c" * 65, "x", grpc.StatusCode.INVALID_ARGUMENT)):
                 with pytest.raises(grpc.aio.AioRpcError) as raised:
                     await stack.generate(prompt, deployment=deployment)
                 assert raised.value.code() == code, raised.value.details()
+            # A 2 MB name was looked up, cached, and echoed in the NOT_FOUND (past the client's metadata limit:
+            # RESOURCE_EXHAUSTED, "retry later"); it is refused in a line, and never reaches the cache.
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.generate("x", deployment="n" * (2 << 20))
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(raised.value.details()) < 200
+            assert not any(len(name) > 64 for name in stack.gateway.deployments._entries)
             # the worker's own INVALID_ARGUMENT reaches the client as it is, without a retry elsewhere
             request = gateway_pb2.GatewayGenerateRequest(deployment="chat", token_ids={"ids": [1, 99999]})
             with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -333,6 +347,40 @@ def test_request_ids_and_session_keys_past_their_limits_are_refused(artifacts):
             assert worker.started[0].startswith("r" * 128 + ".")
 
     run(scenario())
+
+
+def test_a_request_too_large_for_a_worker_is_refused_not_shed_as_full(artifacts):
+    """A request just under the gateway's 4 MiB message limit becomes one just over the worker's (the worker's
+    request id is the gateway's): every worker refused it RESOURCE_EXHAUSTED, read as full, and the client was told
+    to retry later a request that could never pass. Refused at once, naming its size and the limit."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            worker = (await stack.add_worker(artifacts.stable, tokens=2, context_tokens=8 << 20)).worker
+            text = "a" * (MAX_REQUEST_BYTES + 16)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.generate(text)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"at most {MAX_REQUEST_BYTES} (a worker's message limit)" in raised.value.details()
+            assert worker.started == []
+            assert len(await stack.generate("a" * (MAX_REQUEST_BYTES - 64))) == 2  # just under it passes
+
+    run(scenario())
+
+
+def test_routing_reads_of_the_registry_take_no_write_lock(artifacts):
+    """On SQLite a transaction() holds the write lock: the deployment cache's re-reads waited out any writer
+    (the quantizer, another gateway's admin call) for up to the busy timeout, and every request with them."""
+    registry = create_registry(artifacts.url)
+    writer = sqlite3.connect(artifacts.url.removeprefix("sqlite:///"), isolation_level=None)
+    try:
+        writer.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        assert read_deployments(registry, [DEPLOYMENT]) == {DEPLOYMENT: None}
+        assert time.monotonic() - started < 2.0
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+        registry.close()
 
 
 def test_clients_reusing_a_request_id_get_distinct_worker_request_ids(artifacts):
