@@ -85,6 +85,11 @@ class JobRunner:
         self._jobs_over = threading.Event()
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="quantize")
         self._heartbeats = threading.Thread(target=self._heartbeat_loop, name="quantizer-heartbeat", daemon=True)
+        # Orphans and work folders on a thread of their own: deleting what an orphan left can take minutes (an
+        # object store retrying), and meanwhile heartbeats must go on, or a peer fails this quantizer's live jobs
+        # as orphans in turn.
+        self._housekeeping = threading.Thread(target=self._housekeeping_loop, name="quantizer-housekeeping",
+                                              daemon=True)
 
     # ---- lifecycle ----
 
@@ -94,6 +99,7 @@ class JobRunner:
         failed = self._sweep_orphans()
         self._remove_ended_work_dirs()
         self._heartbeats.start()
+        self._housekeeping.start()
         return failed
 
     def stop(self) -> None:
@@ -106,8 +112,9 @@ class JobRunner:
         for job_id in left:  # cancelled before they started
             self._fail(job_id, None, "the quantizer stopped before the job ran; publish again")
         self._jobs_over.set()
-        if self._heartbeats.is_alive():
-            self._heartbeats.join(timeout=self.config.heartbeat_s + 5)
+        for thread in (self._heartbeats, self._housekeeping):
+            if thread.is_alive():
+                thread.join(timeout=self.config.heartbeat_s + 5)
 
     # ---- the API the servicer uses ----
 
@@ -222,7 +229,7 @@ class JobRunner:
                 if job.state in (JobState.QUEUED, JobState.RUNNING):
                     fail_job(session, job_id, error)  # ends it CANCELLED when a cancel was requested
                 view = self._view(session, job)
-        except Exception as exc:  # the registry itself is failing: the heartbeat loop tries again
+        except Exception as exc:  # the registry itself is failing: the housekeeping loop tries again
             log.warning("could not record the failure of job %s (%s): %s", job_id, error, exc)
             self._unsettled[job_id] = (pipeline, error)
             return
@@ -250,19 +257,21 @@ class JobRunner:
         """What this process does about a cancel of a job it holds: drop it from the queue, or have its
         pipeline stop at its next step. Nothing for a job of another quantizer."""
         if view.state == JobState.CANCELLED:
-            self._drop_queued(job_id)
+            self._drop_queued(job_id, view)
         elif view.state == JobState.RUNNING and job_id in self._live and self.cancels.note(job_id, view.error):
             log.info("job %s: stopping it at its next step (%s)", job_id, view.error)
             self.board.post(Update(view, f"stopping: {view.error}"))
 
-    def _drop_queued(self, job_id: str) -> None:
-        """A job cancelled while queued gives its place back (if its turn came meanwhile, _start sees it ended)."""
+    def _drop_queued(self, job_id: str, view: JobView) -> None:
+        """A job cancelled while queued gives its place back (if its turn came meanwhile, _start sees it ended).
+        Its end goes on the board from the cancel's own view: read again, a registry error at that moment left
+        the board's 'queued' for good (the job no longer live, nothing posted again), and WatchJob never ended."""
         with self._lock:
             live = self._live.get(job_id)
             if live is None or live.future is None or not live.future.cancel():
                 return
             self._live.pop(job_id, None)
-        self._post_now(job_id, "cancelled before it started")
+        self.board.post(Update(view, "cancelled before it started"))
 
     def _notice_cancels(self) -> None:
         """Acts on the cancels of this process's jobs that CancelJob recorded on another quantizer."""
@@ -293,12 +302,19 @@ class JobRunner:
                 with self.services.registry.transaction() as session:
                     heartbeat(session, self.config.owner)
                 self._notice_cancels()
+            except Exception as exc:  # a registry outage must not kill the heartbeat thread
+                log.warning("heartbeat failed: %s", exc)
+
+    def _housekeeping_loop(self) -> None:
+        """Other quantizers' orphans, failures the registry did not take yet, ended jobs' work folders."""
+        while not self._jobs_over.wait(self.config.heartbeat_s):
+            try:
                 self._sweep_orphans()
                 for job_id, (pipeline, error) in list(self._unsettled.items()):
                     self._fail(job_id, pipeline, error)
                 self._remove_ended_work_dirs()
-            except Exception as exc:  # a registry outage must not kill the heartbeat thread
-                log.warning("heartbeat failed: %s", exc)
+            except Exception as exc:  # a registry outage must not kill the thread
+                log.warning("sweeping orphaned jobs failed: %s", exc)
 
     def _sweep_orphans(self) -> list[str]:
         with self.services.registry.transaction() as session:

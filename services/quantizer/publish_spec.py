@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,7 +160,7 @@ def _check_source(source: str, format: str, config: QuantizerConfig) -> tuple[st
         _check_s3_uri("source", source, config)
         return source, None  # read when the job runs: its errors end the job FAILED
     folder = Path(source).expanduser()
-    if not folder.is_dir():
+    if not _looked_up("source checkpoint folder", source, folder.is_dir):
         raise MissingInput(f"source checkpoint folder {source!r} does not exist (on the quantizer's host)")
     try:
         model_config = LlamaConfig.from_folder(folder)
@@ -183,8 +184,19 @@ def _check_text_file(what: str, uri: str, config: QuantizerConfig) -> None:
         if "/" not in bucket_and_key.strip("/") or bucket_and_key.endswith("/"):
             raise InvalidRequest(f"{what} {uri!r} names no object: use s3://bucket/path/file.txt")
         _check_s3_uri(what, uri, config)
-    elif not Path(uri).expanduser().is_file():
+    elif not _looked_up(f"{what} file", uri, Path(uri).expanduser().is_file):
         raise MissingInput(f"{what} file {uri!r} does not exist (on the quantizer's host)")
+
+
+def _looked_up(what: str, path: str, check: Callable[[], bool]) -> bool:
+    """check() (Path.is_dir, is_file), with the paths it cannot look up (a name too long, a folder it may not
+    enter) refused naming why: pathlib raises OSError for those, and the client got UNKNOWN."""
+    try:
+        return check()
+    except OSError as exc:
+        shown = repr(path[:200]) + ("..." if len(path) > 200 else "")
+        raise InvalidRequest(f"{what} {shown} cannot be looked up on the quantizer's host: "
+                             f"{exc.strerror or exc}") from None
 
 
 def _check_s3_uri(what: str, uri: str, config: QuantizerConfig) -> None:

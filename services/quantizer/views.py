@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from services.quantizer.errors import InvalidRequest
 from services.quantizer.publish_spec import PublishSpec
 from shared.registry import Artifact, ArtifactState, JobState, QuantJob
 from shared.registry.models import utcnow
@@ -41,11 +42,16 @@ def job_state_from_pb(value: int) -> JobState | None:
 
 
 def artifact_state_from_pb(value: int) -> ArtifactState | None:
-    """None for UNSPECIFIED (any state)."""
+    """None for UNSPECIFIED (any state); InvalidRequest for a number this version does not know (a newer
+    client's state: read as "any", its filter would list every artifact)."""
+    if value == common_pb2.ARTIFACT_STATE_UNSPECIFIED:
+        return None
     for state, pb in _ARTIFACT_STATES.items():
         if pb == value:
             return state
-    return None
+    accepted = ", ".join(common_pb2.ArtifactState.Name(pb) for pb in _ARTIFACT_STATES.values())
+    raise InvalidRequest(f"state {value} is not an artifact state to filter by; accepted: {accepted} (or none for "
+                         f"any state)")
 
 
 @dataclass(slots=True, frozen=True)

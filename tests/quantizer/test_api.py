@@ -52,6 +52,10 @@ def _gpt2(folder):
         ({"max_relative_perplexity_increase": -0.01}, INVALID, "max_relative_perplexity_increase -0.01 is not accepted"),
         ({"eval": Q.EvalData(data="/no/eval.txt")}, NOT_FOUND, "eval.data file '/no/eval.txt' does not exist"),
         ({"eval": Q.EvalData()}, INVALID, "eval.data is required"),
+        # pathlib raises for a name too long to look up (the client got UNKNOWN)
+        ({"source": "/" + "d" * 300}, INVALID, "cannot be looked up on the quantizer's host: File name too long"),
+        ({"eval": Q.EvalData(data="/" + "e" * 300)}, INVALID, "eval.data file '/eeee"),
+        ({"calibration": Q.Calibration(data="/" + "c" * 300)}, INVALID, "cannot be looked up"),
         ({"calibration": Q.Calibration(data="/no/calib.txt")}, NOT_FOUND, "calibration.data file '/no/calib.txt'"),
         ({"calibration": Q.Calibration(seq_len=1)}, INVALID, "calibration.seq_len=1 is out of range"),
         ({"eval": Q.EvalData(data="/no/eval.txt", sha256="abc")}, INVALID, "eval.sha256 'abc' is not a sha256"),
@@ -120,6 +124,8 @@ def test_list_filters_check_their_values(quantizer):
         assert error.code() == INVALID and "holds a NUL character" in error.details()
     assert not quantizer.stub.ListModels(Q.ListModelsRequest(model_name="unknown")).models
     assert not quantizer.stub.ListArtifacts(Q.ListArtifactsRequest(state=common_pb2.ARTIFACT_STATE_READY)).artifacts
+    error = _error(quantizer.stub.ListArtifacts, Q.ListArtifactsRequest(state=99))  # a newer client's state
+    assert error.code() == INVALID and "state 99 is not an artifact state to filter by" in error.details()
 
 
 def test_health_and_reflection(quantizer):

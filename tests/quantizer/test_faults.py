@@ -270,6 +270,41 @@ def test_a_stopping_quantizer_heartbeats_its_jobs_until_they_have_ended(bucket_s
     assert beat()[0] == JobState.FAILED
 
 
+def test_heartbeats_go_on_while_what_an_orphan_left_is_deleted(bucket_store, start_quantizer, registry_url,
+                                                              open_registry, small_model, request_for, monkeypatch):
+    """Deleting what an orphaned job left can take minutes (an object store retrying): it ran on the heartbeat
+    thread, so this quantizer's live jobs went unheard meanwhile and another quantizer's sweep failed them as
+    orphans in turn. Orphans are swept on a thread of their own."""
+    import threading
+    import time
+
+    from services.quantizer.pipeline import Pipeline
+
+    release = threading.Event()
+    monkeypatch.setattr(Pipeline, "run", lambda self, finish: (release.wait(10), self.reporter.check()))
+    quantizer = start_quantizer(bucket_store, registry_url, heartbeat_s=0.05, orphan_after_s=0.5)
+    job_id = quantizer.stub.Publish(request_for(small_model)).job_id
+    registry = open_registry(registry_url)
+
+    def beat():
+        with registry.sessions() as session:
+            job = get_job(session, job_id)
+            return job.state, job.heartbeat_at
+
+    deadline = time.monotonic() + 10
+    while beat()[0] != JobState.RUNNING:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    runner = quantizer.server.running.runner
+    monkeypatch.setattr(runner, "_sweep_orphans", lambda: time.sleep(1.5) or [])  # a slow store's deletion
+    time.sleep(0.2)
+    _, first = beat()
+    time.sleep(0.5)
+    _, later = beat()
+    release.set()
+    assert later > first, "no heartbeat while orphans were being swept"
+
+
 def test_an_orphan_time_within_one_heartbeat_is_refused(registry_url, tmp_path):
     from services.quantizer.config import ConfigError, QuantizerConfig
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from sqlalchemy.exc import OperationalError
 
 from services.quantizer.views import Stage
 from shared.registry import (
@@ -171,7 +172,17 @@ def test_a_queued_job_of_this_quantizer_gives_its_place_back(tmp_path, start_qua
     full = _error(quantizer.stub.Publish, request_for(small_model))
     assert full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
+    # The job's end goes on the board from the cancel's own view: a registry read failing just after the cancel
+    # committed answered UNAVAILABLE and left the board's 'queued' for good (WatchJob never ended).
+    runner = quantizer.server.running.runner
+    view = runner.view
+
+    def registry_lost(job_id):
+        raise OperationalError("SELECT quant_jobs", {}, ConnectionResetError("registry connection lost"))
+
+    monkeypatch.setattr(runner, "view", registry_lost)
     assert quantizer.stub.CancelJob(Q.CancelJobRequest(job_id=queued)).state == Q.JOB_STATE_CANCELLED
+    monkeypatch.setattr(runner, "view", view)
     assert [u.job.state for u in quantizer.follow(queued, timeout_s=10)] == [Q.JOB_STATE_CANCELLED]
     queued_again = quantizer.stub.Publish(request_for(small_model)).job_id  # the slot is free
     with registry.transaction() as session:
