@@ -25,7 +25,7 @@ def create_deployment(
     check_segment("deployment name", name)
     stable = _ready(session, stable_artifact_id, "stable")
     if baseline_artifact_id is not None:
-        _same_model(_ready(session, baseline_artifact_id, "baseline"), stable, "baseline", name)
+        _same_model(_ready(session, baseline_artifact_id, "baseline"), "baseline", name, {"stable": stable})
     now = utcnow()
     row = Deployment(
         name=name, stable_artifact_id=stable_artifact_id, baseline_artifact_id=baseline_artifact_id,
@@ -69,7 +69,8 @@ def start_rollout(session: Session, name: str, *, canary_artifact_id: str, perce
     if canary_artifact_id == deployment.stable_artifact_id:
         raise InvalidState(f"artifact {canary_artifact_id} is already the stable of deployment {name!r}; "
                            f"a canary must be a different artifact")
-    _same_model(_ready(session, canary_artifact_id, "canary"), _stable(session, deployment), "canary", name)
+    _same_model(_ready(session, canary_artifact_id, "canary"), "canary", name,
+                _arms(session, deployment, "stable", "baseline"))
     deployment.canary_artifact_id, deployment.canary_percent = canary_artifact_id, percent
     _record(session, deployment, EventKind.ROLLOUT_START, actor,
             {"canary": canary_artifact_id, "percent": percent, "stable": deployment.stable_artifact_id})
@@ -124,7 +125,7 @@ def set_baseline(session: Session, name: str, baseline_artifact_id: str, *, acto
     check_text("actor", actor, MAX_ACTOR)
     baseline = _ready(session, baseline_artifact_id, "baseline")
     deployment = _lock(session, name)
-    _same_model(baseline, _stable(session, deployment), "baseline", name)
+    _same_model(baseline, "baseline", name, _arms(session, deployment, "stable", "canary"))
     previous = deployment.baseline_artifact_id
     if previous == baseline_artifact_id:
         return deployment
@@ -174,32 +175,39 @@ def _ready(session: Session, artifact_id: str, role: str) -> Artifact:
     return artifact
 
 
-def _stable(session: Session, deployment: Deployment) -> Artifact:
-    return get_artifact(session, deployment.stable_artifact_id)
+def _arms(session: Session, deployment: Deployment, *roles: str) -> dict[str, Artifact]:
+    """The deployment's artifacts in these roles ("stable", "canary", "baseline"), where it has one."""
+    ids = {"stable": deployment.stable_artifact_id, "canary": deployment.canary_artifact_id,
+           "baseline": deployment.baseline_artifact_id}
+    return {role: get_artifact(session, ids[role]) for role in roles if ids[role] is not None}
 
 
-def _same_model(artifact: Artifact, stable: Artifact, role: str, deployment: str) -> None:
+def _same_model(artifact: Artifact, role: str, deployment: str, arms: Mapping[str, Artifact]) -> None:
     """A deployment serves one model: its canary and baseline are of the stable's model (any version
     of it: a new checkpoint version is what a rollout is for). The stable of another model would be
     promoted from such a canary, and the fallback would answer with another model.
 
     And one vocabulary: a new version whose tokenizer maps ids otherwise (tokens added by a fine-tune)
     would give a client that sends token ids, or reads them from the stream, other tokens on that arm.
-    Checked where both artifacts carry a vocabulary digest (those published before migration 0003 do not)."""
+    Checked against every arm (`arms`: the stable and those it has) whose artifact carries a vocabulary
+    digest (those published before migration 0003 do not): against the stable alone, a canary and a
+    baseline of two vocabularies both passed beside a stable without one, and a promote paired them."""
+    stable = arms["stable"]
     if artifact.model_version.model_id != stable.model_version.model_id:
         raise InvalidState(
             f"artifact {artifact.id} is of model {artifact.model_version.model.name!r} and cannot be the {role} "
             f"of deployment {deployment!r}, whose stable {stable.id} is of model "
             f"{stable.model_version.model.name!r}: a deployment serves one model"
         )
-    ours, theirs = artifact.vocabulary_digest, stable.vocabulary_digest
-    if ours and theirs and ours != theirs:
-        raise InvalidState(
-            f"artifact {artifact.id} cannot be the {role} of deployment {deployment!r}: its tokenizer maps token "
-            f"ids otherwise than that of the stable {stable.id} (vocabulary digests {ours[:12]}... and "
-            f"{theirs[:12]}...), so clients sending or reading token ids would get other tokens on that arm; "
-            f"serve the new vocabulary under a new deployment"
-        )
+    for other_role, other in arms.items():
+        ours, theirs = artifact.vocabulary_digest, other.vocabulary_digest
+        if ours and theirs and ours != theirs:
+            raise InvalidState(
+                f"artifact {artifact.id} cannot be the {role} of deployment {deployment!r}: its tokenizer maps "
+                f"token ids otherwise than that of the {other_role} {other.id} (vocabulary digests {ours[:12]}... "
+                f"and {theirs[:12]}...), so clients sending or reading token ids would get other tokens on that "
+                f"arm; serve the new vocabulary under a new deployment"
+            )
 
 
 def _require_rollout(deployment: Deployment, action: str) -> None:

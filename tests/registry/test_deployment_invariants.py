@@ -199,6 +199,20 @@ def test_a_canary_may_be_another_version_or_the_fp16_of_the_same_model(session: 
     assert start_rollout(session, "chat", canary_artifact_id=world.legacy, percent=5, actor="a").canary_percent == 5
 
 
+def test_a_vocabulary_is_checked_against_every_arm_that_records_one(session: Session, world: World) -> None:
+    """Beside a stable published before vocabulary digests, a canary and a baseline of two vocabularies each passed
+    (compared with the stable alone), and a promote paired them: the fallback would answer in other token ids."""
+    create_deployment(session, "mixed", stable_artifact_id=world.legacy, baseline_artifact_id=world.baseline,
+                      actor="a")
+    with pytest.raises(InvalidState, match="otherwise than that of the baseline"):
+        start_rollout(session, "mixed", canary_artifact_id=world.new_vocab, percent=5, actor="a")
+    create_deployment(session, "mixed-2", stable_artifact_id=world.legacy, actor="a")
+    start_rollout(session, "mixed-2", canary_artifact_id=world.new_vocab, percent=5, actor="a")
+    with pytest.raises(InvalidState, match="otherwise than that of the canary"):
+        set_baseline(session, "mixed-2", world.baseline, actor="a")
+    set_baseline(session, "mixed-2", world.new_vocab_fp16, actor="a")  # the canary's vocabulary: accepted
+
+
 def test_every_rollout_and_fallback_change_appends_exactly_one_event(session: Session, world: World) -> None:
     changes = [
         (lambda: start_rollout(session, "chat", canary_artifact_id=world.canary, percent=5, actor="a"),
