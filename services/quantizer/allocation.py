@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from shared.registry import (
     Artifact,
     ArtifactState,
+    Conflict,
     JobState,
     Model,
     ModelVersion,
@@ -86,7 +87,16 @@ def model_version_row(session: Session, binding: Binding) -> ModelVersion:
     existing = session.scalars(stmt).unique().one_or_none()
     if existing is not None:
         return existing
-    return register_model_version(session, binding.model_name, binding.model_version, binding.version_label or None)
+    try:
+        return register_model_version(session, binding.model_name, binding.model_version,
+                                      binding.version_label or None)
+    except Conflict:
+        # Registered meanwhile by another publish of the checkpoint with its label (PostgreSQL: that insert won):
+        # as when it came first, the version keeps that label. A label naming another version stays refused.
+        existing = session.scalars(stmt).unique().one_or_none()
+        if existing is None:
+            raise
+        return existing
 
 
 def _try_claim(session: Session, job_id: str, binding: Binding, actor: str) -> tuple[Claim | None, str | None]:

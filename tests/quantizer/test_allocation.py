@@ -6,8 +6,9 @@ import threading
 
 import pytest
 
-from services.quantizer.allocation import Binding, _try_claim
-from shared.registry import create_job, create_registry, register_model_version, reserve_artifact
+from services.quantizer import allocation
+from services.quantizer.allocation import Binding, _try_claim, model_version_row
+from shared.registry import create_job, create_registry, register_model_version, reserve_artifact, sqlite_url
 from tests.conftest import fresh_postgres_schema
 
 BINDING = Binding(model_name="tiny", model_version="c" * 64, version_label="", format="w4a8kv4-g128", gpu_target="sm90")
@@ -52,3 +53,23 @@ def test_a_pending_artifact_left_by_a_dead_job_is_taken_over_by_one_job_only():
             assert results["b"] == (None, job_a)
         finally:
             registry.close()
+
+
+def test_a_version_registered_meanwhile_under_another_label_is_taken_as_registered(tmp_path, monkeypatch):
+    """Two publishes of one new checkpoint with different labels: one after the other, the second takes the version
+    with the first's label; at the same time (PostgreSQL), the second's insert lost the race and its Conflict failed
+    the job. The race is played here by registering the version, under the other label, just before the insert."""
+    registry = create_registry(sqlite_url(tmp_path / "registry.db"))
+    register = allocation.register_model_version
+
+    def raced(session, model_name, content_hash, label=None):
+        register(session, model_name, content_hash, "first")  # the other publish's insert, committed first
+        return register(session, model_name, content_hash, label)
+
+    monkeypatch.setattr(allocation, "register_model_version", raced)
+    try:
+        with registry.transaction() as session:
+            version = model_version_row(session, Binding("tiny", "d" * 64, "second", "w4a8kv4-g128", "sm90"))
+            assert (version.content_hash, version.label) == ("d" * 64, "first")
+    finally:
+        registry.close()
