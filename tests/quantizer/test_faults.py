@@ -228,6 +228,22 @@ def test_a_publish_whose_job_row_did_not_commit_takes_no_queue_slot(bucket_store
     assert job.state in (Q.JOB_STATE_QUEUED, Q.JOB_STATE_RUNNING)
 
 
+def _running_jobs_beat(registry, job_id: str):
+    """Waits until the job runs; -> a function reading its (state, heartbeat_at)."""
+    import time
+
+    def beat():
+        with registry.sessions() as session:
+            job = get_job(session, job_id)
+            return job.state, job.heartbeat_at
+
+    deadline = time.monotonic() + 10
+    while beat()[0] != JobState.RUNNING:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return beat
+
+
 def test_a_stopping_quantizer_heartbeats_its_jobs_until_they_have_ended(bucket_store, start_quantizer, registry_url,
                                                                        open_registry, small_model, request_for,
                                                                        monkeypatch):
@@ -247,17 +263,7 @@ def test_a_stopping_quantizer_heartbeats_its_jobs_until_they_have_ended(bucket_s
     monkeypatch.setattr(Pipeline, "run", slow_to_stop)
     quantizer = start_quantizer(bucket_store, registry_url, heartbeat_s=0.05, orphan_after_s=0.5)
     job_id = quantizer.stub.Publish(request_for(small_model)).job_id
-    registry = open_registry(registry_url)
-
-    def beat():
-        with registry.sessions() as session:
-            job = get_job(session, job_id)
-            return job.state, job.heartbeat_at
-
-    deadline = time.monotonic() + 10
-    while beat()[0] != JobState.RUNNING:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    beat = _running_jobs_beat(open_registry(registry_url), job_id)
     stopping = threading.Thread(target=quantizer.stop)
     stopping.start()
     time.sleep(0.2)
@@ -284,17 +290,7 @@ def test_heartbeats_go_on_while_what_an_orphan_left_is_deleted(bucket_store, sta
     monkeypatch.setattr(Pipeline, "run", lambda self, finish: (release.wait(10), self.reporter.check()))
     quantizer = start_quantizer(bucket_store, registry_url, heartbeat_s=0.05, orphan_after_s=0.5)
     job_id = quantizer.stub.Publish(request_for(small_model)).job_id
-    registry = open_registry(registry_url)
-
-    def beat():
-        with registry.sessions() as session:
-            job = get_job(session, job_id)
-            return job.state, job.heartbeat_at
-
-    deadline = time.monotonic() + 10
-    while beat()[0] != JobState.RUNNING:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    beat = _running_jobs_beat(open_registry(registry_url), job_id)
     runner = quantizer.server.running.runner
     monkeypatch.setattr(runner, "_sweep_orphans", lambda: time.sleep(1.5) or [])  # a slow store's deletion
     time.sleep(0.2)
