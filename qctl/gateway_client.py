@@ -15,6 +15,7 @@ from google.protobuf.duration_pb2 import Duration
 from qctl.choices import bearer_token, service_address
 from qctl.errors import rpc_errors as rpc_errors_of
 from qctl.tls import open_channel
+from shared.rpc.bearer import bearer_metadata
 from shared.rpc.qserve.v1 import gateway_pb2_grpc
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
@@ -45,7 +46,7 @@ class Admin:
 def admin_client(address: str, token: str) -> Iterator[Admin]:
     """Over TLS inside qctl.tls.tls_settings with a CA, else plaintext."""
     with open_channel(address) as channel:
-        yield Admin(gateway_pb2_grpc.AdminStub(channel), (("authorization", f"Bearer {token}"),))
+        yield Admin(gateway_pb2_grpc.AdminStub(channel), bearer_metadata(token))
 
 
 @contextmanager

@@ -12,6 +12,7 @@ from qctl.choices import UINT32_MAX, UINT64_MAX, bearer_token
 from qctl.gateway_client import GATEWAY_OPTION, gateway_client, ms, rpc_errors
 from qctl.output import enum_label
 from qctl.tls import tls_options
+from shared.rpc.bearer import bearer_metadata
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
 
 EXIT_INCOMPLETE = 1  # the generation was aborted, or the stream ended without its finish: the text is cut short
@@ -60,7 +61,7 @@ def generate(
         request.text = prompt
     else:
         request.token_ids.ids.extend(_token_ids(token_ids))
-    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+    metadata = bearer_metadata(api_key)
     try:
         finished = _stream(gateway, request, metadata, reply_timeout_s)
     except KeyboardInterrupt:
