@@ -2,12 +2,12 @@
 the protos' integer fields (a value past them would make protobuf raise while the request is built, a
 traceback, instead of typer's one-line "not in the range" error), service addresses and bearer tokens."""
 
-import re
 from enum import Enum
 
 import typer
 
 from shared.formats.spec import FORMATS
+from shared.rpc.address import is_host_port
 
 FormatName = Enum("FormatName", {name: name for name in FORMATS}, type=str)
 # What `qctl up` rolls out over the fp16 baseline it publishes anyway (fp16 would be a rollout onto itself).
@@ -16,14 +16,10 @@ QuantizedFormatName = Enum("QuantizedFormatName", {name: name for name in FORMAT
 UINT32_MAX = 2**32 - 1  # counts, token ids, top_k, max_new_tokens
 UINT64_MAX = 2**64 - 1  # the sampling seed
 
-# A service address: host:port or [v6]:port (the gateway's rule for worker addresses).
-_ADDRESS = re.compile(r"[^\s:/]+:\d{1,5}|\[[0-9a-fA-F:]+\]:\d{1,5}")
-
-
 def service_address(value: str) -> str:
     """--gateway / --quantizer: refused unless host:port with a port of 1-65535. gRPC took port 100995 modulo
     65536 (35459) and sent the admin token to whatever listened there."""
-    if value is not None and not (_ADDRESS.fullmatch(value) and 1 <= int(value.rpartition(":")[2]) <= 65535):
+    if value is not None and not is_host_port(value):
         raise typer.BadParameter(f"{value!r} is not host:port with a port from 1 to 65535")
     return value
 

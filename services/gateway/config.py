@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from shared.config import (ServiceArgumentParser, add_registry_argument, add_tls_client_arguments,
                            add_tls_server_arguments, client_tls_from_args, nonempty, server_tls_from_args)
 from shared.registry.models import MAX_ACTOR
+from shared.rpc.address import split_host_port
 from shared.rpc.bearer import ScopedToken, check_scoped_tokens, parse_scoped_tokens
 from shared.rpc.tls import ClientTls, ServerTls
 
@@ -120,10 +121,10 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.registry_url:
             raise ConfigError("registry_url is required: sqlite:///path/registry.db or postgresql+psycopg://...")
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not host or not port.isdigit() or int(port) > 65535:
+        address = split_host_port(self.listen, port_zero=True)
+        if address is None:
             raise ConfigError(f"listen address {self.listen!r} is not host:port (e.g. {DEFAULT_LISTEN}, or port 0)")
-        self.metrics_host = self.metrics_host or host
+        self.metrics_host = self.metrics_host or address[0]
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics port {self.metrics_port} must be 0..65535 (0 = a free port) or unset (off)")
         check_scoped_tokens(self.admin_tokens, _WHAT, SCOPES, ConfigError, max_name=MAX_ACTOR)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import re
 import time
 from datetime import datetime, timezone
 
@@ -32,11 +31,11 @@ from services.gateway.metrics import ArmStats, GatewayMetrics, stats_of
 from services.gateway.pool import WorkerPool
 from shared import registry as reg
 from shared.registry import ArmTotals, ArtifactState, Deployment, Event, Registry
+from shared.rpc.address import is_host_port
 from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from shared.rpc.tls import CLIENT_FLAGS, mismatch_hint
 
 log = logging.getLogger(__name__)
-_ADDRESS = re.compile(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:]+\]:\d{1,5}")
 # Named so in a registration's refusal: the worker reads it, and has settings of the same names itself.
 _GATEWAY_TLS_FLAGS = tuple(f"the gateway's {flag}" for flag in CLIENT_FLAGS)
 DEFAULT_EVENTS, MAX_EVENTS = 100, 1000
@@ -107,7 +106,7 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
 
     @_admin
     async def RegisterWorker(self, request: gateway_pb2.RegisterWorkerRequest, actor: str):
-        if not _ADDRESS.fullmatch(request.address) or int(request.address.rpartition(":")[2]) > 65535:
+        if not is_host_port(request.address):
             raise InvalidRequest(f"worker address {request.address!r} is not host:port (e.g. 10.0.0.7:50071)")
         artifact_id = _required("artifact_id", request.artifact_id)
         info = await self._worker_info(request.address)

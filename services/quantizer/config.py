@@ -14,6 +14,7 @@ from pathlib import Path
 from shared.config import (ServiceArgumentParser, add_registry_argument, add_store_arguments, add_tls_server_arguments,
                            nonempty, nonempty_path, server_tls_from_args, store_from_args)
 from shared.registry.models import MAX_ACTOR
+from shared.rpc.address import is_host_port
 from shared.rpc.bearer import ScopedToken, check_scoped_tokens, parse_scoped_tokens
 from shared.rpc.tls import ServerTls
 from shared.storage import StorageConfig
@@ -72,8 +73,7 @@ class QuantizerConfig:
         self.work_dir = Path(self.work_dir)
         if not self.registry_url:
             raise ConfigError("registry_url is required: sqlite:///path/registry.db or postgresql+psycopg://...")
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not host or not port.isdigit() or int(port) > 65535:
+        if not is_host_port(self.listen, port_zero=True):
             raise ConfigError(f"listen address {self.listen!r} is not host:port (e.g. {DEFAULT_LISTEN}, or port 0)")
         if not (isinstance(self.default_budget, (int, float)) and math.isfinite(self.default_budget)
                 and self.default_budget >= 0):

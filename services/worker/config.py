@@ -14,6 +14,7 @@ from shared.config import (ServiceArgumentParser, add_registry_argument, add_sto
                            add_tls_client_arguments, add_tls_server_arguments, client_tls_from_args, nonempty,
                            nonempty_path, server_tls_from_args, store_from_args)
 from shared.formats.spec import FORMATS
+from shared.rpc.address import is_host_port
 from shared.rpc.tls import ClientTls, ServerTls
 from shared.storage import StorageConfig
 
@@ -134,7 +135,7 @@ class WorkerConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{name}={value} must be a finite number of seconds >= 0{zero}")
-        if self.advertise_address is not None and not _is_host_port(self.advertise_address):
+        if self.advertise_address is not None and not is_host_port(self.advertise_address):
             raise ConfigError(f"advertise_address {self.advertise_address!r} is not host:port")
         self.gateway_addresses = _checked_gateways(self.gateway_addresses)
         if self.gateway_addresses and not self.gateway_token:
@@ -181,11 +182,6 @@ class WorkerConfig:
         )
 
 
-def _is_host_port(text: str) -> bool:
-    host, sep, port = text.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) <= 65535)
-
-
 def _split_gateways(values: Sequence[str]) -> tuple[str, ...]:
     """Each --gateway-address value may list several, comma-separated (one flag from a templated
     setting, e.g. a compose variable); an empty item is kept so that validation names it."""
@@ -198,7 +194,7 @@ def _checked_gateways(addresses: Sequence[str]) -> tuple[str, ...]:
         raise ConfigError(f"gateway_addresses takes a sequence of host:port, not the string {addresses!r}")
     seen: set[str] = set()
     for address in addresses:
-        if not _is_host_port(address):
+        if not is_host_port(address):
             raise ConfigError(f"gateway address {address!r} is not host:port")
         # Host names are case-insensitive; a gateway listed twice would get two registrations of one worker.
         if address.lower() in seen:

@@ -54,6 +54,9 @@ def test_memory_sizes(text, value):
         ({"gateway_addresses": ("gw:1",)}, ["gateway token"]),
         ({"gateway_addresses": ("nohostport",), "gateway_token": "t"}, ["'nohostport'", "host:port"]),
         ({"gateway_addresses": ("gw:1", "gw:0"), "gateway_token": "t"}, ["'gw:0'", "host:port"]),
+        # gRPC targets of other forms were taken (shared.rpc.address: one rule for every service and qctl)
+        ({"gateway_addresses": ("dns:///gw:50051",), "gateway_token": "t"}, ["'dns:///gw:50051'", "host:port"]),
+        ({"advertise_address": "my host:50071"}, ["'my host:50071'", "host:port"]),
         ({"gateway_addresses": ("gw:1", "gw:1"), "gateway_token": "t"}, ["'gw:1'", "twice"]),
         ({"gateway_addresses": "gw:1", "gateway_token": "t"}, ["gateway_addresses", "'gw:1'", "sequence"]),
         ({"drain_grace_s": -1.0}, ["drain_grace_s=-1.0"]),
