@@ -15,8 +15,10 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
-
+import os
 import shutil
 import uuid
 from pathlib import Path
@@ -55,26 +57,46 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+# safetensors writes its files owner-only (0600) whatever the umask; they get the mode other files of the process
+# get, or a worker running as another account could not read the weights. Read once, at import.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
 class ArtifactWriter:
     """Writes into a hidden staging folder beside `out_dir`; `finish` moves it into place.
 
     A crash or error leaves `out_dir` as it was. `identity` (model version, format, GPU target,
     options, calibration) decides whether an existing artifact in `out_dir` may be replaced: the same
-    artifact re-made is fine, a different one is refused.
+    artifact re-made is fine, a different one is refused, and so is one beside files of the user's.
+    One writer at a time per `out_dir` (an flock on `.<name>.lock` beside it): holding it, the staging
+    folders a killed run left beside `out_dir` (hidden, as large as the artifact) are removed.
     """
 
     def __init__(self, out_dir: str | Path, identity: dict):
-        self.out_dir = Path(out_dir)
+        # Resolved: `.` (renamed by its path, '.' itself cannot be) and a symlink (the folder it names is replaced).
+        self.out_dir = Path(out_dir).expanduser().resolve()
         self.identity = identity
         self._check_destination()
-        self.staging = self.out_dir.parent / f".{self.out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
-        self.staging.mkdir(parents=True)
+        self._lock = _lock_output(self.out_dir)
+        try:
+            _remove_leftovers(self.out_dir)
+            self.staging = self.out_dir.parent / f".{self.out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
+            self.staging.mkdir(parents=True)
+        except BaseException:
+            self._lock.close()
+            raise
 
     def _check_destination(self) -> None:
         if not self.out_dir.exists():
             return
         if not self.out_dir.is_dir():
             raise ArtifactError(f"output path {self.out_dir} exists and is not a folder")
+        if os.path.ismount(self.out_dir):
+            raise ArtifactError(
+                f"output folder {self.out_dir} is a mount point: the artifact is written beside it and moved into "
+                f"place, which a mount point cannot be; give a folder inside it (e.g. {self.out_dir / 'artifact'})"
+            )
         if not any(self.out_dir.iterdir()):
             return
         try:
@@ -87,11 +109,23 @@ class ArtifactWriter:
         if theirs != self.identity:
             diff = ", ".join(f"{k}={theirs[k]!r} (new: {self.identity[k]!r})" for k in self.identity if theirs[k] != self.identity[k])
             raise ArtifactError(f"output folder {self.out_dir} already holds a different artifact: {diff}")
+        # The folder is replaced whole: files that are not the artifact's (notes, results) would go with it.
+        listed = {f.path for f in existing.files} | {MANIFEST_NAME}
+        others = sorted(rel for p in self.out_dir.rglob("*")
+                        if not p.is_dir() and (rel := p.relative_to(self.out_dir).as_posix()) not in listed)
+        if others:
+            shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+            raise ArtifactError(f"output folder {self.out_dir} holds files that are not its artifact's ({shown}): "
+                                f"re-making the artifact replaces the folder; move them or choose another folder")
 
     def write_tensors(self, relpath: str, tensors: dict[str, torch.Tensor]) -> None:
         path = self.staging / relpath
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+        try:
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+        except SafetensorError as exc:  # a full disk among others: not an OSError, it was a traceback
+            raise OSError(f"cannot write {path}: {exc}") from None
+        path.chmod(0o666 & ~_UMASK)
 
     def copy_file(self, src: Path, relpath: str) -> None:
         dst = self.staging / relpath
@@ -118,10 +152,12 @@ class ArtifactWriter:
         self.staging.rename(self.out_dir)
         if old is not None:
             shutil.rmtree(old)
+        self._lock.close()
         return self.out_dir
 
     def abort(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
+        self._lock.close()
 
     def __enter__(self) -> "ArtifactWriter":
         return self
@@ -129,6 +165,33 @@ class ArtifactWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.staging.exists():
             self.abort()
+        self._lock.close()
+
+
+def _lock_output(out_dir: Path):
+    """The open `.<name>.lock` beside out_dir, flocked (the kernel drops it however the process ends); an
+    ArtifactError when another writer holds it."""
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file where the folder goes: said as its deeper ancestors' case is
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(out_dir.parent)) from None
+    lock = open(out_dir.parent / f".{out_dir.name}.lock", "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise ArtifactError(f"another run is writing an artifact to {out_dir}; wait for it or choose another "
+                            f"folder") from None
+    return lock
+
+
+def _remove_leftovers(out_dir: Path) -> None:
+    """The staging and replaced folders (.<name>.partial-*, .<name>.old-*) a run killed while writing out_dir
+    left beside it: under the lock no other run is writing them."""
+    for pattern in (f".{out_dir.name}.partial-*", f".{out_dir.name}.old-*"):
+        for leftover in out_dir.parent.glob(pattern):
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 class ArtifactReader:

@@ -113,4 +113,9 @@ class Manifest:
         path = Path(folder) / MANIFEST_NAME
         if not path.is_file():
             raise ManifestError(f"{folder} has no {MANIFEST_NAME}: not an artifact folder")
-        return cls.from_json(path.read_text())
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError as exc:  # else the codec's words alone, naming no file
+            raise ManifestError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}): not an artifact's "
+                                f"manifest") from None
+        return cls.from_json(text)

@@ -92,6 +92,15 @@ def test_empty_calibration_file(random_llama, tmp_path):
     assert code == 2 and "is empty" in _error_line(output)
 
 
+def test_a_checkpoint_without_a_tokenizer_is_refused_for_every_format(tmp_path):
+    """fp16 and RTN need no calibration text, so nothing read the tokenizer: the artifact was written, and every
+    worker refused it at start-up (its tokenizer/ missing)."""
+    model = write_random_llama(tmp_path / "no-tokenizer", tokenizer_from=None)
+    code, output = _quantize(model, tmp_path / "out", "fp16")
+    assert code == 2 and "has no tokenizer.json or tokenizer.model" in _error_line(output)
+    assert not (tmp_path / "out").exists()
+
+
 def test_unknown_format(random_llama, tmp_path):
     code, output = _quantize(random_llama, tmp_path / "out", "w3a8")
     assert code == 2 and "w3a8" in output and "w4a8kv4-g128" in output

@@ -46,6 +46,13 @@ def test_other_schema_versions_are_refused(tmp_path, version):
         Manifest.read(tmp_path)
 
 
+def test_a_manifest_that_is_not_utf8_is_a_manifest_error_naming_the_file(tmp_path):
+    """It was the codec's words alone ("'utf-8' codec can't decode byte 0xff"), naming no file."""
+    (tmp_path / "manifest.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ManifestError, match=r"manifest.json is not UTF-8 text .*at byte 0"):
+        Manifest.read(tmp_path)
+
+
 def test_missing_manifest_says_not_an_artifact(tmp_path):
     with pytest.raises(ManifestError, match="not an artifact folder"):
         Manifest.read(tmp_path)
