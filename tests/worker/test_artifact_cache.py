@@ -115,6 +115,21 @@ def test_a_worker_fetching_onto_a_full_cache_deletes_an_unused_artifact_then_dow
     os.close(loaded.cache_hold)
 
 
+def test_a_partial_download_a_killed_worker_left_is_removed_by_the_next_download(artifacts, tmp_path, monkeypatch):
+    """Swept only after an hour without writes: a worker restarted right after a kill counted the dead partial copy
+    as used and refused its artifact for want of room. In a download turn no other worker downloads: it goes."""
+    manifest, store = _store_with_g128(artifacts, tmp_path)
+    cache = tmp_path / "cache"
+    left = cache / f".{manifest.artifact_id}.download-abcd1234"  # shared.storage's download_folder's name
+    (left / "weights").mkdir(parents=True)
+    (left / "weights" / "block_000.safetensors").write_bytes(b"x" * 10)  # written a moment ago
+    monkeypatch.setattr("shared.disk_space.free_bytes", lambda path: 1 << 40 if not left.exists() else 1000)
+    loaded = open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
+    loaded.reader.verify()
+    assert not left.exists()
+    os.close(loaded.cache_hold)
+
+
 def test_an_artifact_another_worker_serves_is_never_deleted_for_room(artifacts, tmp_path, monkeypatch):
     manifest, store = _store_with_g128(artifacts, tmp_path)
     cache = tmp_path / "cache"

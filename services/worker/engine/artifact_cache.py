@@ -32,6 +32,7 @@ from pathlib import Path
 from shared import disk_space
 from shared.formats.manifest import ARTIFACT_ID_RE
 from shared.storage import InsufficientSpace, ObjectStore, TransferProgress
+from shared.storage.base import remove_stale_partial_downloads
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +69,14 @@ def hold(cache_dir: Path, artifact_id: str) -> int | None:
 def download_turn(cache_dir: Path, artifact_id: str) -> Iterator[None]:
     """This worker's turn to download `artifact_id` into the cache: waits while another worker downloads into it
     (the caller then looks again for its artifact's folder). A cache that cannot take the lock file (read-only)
-    gives every worker its turn at once."""
+    gives every worker its turn at once. Yields whether the turn is this worker's alone: then a partial download
+    in the cache is one a killed worker left (download_into_cache removes it)."""
     try:
         fd = _open_lock(cache_dir, DOWNLOAD_LOCK)
     except OSError as exc:
         log.warning("cannot take the download lock of %s (%s): workers sharing it may download at once", cache_dir,
                     exc)
-        yield
+        yield False
         return
     try:
         try:
@@ -86,7 +88,7 @@ def download_turn(cache_dir: Path, artifact_id: str) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"artifact {artifact_id} (pid {os.getpid()})".encode(), 0)  # what the waiting ones log
-        yield
+        yield True
     finally:
         os.close(fd)  # drops the lock
 
@@ -225,10 +227,15 @@ def _open_lock(cache_dir: Path, artifact_id: str) -> int:
     return os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
 
 
-def download_into_cache(object_store: ObjectStore, prefix: str, folder: Path, ref: str) -> None:
+def download_into_cache(object_store: ObjectStore, prefix: str, folder: Path, ref: str, alone: bool = False) -> None:
     """Downloads into the cache, first deleting cached artifacts no worker uses when the disk lacks the room;
-    logs the progress every 10 s (a 70B artifact takes minutes) and the end with the rate."""
+    logs the progress every 10 s (a 70B artifact takes minutes) and the end with the rate. `alone`: in this
+    worker's own download_turn, where every partial download in the cache is a killed worker's."""
     remove_leftovers(folder.parent)  # before download_folder's space check: they hold room for nothing
+    if alone:
+        # Else swept only after an hour without writes: a worker restarted right after a kill counted the dead
+        # copy as used and refused its artifact for want of room (or deleted cached ones a rollback needs).
+        remove_stale_partial_downloads(folder.parent, older_than_s=0.0)
     progress = TransferProgress(lambda done: log.info("artifact %s: %s downloaded", ref, done),
                                 total_bytes=sum(info.size for info in object_store.list(prefix)))
     try:

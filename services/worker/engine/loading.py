@@ -219,14 +219,14 @@ def _download(ref: str, store: StorageConfig, record: RegistryRecord | None, fol
     if folder.exists():  # another worker put a complete, verified copy there meanwhile
         return None
     try:
-        with download_turn(cache_dir, ref):  # one download at a time per cache (artifact_cache)
+        with download_turn(cache_dir, ref) as alone:  # one download at a time per cache (artifact_cache)
             if folder.exists():
                 return None
             object_store = open_store(store)
             prefix = record.object_prefix if record else _find_prefix(object_store, ref)
             log.info("downloading artifact %s from %s", ref, object_store.uri(prefix))
             try:
-                download_into_cache(object_store, prefix, folder, ref)
+                download_into_cache(object_store, prefix, folder, ref, alone)
             except StorageError:
                 # Another worker's download may have landed between the check and ours (one of an older
                 # build, without the download lock; the store renames only complete, verified copies
