@@ -174,15 +174,19 @@ class Pipeline:
         if calib is not None:
             _check_pinned(calib, spec.calib_sha256, "calibration.data", spec.calib_data)
         out = self.work_dir / "artifact"
-        started = time.monotonic()
+        # When the blocks start: the calibration text and the checkpoint's content hash (minutes for a 70B model)
+        # come first, and counted as block time they made the first estimates far too long.
+        blocks_started = time.monotonic()
 
         def progress(stage: str, done: int, total: int) -> None:
+            nonlocal blocks_started
             if stage == "load" and done == 0:
                 self.reporter.progress(Stage.CALIBRATE, message="reading the calibration text")
             elif stage == "load":
+                blocks_started = time.monotonic()
                 self.reporter.progress(Stage.QUANTIZE, 1, num_layers)
             elif stage == "quantize" and done < total:
-                remaining = (time.monotonic() - started) / done * (total - done)
+                remaining = (time.monotonic() - blocks_started) / done * (total - done)
                 self.reporter.progress(Stage.QUANTIZE, done + 1, total, remaining_s=remaining,
                                        message=f"block {done}/{total} done")
             elif stage == "pack" and done == 0:

@@ -329,3 +329,32 @@ def test_a_job_counts_the_disk_that_other_jobs_sharing_the_work_dir_have_claimed
     while list(claims.glob("*.claim")) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert list(claims.glob("*.claim")) == []
+
+
+def test_the_time_left_is_estimated_from_the_blocks_alone(tmp_path, start_quantizer, registry_url, small_model,
+                                                          request_for, monkeypatch):
+    """The clock started before the calibration text and the checkpoint's content hash (minutes for a 70B model):
+    counted as block time, the first estimates were far too long. Here loading takes 100 s on a fake clock and a
+    block 1 s: with 1 of 2 blocks done, 1 s is left, not 101."""
+    from types import SimpleNamespace
+
+    from services.quantizer import pipeline
+
+    clock = [1000.0]
+    monkeypatch.setattr(pipeline, "time", SimpleNamespace(monotonic=lambda: clock[0]))  # the pipeline's clock only
+
+    def quantize(settings, progress):
+        progress("load", 0, 1)
+        clock[0] += 100.0
+        progress("load", 1, 1)
+        clock[0] += 1.0
+        progress("quantize", 1, 2)
+        raise ValueError("stopped here by the test")
+
+    monkeypatch.setattr(pipeline, "quantize_checkpoint", quantize)
+    quantizer = start_quantizer(StorageConfig(kind="local", root=tmp_path / "objects"), registry_url,
+                                create_bucket=True)
+    updates = quantizer.follow(quantizer.stub.Publish(request_for(small_model)).job_id)
+    estimates = [u.job.estimated_remaining.ToTimedelta().total_seconds() for u in updates
+                 if u.job.HasField("estimated_remaining")]
+    assert estimates == [1.0], [(u.job.state, u.message) for u in updates]
