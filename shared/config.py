@@ -7,6 +7,7 @@ the host), so no setting has both a flag and a variable and none can shadow the 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -112,6 +113,29 @@ def client_tls_from_args(args: argparse.Namespace, error: type[Exception]) -> Cl
         return load_client_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key)
     except TlsError as exc:
         raise error(str(exc)) from None
+
+
+def check_device(device: str, accepted: tuple[str, ...], error: type[Exception]) -> None:
+    """--device: one of `accepted` or cuda:N (the worker's and the quantizer's rule; the quantizer took 'cuda:'
+    and 'cuda:x', and failed every publish on them)."""
+    if device not in accepted and not re.fullmatch(r"cuda:[0-9]+", device):
+        raise error(f"device {device!r} is not supported; accepted: {', '.join(accepted)}, cuda:N")
+
+
+def require_visible_device(device: str, error: type[Exception]) -> None:
+    """At a service's start: a CUDA device this process cannot see (a CPU build of torch, no GPU, an index past
+    its GPUs) is refused naming --device. It was a traceback at the worker's first load, and a quantizer that
+    reported healthy failed every publish minutes in."""
+    if not device.startswith("cuda"):
+        return
+    import torch  # here: the services' configuration is parsed before torch is needed
+
+    if not torch.cuda.is_available():
+        raise error(f"--device {device}: no CUDA GPU is visible to this process (a CPU build of torch, or no GPU); "
+                    f"use --device cpu")
+    index = device.partition(":")[2]
+    if index and int(index) >= torch.cuda.device_count():
+        raise error(f"--device {device}: this process sees {torch.cuda.device_count()} CUDA GPU(s)")
 
 
 def one_line(exc: BaseException) -> str:

@@ -212,6 +212,39 @@ def test_a_registry_path_that_cannot_be_created_is_one_line(service, tmp_path, c
     assert str(blocker) in err
 
 
+@pytest.mark.parametrize("service", ["quantizer", "gateway", "worker"])
+def test_a_registry_url_with_a_port_that_is_not_a_number_is_one_line(service, tmp_path, capsys):
+    err = _start_with_registry(service, tmp_path, capsys, f"postgresql+psycopg://qserve:{SECRET}@db:notaport/qserve")
+    assert "the registry URL cannot be parsed" in err and SECRET not in err  # was int()'s traceback
+
+
+@pytest.mark.parametrize("service", ["quantizer", "worker"])
+def test_a_cuda_device_this_process_cannot_see_stops_the_service_at_start(service, tmp_path, capsys, monkeypatch):
+    """The worker's first load raised a traceback; the quantizer reported healthy and failed every publish."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, err = _main(service, [*_base(service, tmp_path), "--device", "cuda"], capsys)
+    assert code == 2 and err == "error: --device cuda: no CUDA GPU is visible to this process (a CPU build of " \
+                                "torch, or no GPU); use --device cpu", err
+    for bad in ("cuda:", "cuda:x"):  # the quantizer took these, and failed every publish on them
+        assert f"device {bad!r} is not supported" in _refusal(service, [*_base(service, tmp_path), "--device", bad],
+                                                                capsys)
+
+
+def test_a_kv_cache_the_hosts_memory_cannot_hold_is_one_line(tmp_path, capsys, monkeypatch):
+    """On the CPU a --kv-blocks past the host's memory failed in torch's allocator: a traceback."""
+    from services.worker import server
+
+    async def serve(config):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 1717986918400 bytes.")
+
+    monkeypatch.setattr(server, "serve", serve)
+    code, err = _main("worker", [*_base("worker", tmp_path), "--kv-blocks", "100000000"], capsys)
+    assert code == 2 and err.startswith("error: out of host memory while starting: ") and "--kv-blocks" in err, err
+
+
 def _start_with_registry(service, tmp_path, capsys, registry_url: str) -> str:
     """Starts `service` on a registry it cannot open; asserts one error line and exit code 2, returns it."""
     argv = [*_base(service, tmp_path), "--registry-url", registry_url]

@@ -34,7 +34,7 @@ from services.gateway.servicer_gateway import GatewayServicer
 from shared.config import fail
 from shared.registry import Registry, RegistryError, create_registry
 from shared.rpc.cert_expiry import CertificateExpiry
-from shared.rpc.serving import BackgroundLoop, listen, serve_metrics, wait_for_stop_signal
+from shared.rpc.serving import BackgroundLoop, grpc_server, listen, serve_metrics, wait_for_stop_signal
 from shared.rpc.tls import certificate_files
 from shared.rpc.qserve.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -84,7 +84,7 @@ class GatewayServer:
         admin = AdminServicer(self.registry, self.pool, self.deployments, self.metrics, AdminAuth(config.admin_tokens),
                               config.heartbeat_interval_s, config.worker_info_timeout_s, datetime.now(timezone.utc),
                               self.fleet)
-        server = grpc.aio.server()
+        server = grpc_server()
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.gateway, server)
         gateway_pb2_grpc.add_AdminServicer_to_server(admin, server)
         self._health = health.aio.HealthServicer()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.config import (ServiceArgumentParser, add_registry_argument, add_store_arguments, add_tls_server_arguments,
+                           check_device,
                            nonempty, nonempty_path, server_tls_from_args, store_from_args)
 from shared.registry.models import MAX_ACTOR
 from shared.rpc.address import is_host_port
@@ -83,8 +84,7 @@ class QuantizerConfig:
         for name in ("workers", "max_queued"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
-        if self.device not in DEVICES and not self.device.startswith("cuda:"):
-            raise ConfigError(f"device {self.device!r} is not supported; accepted: {', '.join(DEVICES)}, cuda:N")
+        check_device(self.device, DEVICES, ConfigError)
         for name in ("heartbeat_s", "grace_s"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ConfigError(f"{name}={getattr(self, name)} must be a positive, finite number of seconds")

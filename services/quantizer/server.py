@@ -27,9 +27,9 @@ from services.quantizer.evaluate import Fp16PerplexityCache
 from services.quantizer.jobs import JobRunner
 from services.quantizer.pipeline import Services
 from services.quantizer.servicer import QuantizerServicer
-from shared.config import fail
+from shared.config import fail, require_visible_device
 from shared.registry import Registry, RegistryError, create_registry
-from shared.rpc.serving import BackgroundLoop, listen, wait_for_stop_signal
+from shared.rpc.serving import BackgroundLoop, grpc_server, listen, wait_for_stop_signal
 from shared.rpc.qserve.v1 import quantizer_pb2, quantizer_pb2_grpc
 from shared.storage import StorageError, open_store
 
@@ -79,7 +79,7 @@ async def start(config: QuantizerConfig) -> RunningQuantizer:
     if orphans:
         log.warning("failed %d job(s) left running by a stopped quantizer: %s", len(orphans), ", ".join(orphans))
 
-    server = grpc.aio.server()
+    server = grpc_server()
     quantizer_pb2_grpc.add_QuantizerServicer_to_server(QuantizerServicer(runner), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -130,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = QuantizerConfig.from_args(argv)
+        require_visible_device(config.device, ConfigError)
         asyncio.run(serve(config))
     # OSError: a registry or work folder that cannot be created.
     except (ConfigError, StorageError, RegistryError, SQLAlchemyError, OSError) as exc:

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.config import (ServiceArgumentParser, add_registry_argument, add_store_arguments,
+from shared.config import (ServiceArgumentParser, add_registry_argument, add_store_arguments, check_device,
                            add_tls_client_arguments, add_tls_server_arguments, client_tls_from_args, nonempty,
                            nonempty_path, server_tls_from_args, store_from_args)
 from shared.formats.spec import FORMATS
@@ -108,8 +108,7 @@ class WorkerConfig:
         self.cache_dir = Path(self.cache_dir)
         if not self.artifact:
             raise ConfigError("artifact is required: a local artifact folder or an artifact id")
-        if self.device not in DEVICES and not re.fullmatch(r"cuda:[0-9]+", self.device):
-            raise ConfigError(f"device {self.device!r} is not supported; accepted: cpu, cuda, cuda:N")
+        check_device(self.device, DEVICES, ConfigError)
         if self.format is not None and self.format not in FORMATS:
             raise ConfigError(f"format {self.format!r} is unknown; accepted: {', '.join(FORMATS)}")
         if self.gpu_memory_budget is not None and self.gpu_memory_budget <= 0:

@@ -35,11 +35,11 @@ from services.worker.errors import WorkerError
 from services.worker.metrics import WorkerMetrics
 from services.worker.servicer import WorkerServicer
 from services.worker.serving import ServedModel, load_served_model
-from shared.config import fail
+from shared.config import fail, require_visible_device
 from shared.registry import RegistryError
 from shared.rpc.qserve.v1 import worker_pb2, worker_pb2_grpc
 from shared.rpc.cert_expiry import CertificateExpiry
-from shared.rpc.serving import BackgroundLoop, in_daemon_thread, listen, wait_for_stop_signal
+from shared.rpc.serving import BackgroundLoop, grpc_server, in_daemon_thread, listen, wait_for_stop_signal
 from shared.rpc.tls import certificate_files
 from shared.storage import StorageError
 
@@ -79,7 +79,7 @@ class WorkerServer:
         metrics = WorkerMetrics(served.engine.stats, served.probe_error)
         metrics.registry.register(
             CertificateExpiry("worker", certificate_files(self.config.tls, self.config.gateway_tls)))
-        server = grpc.aio.server()
+        server = grpc_server()
         servicer = WorkerServicer(served, metrics)
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()
@@ -223,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = WorkerConfig.from_args(argv)
+        require_visible_device(config.device, ConfigError)
         asyncio.run(serve(config))
     # The registry (--registry-url) is opened while the artifact is looked up; OSError: a cache folder or
     # registry file that cannot be created.
@@ -232,6 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except torch.OutOfMemoryError as exc:  # the plan did not fit what the device really had (e.g. --kv-blocks)
         print(f"error: out of device memory while starting: {str(exc).splitlines()[0]}; lower --gpu-memory-budget "
               f"or --kv-blocks", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        if "DefaultCPUAllocator" not in str(exc):  # the same on the CPU: the host's memory
+            raise
+        print(f"error: out of host memory while starting: {str(exc).splitlines()[0]}; lower --kv-blocks",
+              file=sys.stderr)
         return 2
     return 0
 

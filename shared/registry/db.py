@@ -28,12 +28,17 @@ _READ_ONLY = "qserve_registry_read_only"
 
 
 def sqlite_url(path: str | Path) -> str:
-    return f"sqlite:///{Path(path).expanduser().resolve()}"
+    """The URL of a SQLite file; '?' and '%' in the path are escaped (pasted as they are, `qctl up --workdir
+    'demo?a'` opened the file `demo`, beside the folder, and shared it with every `demo?...`)."""
+    return sa.URL.create("sqlite", database=str(Path(path).expanduser().resolve())).render_as_string()
 
 
 def make_engine(url: str, *, create: bool = True) -> sa.Engine:
     """With create=False a SQLite file that does not exist is refused (InvalidValue) instead of created."""
-    parsed = sa.make_url(url)
+    try:
+        parsed = sa.make_url(url)
+    except ValueError as exc:  # a port that is not a number: int()'s words, as a traceback of every service
+        raise InvalidValue(f"the registry URL cannot be parsed ({exc}); use {_ACCEPTED_URLS}") from None
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         return _sqlite_engine(parsed, create)

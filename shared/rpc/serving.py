@@ -23,6 +23,17 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+# gRPC sets SO_REUSEPORT on Linux by default: a second server on a port in use bound it too, and the kernel split
+# new connections between the two processes (a worker of another artifact answered half of this one's requests;
+# a second gateway with other tokens refused half the calls). Off, a port in use is refused (listen below).
+SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
+
+
+def grpc_server() -> grpc.aio.Server:
+    """A grpc.aio server for one of our services (SERVER_OPTIONS)."""
+    return grpc.aio.server(options=SERVER_OPTIONS)
+
+
 def listen(server: grpc.aio.Server, address: str, setting: str, error: type[Exception],
            tls: ServerTls | None = None) -> int:
     """Opens address: over TLS with `tls` (shared.rpc.tls.load_server_tls), plaintext without. A port that

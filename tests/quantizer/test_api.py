@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import signal
 import socket
+from concurrent import futures
 
 import grpc
 import pytest
@@ -186,11 +188,21 @@ def test_the_server_process_names_a_missing_bucket(moto, tmp_path, registry_url)
     assert "error: bucket 'no-such-bucket' does not exist at endpoint" in process.stdout.read()
 
 
-def test_the_server_process_names_a_port_in_use(tmp_path, registry_url):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+@pytest.mark.parametrize("holder", ["socket", "grpc"])
+def test_the_server_process_names_a_port_in_use(tmp_path, registry_url, holder):
+    """Also when a gRPC server holds it (another instance of a service): gRPC's default SO_REUSEPORT let the second
+    bind the port too, and the kernel split the connections between the two."""
+    with contextlib.ExitStack() as held:
+        if holder == "socket":
+            taken = held.enter_context(socket.socket())
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+        else:
+            other = grpc.server(futures.ThreadPoolExecutor(1))  # gRPC's defaults, as a service of an older build
+            port = other.add_insecure_port("127.0.0.1:0")
+            other.start()
+            held.callback(other.stop, None)
         process = quantizer_process("--registry-url", registry_url, "--store", tmp_path / "objects", "--create-bucket",
                                     "--work-dir", tmp_path / "work", "--listen", f"127.0.0.1:{port}")
         assert process.wait(timeout=60) == 2

@@ -80,3 +80,15 @@ def test_the_longest_accepted_names_fit_the_object_prefix_column(session: Sessio
     artifact = reserve_artifact(session, version, "f" * 64, "g" * 64).artifact
     session.flush()
     assert session.get(Artifact, artifact.id).object_prefix.startswith("m" * 128 + "/" + "h" * 128 + "/")
+
+
+@pytest.mark.parametrize("folder", ["demo?a", "demo%41", "demo#1"])
+def test_a_sqlite_registry_stays_in_its_folder_whatever_the_folder_is_called(tmp_path, folder) -> None:
+    """The path was pasted into the URL: `qctl up --workdir 'demo?a'` opened the file `demo` beside the folder (and
+    shared it with every `demo?...`); 'demo%41' opened 'demoA'."""
+    from shared.registry import create_registry, sqlite_url
+
+    (tmp_path / folder).mkdir()
+    create_registry(sqlite_url(tmp_path / folder / "registry.db")).close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder]
+    assert (tmp_path / folder / "registry.db").is_file()
