@@ -60,7 +60,7 @@ def quantize(
     settings = QuantizeSettings(
         model_dir=model, out_dir=out, format=format.value, gpu_target=resolve_gpu_target(gpu_target),
         options=options, calib_path=calib, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
-        model_name=name, device=resolve_device(device),
+        model_name=name, device=resolve_device(device), needs_tokenizer=True,
     )
     console = Console(stderr=True)
     if calib is not None and not needs_calibration(format_spec(settings.format), settings.options):

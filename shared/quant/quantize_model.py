@@ -59,6 +59,9 @@ class QuantizeSettings:
     device: str = "cpu"
     # The free-space check before any work: a SharedSpace's when other jobs write to the same disk.
     room: RoomCheck = shortage
+    # Refuse a checkpoint without a tokenizer before any work (qctl quantize: a worker refuses such an artifact; fp16
+    # and RTN read no calibration text, so nothing else would). Tests and benches make token-id-only artifacts.
+    needs_tokenizer: bool = False
 
     def __post_init__(self):
         format_spec(self.format)  # raises on an unknown format
@@ -118,14 +121,15 @@ def quantize_checkpoint(settings: QuantizeSettings, progress: Progress | None = 
     check_group_divisibility(config, spec)
     options = settings.options if spec.weight_kind != "fp16" else QoQOptions.rtn()
     check_room_for_artifact(settings.out_dir, settings.model_dir, config, spec, options, settings.room)
-    # Every format needs it: the artifact carries the tokenizer, and a worker refuses one without (fp16 and RTN
-    # artifacts of a checkpoint without a tokenizer were written, then refused on every worker start).
-    tokenizer = Tokenizer(settings.model_dir)
+    if settings.needs_tokenizer:
+        Tokenizer(settings.model_dir)  # a CheckpointError naming the folder when it has none
     tokens, calibration = None, None
     if needs_calibration(spec, options):
         # Before the (long, for a 7B model) content hash, so a bad calibration file fails fast.
         seq_len = config.window(settings.calib_seq_len or None, DEFAULT_SEQ_LEN, "--calib-seq-len", "a calibration")
-        tokens, calibration = load_calibration(settings.calib_path, tokenizer, settings.calib_samples, seq_len)
+        tokens, calibration = load_calibration(
+            settings.calib_path, Tokenizer(settings.model_dir), settings.calib_samples, seq_len
+        )
         check_token_ids(tokens, config.vocab_size, f"the calibration text {calibration.data_name}")
     model_version = ckpt.content_hash()
     report("load", 1, 1)
