@@ -262,6 +262,17 @@ def _query_fragment(hi, lo, g, t, base: tl.constexpr, FIRST_HEAD: tl.constexpr, 
 
 
 @triton.jit
+def _query_fragments(hi, lo, g, t, HALF: tl.constexpr, FIRST_HEAD: tl.constexpr, FAST: tl.constexpr):
+    """The 8 B fragments of heads FIRST_HEAD.. (_query_fragment): dims 0.., 16.., 32.., 48.. of each half."""
+    return (_query_fragment(hi, lo, g, t, 0, FIRST_HEAD, FAST), _query_fragment(hi, lo, g, t, 16, FIRST_HEAD, FAST),
+            _query_fragment(hi, lo, g, t, 32, FIRST_HEAD, FAST), _query_fragment(hi, lo, g, t, 48, FIRST_HEAD, FAST),
+            _query_fragment(hi, lo, g, t, HALF, FIRST_HEAD, FAST),
+            _query_fragment(hi, lo, g, t, HALF + 16, FIRST_HEAD, FAST),
+            _query_fragment(hi, lo, g, t, HALF + 32, FIRST_HEAD, FAST),
+            _query_fragment(hi, lo, g, t, HALF + 48, FIRST_HEAD, FAST))
+
+
+@triton.jit
 def _scores16(w0, w1, w2, w3, w4, w5, w6, w7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, FAST: tl.constexpr):
     """Integer scores of a group of 16 tokens from lane (g, t)'s K words t, 4 + t, 8 + t, 12 + t of
     slot g (w0..w3) and of slot g + 8 (w4..w7), against the query fragments
@@ -695,23 +706,9 @@ def _kv4_decode_mma_kernel(
     q_step = tl.where(q_max > 0, q_max / 32512.0, 1.0)  # |q16| <= 32512 keeps the high byte in [-127, 127]
     inv = (qk_scale / q_step)[:, None]
     hi, lo = _query_bytes(q0 * inv, q1 * inv, q2 * inv, q3 * inv)  # row h, lane i: head h's dims 4i .. 4i + 3
-    qb0 = _query_fragment(hi, lo, g, t, 0, 0, FAST)
-    qb1 = _query_fragment(hi, lo, g, t, 16, 0, FAST)
-    qb2 = _query_fragment(hi, lo, g, t, 32, 0, FAST)
-    qb3 = _query_fragment(hi, lo, g, t, 48, 0, FAST)
-    qb4 = _query_fragment(hi, lo, g, t, HALF, 0, FAST)
-    qb5 = _query_fragment(hi, lo, g, t, HALF + 16, 0, FAST)
-    qb6 = _query_fragment(hi, lo, g, t, HALF + 32, 0, FAST)
-    qb7 = _query_fragment(hi, lo, g, t, HALF + 48, 0, FAST)
+    qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7 = _query_fragments(hi, lo, g, t, HALF, 0, FAST)
     if GROUP == 8:  # the MMA's 8 columns hold 4 heads: heads 4..7 get fragments of their own
-        qc0 = _query_fragment(hi, lo, g, t, 0, 4, FAST)
-        qc1 = _query_fragment(hi, lo, g, t, 16, 4, FAST)
-        qc2 = _query_fragment(hi, lo, g, t, 32, 4, FAST)
-        qc3 = _query_fragment(hi, lo, g, t, 48, 4, FAST)
-        qc4 = _query_fragment(hi, lo, g, t, HALF, 4, FAST)
-        qc5 = _query_fragment(hi, lo, g, t, HALF + 16, 4, FAST)
-        qc6 = _query_fragment(hi, lo, g, t, HALF + 32, 4, FAST)
-        qc7 = _query_fragment(hi, lo, g, t, HALF + 48, 4, FAST)
+        qc0, qc1, qc2, qc3, qc4, qc5, qc6, qc7 = _query_fragments(hi, lo, g, t, HALF, 4, FAST)
     else:  # unused
         qc0, qc1, qc2, qc3, qc4, qc5, qc6, qc7 = qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7
 
