@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import re
-
+from shared.config import check_device
 from shared.formats.manifest import GPU_TARGETS
 
 
@@ -14,8 +13,7 @@ def resolve_device(device: str) -> str:
     import torch  # here, not at the top: qctl imports this module for every command, --help included
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda") and not re.fullmatch(r"cuda:[0-9]+", device):
-        raise ValueError(f"device {device!r} is not supported; accepted: auto, cpu, cuda, cuda:N")
+    check_device(device, ("auto", "cpu", "cuda"), ValueError)  # the services' rule ('auto' is taken above)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for but no CUDA GPU is visible; use --device cpu")
     return device

@@ -152,12 +152,10 @@ class ArtifactWriter:
         self.staging.rename(self.out_dir)
         if old is not None:
             shutil.rmtree(old)
-        self._lock.close()
         return self.out_dir
 
     def abort(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
-        self._lock.close()
 
     def __enter__(self) -> "ArtifactWriter":
         return self
