@@ -19,6 +19,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from services.gateway.errors import InvalidRequest
+from services.gateway.registry_threads import RegistryThreads
 from shared.registry import Artifact, Deployment, Event, EventKind, NotFound, Registry, get_artifact
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
 
@@ -66,7 +67,8 @@ class DeploymentView:
     created_at: datetime
     updated_at: datetime
     rollout_started_at: datetime | None  # when the canary's rollout started; None without a rollout
-    runs: dict[str, int]  # by arm ("stable", "canary"): the id of the last event that started its run (_runs)
+    # By arm ("stable", "canary"): the id and time of the last event that started its run (_runs).
+    runs: dict[str, tuple[int, datetime]]
 
     def to_pb(self) -> gateway_pb2.Deployment:
         pb = gateway_pb2.Deployment(name=self.name, stable=self.stable.to_pb(), canary_percent=self.canary_percent,
@@ -106,14 +108,17 @@ def view_of(session: Session, deployment: Deployment) -> DeploymentView:
     )
 
 
-def _runs(session: Session, deployment: Deployment) -> dict[str, int]:
-    """By arm, the id of the last event that started its run (RUN_KINDS), 0 for none: one query for both."""
-    last = dict(session.execute(
-        sa.select(Event.kind, sa.func.max(Event.id))
-        .where(Event.deployment_id == deployment.id, Event.kind.in_({k for kinds in RUN_KINDS.values() for k in kinds}))
-        .group_by(Event.kind)
-    ).all())
-    return {arm: max((last.get(kind, 0) for kind in kinds), default=0) for arm, kinds in RUN_KINDS.items()}
+def _runs(session: Session, deployment: Deployment) -> dict[str, tuple[int, datetime]]:
+    """By arm, the id and time of the last event that started its run (RUN_KINDS); (0, the deployment's creation)
+    for none."""
+    last_ids = (sa.select(sa.func.max(Event.id))
+                .where(Event.deployment_id == deployment.id,
+                       Event.kind.in_({k for kinds in RUN_KINDS.values() for k in kinds}))
+                .group_by(Event.kind))
+    last = {kind: (id_, at) for id_, kind, at in session.execute(
+        sa.select(Event.id, Event.kind, Event.at).where(Event.id.in_(last_ids)))}
+    none = (0, deployment.created_at)
+    return {arm: max((last.get(kind, none) for kind in kinds), default=none) for arm, kinds in RUN_KINDS.items()}
 
 
 def _last_event(session: Session, deployment: Deployment, kinds: tuple[str, ...]) -> Event | None:
@@ -150,18 +155,21 @@ class DeploymentCache:
 
     IDLE_S = 60.0  # a deployment nobody asked for this long is no longer refreshed
     OUTAGE_LOG_S = 30.0  # while the registry is down, how often each deployment's stale routing is logged
+    # How long a request waits for a re-read of a deployment it has a view of; past it the registry counts as
+    # down (for_routing): one that answers slowly (a lock behind a migration) held every request to its deadline.
+    ROUTING_READ_WAIT_S = 2.0
 
-    def __init__(self, registry: Registry, max_age_s: float):
+    def __init__(self, registry: Registry, max_age_s: float, threads: RegistryThreads | None = None):
         self.registry = registry
         self.max_age_s = max_age_s
+        self.threads = threads or RegistryThreads("deployment-reads")
         self._entries: dict[str, tuple[DeploymentView | None, float]] = {}
         self._used: dict[str, float] = {}  # name -> when a request last asked for it
         self._reads: dict[str, asyncio.Task] = {}
         self._outage_logged: dict[str, float] = {}  # name -> when routing on a stale view was last logged
-        # name -> (revision, wall time this replica first saw it; 0 for the first revision it ever saw)
-        self._seen: dict[str, tuple[int, float]] = {}
-        # (name, arm) -> (what identifies the arm's run, when it began): arm_since
-        self._runs: dict[tuple[str, str], tuple[int, float]] = {}
+        # (name, arm) -> (the event id of the arm's run, wall time this replica first saw it; 0 for a run seen in
+        # the first view it read of the deployment): arm_since
+        self._runs_seen: dict[tuple[str, str], tuple[int, float]] = {}
 
     async def get(self, name: str) -> DeploymentView:
         now = time.monotonic()
@@ -183,10 +191,14 @@ class DeploymentCache:
     async def for_routing(self, name: str) -> DeploymentView:
         """get(), except through a registry outage: the last view read, without its canary. Traffic keeps
         flowing on what was vetted, while the guard could not abort a bad canary (nor a change made
-        elsewhere be seen); a name never read still fails UNAVAILABLE."""
+        elsewhere be seen); a name never read still fails UNAVAILABLE. A re-read that takes longer than
+        ROUTING_READ_WAIT_S counts as an outage (it goes on, and its answer is kept when it comes)."""
+        entry = self._entries.get(name)
         try:
-            return await self.get(name)
-        except OperationalError:
+            if entry is None or entry[0] is None:
+                return await self.get(name)
+            return await asyncio.wait_for(self.get(name), self.ROUTING_READ_WAIT_S)
+        except (OperationalError, TimeoutError) as exc:
             entry = self._entries.get(name)
             if entry is None or entry[0] is None:
                 raise
@@ -194,40 +206,38 @@ class DeploymentCache:
             now = time.monotonic()
             if now - self._outage_logged.get(name, -self.OUTAGE_LOG_S) >= self.OUTAGE_LOG_S:
                 self._outage_logged[name] = now
-                log.warning("registry unreachable: routing deployment %s on its view of %.0f s ago, without its "
-                            "canary", name, now - read_at, exc_info=True)
+                why = (f"no answer within {self.ROUTING_READ_WAIT_S:.0f} s" if isinstance(exc, TimeoutError)
+                       else "unreachable")
+                log.warning("registry %s: routing deployment %s on its view of %.0f s ago, without its canary", why,
+                            name, now - read_at, exc_info=isinstance(exc, OperationalError))
             return dataclasses.replace(view, canary=None, canary_percent=0) if view.canary is not None else view
 
     def put(self, view: DeploymentView) -> None:
         self._store(view.name, view, time.monotonic())
 
-    def changed_at(self, view: DeploymentView) -> float:
-        """When the deployment last changed (wall time): updated_at, written with the clock of the replica
-        that made the change, but no earlier than when this replica first saw the revision, so that a
-        replica whose clock runs behind cannot date a change before what this one measured before it."""
-        revision, seen_at = self._seen.get(view.name, (view.revision, 0.0))
-        return max(view.updated_at.timestamp(), seen_at if revision == view.revision else time.time())
-
     def arm_since(self, view: DeploymentView, arm: str) -> float:
-        """When the arm's ("stable" or "canary") current run began, as changed_at dates it: the changes of
-        RUN_KINDS start a new one; others (the canary's percentage, the baseline) do not. Every change reset both
-        arms' guard window: a canary ramped faster than it gathered --fallback-min-requests reached 100% failing
-        every request. A replica that first sees a run dates it from the revision it sees."""
-        run = view.runs[arm]
-        known = self._runs.get((view.name, arm))
-        if known is None or known[0] != run:
-            known = self._runs[(view.name, arm)] = (run, self.changed_at(view))
-        return known[1]
+        """When the arm's ("stable" or "canary") current run began (wall time): the changes of RUN_KINDS start
+        a new one; others (the canary's percentage, the baseline) do not. Every change reset both arms' guard
+        window: a canary ramped faster than it gathered --fallback-min-requests reached 100% failing every
+        request. The time is the run's event's, written with the clock of the replica that made the change
+        (a replica started mid-rollout dated the run from the last change of any kind, a ramp, and never
+        judged the failures before it), but no earlier than when this replica first saw the run: one whose
+        clock runs behind cannot date a change before what this one measured before it."""
+        run, began = view.runs[arm]
+        known = self._runs_seen.get((view.name, arm))
+        seen = known[1] if known is not None and known[0] == run else time.time()
+        return max(began.timestamp(), seen)
 
     def _store(self, name: str, view: DeploymentView | None, read_at: float) -> None:
         self._entries[name] = (view, read_at)
         if view is None:
             return
-        known = self._seen.get(name)
-        if known is None:  # nothing was routed, so nothing measured, on an earlier revision here
-            self._seen[name] = (view.revision, 0.0)
-        elif known[0] != view.revision:
-            self._seen[name] = (view.revision, time.time())
+        for arm, (run, _) in view.runs.items():
+            known = self._runs_seen.get((name, arm))
+            if known is None:  # nothing was routed, so nothing measured, on an earlier run here
+                self._runs_seen[(name, arm)] = (run, 0.0)
+            elif known[0] != run:
+                self._runs_seen[(name, arm)] = (run, time.time())
 
     def names(self) -> list[str]:
         return [name for name, (view, _) in self._entries.items() if view is not None]
@@ -255,7 +265,7 @@ class DeploymentCache:
 
     async def _read(self, names: list[str]) -> dict[str, DeploymentView | None]:
         started = time.monotonic()
-        views = await asyncio.to_thread(read_deployments, self.registry, names)
+        views = await self.threads.call(read_deployments, self.registry, names)
         for name, view in views.items():
             entry = self._entries.get(name)
             if entry is None or entry[1] <= started:  # a put() made meanwhile is newer than this read

@@ -44,6 +44,10 @@ class Forbidden(GatewayError):
     """A known token calling an rpc outside its scope (PERMISSION_DENIED)."""
 
 
+class DeadlinePassed(GatewayError):
+    """The client's deadline passed before an admin change was committed, so it was not (DEADLINE_EXCEEDED)."""
+
+
 _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidValue, grpc.StatusCode.INVALID_ARGUMENT),
@@ -56,6 +60,7 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (NoWorker, grpc.StatusCode.UNAVAILABLE),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (Forbidden, grpc.StatusCode.PERMISSION_DENIED),
+    (DeadlinePassed, grpc.StatusCode.DEADLINE_EXCEEDED),
     (OperationalError, grpc.StatusCode.UNAVAILABLE),  # the registry's database cannot be reached
 )
 MAPPED = tuple(error for error, _ in _CODES)

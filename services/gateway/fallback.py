@@ -17,11 +17,12 @@ pool (fallback: the baseline; a canary's abort: the stable, else the baseline): 
 baseline runs no workers would otherwise go from over budget to refusing every request (UNAVAILABLE).
 It is taken on the first pass after such a worker registers, if the arm is still over budget.
 
-The window starts no earlier than the deployment's last change, so what was measured before an
-operator turned fallback off (or before a promote or a new canary) does not trip the guard again.
-The change's time in the registry is the clock of whichever replica made it; the window also starts no
-earlier than when this replica's cache first saw that revision, so a replica whose clock runs behind cannot
-make another judge its arms on what they did before the change."""
+The window starts no earlier than the change that began the arm's run (DeploymentCache.arm_since), so what
+was measured before an operator turned fallback off (or before a promote or a new canary) does not trip the
+guard again, while a ramp of the same canary keeps its failures so far. The change's time in the registry is
+the clock of whichever replica made it; the window also starts no earlier than when this replica's cache first
+saw that run, so a replica whose clock runs behind cannot make another judge its arms on what they did before
+the change."""
 
 from __future__ import annotations
 

@@ -61,6 +61,7 @@ class GatewayServer:
         self.fallback: AutoFallback | None = None
         self.fleet: FleetView | None = None
         self.gateway: GatewayServicer | None = None
+        self.admin: AdminServicer | None = None
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._metrics_http = None
@@ -81,7 +82,7 @@ class GatewayServer:
         self.gateway = GatewayServicer(self.pool, self.deployments, self.metrics, ApiKeys(config.api_keys),
                                        config.max_concurrent_streams, config.max_streams_per_client,
                                        config.first_reply_timeout_s)
-        admin = AdminServicer(self.registry, self.pool, self.deployments, self.metrics, AdminAuth(config.admin_tokens),
+        self.admin = admin = AdminServicer(self.registry, self.pool, self.deployments, self.metrics, AdminAuth(config.admin_tokens),
                               config.heartbeat_interval_s, config.worker_info_timeout_s, datetime.now(timezone.utc),
                               self.fleet)
         server = grpc_server()
@@ -131,6 +132,8 @@ class GatewayServer:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
         await self.pool.close()
+        await self.admin.threads.close()
+        await self.deployments.threads.close()
         self.registry.close()
 
     async def _expire_workers(self) -> None:

@@ -1,10 +1,14 @@
 """The Admin service: worker announcements and deployment changes. Thin: auth -> from_pb -> a
-registry transaction on a thread (the registry blocks) -> to_pb; every change goes into the
-deployment cache at once so this gateway acts on it without waiting for the cache to age."""
+registry transaction on a thread of its own pool (the registry blocks; registry_threads.py) -> to_pb; every
+change goes into the deployment cache at once so this gateway acts on it without waiting for the cache to age.
+
+A change is made within the client's deadline or not at all: its lock wait is bounded by the time left, and
+past the deadline it rolls back instead of committing (a change answered DEADLINE_EXCEEDED and applied seconds
+later made the client's retry a second change)."""
 
 from __future__ import annotations
 
-import asyncio
+import contextvars
 import functools
 import logging
 import time
@@ -25,10 +29,12 @@ from services.gateway.deployments import (
     view_of,
 )
 from services.gateway.fallback import ACTOR as GUARD_ACTOR
-from services.gateway.errors import MAPPED, InvalidRequest, NoWorker, Precondition, details_of, status_of
+from services.gateway.errors import (MAPPED, DeadlinePassed, InvalidRequest, NoWorker, Precondition, details_of,
+                                     status_of)
 from services.gateway.fleet import FleetView, with_others
 from services.gateway.metrics import ArmStats, GatewayMetrics, stats_of
 from services.gateway.pool import WorkerPool
+from services.gateway.registry_threads import RegistryThreads
 from shared import registry as reg
 from shared.registry import ArmTotals, ArtifactState, Deployment, Event, Registry
 from shared.rpc.address import is_host_port
@@ -39,6 +45,9 @@ log = logging.getLogger(__name__)
 # Named so in a registration's refusal: the worker reads it, and has settings of the same names itself.
 _GATEWAY_TLS_FLAGS = tuple(f"the gateway's {flag}" for flag in CLIENT_FLAGS)
 DEFAULT_EVENTS, MAX_EVENTS = 100, 1000
+# The monotonic time the running rpc's client stops waiting (None: no deadline); set by _admin, read by _change
+# on a registry thread (RegistryThreads.call passes context variables on).
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("admin_deadline", default=None)
 
 
 def _admin(method):
@@ -48,6 +57,8 @@ def _admin(method):
     async def wrapper(self: AdminServicer, request, context: grpc.aio.ServicerContext):
         try:
             actor = self.auth.actor(context.invocation_metadata(), method.__name__)
+            remaining = context.time_remaining()
+            _deadline.set(None if remaining is None else time.monotonic() + remaining)
             return await method(self, request, actor)
         except MAPPED as exc:
             await context.abort(status_of(exc), details_of(exc))
@@ -91,8 +102,9 @@ def _seconds(value: float) -> Duration:
 class AdminServicer(gateway_pb2_grpc.AdminServicer):
     def __init__(self, registry: Registry, pool: WorkerPool, deployments: DeploymentCache, metrics: GatewayMetrics,
                  auth: AdminAuth, heartbeat_interval_s: float, worker_info_timeout_s: float, started_at: datetime,
-                 fleet: FleetView | None = None):
+                 fleet: FleetView | None = None, threads: RegistryThreads | None = None):
         self.registry = registry
+        self.threads = threads or RegistryThreads("registry-admin")
         self.fleet = fleet  # the other gateway replicas' reports (RolloutStatus' fleet counts)
         self.pool = pool
         self.deployments = deployments
@@ -116,7 +128,7 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
         if gone is not None:
             log.warning("worker %s (%s) registered for artifact %s, but %s now serves %s: removed", gone.worker_id,
                         request.address, gone.artifact.artifact_id, request.address, info.artifact.artifact_id)
-        artifact = await asyncio.to_thread(self._servable_artifact, artifact_id)
+        artifact = await self.threads.call(self._servable_artifact, artifact_id)
         if info.artifact.artifact_id != artifact_id:
             raise Precondition(f"the worker at {request.address} serves artifact {info.artifact.artifact_id!r}, "
                                f"not {artifact_id!r}: register it with the artifact it loaded")
@@ -195,7 +207,7 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
             with self.registry.transaction() as session:
                 return [view_of(session, d) for d in reg.list_deployments(session)]
 
-        views = await asyncio.to_thread(read)
+        views = await self.threads.call(read)
         for view in views:
             self.deployments.put(view)
         return gateway_pb2.ListDeploymentsResponse(deployments=[v.to_pb() for v in views])
@@ -320,18 +332,24 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
                                           detail=e.detail, actor=e.actor, artifact_id=e.artifact_id or "")
                         for e, name in session.execute(stmt)]
 
-        return gateway_pb2.ListEventsResponse(events=await asyncio.to_thread(read))
+        return gateway_pb2.ListEventsResponse(events=await self.threads.call(read))
 
     # ---------------------------------------------------------------- helpers
 
     async def _change(self, change) -> DeploymentView:
-        """Runs change(session) -> Deployment in one transaction; the new snapshot goes into the cache."""
+        """Runs change(session) -> Deployment in one transaction, within the client's deadline (or rolled back);
+        the new snapshot goes into the cache."""
 
         def run() -> DeploymentView:
-            with self.registry.transaction() as session:
-                return view_of(session, change(session))
+            deadline = _deadline.get()
+            lock_wait_s = None if deadline is None else max(0.001, deadline - time.monotonic())
+            with self.registry.transaction(lock_wait_s=lock_wait_s) as session:
+                view = view_of(session, change(session))
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise DeadlinePassed("the deadline passed before the change was committed; it was not made")
+                return view
 
-        view = await asyncio.to_thread(run)
+        view = await self.threads.call(run)
         self.deployments.put(view)
         return view
 
@@ -340,6 +358,6 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
             with self.registry.transaction() as session:
                 return view_of(session, reg.get_deployment(session, name))
 
-        view = await asyncio.to_thread(run)
+        view = await self.threads.call(run)
         self.deployments.put(view)
         return view

@@ -5,13 +5,17 @@
         reserve_artifact(session, version, "w4a8kv4-g128", "sm90")
     with registry.sessions() as session:                             # reads only
         get_artifact(session, artifact_id)
+
+A lock another transaction holds is waited for at most LOCK_WAIT_S (a transaction may ask for less), on both
+backends; then the statement fails with an OperationalError, as when the database cannot be reached.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import time
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +26,11 @@ from shared.registry import migrate
 from shared.registry.errors import InvalidState, InvalidValue
 
 _ACCEPTED_URLS = "sqlite:///path/to/registry.db or postgresql+psycopg://user@host:5432/dbname"
-_SQLITE_LOCK_WAIT_S = 30.0
+# PostgreSQL waits for a row lock (SELECT ... FOR UPDATE) without limit by default: a session left open in
+# psql, or a paused process mid-transaction, held every writer (and a gateway's threads) for good.
+LOCK_WAIT_S = 30.0
+# Execution option: this transaction's own bound on lock waits, in seconds (Registry.transaction(lock_wait_s)).
+_LOCK_WAIT = "qserve_registry_lock_wait_s"
 # Execution option of the engine behind Registry.sessions: its transactions only read (see _on_begin).
 _READ_ONLY = "qserve_registry_read_only"
 
@@ -50,7 +58,14 @@ def make_engine(url: str, *, create: bool = True) -> sa.Engine:
         # it. A lookup after a lost insert race must see the winner's committed row, and a row locked
         # FOR UPDATE is read as the other writer committed it; under REPEATABLE READ or SERIALIZABLE
         # both end in an IntegrityError or a serialization failure instead of the registry's answer.
-        return sa.create_engine(parsed, pool_pre_ping=True, isolation_level="READ COMMITTED")
+        engine = sa.create_engine(parsed, pool_pre_ping=True, isolation_level="READ COMMITTED")
+
+        @sa.event.listens_for(engine, "begin")
+        def _on_begin(conn: sa.Connection) -> None:
+            # A read waits on locks too (behind a migration's ALTER TABLE, say), so every transaction is bounded.
+            conn.exec_driver_sql(f"SET LOCAL lock_timeout = {_lock_wait_ms(conn)}")
+
+        return engine
     shown = parsed.render_as_string(hide_password=True)
     raise InvalidValue(f"registry URL {shown!r}: backend {backend!r} is not supported; use {_ACCEPTED_URLS}")
 
@@ -70,7 +85,7 @@ def _sqlite_engine(url: sa.URL, create: bool) -> sa.Engine:
             f"check --registry-url (the quantizer and the gateway create the registry, a worker only opens it)"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    engine = sa.create_engine(url, connect_args={"timeout": _SQLITE_LOCK_WAIT_S})
+    engine = sa.create_engine(url, connect_args={"timeout": LOCK_WAIT_S})
 
     @sa.event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn, _record) -> None:
@@ -94,16 +109,21 @@ def _sqlite_engine(url: sa.URL, create: bool) -> sa.Engine:
         # once with SQLITE_BUSY when another writer got in between, with no wait and no retry. The
         # registry's transactions are short, so serializing them costs little.
         conn.exec_driver_sql("PRAGMA query_only = OFF")  # the pooled connection may last have read only
+        conn.exec_driver_sql(f"PRAGMA busy_timeout = {_lock_wait_ms(conn)}")  # this transaction's, or the default
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+def _lock_wait_ms(conn: sa.Connection) -> int:
+    return max(1, round(1000 * conn.get_execution_options().get(_LOCK_WAIT, LOCK_WAIT_S)))
 
 
 def _use_wal(cursor) -> None:
     """PRAGMA journal_mode = WAL, retried while the database is locked: two services opening a new
     registry together race to switch its journal mode, and the loser's switch can fail at once with
     'database is locked' instead of waiting out the busy timeout as a write does."""
-    deadline = time.monotonic() + _SQLITE_LOCK_WAIT_S
+    deadline = time.monotonic() + LOCK_WAIT_S
     while True:
         try:
             cursor.execute("PRAGMA journal_mode = WAL")
@@ -122,12 +142,22 @@ class Registry:
     # Sessions that write (transaction() begins one): on SQLite each transaction holds the write lock.
     writes: sessionmaker[Session]
 
-    def transaction(self) -> AbstractContextManager[Session]:
-        """A session in a transaction that commits when the block ends and rolls back on an exception."""
-        return self.writes.begin()
+    def transaction(self, lock_wait_s: float | None = None) -> AbstractContextManager[Session]:
+        """A session in a transaction that commits when the block ends and rolls back on an exception.
+        lock_wait_s: how long it waits for a lock another transaction holds (default LOCK_WAIT_S), e.g. a
+        caller's time left, so that a call its client gave up on does not hold a thread waiting."""
+        if lock_wait_s is None:
+            return self.writes.begin()
+        return _transaction(self.writes(bind=self.engine.execution_options(**{_LOCK_WAIT: lock_wait_s})))
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+@contextmanager
+def _transaction(session: Session) -> Iterator[Session]:
+    with session, session.begin():
+        yield session
 
 
 def create_registry(url: str, *, migrate_to_head: bool = True) -> Registry:

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from shared.registry._rows import check_canary_percent, check_key, check_segment, check_text, insert_or_get, locked
 from shared.registry.artifacts import get_artifact
 from shared.registry.errors import Conflict, InvalidState, InvalidValue, NotFound
-from shared.registry.events import EventKind, append_event
+from shared.registry.events import EventKind, append_event, last_rollout_event
 from shared.registry.models import MAX_ACTOR, Artifact, ArtifactState, Deployment, utcnow
 
 BASELINE_FORMAT = "fp16"  # what the fallback switch serves: the unquantized model
@@ -83,6 +83,8 @@ def set_canary_percent(session: Session, name: str, percent: int, *, actor: str)
     deployment = _lock(session, name)
     _require_rollout(deployment, "set_canary_percent")
     previous = deployment.canary_percent
+    if previous == percent:  # a retried call, or a ramp to where it is: nothing changes, nothing is logged
+        return deployment
     deployment.canary_percent = percent
     _record(session, deployment, EventKind.ROLLOUT_PERCENT, actor,
             {"canary": deployment.canary_artifact_id, "from": previous, "to": percent})
@@ -91,9 +93,15 @@ def set_canary_percent(session: Session, name: str, percent: int, *, actor: str)
 
 def promote(session: Session, name: str, *, actor: str, expected_canary: str | None = None) -> Deployment:
     """The canary becomes the stable; the rollout ends. With expected_canary, only if that artifact is
-    still the canary (the one the caller reviewed, not one started since)."""
+    still the canary (the one the caller reviewed, not one started since); when the last rollout event is the
+    promote of that artifact, it is a retry of that promote (its answer lost to a deadline), answered as done."""
     check_text("actor", actor, MAX_ACTOR)
     deployment = _lock(session, name)
+    if expected_canary and deployment.canary_artifact_id is None \
+            and deployment.stable_artifact_id == expected_canary:
+        last = last_rollout_event(session, deployment)
+        if last is not None and last.kind is EventKind.PROMOTE and last.detail.get("stable") == expected_canary:
+            return deployment
     _require_rollout(deployment, "promote")
     if expected_canary and deployment.canary_artifact_id != expected_canary:
         raise InvalidState(

@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,6 @@ import pytest
 from services.gateway.config import FallbackBudget
 from services.gateway.fleet import CLOCK_MARGIN_S
 from services.gateway.router import bucket_of
-from shared import registry as reg
 from shared.registry import ArmSecond, create_registry, sqlite_url, write_arm_seconds
 from shared.rpc.qserve.v1 import gateway_pb2
 from tests.conftest import fresh_postgres_schema
@@ -192,7 +191,7 @@ def test_the_guard_on_two_replicas_falls_back_once_and_leaves_the_operators_swit
     run(scenario())
 
 
-def test_a_replica_whose_clock_is_behind_does_not_let_the_guard_undo_the_operator(artifacts):
+def test_a_replica_whose_clock_is_behind_does_not_let_the_guard_undo_the_operator(artifacts, monkeypatch):
     """The guard's window starts at the deployment's last change, written with the clock of the replica
     that made it. The operator turns fallback off through b, whose clock runs 30 s behind a's: a must
     not judge the stable again on the failures it measured before that change and turn it back on."""
@@ -203,9 +202,10 @@ def test_a_replica_whose_clock_is_behind_does_not_let_the_guard_undo_the_operato
             await worker_on_both(a, b, artifacts.baseline, tokens=2, max_running=64)
             await failing_traffic(a, failing, await worker_id_on(a, failing.address))
             assert await a.gateway.fallback.check() == [DEPLOYMENT]
-            await b.admin.SetFallback(gateway_pb2.SetFallbackRequest(deployment=DEPLOYMENT, enabled=False,
-                                                                     reason="fixed"), metadata=ADMIN)
-            await asyncio.to_thread(_backdate_last_change, artifacts.url, 30.0)  # b's clock
+            with monkeypatch.context() as clock:
+                clock.setattr("shared.registry.models.datetime", _ClockBehind)  # b's clock
+                await b.admin.SetFallback(gateway_pb2.SetFallbackRequest(deployment=DEPLOYMENT, enabled=False,
+                                                                         reason="fixed"), metadata=ADMIN)
             await asyncio.sleep(CACHE_S + READ_SLACK_S)
             assert await a.gateway.fallback.check() == []
             assert [kind for kind, _ in await events(a)][-2:] == ["fallback_on", "fallback_off"]
@@ -213,14 +213,38 @@ def test_a_replica_whose_clock_is_behind_does_not_let_the_guard_undo_the_operato
     run(scenario())
 
 
-def _backdate_last_change(url: str, seconds: float) -> None:
-    registry = create_registry(url)
-    try:
-        with registry.transaction() as session:
-            deployment = reg.get_deployment(session, DEPLOYMENT, for_update=True)
-            deployment.updated_at -= timedelta(seconds=seconds)
-    finally:
-        registry.close()
+class _ClockBehind(datetime):
+    """datetime whose now() runs 30 s behind: the registry's clock (models.utcnow) on the replica b."""
+
+    @classmethod
+    def now(cls, tz=None):
+        return datetime.now(tz) - timedelta(seconds=30)
+
+
+def test_a_replica_that_first_sees_a_rollout_after_a_ramp_judges_the_canary_from_its_start(artifacts):
+    """A replica started mid-rollout (or asked for the deployment only then) dated the canary's run from the
+    deployment's last change of any kind, a ramp: the failures the fleet reported before it were never judged,
+    and a canary failing every request went on, while RolloutStatus showed them all as what the guard judges."""
+    async def scenario():
+        async with gateway_stack(artifacts, deployment_cache_s=CACHE_S, budget=FallbackBudget(enabled=False),
+                                 fallback_check_s=60.0) as b, \
+                gateway_stack(artifacts, create_deployment=False, deployment_cache_s=CACHE_S, **GUARD) as a:
+            stable = await b.add_worker(artifacts.stable, tokens=2, max_running=64)
+            await a.admin.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
+                address=stable.address, artifact_id=artifacts.stable), metadata=WORKER)  # where a abort sends
+            failing = await b.add_worker(artifacts.canary, tokens=2, max_running=64)
+            failing.worker.fail_after = 1
+            await b.admin.StartRollout(rollout(100, artifacts.canary), metadata=ADMIN)
+            await asyncio.sleep(math.ceil(time.time() + CLOCK_MARGIN_S) - time.time() + 0.05)  # see fleet.py
+            await failing_traffic(b, failing, failing.worker_id, requests=8)
+            await b.admin.StartRollout(rollout(99, artifacts.canary), metadata=ADMIN)  # a ramp
+            await failing_traffic(b, failing, failing.worker_id, requests=4)
+            assert await b.gateway.fleet.publish(time.time() + 1.01)
+            await a.deployment()  # a's first sight of the deployment
+            assert await a.gateway.fallback.check() == [DEPLOYMENT]
+            assert (await events(a))[-1] == ("abort", "auto")
+
+    run(scenario())
 
 
 def test_the_guard_judges_an_arm_on_the_traffic_of_every_replica(artifacts):

@@ -15,7 +15,7 @@ from shared.registry import Registry, create_job, create_registry, list_jobs, sq
 
 def test_a_reader_left_open_does_not_block_a_writer(registry: Registry, db_url: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("shared.registry.db._SQLITE_LOCK_WAIT_S", 0.2)  # a writer kept waiting fails fast
+    monkeypatch.setattr("shared.registry.db.LOCK_WAIT_S", 0.2)  # a writer kept waiting fails fast
     writer = create_registry(db_url)  # another service
     try:
         with registry.sessions() as session:
