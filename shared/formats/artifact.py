@@ -119,6 +119,14 @@ class ArtifactWriter:
                                 f"re-making the artifact replaces the folder; move them or choose another folder")
 
     def write_tensors(self, relpath: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Refuses a floating tensor holding inf or NaN (ArtifactError): a bf16 checkpoint's value beyond fp16's
+        range became inf in fp16, and the artifact, written without a word, answered NaN."""
+        for name, tensor in tensors.items():
+            if tensor.is_floating_point() and not (finite := torch.isfinite(tensor)).all():
+                raise ArtifactError(
+                    f"{relpath}: tensor {name!r} holds {int((~finite).sum())} value(s) that are inf or NaN: the "
+                    f"checkpoint has a weight that is not finite, or beyond fp16's range (+-65504) after its "
+                    f"quantization steps; the artifact would answer NaN")
         path = self.staging / relpath
         path.parent.mkdir(parents=True, exist_ok=True)
         try:

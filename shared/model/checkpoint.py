@@ -159,9 +159,17 @@ class HfCheckpoint:
         return self.tensor("model.norm.weight")
 
     def lm_head(self) -> torch.Tensor:
-        if self.config.tie_word_embeddings:
-            return self.embed_tokens()
-        return self.tensor("lm_head.weight")
+        if not self.config.tie_word_embeddings:
+            return self.tensor("lm_head.weight")
+        embed = self.embed_tokens()
+        # Tied, yet holding a head of its own that differs: transformers 5 warns and runs that head, older
+        # versions ran the embedding. Which model is meant is not ours to guess.
+        if "lm_head.weight" in self._file_of and not torch.equal(self.tensor("lm_head.weight"), embed):
+            raise CheckpointError(
+                f"{self.folder / 'config.json'} ties the word embeddings (tie_word_embeddings: true), but the "
+                f"checkpoint holds an lm_head.weight that differs from model.embed_tokens.weight: set "
+                f"tie_word_embeddings to false to use that head, or remove it to use the embeddings")
+        return embed
 
     def block(self, i: int) -> FpBlock:
         if not 0 <= i < self.config.num_layers:

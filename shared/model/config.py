@@ -255,22 +255,34 @@ def _rope_from_hf(hf: dict) -> RopeConfig:
     # transformers >= 5 nests everything under rope_parameters; older configs use rope_theta + rope_scaling.
     params = _rope_section(hf, "rope_parameters")
     scaling = _rope_section(hf, "rope_scaling")
-    merged = {**scaling, **params}
+    if params and scaling:
+        # Both, e.g. a context extension added by the long-documented key to a transformers-5 config:
+        # transformers 5 takes rope_scaling whole (rope_parameters' theta too is dropped), a merge would take
+        # rope_parameters' entries. Unless both say the same, the model's RoPE is ambiguous: refused.
+        from_params, from_scaling = _rope_of(hf, params, "rope_parameters"), _rope_of(hf, scaling, "rope_scaling")
+        if from_params != from_scaling:
+            raise CheckpointError(
+                f"config.json gives RoPE twice, and differently: rope_parameters={params!r} and "
+                f"rope_scaling={scaling!r} (read as {from_params} and {from_scaling}); versions of transformers "
+                f"read such a config differently: keep one of the two")
+        return from_params
+    return _rope_of(hf, params, "rope_parameters") if params else _rope_of(hf, scaling, "rope_scaling")
 
+
+def _rope_of(hf: dict, rope: dict, section: str) -> RopeConfig:
     def number(key: str, default) -> float:
         # Named as config.json places it, so the user knows which entry to fix.
-        where = "rope_parameters." if key in params else "rope_scaling." if key in scaling else ""
-        return _hf_number(where + key, merged.get(key, default))
+        return _hf_number(f"{section}.{key}" if key in rope else key, rope.get(key, default))
 
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
-    _check_full_rotary(hf, merged)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    _check_full_rotary(hf, rope)
     return RopeConfig(
         theta=number("rope_theta", hf.get("rope_theta", 10000.0)),
         type=rope_type,
         factor=number("factor", 1.0),
         low_freq_factor=number("low_freq_factor", 1.0),
         high_freq_factor=number("high_freq_factor", 4.0),
-        original_max_position_embeddings=_original_length(hf, merged),
+        original_max_position_embeddings=_original_length(hf, rope),
     )
 
 

@@ -109,3 +109,19 @@ def test_a_write_that_fails_is_an_os_error_naming_the_file(tmp_path, monkeypatch
     with pytest.raises(OSError, match=r"cannot write .*embed.safetensors: .*No space left on device"):
         _write(tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.lock"]  # the staging is removed
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 1e5])
+def test_a_tensor_that_is_not_finite_in_fp16_is_refused_and_nothing_is_left(tmp_path, bad):
+    """A bf16 checkpoint's weight beyond fp16's range (1e5 in a norm) became inf in fp16: the artifact was written
+    without a word and answered NaN (qctl eval: perplexity nan; a worker refused it at start-up only)."""
+    norm = torch.ones(8, dtype=torch.bfloat16)
+    norm[3] = bad
+
+    def write_norm(writer):
+        writer.write_tensors("weights/block_000.safetensors", {"attn_norm": norm.half(), "codes": torch.ones(2)})
+
+    with pytest.raises(ArtifactError, match=r"weights/block_000.safetensors: tensor 'attn_norm' holds 1 value\(s\) "
+                                            r"that are inf or NaN"):
+        _write(tmp_path / "out", before_finish=write_norm)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))

@@ -225,3 +225,18 @@ def test_pytorch_bin_only_checkpoint_is_refused(tmp_path):
     (folder / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="only safetensors checkpoints are supported"):
         HfCheckpoint(folder)
+
+
+def test_a_tied_checkpoint_holding_a_different_head_is_refused(tmp_path):
+    """tie_word_embeddings true beside a stored lm_head.weight of its own: transformers 5 runs that head, the
+    reference ran the embeddings (logits unrelated to the model's). Refused; a stored head equal to the
+    embeddings (some exporters write both) loads."""
+    folder = save_hf_llama(tmp_path / "m", tie_word_embeddings=False)
+    edit_config(folder, tie_word_embeddings=True)
+    with pytest.raises(CheckpointError, match="ties the word embeddings .* lm_head.weight that differs"):
+        HfCheckpoint(folder).lm_head()
+    weights = load_file(folder / "model.safetensors")
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    checkpoint = HfCheckpoint(folder)
+    assert torch.equal(checkpoint.lm_head(), checkpoint.embed_tokens())

@@ -153,3 +153,16 @@ def test_token_ids_inside_the_vocabulary_still_load():
     config = LlamaConfig.from_hf({**BASE, "bos_token_id": 0, "eos_token_id": [1, 255]})
     assert (config.bos_token_id, config.eos_token_ids) == (0, (1, 255))
     assert LlamaConfig.from_dict(config.to_dict()) == config
+
+
+def test_rope_given_twice_and_differently_is_refused():
+    """rope_parameters (transformers 5) beside a legacy rope_scaling that says otherwise: transformers 5 runs
+    rope_scaling whole, a merge ran rope_parameters' entries: quantized and served with another RoPE than the
+    model's, no error. Refused, naming both; given twice the same way, it loads."""
+    both = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "rope_scaling": {"type": "linear", "factor": 4.0}}
+    with pytest.raises(CheckpointError, match="gives RoPE twice, and differently: rope_parameters=.* rope_scaling="):
+        LlamaConfig.from_hf({**BASE, **both})
+    same = {"rope_theta": 500000.0, "rope_parameters": {**LLAMA3, "rope_theta": 500000.0}, "rope_scaling": LLAMA3}
+    rope = LlamaConfig.from_hf({**BASE, **same}).rope
+    assert (rope.type, rope.theta, rope.factor) == ("llama3", 500000.0, 8.0)

@@ -78,3 +78,19 @@ def test_decode_partials_are_reserved_for_the_rows_that_can_decode_only():
     assert step < 4 * 2**30  # was ~36 GiB
     assert TritonRunner._step_bytes(runner, 8) - 8 * runner._token_bytes() - 8 * config.vocab_size * 6 \
         == 8 * partials_per_row  # a decode batch below the limit: its own rows
+
+
+def test_attention_activations_are_sized_by_the_context_served(artifacts):
+    """The CPU runner sized one step's attention by config.json's context window whatever --max-context-tokens
+    said: a 1M-parameter model with a Llama-3.1-style 131,072-token window could not start in 2 GiB at all."""
+    reader = ArtifactReader(artifacts["w4a8kv4-g128"], verify=False)
+    window = ReferenceRunner(reader, "cpu", block_size=8)
+    served = ReferenceRunner(reader, "cpu", block_size=8, max_model_len=64)
+    assert window.max_model_len == window.config.max_position_embeddings > 64 == served.max_model_len
+    blocks = 20
+    budget = served.weight_bytes() + served.activation_bytes(64) + blocks * served.kv_block_bytes() + 5
+    # At the whole window the same budget leaves no room for a single block.
+    assert window.weight_bytes() + window.activation_bytes(64) > budget
+    info = _started_info(artifacts, gpu_memory_budget=budget, block_size=8, max_batch_tokens=64,
+                         max_context_tokens=64)
+    assert (info.kv_blocks_total, info.max_context_tokens) == (blocks, 64)

@@ -16,7 +16,8 @@ def plan_kv_blocks(budget_bytes: int, weight_bytes: int, activation_bytes: int, 
         raise CapacityError(
             f"memory budget {_gib(budget_bytes)} leaves no room for the KV cache: weights take "
             f"{_gib(weight_bytes)}, activations {_gib(activation_bytes)}, one KV block {block_bytes} bytes; "
-            "raise --gpu-memory-budget or lower --max-batch-tokens"
+            "raise --gpu-memory-budget, or lower --max-batch-tokens or --max-context-tokens (activations hold "
+            "one step's attention over the longest context), or set --kv-blocks"
         )
     return int(blocks if max_useful_blocks is None else min(blocks, max_useful_blocks))
 

@@ -98,13 +98,13 @@ def load_runner(
     """The ModelRunner (services/worker/engine/runner.py) for the device, weights loaded.
 
     max_batch_tokens and max_model_len size the GPU runner's workspace, max_decode_batch (the
-    engine's most running sequences) its decode graphs; the reference runner allocates per step
-    and ignores them.
+    engine's most running sequences) its decode graphs; the reference runner allocates per step,
+    and max_model_len bounds the attention it accounts for.
     """
     device = torch.device(device)
     cls = runner_class(device)
     if device.type != "cuda":
-        return cls(reader, device, block_size)
+        return cls(reader, device, block_size, max_model_len=max_model_len)
     settings_cls = importlib.import_module(TRITON_RUNNER_MODULE).TritonRunnerSettings
     options = {"block_size": block_size, "max_model_len": max_model_len, "max_decode_batch": max_decode_batch}
     if max_batch_tokens is not None:

@@ -39,13 +39,18 @@ FP32_BYTES = 4
 class ReferenceRunner:
     SUPPORTED_FORMATS = tuple(FORMATS)  # the reference linears cover every format
 
-    def __init__(self, reader: ArtifactReader, device: torch.device | str = "cpu", block_size: int = 16):
+    def __init__(self, reader: ArtifactReader, device: torch.device | str = "cpu", block_size: int = 16,
+                 max_model_len: int | None = None):
         self.device = torch.device(device)
         self.block_size = block_size
         self.format = reader.manifest.format
         self.model = artifact_model(reader, self.device)
         self.config = self.model.config
         self.kv_bits = reader.spec.kv_bits
+        # The longest context served (--max-context-tokens), which activation_bytes sizes attention by: a
+        # Llama-3.1-style 131,072-token window took 2 GiB for a 1M-parameter model whatever the worker served.
+        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
+                                 self.config.max_position_embeddings)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
 
@@ -65,7 +70,7 @@ class ReferenceRunner:
 
     def activation_bytes(self, max_batch_tokens: int) -> int:
         c = self.config
-        n, ctx = max_batch_tokens, c.max_position_embeddings
+        n, ctx = max_batch_tokens, self.max_model_len
         per_token = 4 * c.hidden_size + 3 * c.q_size + 4 * c.kv_size + 3 * c.intermediate_size + c.vocab_size
         # One chunk of n queries against a full context: scores and probabilities, and the
         # gathered K/V widened to fp32 and repeated over the query heads.
