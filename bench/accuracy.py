@@ -31,6 +31,7 @@ from shared.formats.artifact import ArtifactReader  # noqa: E402
 from shared.model.checkpoint import HfCheckpoint  # noqa: E402
 from shared.model.load import artifact_model, fp_model  # noqa: E402
 from shared.model.perplexity import perplexity, windows_of  # noqa: E402
+from shared.model.text_file import read_text_file  # noqa: E402
 from shared.model.tokenizer import Tokenizer  # noqa: E402
 from shared.quant.options import QoQOptions  # noqa: E402
 from shared.quant.quantize_model import QuantizeSettings, quantize_checkpoint  # noqa: E402
@@ -58,7 +59,7 @@ def main() -> None:
                    "no seed and run once); default the product's seed 0 alone")
     a = p.parse_args()
 
-    windows = windows_of(Tokenizer(a.model).encode(a.eval.read_text()), a.seq_len)
+    windows = windows_of(Tokenizer(a.model).encode(read_text_file(a.eval, "eval file")[1]), a.seq_len)
     rows: list[dict] = []
 
     def record(name: str, fmt: str, options: QoQOptions | None, ppl: float, quant_s: float | None,

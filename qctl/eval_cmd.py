@@ -34,17 +34,15 @@ def evaluate(
     from shared.model.checkpoint import HfCheckpoint
     from shared.model.load import artifact_model, fp_model
     from shared.model.perplexity import perplexity, windows_of
+    from shared.model.text_file import read_text_file
     from shared.model.tokenizer import Tokenizer, check_token_ids
 
     if batch_size < 1:  # before the (long) model load; perplexity() checks it too
         raise ValueError(f"batch size must be at least 1, got {batch_size}")
     dev = resolve_device(device)
-    if not data.is_file():
-        raise FileNotFoundError(f"data file {data} does not exist")
-    text = data.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise ValueError(f"data file {data} is empty")
+    _, text = read_text_file(data, "data file")
     config = LlamaConfig.from_folder(model)
+    tokenizer = Tokenizer(model)
     seq_len = config.window(seq_len, DEFAULT_SEQ_LEN, "--seq-len", "an eval")
     if artifact is not None:
         reader = ArtifactReader(artifact)
@@ -57,10 +55,16 @@ def evaluate(
             raise ValueError(f"artifact {artifact} was not made from {model}: it was made from model version "
                              f"{reader.manifest.model_version[:12]}, and {model} is version {version[:12]} (same "
                              f"configuration, other weights)")
+        # Nor is the same weights with another tokenizer (content_hash covers config.json and the weights): the
+        # worker serves with the artifact's, so that is the one whose ids the number must be of.
+        if reader.tokenizer_dir.is_dir() and \
+                Tokenizer(reader.tokenizer_dir).vocabulary_digest() != tokenizer.vocabulary_digest():
+            raise ValueError(f"artifact {artifact} carries another tokenizer than {model} (their id -> token tables "
+                             f"differ): its workers would read other token ids than this eval scores")
         net = artifact_model(reader, dev)
     else:
         net = fp_model(HfCheckpoint(model), dev)
-    windows = windows_of(Tokenizer(model).encode(text), seq_len)
+    windows = windows_of(tokenizer.encode(text), seq_len)
     check_token_ids(windows, config.vocab_size, f"the data file {data}")
     if max_windows > 0:
         windows = windows[:max_windows]

@@ -20,6 +20,7 @@ from shared.formats.artifact import ArtifactReader
 from shared.model.checkpoint import HfCheckpoint
 from shared.model.load import artifact_model, fp_model
 from shared.model.perplexity import perplexity, windows_of
+from shared.model.text_file import TextFileError, read_text_file
 from shared.model.tokenizer import Tokenizer, check_token_ids
 
 WindowProgress = Callable[[int, int], None]  # (windows done, windows total)
@@ -43,10 +44,10 @@ class EvalWindows:
 
 def eval_windows(text_file: Path, name: str, tokenizer_dir: Path, seq_len: int, max_windows: int) -> EvalWindows:
     """The text tokenized at once (no special tokens), cut into windows; the first max_windows (0 = all)."""
-    raw = text_file.read_bytes()
-    text = raw.decode("utf-8", errors="replace")
-    if not text.strip():
-        raise EvalDataError(f"eval text {name!r} ({text_file}) is empty")
+    try:
+        raw, text = read_text_file(text_file, f"eval text {name!r}")
+    except TextFileError as exc:
+        raise EvalDataError(str(exc)) from None
     ids = Tokenizer(tokenizer_dir).encode(text)
     try:
         windows = windows_of(ids, seq_len)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from shared.model.text_file import TextFileError, read_text_file
 from shared.model.tokenizer import Tokenizer
 from shared.quant.options import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN  # noqa: F401  (re-exported)
 
@@ -64,10 +65,11 @@ def load_calibration(
         raw = text.encode()
     else:
         path = Path(path)
-        if not path.is_file():
-            raise CalibrationError(f"calibration file {path} does not exist")
-        name, raw = path.name, path.read_bytes()
-        text = raw.decode("utf-8", errors="replace")
+        try:
+            raw, text = read_text_file(path, "calibration file")
+        except TextFileError as exc:
+            raise CalibrationError(str(exc)) from None
+        name = path.name
     if not text.strip():
         raise CalibrationError(f"calibration file {path} is empty")
     ids = tokenizer.encode(text)

@@ -148,3 +148,38 @@ def test_quantize_without_calib_seq_len_uses_a_short_models_whole_context(tmp_pa
                         "--calib", data, "--calib-samples", "2", "--device", "cpu", "--gpu-target", "cpu")
     assert code == 0, output
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["calibration"]["seq_len"] == 32
+
+
+def test_eval_refuses_an_artifact_whose_tokenizer_differs_from_the_models(tmp_path):
+    """The model version covers config.json and the weights: a --model copy with two token ids swapped in its
+    tokenizer was accepted and scored other ids than the artifact's workers read."""
+    model, data = _small_model(tmp_path)
+    code, output = _run("quantize", "--model", model, "--format", "w8a8", "--out", tmp_path / "art",
+                        "--device", "cpu", "--gpu-target", "cpu", "--calib", data, "--calib-samples", "2",
+                        "--calib-seq-len", "64", "--rtn")
+    assert code == 0, output
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = list(vocab)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    code, output = _eval(model, data, "--artifact", tmp_path / "art", "--max-windows", "1")
+    assert code == 2 and "carries another tokenizer" in _error_line(output), output
+
+
+def test_eval_reads_the_data_files_bytes_as_the_quantizers_eval_does(tmp_path):
+    """qctl eval read with universal newlines (CRLF became LF) while the quantizer's eval kept the bytes whose
+    sha256 it records: one file scored 7.16 in one and 93.45 in the other. Text that is not UTF-8 was scored as
+    U+FFFD characters, exit 0."""
+    model, data = _small_model(tmp_path)
+    crlf = tmp_path / "crlf.txt"
+    crlf.write_bytes(data.read_bytes().replace(b"\n", b"\r\n"))
+    code, output = _eval(model, crlf, "--json", "--max-windows", "2")
+    assert code == 0, output
+    code, lf_output = _eval(model, data, "--json", "--max-windows", "2")
+    assert json.loads(lf_output)["ppl"] != json.loads(output)["ppl"]  # the \r are scored, as their bytes say
+
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café = 1\n".encode("latin-1") * 300)
+    code, output = _eval(model, latin1)
+    assert code == 2 and "is not UTF-8 text: byte 3 is 0xe9" in _error_line(output), output
