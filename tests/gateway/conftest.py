@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +19,7 @@ from services.gateway.config import AdminToken, FallbackBudget, GatewayConfig
 from services.gateway.server import GatewayServer
 from shared.registry import create_registry, mark_artifact_ready, register_model_version, reserve_artifact, sqlite_url
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.conftest import fresh_postgres_schema
 from tests.gateway.fake_worker import FakeWorker, FakeWorkerServer
 
 ADMIN = (("authorization", "Bearer admin-secret"),)
@@ -50,6 +51,16 @@ def _ready(session, version, fmt: str) -> str:
 @pytest.fixture
 def artifacts(tmp_path: Path) -> Artifacts:
     return seed_artifacts(sqlite_url(tmp_path / "registry.db"))
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def artifacts_on_each_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Artifacts]:
+    """The artifact rows in a SQLite registry, then in PostgreSQL (a fresh schema)."""
+    if request.param == "sqlite":
+        yield seed_artifacts(sqlite_url(tmp_path / "registry.db"))
+        return
+    with fresh_postgres_schema("test_gateway") as url:
+        yield seed_artifacts(url)
 
 
 def seed_artifacts(url: str) -> Artifacts:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 import sqlalchemy as sa
 
 from services.gateway.deployments import DeploymentCache
-from shared.registry import create_registry, get_deployment, sqlite_url
+from shared.registry import create_registry, get_deployment
 from shared.rpc.qserve.v1 import gateway_pb2
 from tests.conftest import fresh_postgres_schema
 from tests.gateway.conftest import ADMIN, DEPLOYMENT, Artifacts, Stack, gateway_stack, run, seed_artifacts
@@ -29,13 +28,9 @@ from tests.gateway.conftest import ADMIN, DEPLOYMENT, Artifacts, Stack, gateway_
 CACHE_S = 0.2
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def artifacts(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Artifacts]:
-    if request.param == "sqlite":
-        yield seed_artifacts(sqlite_url(tmp_path / "registry.db"))
-        return
-    with fresh_postgres_schema("test_registry_waits") as url:
-        yield seed_artifacts(url)
+@pytest.fixture
+def artifacts(artifacts_on_each_backend: Artifacts) -> Artifacts:
+    return artifacts_on_each_backend
 
 
 @asynccontextmanager

@@ -12,21 +12,19 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
-from pathlib import Path
 
 import pytest
 
 from services.gateway.config import FallbackBudget
 from services.gateway.fleet import CLOCK_MARGIN_S
 from services.gateway.router import bucket_of
-from shared.registry import ArmSecond, create_registry, sqlite_url, write_arm_seconds
+from shared.registry import ArmSecond, create_registry, write_arm_seconds
 from shared.rpc.qserve.v1 import gateway_pb2
-from tests.conftest import fresh_postgres_schema
 from tests.gateway.conftest import (ADMIN, DEPLOYMENT, WORKER, Artifacts, FakeWorkerServer, Stack, arm_of,
-                                    gateway_stack, run, seed_artifacts)
+                                    gateway_stack, run)
 
 CACHE_S = 0.2  # deployment_cache_s of both replicas
 READ_SLACK_S = 0.1
@@ -35,13 +33,9 @@ KEYS = [k for k in (f"key-{i}" for i in range(200)) if bucket_of(DEPLOYMENT, k) 
 STABLE, CANARY, BASELINE = gateway_pb2.ARM_STABLE, gateway_pb2.ARM_CANARY, gateway_pb2.ARM_BASELINE
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def artifacts(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Artifacts]:
-    if request.param == "sqlite":
-        yield seed_artifacts(sqlite_url(tmp_path / "registry.db"))
-        return
-    with fresh_postgres_schema("test_replicas") as url:
-        yield seed_artifacts(url)
+@pytest.fixture
+def artifacts(artifacts_on_each_backend: Artifacts) -> Artifacts:
+    return artifacts_on_each_backend
 
 
 @asynccontextmanager
