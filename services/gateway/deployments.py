@@ -198,7 +198,7 @@ class DeploymentCache:
             if entry is None or entry[0] is None:
                 return await self.get(name)
             return await asyncio.wait_for(self.get(name), self.ROUTING_READ_WAIT_S)
-        except (OperationalError, TimeoutError) as exc:
+        except (OperationalError, asyncio.TimeoutError) as exc:  # asyncio.TimeoutError: not builtins before 3.11
             entry = self._entries.get(name)
             if entry is None or entry[0] is None:
                 raise
@@ -206,10 +206,10 @@ class DeploymentCache:
             now = time.monotonic()
             if now - self._outage_logged.get(name, -self.OUTAGE_LOG_S) >= self.OUTAGE_LOG_S:
                 self._outage_logged[name] = now
-                why = (f"no answer within {self.ROUTING_READ_WAIT_S:.0f} s" if isinstance(exc, TimeoutError)
-                       else "unreachable")
+                slow = isinstance(exc, asyncio.TimeoutError)
+                why = f"no answer within {self.ROUTING_READ_WAIT_S:.0f} s" if slow else "unreachable"
                 log.warning("registry %s: routing deployment %s on its view of %.0f s ago, without its canary", why,
-                            name, now - read_at, exc_info=isinstance(exc, OperationalError))
+                            name, now - read_at, exc_info=not slow)
             return dataclasses.replace(view, canary=None, canary_percent=0) if view.canary is not None else view
 
     def put(self, view: DeploymentView) -> None:

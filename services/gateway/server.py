@@ -82,9 +82,9 @@ class GatewayServer:
         self.gateway = GatewayServicer(self.pool, self.deployments, self.metrics, ApiKeys(config.api_keys),
                                        config.max_concurrent_streams, config.max_streams_per_client,
                                        config.first_reply_timeout_s)
-        self.admin = admin = AdminServicer(self.registry, self.pool, self.deployments, self.metrics, AdminAuth(config.admin_tokens),
-                              config.heartbeat_interval_s, config.worker_info_timeout_s, datetime.now(timezone.utc),
-                              self.fleet)
+        self.admin = admin = AdminServicer(
+            self.registry, self.pool, self.deployments, self.metrics, AdminAuth(config.admin_tokens),
+            config.heartbeat_interval_s, config.worker_info_timeout_s, datetime.now(timezone.utc), self.fleet)
         server = grpc_server()
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.gateway, server)
         gateway_pb2_grpc.add_AdminServicer_to_server(admin, server)
