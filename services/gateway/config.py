@@ -111,6 +111,9 @@ class GatewayConfig:
     # A worker that sends nothing for this long after taking a request has failed it: the request is retried
     # elsewhere (servicer_gateway). 0 = no limit. Above any queue wait plus prefill a loaded worker may take.
     first_reply_timeout_s: float = 120.0
+    # A stream that makes no progress for this long once the worker has replied is ended (servicer_gateway): a
+    # worker silent between tokens has failed it, a client that reads nothing has left it. 0 = no limit.
+    stream_stall_timeout_s: float = 300.0
     budget: FallbackBudget = field(default_factory=FallbackBudget)
     quarantine: Quarantine = field(default_factory=Quarantine)  # of workers failing request after request
     fallback_check_s: float = 0.5  # how often the automatic fallback looks at the windows
@@ -150,6 +153,9 @@ class GatewayConfig:
                               f"{self.heartbeat_timeout_s}: a worker is marked unhealthy before it is forgotten")
         if not (_positive(self.first_reply_timeout_s) or self.first_reply_timeout_s == 0):
             raise ConfigError(f"--first-reply-timeout-s {self.first_reply_timeout_s} must be a positive number of "
+                              f"seconds, or 0 (no limit)")
+        if not (_positive(self.stream_stall_timeout_s) or self.stream_stall_timeout_s == 0):
+            raise ConfigError(f"--stream-stall-timeout-s {self.stream_stall_timeout_s} must be a positive number of "
                               f"seconds, or 0 (no limit)")
         if not (_positive(self.deployment_cache_s) or self.deployment_cache_s == 0) or self.deployment_cache_s > 1.0:
             raise ConfigError(f"deployment_cache_s={self.deployment_cache_s} must be 0..1 s: a fallback switch "
@@ -203,6 +209,7 @@ class GatewayConfig:
             heartbeat_timeout_s=args.heartbeat_timeout_s,
             worker_forget_s=args.worker_forget_s,
             first_reply_timeout_s=args.first_reply_timeout_s,
+            stream_stall_timeout_s=args.stream_stall_timeout_s,
             budget=FallbackBudget(
                 max_error_rate=args.max_error_rate, max_tpot_p95_s=args.max_tpot_p95_ms / 1000.0,
                 max_ttft_p95_s=args.max_ttft_p95_ms / 1000.0,
@@ -277,6 +284,11 @@ def _parser() -> argparse.ArgumentParser:
                         "request is retried on another worker; a client that leaves before its first token after "
                         "waiting longer counts as an error of its arm. Keep it above the longest queue wait plus "
                         "prefill a loaded worker takes. 0 turns it off")
+    p.add_argument("--stream-stall-timeout-s", type=float, default=300.0,
+                   help="a stream that makes no progress for this long once its worker has replied is ended: a "
+                        "worker that sends nothing more has failed it (UNAVAILABLE, counted towards its quarantine), "
+                        "a client that reads nothing (its buffers full) has left it (the worker's slot is freed). "
+                        "0 turns it off")
     p.add_argument("--auto-fallback", action=argparse.BooleanOptionalAction, default=True,
                    help="abort a canary that breaks its budget; turn fallback on when the quantized stable does")
     p.add_argument("--max-error-rate", type=float, default=0.05, help="error-rate budget of the stable and canary arms")

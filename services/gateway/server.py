@@ -81,7 +81,7 @@ class GatewayServer:
                                      self.fleet)
         self.gateway = GatewayServicer(self.pool, self.deployments, self.metrics, ApiKeys(config.api_keys),
                                        config.max_concurrent_streams, config.max_streams_per_client,
-                                       config.first_reply_timeout_s)
+                                       config.first_reply_timeout_s, config.stream_stall_timeout_s)
         self.admin = admin = AdminServicer(
             self.registry, self.pool, self.deployments, self.metrics, AdminAuth(config.admin_tokens),
             config.heartbeat_interval_s, config.worker_info_timeout_s, datetime.now(timezone.utc), self.fleet)

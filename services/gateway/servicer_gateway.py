@@ -153,7 +153,8 @@ def _duration(seconds: float) -> Duration:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, pool: WorkerPool, deployments: DeploymentCache, metrics: GatewayMetrics, api_keys: ApiKeys,
-                 max_concurrent_streams: int, max_streams_per_client: int = 0, first_reply_timeout_s: float = 0.0):
+                 max_concurrent_streams: int, max_streams_per_client: int = 0, first_reply_timeout_s: float = 0.0,
+                 stream_stall_timeout_s: float = 0.0):
         self.pool = pool
         self.deployments = deployments
         self.metrics = metrics
@@ -162,6 +163,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.max_streams_per_client = max_streams_per_client  # 0 = none
         # A worker that sends nothing for this long after taking a request has failed it (0 = no limit; see _relay)
         self.first_reply_timeout_s = first_reply_timeout_s
+        # A stream without progress for this long after the first reply is ended (0 = no limit): the worker's wait
+        # between replies (_relay) and the client's, when its buffers are full and a reply cannot be sent (Generate).
+        self.stream_stall_timeout_s = stream_stall_timeout_s
         self.open_streams = 0
         self._no_streams = asyncio.Event()  # set while open_streams is 0 (see finish_aborts)
         self._no_streams.set()
@@ -201,7 +205,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 async for reply in replies:
                     if client_tokens is not None:
                         client_tokens.inc(len(reply.token_ids))
-                    yield reply
+                    # A client that reads nothing (alive, not cancelling) held its worker's slot for good once the
+                    # ~4 MB of buffers on the way filled: a reply not taken within the limit ends the stream as a
+                    # client gone does (the handler cancelled: worker call cancelled, Worker.Abort, slot freed).
+                    stalled = self._stall_timer(asyncio.current_task().cancel)
+                    try:
+                        yield reply
+                    finally:
+                        if stalled is not None:
+                            stalled.cancel()
         except WorkerRejected as exc:
             await self._reject(context, exc.code, str(exc))
         except MAPPED as exc:
@@ -393,13 +405,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         timer = self._first_reply_timer(lose)
         silent = True  # nothing received from the worker yet
         artifact_id, arm = trace.route.artifact.artifact_id, trace.route.arm.value
+        stall_reason = f"sent nothing for the stream-stall timeout of {self.stream_stall_timeout_s:g} s mid-stream"
         try:
             async for reply in call:
                 if silent:  # it answers: neither the timer nor the pool's check for unheard streams applies now
                     silent = False
                     self.pool.heard_from(worker, lose)
-                    if timer is not None:
-                        timer.cancel()
+                if timer is not None:  # the first-reply timer, or the stall timer armed after the last reply
+                    timer.cancel()
+                    timer = None
                 if reply.token_ids and trace.first_token_at is None:
                     trace.first_token_at = time.monotonic()
                 trace.delivered += len(reply.token_ids)
@@ -426,6 +440,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     yield out
                     return
                 yield out
+                # Armed while this waits on the worker for the next reply, not while the yield above waited on the
+                # client: a worker that hangs one stream while its engine moves (heartbeats healthy) kept the
+                # client waiting for ever.
+                timer = self._stall_timer(lambda: lose(stall_reason))
             attempt.failure = f"{worker.address}: the stream ended without a final message"
         except asyncio.CancelledError:
             # grpc.aio ends the read of a call cancelled locally (by lose()) with CancelledError too; only
@@ -463,6 +481,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # %r: the client's request id and the worker's error text (a CUDA error spans lines) stay one line.
         log.warning("request %r on worker %s failed after %d tokens: %r", request_id, worker.address,
                     trace.delivered, attempt.failure)
+
+    def _stall_timer(self, on_stall: Callable[[], None]) -> asyncio.TimerHandle | None:
+        """on_stall() after stream_stall_timeout_s unless cancelled first; None when the limit is off."""
+        if not self.stream_stall_timeout_s:
+            return None
+        return asyncio.get_running_loop().call_later(self.stream_stall_timeout_s, on_stall)
 
     def _first_reply_timer(self, lose: Callable[[str], None]) -> asyncio.TimerHandle | None:
         """Fails the attempt (lose) when the worker has sent nothing within first_reply_timeout_s; None when off.

@@ -42,6 +42,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         # every Generate stops after this many tokens and waits until cancelled (a hung device)
         self.hang_after: int | None = None
         self.hung: list[str] = []  # request ids of Generate calls that reached hang_after
+        self.text_padding = ""  # appended to every reply's text (replies big enough to fill a stream's buffers)
         self.full = False  # every Generate answers RESOURCE_EXHAUSTED (its admission queue is full)
         # every Generate is refused as a draining worker refuses it (UNAVAILABLE + shared.rpc.refusal's metadata)
         self.refuse_draining = False
@@ -86,7 +87,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     self.hung.append(request.request_id)
                     await asyncio.Event().wait()
                 await asyncio.sleep(self.delay_s)
-                reply = worker_pb2.GenerateResponse(request_id=request.request_id, token_ids=[token], text=f"<{token}>")
+                reply = worker_pb2.GenerateResponse(request_id=request.request_id, token_ids=[token],
+                                                    text=f"<{token}>{self.text_padding}")
                 if i == count - 1:
                     reply.finish.CopyFrom(common_pb2.Finish(reason=common_pb2.FINISH_REASON_LENGTH,
                                                             prompt_tokens=len(prompt), generated_tokens=count))
