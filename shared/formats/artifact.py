@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from shared.file_modes import FILE_MODE
 from shared.formats.kv4 import FULL_KV_RANGE, check_key_feedback, range_margin
 from shared.formats.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError
 from shared.formats.probe import PROBE_FILE, Probe, probe_bytes
@@ -57,10 +58,6 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-# safetensors writes its files owner-only (0600) whatever the umask; they get the mode other files of the process
-# get, or a worker running as another account could not read the weights. Read once, at import.
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
 
 
 class ArtifactWriter:
@@ -133,7 +130,7 @@ class ArtifactWriter:
             save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
         except SafetensorError as exc:  # a full disk among others: not an OSError, it was a traceback
             raise OSError(f"cannot write {path}: {exc}") from None
-        path.chmod(0o666 & ~_UMASK)
+        path.chmod(FILE_MODE)  # not safetensors' 0600: see shared/file_modes.py
 
     def copy_file(self, src: Path, relpath: str) -> None:
         dst = self.staging / relpath

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.disk_space import RoomCheck, shortage
+from shared.file_modes import FOLDER_MODE
 
 from .errors import InsufficientSpace, InvalidKey, ObjectNotFound, StorageError, VerificationFailed
 from .hashing import sha256_file
@@ -201,6 +202,9 @@ class ObjectStore(abc.ABC):
             raise InsufficientSpace(short, needed)
         try:
             tmp_dir = Path(tempfile.mkdtemp(prefix=f".{local_dir.name}{DOWNLOAD_SUFFIX}", dir=local_dir.parent))
+            # mkdtemp's 0700 became the cached artifact's mode: a worker of another account sharing the cache
+            # could neither read it nor, finding it there, download its own copy (shared/file_modes.py).
+            tmp_dir.chmod(FOLDER_MODE)
         except OSError as exc:
             raise StorageError(f"cannot create {local_dir}: {exc}") from exc
         try:

@@ -60,7 +60,11 @@ class StorageConfig:
         if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):
             raise InvalidConfig(f"endpoint_url {self.endpoint_url!r} must start with http:// or https://")
         if self.endpoint_url is not None:
-            _refuse_credentials("endpoint_url http(s)", urlsplit(self.endpoint_url).netloc)  # in every error message
+            try:
+                netloc = urlsplit(self.endpoint_url).netloc
+            except ValueError as exc:  # "Invalid IPv6 URL": an unclosed '['
+                raise InvalidConfig(f"endpoint_url {self.endpoint_url!r} is not a URL: {exc}") from None
+            _refuse_credentials("endpoint_url http(s)", netloc)  # in every error message
         if (self.access_key is None) != (self.secret_key is None):
             raise InvalidConfig("give both access_key and secret_key, or neither (to use boto3's credential chain)")
         for name in ("multipart_threshold", "multipart_chunk_size"):

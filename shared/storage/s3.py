@@ -39,8 +39,11 @@ class S3Store(ObjectStore):
         self.prefix = config.prefix  # '' or ends with '/'
         try:
             self._client = self._make_client(config)
-        except botocore.exceptions.BotoCoreError as exc:  # an unknown AWS_PROFILE, a malformed region
-            raise InvalidConfig(f"cannot set up the S3 client for s3://{config.bucket}/: {exc}") from exc
+        # BotoCoreError: an unknown AWS_PROFILE, a malformed region; ValueError: an endpoint URL botocore cannot
+        # use (http://my_host:9000: an underscore, common in compose service names), a traceback before.
+        except (botocore.exceptions.BotoCoreError, ValueError) as exc:
+            raise InvalidConfig(f"cannot set up the S3 client for s3://{config.bucket}/ (endpoint "
+                                f"{config.endpoint_url or 'AWS'}): {exc}") from exc
         self.endpoint = self._client.meta.endpoint_url
         self._transfer = TransferConfig(
             multipart_threshold=config.multipart_threshold,
@@ -250,7 +253,10 @@ class S3Store(ObjectStore):
         except _UNREACHABLE as exc:
             raise StorageError(f"cannot reach S3 endpoint {self.endpoint} ({action} {where}): {exc}") from exc
         except (Boto3Error, botocore.exceptions.BotoCoreError) as exc:
-            # S3UploadFailedError and RetriesExceededError carry the cause in their message.
-            raise StorageError(f"{action} {where} failed at endpoint {self.endpoint}: {exc}") from exc
+            # S3UploadFailedError carries the cause in its message; RetriesExceededError says "Max Retries
+            # Exceeded" alone, its cause (a connection reset each time) in last_exception.
+            cause = getattr(exc, "last_exception", None)
+            why = f"{exc} (last: {cause})" if cause is not None else str(exc)
+            raise StorageError(f"{action} {where} failed at endpoint {self.endpoint}: {why}") from exc
         except OSError as exc:  # the local side: a file that cannot be read or written
             raise StorageError(f"{action} {where} failed: {exc}") from exc

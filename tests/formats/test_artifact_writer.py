@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
+from shared.file_modes import FILE_MODE
 from shared.formats import artifact as artifact_module
 from shared.formats.artifact import ArtifactError, ArtifactWriter
 from shared.formats.manifest import Manifest
@@ -97,7 +98,7 @@ def test_weights_get_the_processes_file_mode_not_owner_only(tmp_path):
         out = _write(tmp_path / "out")
     finally:
         os.umask(previous)
-    assert stat.S_IMODE((out / "weights" / "embed.safetensors").stat().st_mode) == 0o666 & ~artifact_module._UMASK
+    assert stat.S_IMODE((out / "weights" / "embed.safetensors").stat().st_mode) == FILE_MODE
 
 
 def test_a_write_that_fails_is_an_os_error_naming_the_file(tmp_path, monkeypatch):

@@ -120,6 +120,32 @@ def test_a_client_that_cannot_be_set_up_is_a_storage_error(s3_config, monkeypatc
         open_store(s3_config("http://127.0.0.1:9"))
 
 
+@pytest.mark.parametrize("endpoint, error", [
+    ("http://my_host:9000", "cannot set up the S3 client for s3://.* \\(endpoint http://my_host:9000\\)"),
+    ("http://[::1", "endpoint_url 'http://\\[::1' is not a URL: Invalid IPv6 URL"),
+])
+def test_an_endpoint_that_cannot_be_used_is_one_clear_error(s3_config, endpoint, error):
+    # A ValueError (botocore's, urllib's) went past the services' error handling: a traceback at start-up (an
+    # underscore in a host name is common in compose service names).
+    with pytest.raises(InvalidConfig, match=error):
+        open_store(s3_config(endpoint))
+
+
+def test_retries_that_run_out_name_their_cause(moto_endpoint, s3_config, tmp_path, monkeypatch):
+    """boto3's RetriesExceededError says "Max Retries Exceeded" alone; what failed each time is its last_exception."""
+    from boto3.exceptions import RetriesExceededError
+
+    store = open_store(s3_config(moto_endpoint), create=True)
+    store.put_bytes(b"{}", "k")
+
+    def cut(*args, **kwargs):
+        raise RetriesExceededError(ConnectionResetError(104, "Connection reset by peer"))
+
+    monkeypatch.setattr(store._client, "download_file", cut)
+    with pytest.raises(StorageError, match=r"Max Retries Exceeded \(last: \[Errno 104\] Connection reset by peer\)"):
+        store.get_file("k", tmp_path / "k")
+
+
 def test_a_session_token_without_keys_is_ignored_as_boto3_does(moto_endpoint, s3_config, monkeypatch):
     """A stray AWS_SESSION_TOKEN beside credentials from the chain (here the environment's keys): passed on
     its own, every request failed with a TypeError."""

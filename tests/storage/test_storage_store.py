@@ -233,3 +233,17 @@ def test_transfer_progress_reports_at_most_every_interval(monkeypatch):
     unsized(ObjectInfo("c", 1 << 29, None))
     assert reports[-1] == "0.50 GiB (1 files, 0 s)"
     assert progress.summary().startswith("2.00 GiB in ") and progress.summary().endswith(" MB/s)")
+
+
+def test_a_downloaded_folder_gets_the_processes_folder_mode(store, artifact_dir, tmp_path):
+    """mkdtemp's 0700 was the cached artifact's mode: a worker of another account sharing the cache could neither
+    read it nor, finding it there, download a copy of its own."""
+    import stat
+
+    from shared.file_modes import FOLDER_MODE
+
+    store.publish_folder(artifact_dir, "m/id/")
+    copy = tmp_path / "cache" / "id"
+    copy.parent.mkdir()
+    store.download_folder("m/id/", copy)
+    assert stat.S_IMODE(copy.stat().st_mode) == FOLDER_MODE
