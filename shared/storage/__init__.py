@@ -8,7 +8,8 @@
 
 from .base import ObjectInfo, ObjectStore, Progress
 from .config import StorageConfig, open_store
-from .errors import InsufficientSpace, InvalidConfig, InvalidKey, ObjectNotFound, StorageError, VerificationFailed
+from .errors import (InsufficientSpace, InvalidConfig, InvalidKey, LocalDiskError, ObjectNotFound, StorageError,
+                     VerificationFailed)
 from .fetch import fetch_folder
 from .keys import STAGING_ROOT
 from .local import LocalStore
@@ -17,6 +18,7 @@ from .progress import TransferProgress
 __all__ = [
     "STAGING_ROOT",
     "InsufficientSpace",
+    "LocalDiskError",
     "InvalidConfig",
     "InvalidKey",
     "LocalStore",

@@ -11,6 +11,7 @@ READY after `publish_folder` returns; if it raises, everything the attempt wrote
 from __future__ import annotations
 
 import abc
+import errno
 import logging
 import os
 import shutil
@@ -24,7 +25,7 @@ from pathlib import Path
 from shared.disk_space import RoomCheck, shortage
 from shared.file_modes import FOLDER_MODE
 
-from .errors import InsufficientSpace, InvalidKey, ObjectNotFound, StorageError, VerificationFailed
+from .errors import InsufficientSpace, InvalidKey, LocalDiskError, ObjectNotFound, StorageError, VerificationFailed
 from .hashing import sha256_file
 from .keys import STAGING_ROOT, check_key, check_prefix, folder_prefix
 
@@ -195,7 +196,7 @@ class ObjectStore(abc.ABC):
             local_dir.parent.mkdir(parents=True, exist_ok=True)
             remove_stale_partial_downloads(local_dir.parent)  # before the space check: it frees some
         except OSError as exc:
-            raise StorageError(f"cannot create {local_dir}: {exc}") from exc
+            raise LocalDiskError(f"cannot create {local_dir}: {exc}") from exc
         needed = sum(info.size for info in objects)
         short = room(local_dir, needed, f"the download of {self.uri(src)}")
         if short is not None:
@@ -206,7 +207,7 @@ class ObjectStore(abc.ABC):
             # could neither read it nor, finding it there, download its own copy (shared/file_modes.py).
             tmp_dir.chmod(FOLDER_MODE)
         except OSError as exc:
-            raise StorageError(f"cannot create {local_dir}: {exc}") from exc
+            raise LocalDiskError(f"cannot create {local_dir}: {exc}") from exc
         try:
             downloaded = []
             for obj in objects:
@@ -214,7 +215,7 @@ class ObjectStore(abc.ABC):
                 expected = self.head(obj.key)
                 dest = tmp_dir / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                got = self.get_file(obj.key, dest)
+                got = _onto_local_disk(lambda: self.get_file(obj.key, dest), local_dir)
                 _check_same(
                     self.uri(obj.key), expected, got, what="downloaded file", check_sha=expected.sha256 is not None
                 )
@@ -235,7 +236,7 @@ class ObjectStore(abc.ABC):
                 shutil.rmtree(tmp_dir, ignore_errors=True)
         except OSError as exc:
             shutil.rmtree(tmp_dir, ignore_errors=True)
-            raise StorageError(f"download of {self.uri(src)} into {local_dir} failed: {exc}") from exc
+            raise LocalDiskError(f"download of {self.uri(src)} into {local_dir} failed: {exc}") from exc
         except BaseException:
             shutil.rmtree(tmp_dir, ignore_errors=True)
             raise
@@ -364,6 +365,22 @@ def walk_error(what: str):
             raise StorageError(f"{what}: {exc}") from exc
 
     return raise_it
+
+
+# What a write to the local disk fails with that reading from a store does not: the disk full, over its quota,
+# read-only. Reported as the store being unavailable, a full cache disk was neither named nor made room on.
+_LOCAL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
+def _onto_local_disk(fetch: Callable[[], ObjectInfo], local_dir: Path) -> ObjectInfo:
+    """fetch(), its local disk's failures raised as LocalDiskError (a backend wraps them as StorageError)."""
+    try:
+        return fetch()
+    except StorageError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, OSError) and cause.errno in _LOCAL_DISK_ERRNOS:
+            raise LocalDiskError(f"the disk of {local_dir} cannot take the download: {exc}") from exc
+        raise
 
 
 def _files_under(folder: Path) -> list[tuple[str, Path]]:

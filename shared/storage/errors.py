@@ -25,6 +25,11 @@ class InsufficientSpace(StorageError):
         self.needed = needed  # bytes the download needs free
 
 
+class LocalDiskError(StorageError):
+    """A download the local disk could not take (its folder cannot be created, the disk filled or is read-only):
+    the store is fine, the cache's disk is not."""
+
+
 class VerificationFailed(StorageError):
     """An object's bytes do not match their recorded size or sha256 (altered in transit or in the store):
     unlike an unreachable store, something is damaged."""

@@ -118,6 +118,30 @@ def test_a_cache_disk_too_small_for_the_artifact_is_refused_as_such(artifacts, t
     assert not (cache / manifest.artifact_id).exists()
 
 
+def test_a_cache_disk_that_fills_mid_download_is_refused_as_such(artifacts, tmp_path, monkeypatch):
+    """The room check passed, then the disk filled (another process wrote meanwhile): reported as "the object
+    store is unavailable" (UNAVAILABLE), it named neither the cache nor its disk. Nothing is left in the cache."""
+    import errno
+
+    manifest, _, store, cache = _in_store(artifacts, tmp_path)
+    real_get_file = LocalStore.get_file
+
+    def disk_full_at_the_second_file(self, key, local_path, calls=[]):
+        calls.append(key)
+        if len(calls) == 2:
+            full = OSError(errno.ENOSPC, "No space left on device")
+            raise StorageError(f"cannot copy {key}: {full}") from full  # as LocalStore words it
+        return real_get_file(self, key, local_path)
+
+    monkeypatch.setattr(LocalStore, "get_file", disk_full_at_the_second_file)
+    with pytest.raises(ArtifactRefused, match=rf"cannot be fetched into --cache-dir {cache}: the disk of .* cannot "
+                                              rf"take the download: .*No space left on device") as info:
+        open_artifact(manifest.artifact_id, gpu_target="cpu", store=store, cache_dir=cache)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert not (cache / manifest.artifact_id).exists()
+    assert not [p for p in cache.iterdir() if p.name != LOCKS_DIR]
+
+
 def test_the_runner_is_chosen_by_device(artifacts, monkeypatch):
     import sys
 

@@ -25,8 +25,8 @@ from shared.formats.artifact import ArtifactError, ArtifactReader, sha256_file
 from shared.formats.manifest import MANIFEST_NAME
 from shared.formats.spec import FORMATS
 from shared.model.config import CheckpointError
-from shared.storage import (InsufficientSpace, InvalidKey, ObjectNotFound, StorageConfig, StorageError,
-                            VerificationFailed, open_store)
+from shared.storage import (InsufficientSpace, InvalidKey, LocalDiskError, ObjectNotFound, StorageConfig,
+                            StorageError, VerificationFailed, open_store)
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ def _download(ref: str, store: StorageConfig, record: RegistryRecord | None, fol
             return prefix
     except ObjectNotFound as exc:
         raise ArtifactNotFound(f"artifact {ref}: {exc}") from exc
-    except InsufficientSpace as exc:  # the cache's disk, not the artifact: nothing is corrupt
+    except (InsufficientSpace, LocalDiskError) as exc:  # the cache's disk, not the artifact nor the store
         raise ArtifactRefused(f"artifact {ref} cannot be fetched into --cache-dir {cache_dir}: {exc}") from exc
     except VerificationFailed as exc:
         raise ArtifactCorrupt(f"artifact {ref} could not be downloaded intact: {exc}") from exc
