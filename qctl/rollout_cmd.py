@@ -56,12 +56,15 @@ def promote(
 def abort(
     deployment: str = DEPLOYMENT_ARG,
     reason: str = typer.Option("", "--reason", help="recorded in the event log"),
+    canary: str = typer.Option("", "--canary", help="artifact id of the canary to abort: refused if the rollout now "
+                                                    "has another canary; a retry of this abort succeeds unchanged"),
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
 ):
     """Send all traffic back to the stable artifact (instant)."""
     with admin_client(gateway, token) as admin:
-        show_deployment(admin.AbortRollout(gateway_pb2.AbortRolloutRequest(deployment=deployment, reason=reason)))
+        show_deployment(admin.AbortRollout(gateway_pb2.AbortRolloutRequest(
+            deployment=deployment, reason=reason, canary_artifact_id=canary)))
 
 
 @app.command("status")

@@ -253,8 +253,9 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
     @_admin
     async def AbortRollout(self, request: gateway_pb2.AbortRolloutRequest, actor: str):
         name = _required("deployment", request.deployment)
-        return (await self._change(
-            lambda session: reg.abort_rollout(session, name, actor=actor, reason=request.reason))).to_pb()
+        expected = request.canary_artifact_id or None
+        return (await self._change(lambda session: reg.abort_rollout(
+            session, name, actor=actor, reason=request.reason, expected_canary=expected))).to_pb()
 
     @_admin
     async def SetFallback(self, request: gateway_pb2.SetFallbackRequest, actor: str):

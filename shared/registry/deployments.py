@@ -116,12 +116,24 @@ def promote(session: Session, name: str, *, actor: str, expected_canary: str | N
     return deployment
 
 
-def abort_rollout(session: Session, name: str, *, actor: str, reason: str = "", judged: bool = True) -> Deployment:
+def abort_rollout(session: Session, name: str, *, actor: str, reason: str = "", judged: bool = True,
+                  expected_canary: str | None = None) -> Deployment:
     """The canary gets no more traffic; the stable stays. judged=False: the canary was not found at fault (the
-    guard aborts it along with a fallback of the stable), recorded as "judged": false in the event."""
+    guard aborts it along with a fallback of the stable), recorded as "judged": false in the event. With
+    expected_canary, only if that artifact is still the canary; when the last rollout event is its abort, it is a
+    retry of that abort, answered as done."""
     check_text("actor", actor, MAX_ACTOR)
     deployment = _lock(session, name)
+    if expected_canary and deployment.canary_artifact_id is None:
+        last = last_rollout_event(session, deployment)
+        if last is not None and last.kind is EventKind.ABORT and last.detail.get("canary") == expected_canary:
+            return deployment
     _require_rollout(deployment, "abort_rollout")
+    if expected_canary and deployment.canary_artifact_id != expected_canary:
+        raise InvalidState(
+            f"deployment {name!r}: the canary is now {deployment.canary_artifact_id!r}, not {expected_canary!r}: "
+            f"the rollout changed since; check `qctl rollout status` and abort again"
+        )
     canary = deployment.canary_artifact_id
     deployment.canary_artifact_id, deployment.canary_percent = None, 0
     detail = {"canary": canary, "reason": reason} | ({} if judged else {"judged": False})

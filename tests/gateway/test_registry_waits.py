@@ -132,3 +132,29 @@ def test_an_admin_change_past_its_deadline_is_not_made(artifacts: Artifacts) -> 
             assert [e.kind for e in reversed(events.events)] == ["deployment_create", "rollout_start", "promote"]
 
     run(scenario(), timeout_s=60)
+
+
+def test_an_abort_names_its_canary_and_its_retry_succeeds_unchanged(artifacts: Artifacts) -> None:
+    """AbortRollout had no canary to name: a client retrying an abort whose answer it lost could abort a rollout
+    started since (or be told there is no rollout)."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            start = gateway_pb2.StartRolloutRequest(deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary,
+                                                    canary_percent=5)
+            abort = gateway_pb2.AbortRolloutRequest(deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary)
+            await stack.admin.StartRollout(start, metadata=ADMIN)
+            await stack.admin.AbortRollout(abort, metadata=ADMIN)
+            again = await stack.admin.AbortRollout(abort, metadata=ADMIN)  # the retry
+            assert not again.HasField("canary")
+            await stack.admin.StartRollout(start, metadata=ADMIN)
+            other = gateway_pb2.AbortRolloutRequest(deployment=DEPLOYMENT, canary_artifact_id=artifacts.stable)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stack.admin.AbortRollout(other, metadata=ADMIN)
+            assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "the canary is now" in refused.value.details()
+            assert (await stack.deployment()).canary.artifact_id == artifacts.canary
+            events = await stack.admin.ListEvents(gateway_pb2.ListEventsRequest(deployment=DEPLOYMENT), metadata=ADMIN)
+            assert [e.kind for e in reversed(events.events)] == ["deployment_create", "rollout_start", "abort",
+                                                                 "rollout_start"]
+
+    run(scenario(), timeout_s=60)
