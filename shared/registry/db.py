@@ -58,12 +58,17 @@ def make_engine(url: str, *, create: bool = True) -> sa.Engine:
         # it. A lookup after a lost insert race must see the winner's committed row, and a row locked
         # FOR UPDATE is read as the other writer committed it; under REPEATABLE READ or SERIALIZABLE
         # both end in an IntegrityError or a serialization failure instead of the registry's answer.
-        engine = sa.create_engine(parsed, pool_pre_ping=True, isolation_level="READ COMMITTED")
+        # The default bound is the connection's (a read waits on locks too, behind a migration's ALTER TABLE
+        # say), set once when it opens, added to the URL's own options; a transaction asking for another pays
+        # for one SET LOCAL, the others for nothing.
+        options = " ".join([*_listed(parsed.query.get("options")), f"-c lock_timeout={round(1000 * LOCK_WAIT_S)}"])
+        engine = sa.create_engine(parsed, pool_pre_ping=True, isolation_level="READ COMMITTED",
+                                  connect_args={"options": options})
 
         @sa.event.listens_for(engine, "begin")
         def _on_begin(conn: sa.Connection) -> None:
-            # A read waits on locks too (behind a migration's ALTER TABLE, say), so every transaction is bounded.
-            conn.exec_driver_sql(f"SET LOCAL lock_timeout = {_lock_wait_ms(conn)}")
+            if _LOCK_WAIT in conn.get_execution_options():
+                conn.exec_driver_sql(f"SET LOCAL lock_timeout = {_lock_wait_ms(conn)}")
 
         return engine
     shown = parsed.render_as_string(hide_password=True)
@@ -113,6 +118,11 @@ def _sqlite_engine(url: sa.URL, create: bool) -> sa.Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+def _listed(value: str | tuple[str, ...] | None) -> list[str]:
+    """A URL query parameter's values: absent, given once (a str) or repeated (a tuple)."""
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
 
 
 def _lock_wait_ms(conn: sa.Connection) -> int:
