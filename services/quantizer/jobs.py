@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from services.quantizer import leftovers
 from services.quantizer.board import JobBoard, Update
 from services.quantizer.cancels import Cancels
 from services.quantizer.errors import AccuracyBudgetExceeded, JobCancelled, JobEnded, QuantizerError, QueueFull
@@ -25,7 +27,6 @@ from services.quantizer.pipeline import Pipeline, Services
 from services.quantizer.publish_spec import PublishSpec
 from services.quantizer.views import ArtifactDetails, ArtifactView, JobView, Stage
 from shared.registry import (
-    ArtifactState,
     InvalidState,
     JobState,
     NotFound,
@@ -41,7 +42,6 @@ from shared.registry import (
     get_job,
     heartbeat,
     list_jobs,
-    prefix_served_by_another,
     report_progress,
     start_job,
 )
@@ -77,6 +77,8 @@ class JobRunner:
         self._live: dict[str, _Live] = {}
         self._requests: OrderedDict[str, PublishSpec] = OrderedDict()
         self._unsettled: dict[str, tuple[Pipeline | None, str]] = {}  # failures the registry did not take yet
+        # Artifacts whose leftovers in the store could not be deleted yet (_delete_orphaned_objects): every round.
+        self._leftovers_due: set[str] = set()
         self.cancels = Cancels()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -306,13 +308,20 @@ class JobRunner:
                 log.warning("heartbeat failed: %s", exc)
 
     def _housekeeping_loop(self) -> None:
-        """Other quantizers' orphans, failures the registry did not take yet, ended jobs' work folders."""
+        """Other quantizers' orphans, failures the registry did not take yet, ended jobs' work folders, and
+        now and then stale staging in the store (leftovers.py)."""
+        purged = time.monotonic()  # at start-up (server.start)
         while not self._jobs_over.wait(self.config.heartbeat_s):
             try:
                 self._sweep_orphans()
                 for job_id, (pipeline, error) in list(self._unsettled.items()):
                     self._fail(job_id, pipeline, error)
                 self._remove_ended_work_dirs()
+                for artifact_id in sorted(self._leftovers_due):
+                    self._delete_orphaned_objects(artifact_id)
+                if time.monotonic() - purged >= leftovers.PURGE_INTERVAL_S:
+                    purged = time.monotonic()
+                    leftovers.purge_stale_staging(self.services.store)
             except Exception as exc:  # a registry outage must not kill the thread
                 log.warning("sweeping orphaned jobs failed: %s", exc)
 
@@ -332,26 +341,14 @@ class JobRunner:
 
     def _delete_orphaned_objects(self, artifact_id: str) -> None:
         """Deletes what an orphaned job left under its artifact's final prefix: a quantizer killed while its
-        publish moved objects there leaves some (no manifest: it goes last), and only a retry of the binding
-        would ever remove them; a binding never retried kept them (gigabytes) for good. Under the artifact's
-        row lock, and only while it is FAILED: a retry (FAILED -> PENDING, the same lock) waits for the
-        deletion, so it never loses objects it wrote. Best effort: a store that fails leaves them, logged."""
-        try:
-            with self.services.registry.transaction() as session:
-                artifact = get_artifact(session, artifact_id, for_update=True)
-                if artifact.state != ArtifactState.FAILED or prefix_served_by_another(session, artifact):
-                    return  # retried meanwhile (its job clears the prefix first), or someone's objects
-                prefix = artifact.object_prefix
-                # Under the lock on purpose, though on SQLite it holds the whole registry's write lock: deleted
-                # after the commit, a retry taking the artifact in between would have objects it had just
-                # uploaded deleted, and publish a READY artifact missing them.
-                removed = self.services.store.delete_prefix(prefix)
-        except Exception as exc:
-            log.warning("could not delete what the orphaned job of artifact %s left in the store: %s", artifact_id, exc)
-            return
-        if removed:
-            log.warning("deleted %d object(s) that the orphaned job of artifact %s left under %s", removed,
-                        artifact_id, self.services.store.uri(prefix))
+        publish moved objects there leaves some, and only a retry of the binding would ever remove them. Only
+        while the artifact is FAILED, and not under its row lock (leftovers.py). Tried again every housekeeping
+        round until done: the killed publish's claim on the prefix holds it off until it is stale."""
+        left_by = f"the orphaned job of artifact {artifact_id}"
+        if leftovers.delete_leftover_objects(self.services, artifact_id, left_by) is None:
+            self._leftovers_due.add(artifact_id)
+        else:
+            self._leftovers_due.discard(artifact_id)
 
     # ---- work folders ----
 
@@ -413,9 +410,11 @@ def _describe(exc: BaseException) -> str:
 
 
 def _shorten(error: str) -> str:
-    """The error as the registry can record it: at most MAX_ERROR_CHARS, and no NUL character (an exception's
-    message may quote one from the request; PostgreSQL refuses it, and the failure would never be recorded)."""
-    error = error.replace("\x00", "\\x00")
+    """The error as the registry can record it: at most MAX_ERROR_CHARS, no NUL character (an exception's
+    message may quote one from the request; PostgreSQL refuses it) and no lone surrogate (a file name that is
+    not UTF-8, quoted from a checkpoint folder; neither database can encode it). Either way the failure was
+    never recorded: the job stayed RUNNING, retried every heartbeat, and its watchers never saw an end."""
+    error = error.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
     if len(error) <= MAX_ERROR_CHARS:
         return error
     return error[: MAX_ERROR_CHARS - len(SHORTENED)] + SHORTENED

@@ -27,6 +27,7 @@ from services.quantizer.evaluate import (
     checkpoint_perplexity,
     eval_windows,
 )
+from services.quantizer.leftovers import delete_leftover_objects
 from services.quantizer.publish_spec import DEFAULT_EVAL_SEQ_LEN, PublishSpec
 from services.quantizer.sources import local_file, local_folder
 from services.quantizer.views import ArtifactDetails, EvaluationView, Stage
@@ -295,8 +296,10 @@ class Pipeline:
         self.reporter.progress(Stage.UPLOAD, message=f"publishing to {store.uri(prefix)}")
         # An earlier attempt of this (never READY) artifact died mid-publish. Cleared also when a twin's
         # objects are reused: a worker without a registry finds an artifact id by the manifest under it.
+        # Under the prefix's claim: refused (PublishInProgress) while an orphaned job, cut off from the registry
+        # but alive, still publishes there: its files and ours would mix.
         if store.list(prefix):
-            store.delete_prefix(prefix)
+            store.clear_prefix(prefix)
         with self.services.registry.sessions() as session:
             twin = find_ready_by_digest(session, digest)
         if twin is not None:
@@ -335,6 +338,11 @@ class Pipeline:
                     self.services.store.delete_prefix(self.claim.object_prefix)
                 except Exception as exc:  # the original error matters more; purge later
                     log.warning("could not delete %s after a failed register: %s", self.claim.object_prefix, exc)
+            elif reuse_of is None:
+                # Failed as an orphan while it published (cut off from the registry, not dead): the sweep that
+                # failed it deleted what was there then, and this publish went on to write a whole artifact.
+                delete_leftover_objects(self.services, artifact_id, f"job {self.job_id}, failed as an orphan while "
+                                        "it published,")
             raise
         if reuse_of is not None:
             size = sum(f.size for f in Manifest.read(artifact_dir).files)

@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from services.quantizer.config import TOKENS_ENV, ConfigError, QuantizerConfig
 from services.quantizer.evaluate import Fp16PerplexityCache
 from services.quantizer.jobs import JobRunner
+from services.quantizer.leftovers import purge_stale_staging
 from services.quantizer.pipeline import Services
 from services.quantizer.servicer import QuantizerServicer
 from shared.config import fail, require_visible_device
@@ -36,7 +37,6 @@ from shared.storage import StorageError, open_store
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = quantizer_pb2.DESCRIPTOR.services_by_name["Quantizer"].full_name  # qserve.v1.Quantizer
-STAGING_MAX_AGE_S = 3600.0  # a staging attempt this old that wrote nothing for as long belongs to a dead publish
 
 
 @dataclass(slots=True)
@@ -68,7 +68,7 @@ async def start(config: QuantizerConfig) -> RunningQuantizer:
     registry = await asyncio.to_thread(create_registry, config.registry_url)
     try:
         store = await asyncio.to_thread(open_store, config.store, create=config.create_bucket)
-        await asyncio.to_thread(_purge_staging, store)
+        await asyncio.to_thread(purge_stale_staging, store)
         config.work_dir.mkdir(parents=True, exist_ok=True)
         services = Services(config, registry, store, Fp16PerplexityCache(config.work_dir / "fp16-perplexity.json"))
         runner = JobRunner(services)
@@ -147,16 +147,6 @@ def is_loopback(listen: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name, or 0.0.0.0-style wildcards are addresses: not loopback
         return False
-
-
-def _purge_staging(store) -> None:
-    try:
-        removed = store.purge_staging(STAGING_MAX_AGE_S)
-    except StorageError as exc:
-        log.warning("could not purge stale staging objects: %s", exc)
-        return
-    if removed:
-        log.info("removed %d stale staging objects", removed)
 
 
 if __name__ == "__main__":

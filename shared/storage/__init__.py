@@ -8,8 +8,8 @@
 
 from .base import ObjectInfo, ObjectStore, Progress
 from .config import StorageConfig, open_store
-from .errors import (InsufficientSpace, InvalidConfig, InvalidKey, LocalDiskError, ObjectNotFound, StorageError,
-                     VerificationFailed)
+from .errors import (InsufficientSpace, InvalidConfig, InvalidKey, LocalDiskError, ObjectNotFound, PublishInProgress,
+                     StorageError, VerificationFailed)
 from .fetch import fetch_folder
 from .keys import STAGING_ROOT
 from .local import LocalStore
@@ -26,6 +26,7 @@ __all__ = [
     "ObjectNotFound",
     "ObjectStore",
     "Progress",
+    "PublishInProgress",
     "StorageConfig",
     "StorageError",
     "TransferProgress",

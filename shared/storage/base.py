@@ -1,10 +1,10 @@
-"""The object store interface: seven primitives per backend; publish and download written once here.
+"""The object store interface: eight primitives per backend; publish and download written once here.
 
-Publishing is the only way an artifact reaches its final prefix: every file is uploaded under
-`_staging/<millis>-<id>/`, each staged object's size and sha256 are checked against the local
-file, and only then are the objects moved to the final prefix. The caller marks the artifact
-READY after `publish_folder` returns; if it raises, everything the attempt wrote is deleted
-(best effort: when the store itself is unreachable the error says what may be left, and
+Publishing is the only way an artifact reaches its final prefix: the prefix is claimed (claims.py: one
+publisher at a time), every file is uploaded under `_staging/<millis>-<id>/`, each staged object's size
+and sha256 are checked against the local file, and only then are the objects moved to the final prefix.
+The caller marks the artifact READY after `publish_folder` returns; if it raises, everything the attempt
+wrote is deleted (best effort: when the store itself is unreachable the error says what may be left, and
 `purge_staging` removes stale staging objects later).
 """
 
@@ -25,9 +25,10 @@ from pathlib import Path
 from shared.disk_space import RoomCheck, shortage
 from shared.file_modes import FOLDER_MODE
 
+from . import claims
 from .errors import InsufficientSpace, InvalidKey, LocalDiskError, ObjectNotFound, StorageError, VerificationFailed
 from .hashing import sha256_file
-from .keys import STAGING_ROOT, check_key, check_prefix, folder_prefix
+from .keys import CLAIMS_ROOT, STAGING_ROOT, check_key, check_prefix, folder_prefix
 
 MANIFEST_NAME = "manifest.json"  # shared.formats.manifest.MANIFEST_NAME (storage does not import formats)
 
@@ -79,6 +80,10 @@ class ObjectStore(abc.ABC):
     def move(self, src_key: str, dst_key: str) -> None:
         """Move an object, keeping its recorded sha256 (S3: server-side copy then delete)."""
 
+    @abc.abstractmethod
+    def create_bytes(self, data: bytes, key: str) -> bool:
+        """Write a small object only where none is (atomically: of two writers one wins); False if one was."""
+
     # ---- built on the primitives ----
 
     def exists(self, key: str) -> bool:
@@ -105,6 +110,18 @@ class ObjectStore(abc.ABC):
             path.write_bytes(data)
             return self.put_file(path, key)
 
+    def clear_prefix(self, prefix: str, only_if: Callable[[], bool] | None = None) -> int:
+        """delete_prefix under the prefix's claim (claims.py): refused with PublishInProgress while a publish
+        writes there, which would otherwise go on moving objects into the prefix just cleared. only_if, if
+        given, is asked once the claim is held: False deletes nothing (returns 0)."""
+        claim = claims.claim_prefix(self, prefix, f"clear-{uuid.uuid4().hex[:16]}")
+        try:
+            if only_if is not None and not only_if():
+                return 0
+            return self.delete_prefix(folder_prefix(prefix))
+        finally:
+            claims.release(self, claim)
+
     def get_bytes(self, key: str) -> bytes:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "object"
@@ -121,22 +138,35 @@ class ObjectStore(abc.ABC):
         """
         local_dir = Path(local_dir)
         final = folder_prefix(final_prefix)
-        if not final or final.startswith(STAGING_ROOT):
+        if not final or final.startswith((STAGING_ROOT, CLAIMS_ROOT)):
             raise InvalidKey(
-                f"publish_folder needs a final prefix outside {STAGING_ROOT!r} and not the store root, "
-                f"got {final_prefix!r}"
+                f"publish_folder needs a final prefix outside {STAGING_ROOT!r} and {CLAIMS_ROOT!r} and not the "
+                f"store root, got {final_prefix!r}"
             )
         if not local_dir.is_dir():
             raise StorageError(f"cannot publish {local_dir}: it is not a folder")
         files = _files_under(local_dir)
         if not files:
             raise StorageError(f"cannot publish {local_dir}: the folder has no files")
+        self._refuse_if_written(final)
+        attempt = f"{int(time.time() * 1000)}-{uuid.uuid4().hex[:16]}"
+        claim = claims.claim_prefix(self, final, attempt)
+        try:
+            self._refuse_if_written(final)  # again, now alone: a publish may have finished since the first look
+            return self._publish_claimed(local_dir, files, claim, f"{STAGING_ROOT}{attempt}/", progress)
+        finally:
+            claims.release(self, claim)
+
+    def _refuse_if_written(self, final: str) -> None:
         if self.list(final):
             raise StorageError(
                 f"cannot publish to {self.uri(final)}: objects already exist there; an artifact "
                 "prefix is written once (use a new artifact id, or delete the old objects first)"
             )
-        staging = f"{STAGING_ROOT}{int(time.time() * 1000)}-{uuid.uuid4().hex[:16]}/"
+
+    def _publish_claimed(self, local_dir: Path, files: list[tuple[str, Path]], claim: claims.PrefixClaim,
+                         staging: str, progress: Progress | None) -> list[ObjectInfo]:
+        final = claim.prefix
         written: list[str] = []  # every key this attempt may have created, in order
         try:
             staged = []
@@ -153,11 +183,16 @@ class ObjectStore(abc.ABC):
             # an artifact id by it), so it must not appear before every file it lists is in place.
             order = sorted(zip(files, staged), key=lambda pair: pair[0][0] == MANIFEST_NAME)
             for (rel, _path), info in order:
+                if claim.lost or not claims.holds(self, claim):
+                    raise ClaimLost(f"its claim {claim.key} was taken over (or purged) as stale: another publish "
+                                    "may write the prefix now")
                 written.append(final + rel)
                 self.move(info.key, final + rel)
                 published.append(ObjectInfo(final + rel, info.size, info.sha256))
             published.sort(key=lambda info: info.key)
         except BaseException as exc:
+            if isinstance(exc, ClaimLost):  # what it moved there is the new holder's to replace, not ours to delete
+                written = [key for key in written if not key.startswith(final)]
             leftover = self._discard(written, staging, final)
             if not isinstance(exc, Exception):
                 raise
@@ -244,12 +279,14 @@ class ObjectStore(abc.ABC):
 
     def purge_staging(self, older_than_s: float = 3600.0) -> int:
         """Delete staging objects of publishes that started more than older_than_s ago and have written
-        nothing for as long (crashed or cut off from the store), and what a store keeps of their unfinished
-        writes; returns how many objects (and unfinished writes) were deleted. A publish still uploading
-        (a large model on a slow link can take longer than older_than_s) keeps writing, so it is left alone."""
+        nothing for as long (crashed or cut off from the store), what a store keeps of their unfinished
+        writes, and claims not rewritten for as long (claims.delete_stale); returns how many objects (and
+        unfinished writes) were deleted. A publish still uploading (a large model on a slow link can take
+        longer than older_than_s) keeps writing, so it is left alone."""
         stale = self._stale_staging_attempts(older_than_s)
         deleted = sum(self.delete_prefix(f"{STAGING_ROOT}{attempt}/") for attempt in sorted(stale))
-        return deleted + self._discard_unfinished_writes(stale)
+        deleted += self._discard_unfinished_writes(stale)
+        return deleted + claims.delete_stale(self, older_than_s)
 
     def _discard_unfinished_writes(self, attempts: set[str]) -> int:
         """Deletes what the store keeps of these stale attempts' unfinished writes; returns how many. None here."""
@@ -288,6 +325,10 @@ class ObjectStore(abc.ABC):
                 leftover.append(self.uri(final))
             return leftover
         return []
+
+
+class ClaimLost(StorageError):
+    """A publish whose claim was taken over as stale (claims.py) while it was still moving objects."""
 
 
 def staging_attempt(key: str) -> str:

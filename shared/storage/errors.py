@@ -33,3 +33,8 @@ class LocalDiskError(StorageError):
 class VerificationFailed(StorageError):
     """An object's bytes do not match their recorded size or sha256 (altered in transit or in the store):
     unlike an unreachable store, something is damaged."""
+
+
+class PublishInProgress(StorageError):
+    """Another publish holds the prefix (its claim, claims.py) and is still writing: two publishers of one artifact
+    (an orphaned job and its retry) would mix their objects there."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 from .errors import InvalidKey
 
 STAGING_ROOT = "_staging/"
+# Where a publish claims its final prefix (claims.py): `_claims/<prefix without its trailing slash>`.
+CLAIMS_ROOT = "_claims/"
 
 
 def _bad_segments(text: str) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from .base import ObjectInfo, ObjectStore, walk_error
@@ -52,6 +53,20 @@ class LocalStore(ObjectStore):
             tmp.unlink(missing_ok=True)
             raise StorageError(f"cannot write {self.uri(key)} from {local_path}: {exc}") from exc
         return ObjectInfo(key, size, sha)
+
+    def create_bytes(self, data: bytes, key: str) -> bool:
+        dest = self._path(key)
+        tmp = self._tmp / uuid.uuid4().hex
+        try:
+            tmp.write_bytes(data)
+            self._place(tmp, dest, put=os.link)  # a link fails where a file is: of two writers, one links
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise StorageError(f"cannot write {self.uri(key)}: {exc}") from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+        return True
 
     def get_file(self, key: str, local_path: str | os.PathLike[str]) -> ObjectInfo:
         src = self._existing(key)
@@ -157,12 +172,12 @@ class LocalStore(ObjectStore):
         except OSError as exc:
             raise StorageError(f"cannot read {self.uri(key)}: {exc}") from exc
 
-    def _place(self, src: Path, dest: Path) -> None:
+    def _place(self, src: Path, dest: Path, put: Callable[[Path, Path], None] = os.replace) -> None:
         # A concurrent delete may prune dest's (empty) parent between mkdir and rename: retry.
         for attempt in range(3):
             dest.parent.mkdir(parents=True, exist_ok=True)
             try:
-                os.replace(src, dest)
+                put(src, dest)
                 return
             except FileNotFoundError:
                 if attempt == 2 or not src.exists():

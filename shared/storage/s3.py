@@ -7,6 +7,7 @@ integrity on each request is botocore's job (its default CRC32 request checksums
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -150,6 +151,19 @@ class S3Store(ObjectStore):
         with self._errors(f"copy to {self.uri(dst_key)} of", src_key):
             self._client.copy(source, self.bucket, self._full(dst_key), Config=self._transfer)
         self.delete(src_key)
+
+    def create_bytes(self, data: bytes, key: str) -> bool:
+        # If-None-Match: * makes the server refuse the write where an object is (412), or while another
+        # conditional write of that key is under way (409): either way another writer got there first.
+        with self._errors("conditional write of", key):
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=self._full(key), Body=data, IfNoneMatch="*",
+                                        Metadata={SHA256_META: hashlib.sha256(data).hexdigest()})
+            except botocore.exceptions.ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    return False
+                raise
+        return True
 
     def _discard_unfinished_writes(self, attempts: set[str]) -> int:
         """Aborts the unfinished multipart uploads of stale publish attempts: a publisher killed mid-upload

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from datetime import timedelta
 
 import pytest
@@ -25,7 +27,7 @@ from shared.registry import (
 )
 from shared.registry.models import utcnow
 from shared.rpc.qserve.v1 import common_pb2, quantizer_pb2
-from shared.storage import StorageError, open_store
+from shared.storage import StorageConfig, StorageError, open_store
 from shared.storage.s3 import S3Store
 from tests.quantizer.conftest import Quantizer, s3_config
 
@@ -62,13 +64,15 @@ def test_s3_stopping_mid_upload_fails_the_job_and_a_retry_succeeds(own_moto, sta
 
     restarted = own_moto(server.port)  # moto keeps its state: what the stopped server held
     left = restarted.keys(store.bucket)
-    assert left and all(key.startswith("_staging/") for key in left)  # nothing under the artifact's prefix
-    assert open_store(store).purge_staging(older_than_s=0) == len(left)
-    assert restarted.keys(store.bucket) == []
+    # Nothing under the artifact's prefix: staged objects, and the publish's claim on the prefix (its release
+    # failed with the store), which a retry in this process takes over at once, not after CLAIM_STALE_AFTER_S.
+    claims = [key for key in left if key.startswith("_claims/")]
+    assert len(claims) == 1 and all(key.startswith("_staging/") for key in set(left) - set(claims))
 
     retry, _ = quantizer.publish(request_for(small_model))
     assert retry.state == Q.JOB_STATE_SUCCEEDED, retry.error
     assert retry.artifact.artifact_id == job.artifact.artifact_id  # the binding's artifact, retried
+    assert open_store(store).purge_staging(older_than_s=0) == len(left) - 1
     keys = restarted.keys(store.bucket)
     assert keys and all(key.startswith(retry.artifact.object_key_prefix) for key in keys)
 
@@ -144,6 +148,18 @@ def test_a_corrupt_checkpoint_fails_the_job_naming_the_file(bucket_store, start_
     assert job.error.startswith("load failed: ")
     assert "model.safetensors is not a readable safetensors file" in job.error
     assert not job.HasField("artifact")
+
+
+def test_a_checkpoint_file_whose_name_is_not_utf8_fails_the_job_naming_it(bucket_store, start_quantizer, registry_url,
+                                                                           small_model, request_for):
+    # Its name reaches the error as a lone surrogate, which no registry can store: the failure was never
+    # recorded, and the job stayed RUNNING (retried every heartbeat) with its watchers waiting for ever.
+    with open(os.fsencode(small_model) + b"/extra-\xff.safetensors", "wb") as shard:
+        shard.write(b"not a safetensors file")
+    quantizer = start_quantizer(bucket_store, registry_url)
+    job = quantizer.follow(quantizer.stub.Publish(request_for(small_model)).job_id, timeout_s=60)[-1].job
+    assert job.state == Q.JOB_STATE_FAILED
+    assert "extra-\\udcff.safetensors" in job.error
 
 
 def test_a_checkpoint_missing_tensors_fails_the_job(bucket_store, start_quantizer, registry_url, small_model,
@@ -230,7 +246,6 @@ def test_a_publish_whose_job_row_did_not_commit_takes_no_queue_slot(bucket_store
 
 def _running_jobs_beat(registry, job_id: str):
     """Waits until the job runs; -> a function reading its (state, heartbeat_at)."""
-    import time
 
     def beat():
         with registry.sessions() as session:
@@ -250,7 +265,6 @@ def test_a_stopping_quantizer_heartbeats_its_jobs_until_they_have_ended(bucket_s
     """A job winding down after stop() still belongs to this quantizer: were its heartbeats to end first,
     another quantizer could fail it as an orphan and retry its artifact while it still runs."""
     import threading
-    import time
 
     from services.quantizer.pipeline import Pipeline
 
@@ -282,7 +296,6 @@ def test_heartbeats_go_on_while_what_an_orphan_left_is_deleted(bucket_store, sta
     thread, so this quantizer's live jobs went unheard meanwhile and another quantizer's sweep failed them as
     orphans in turn. Orphans are swept on a thread of their own."""
     import threading
-    import time
 
     from services.quantizer.pipeline import Pipeline
 
@@ -307,3 +320,20 @@ def test_an_orphan_time_within_one_heartbeat_is_refused(registry_url, tmp_path):
     with pytest.raises(ConfigError, match="orphan_after_s"):
         QuantizerConfig(registry_url=registry_url, store=s3_config("http://127.0.0.1:1", "any-bucket"), work_dir=tmp_path,
                         heartbeat_s=10.0, orphan_after_s=5.0)
+
+
+def test_a_running_quantizer_purges_stale_staging_now_and_then(tmp_path, start_quantizer, registry_url, monkeypatch):
+    """Only a start purged it: a quantizer restarted at once after a kill mid-upload found that staging too young,
+    and kept it until a start an hour later at least, which might never come."""
+    from services.quantizer import leftovers
+
+    monkeypatch.setattr(leftovers, "STAGING_MAX_AGE_S", 0.0)  # anything not written since the last second
+    monkeypatch.setattr(leftovers, "PURGE_INTERVAL_S", 0.2)
+    store_config = StorageConfig(kind="local", root=tmp_path / "objects")
+    start_quantizer(store_config, registry_url, create_bucket=True, heartbeat_s=0.2)
+    store = open_store(store_config)
+    stale = store.put_bytes(b"x", "_staging/1000-killed/weights.safetensors").key  # after the start's purge
+    deadline = time.monotonic() + 20
+    while store.exists(stale):
+        assert time.monotonic() < deadline, "never purged while running"
+        time.sleep(0.1)

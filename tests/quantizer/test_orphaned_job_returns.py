@@ -1,8 +1,10 @@
 """A job failed as an orphan while its quantizer was cut off from the registry, which then comes back:
-by then another job may be retrying the same artifact, and the returning job must not touch it."""
+by then another job may be retrying the same artifact, and the returning job must not touch it; if none
+does, what the returning job published is deleted. And deleting what an orphan left holds no registry lock."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from datetime import timedelta
@@ -16,7 +18,11 @@ from shared.registry import (
     fail_orphaned_jobs,
     get_artifact,
     get_job,
+    heartbeat,
     list_artifacts,
+    mark_artifact_failed,
+    register_model_version,
+    reserve_artifact,
     retry_artifact,
     start_job,
 )
@@ -108,3 +114,106 @@ def test_a_returning_orphan_does_not_delete_what_the_retrying_job_published(tmp_
         assert artifact.state == ArtifactState.PENDING, artifact.failure_reason
         prefix = artifact.object_prefix
     assert published and [info.key for info in store.list(prefix)] == published
+
+
+def test_a_returning_orphan_deletes_what_it_published_when_no_job_retries(tmp_path, start_quantizer, registry_url,
+                                                                           open_registry, small_model, request_for,
+                                                                           monkeypatch):
+    """The sweep that failed it deleted what was under the prefix then; the job, cut off but alive, went on to
+    publish a whole artifact (manifest included: a worker without a registry finds it) behind a FAILED artifact,
+    and kept it: its failed register deleted nothing, as the job no longer held the artifact."""
+    from services.quantizer.jobs import JobRunner
+
+    quantizer = start_quantizer(StorageConfig(kind="local", root=tmp_path / "objects"), registry_url,
+                                create_bucket=True)
+    store = quantizer.server.running.runner.services.store
+    registry = open_registry(registry_url)
+    real_progress = JobRunner._progress
+
+    def failed_as_an_orphan_before_register(self, job_id, stage, *args):
+        real_progress(self, job_id, stage, *args)
+        if stage is Stage.REGISTER:
+            with registry.transaction() as session:
+                fail_orphaned_jobs(session, "gone", current_owner=OTHER, stale_after=timedelta(0))
+
+    monkeypatch.setattr(JobRunner, "_progress", failed_as_an_orphan_before_register)
+    job, _ = quantizer.publish(request_for(small_model))
+
+    assert job.state == quantizer_pb2.JOB_STATE_FAILED
+    with registry.sessions() as session:
+        [artifact] = list_artifacts(session)
+        assert artifact.state == ArtifactState.FAILED
+        prefix = artifact.object_prefix
+    assert store.list(prefix) == []
+    assert store.list("_claims/") == []
+
+
+def test_deleting_what_an_orphan_left_holds_no_registry_lock(tmp_path, start_quantizer, any_registry_url,
+                                                             open_registry, monkeypatch):
+    """It ran inside a transaction holding the artifact's row lock (on SQLite the whole registry's write lock)
+    for as long as the store took: heartbeats, progress reports and a new claim of the artifact waited, and
+    past the lock bound (30 s) healthy jobs failed."""
+    quantizer = start_quantizer(StorageConfig(kind="local", root=tmp_path / "objects"), any_registry_url,
+                                create_bucket=True)
+    runner = quantizer.server.running.runner
+    store = runner.services.store
+    registry = open_registry(any_registry_url)
+    with registry.transaction() as session:
+        version = register_model_version(session, "rand", "f" * 64)
+        artifact = reserve_artifact(session, version.id, "w4a8kv4-g128", "cpu").artifact
+        mark_artifact_failed(session, artifact.id, "orphaned")
+        artifact_id, prefix = artifact.id, artifact.object_prefix
+    key = store.put_bytes(b"w", f"{prefix}weights/a.bin").key
+    deleting, finish = threading.Event(), threading.Event()
+    delete_prefix = store.delete_prefix
+
+    def slow_store(prefix):  # botocore retrying: up to max_attempts x read_timeout_s
+        deleting.set()
+        finish.wait(20)
+        return delete_prefix(prefix)
+
+    monkeypatch.setattr(store, "delete_prefix", slow_store)
+    deletion = threading.Thread(target=runner._delete_orphaned_objects, args=(artifact_id,))
+    deletion.start()
+    try:
+        assert deleting.wait(10)
+        started = time.monotonic()
+        with registry.transaction(lock_wait_s=2.0) as session:
+            get_artifact(session, artifact_id, for_update=True)
+            heartbeat(session, OTHER)
+        waited = time.monotonic() - started
+    finally:
+        finish.set()
+        deletion.join(20)
+    assert waited < 1.0
+    assert not store.exists(key)
+
+
+def test_what_a_killed_publish_left_is_deleted_once_its_claim_is_stale(tmp_path, start_quantizer, registry_url,
+                                                                       open_registry, monkeypatch):
+    """The sweep finds the prefix still claimed by the killed publish (its claim not stale yet): the deletion is
+    tried again every housekeeping round, not dropped (its job FAILED, no later sweep would come back to it)."""
+    from shared.storage import claims
+
+    quantizer = start_quantizer(StorageConfig(kind="local", root=tmp_path / "objects"), registry_url,
+                                create_bucket=True, heartbeat_s=0.2)
+    runner = quantizer.server.running.runner
+    store = runner.services.store
+    registry = open_registry(registry_url)
+    with registry.transaction() as session:
+        version = register_model_version(session, "rand", "f" * 64)
+        artifact = reserve_artifact(session, version.id, "w4a8kv4-g128", "cpu").artifact
+        mark_artifact_failed(session, artifact.id, "orphaned")
+        artifact_id, prefix = artifact.id, artifact.object_prefix
+    key = store.put_bytes(b"{}", f"{prefix}manifest.json").key
+    killed = {"attempt": "1-killed", "process": "gone", "host": "gone", "pid": 1, "at": time.time()}
+    store.put_bytes(json.dumps(killed).encode(), claims.claim_key(prefix))
+
+    runner._delete_orphaned_objects(artifact_id)
+    assert store.exists(key)  # claimed: left for now
+    monkeypatch.setattr(claims, "CLAIM_STALE_AFTER_S", 0.0)  # ... until the claim is stale
+    deadline = time.monotonic() + 20
+    while store.exists(key):
+        assert time.monotonic() < deadline, "never deleted"
+        time.sleep(0.1)
+    assert store.list("") == []
