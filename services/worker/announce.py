@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -28,6 +29,9 @@ log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 10.0
 DEREGISTER_TIMEOUT_S = 5.0
+# A failed DeregisterWorker (a reset connection) is tried again for this long: a gateway that is gone (refusing
+# connections) has forgotten the worker anyway, and must not hold a drain for long.
+DEREGISTER_RETRIES_S = 1.0
 # gRPC's own reconnection backoff (1 s growing to 120 s) answers every call with the last connection
 # failure until its next attempt, so a gateway back up waited for it on top of this loop's backoff. Capped
 # at this, each retry of the loop finds the gateway as it is now.
@@ -92,7 +96,7 @@ class GatewayAnnouncer:
         """Stops heartbeating and deregisters (best effort: the gateway may be gone). Takes at most
         RPC_TIMEOUT_S (a registration in flight is let finish: its reply carries the id to deregister;
         a heartbeat in flight is cut short: a hung gateway must not hold a drain, and a lost heartbeat
-        costs nothing) plus DEREGISTER_TIMEOUT_S."""
+        costs nothing) plus DEREGISTER_RETRIES_S and DEREGISTER_TIMEOUT_S."""
         if self._task is None:
             return
         self._stop.set()
@@ -107,17 +111,35 @@ class GatewayAnnouncer:
             log.exception("the announcement to gateway %s failed", self.gateway_address)
         self._task = None
         if self.worker_id is not None:
+            await self._deregister()
+            self.worker_id = None
+        await self._channel.close()
+
+    async def _deregister(self) -> None:
+        """DeregisterWorker, tried again after a quick failure (a reset connection) for DEREGISTER_RETRIES_S.
+        One failed call was the end of it: heartbeats stopped, the gateway took the worker for lost after its
+        heartbeat timeout (6 s) and ended every stream still finishing on it, cutting a drain's grace short."""
+        retry_until = time.monotonic() + DEREGISTER_RETRIES_S
+        pause = 0.1
+        while True:
             try:
                 await self._stub.DeregisterWorker(
                     gateway_pb2.DeregisterWorkerRequest(worker_id=self.worker_id),
                     metadata=self._metadata, timeout=DEREGISTER_TIMEOUT_S,
                 )
                 log.info("deregistered worker %s from gateway %s", self.worker_id, self.gateway_address)
+                return
             except grpc.aio.AioRpcError as exc:
-                log.warning("could not deregister from gateway %s: %s %s", self.gateway_address,
-                            exc.code().name, exc.details())
-            self.worker_id = None
-        await self._channel.close()
+                final = (exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED)
+                         or time.monotonic() + pause >= retry_until)
+                if final:  # NOT_FOUND: the gateway has forgotten it already (restarted)
+                    log.warning("could not deregister from gateway %s: %s %s", self.gateway_address,
+                                exc.code().name, exc.details())
+                    return
+                log.info("deregistration from gateway %s failed (%s %s); trying again", self.gateway_address,
+                         exc.code().name, exc.details())
+            await asyncio.sleep(pause)
+            pause *= 2
 
     async def _run(self) -> None:
         backoff = self._min_backoff_s

@@ -94,10 +94,16 @@ class WorkerMetrics:
         """Engine.on_step: runs on the engine's thread (prometheus_client's metrics are thread-safe)."""
         self.step.labels(kind).observe(seconds)
 
-    def observe_error(self, non_finite: bool = False) -> None:
+    def observe_error(self, non_finite: bool = False, generated_tokens: int = 0) -> None:
         # Apart from other engine errors: NaN / inf logits on an artifact that passed its start-up self-check
         # point at the device (or at prompts its numerics cannot take), the alert a failing GPU needs.
         self.finished.labels("non_finite_logits" if non_finite else "error").inc()
+        # Streamed before the error: left out, a failing GPU's token rate read low, and unlike the gateway's.
+        self.generated.inc(generated_tokens)
+
+    def observe_cancelled_before_admission(self) -> None:
+        """A caller gone while its prompt was tokenized: it never reached the engine, which counts the rest."""
+        self.finished.labels("abort").inc()
 
     def observe_finish(self, finish: FinishInfo) -> None:
         self.finished.labels(finish.reason.name.lower()).inc()

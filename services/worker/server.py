@@ -16,7 +16,6 @@ await server.stop()`, or BackgroundWorker(config) from synchronous code.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import sys
 import time
@@ -76,7 +75,8 @@ class WorkerServer:
         # Not asyncio.to_thread: a process stopped during the load (minutes on a GPU) would wait for it at exit.
         served = await in_daemon_thread(load_served_model, self.config)
         served.engine.start()
-        metrics = WorkerMetrics(served.engine.stats, served.probe_error)
+        # Read through the servicer, made next (it needs the metrics): its stats count prompts being tokenized.
+        metrics = WorkerMetrics(lambda: servicer.stats(), served.probe_error)
         metrics.registry.register(
             CertificateExpiry("worker", certificate_files(self.config.tls, self.config.gateway_tls)))
         server = grpc_server()
@@ -124,11 +124,9 @@ class WorkerServer:
         # as soon as its engine moves again (it is not deregistered). It reports stalled as well
         # (GatewayAnnouncer's `stalled`): a gateway that knows the field ends the streams open on it, which
         # would otherwise wait for their clients' deadlines; draining is kept for gateways that do not.
-        # Requests still being tokenized are not in the engine yet: counted as waiting, or a gateway seeing nothing
+        # Requests still being tokenized count as waiting (WorkerServicer.stats), or a gateway seeing nothing
         # running or waiting twice while its stream has had no reply would end it (pool._end_unheard).
-        stats = self.served.engine.stats()
-        stats = dataclasses.replace(stats, waiting=stats.waiting + self.servicer.admitting)
-        return stats, self.servicer.draining or self.servicer.stalled
+        return self.servicer.stats(), self.servicer.draining or self.servicer.stalled
 
     async def _watch_engine(self) -> None:
         """Marks the worker stalled while requests are in flight and no engine step has completed for
@@ -173,6 +171,7 @@ class WorkerServer:
         # Requests still tokenizing were accepted before the drain began: they are in flight too.
         while (engine.num_in_flight or self.servicer.admitting) and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
+        self.servicer.closing = True
         left = engine.in_flight()
         if left:
             log.warning("drain grace of %.1f s is over; aborting %d request(s)", grace, len(left))

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from services.worker.engine.outputs import FinishInfo, RequestOutput
+from services.worker.engine.outputs import EngineStats, FinishInfo, RequestOutput
 from services.worker.errors import Draining, InvalidRequest, Stalled, WorkerError
 from services.worker.metrics import WorkerMetrics
 from services.worker.requests import PromptLimits, generation_from_pb
@@ -31,6 +33,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # Generate calls past the draining check and not in the engine yet (tokenizing): a drain waits for
         # them as for the engine's requests, or the server's stop would cut a stream it had accepted.
         self.admitting = 0
+        # Set once a drain's grace is over: a request still being tokenized then is refused as draining (the
+        # gateway sends it elsewhere, counting no failure) rather than started and cut by the server's stop.
+        self.closing = False
         self.limits = PromptLimits(
             vocab_size=served.vocab_size, max_context=self.engine.limits.max_context,
             add_bos=served.add_bos, bos_token_id=served.bos_token_id,
@@ -38,6 +43,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        arrival = time.monotonic()  # time to first token and queue time count tokenizing, and waiting for a thread
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         try:
@@ -51,6 +57,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 # Off the event loop: tokenizing a long prompt takes a while (up to ~0.3 s per MB), and every
                 # other stream, Abort, Info and the gateway's heartbeats share this loop.
                 gen = await asyncio.to_thread(generation_from_pb, request, self.limits, self.served.tokenizer.encode)
+                if self.closing:
+                    raise Draining("this worker stopped while the prompt was tokenized; send it to another worker")
 
                 def sink(out: RequestOutput) -> None:
                     # Counted here, on the engine's thread: the finish of a request whose caller
@@ -58,10 +66,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     if out.finish is not None:
                         self.metrics.observe_finish(out.finish)
                     elif out.error is not None:
-                        self.metrics.observe_error(out.non_finite)
+                        self.metrics.observe_error(out.non_finite, out.generated_tokens)
                     loop.call_soon_threadsafe(queue.put_nowait, out)
 
-                self.engine.add_request(gen.request_id, gen.prompt_ids, gen.sampling, sink)
+                self.engine.add_request(gen.request_id, gen.prompt_ids, gen.sampling, sink, arrival)
+            except asyncio.CancelledError:
+                self.metrics.observe_cancelled_before_admission()
+                raise
             finally:
                 self.admitting -= 1
         except WorkerError as exc:
@@ -79,6 +90,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             if not done:  # the caller cancelled (or the stream broke): free the blocks now
                 self.engine.abort(gen.request_id)
+
+    def stats(self) -> EngineStats:
+        """The engine's, with the requests still being tokenized (not in the engine yet) counted as waiting."""
+        stats = self.engine.stats()
+        return dataclasses.replace(stats, waiting=stats.waiting + self.admitting)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
         if not request.request_id:

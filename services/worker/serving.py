@@ -101,9 +101,7 @@ def load_served_model(config: WorkerConfig) -> ServedModel:
                               config.probe_max_error)
     if device.type == "cuda":
         warm_attention_kernels(runner, num_blocks, max_context, config.max_batch_tokens, config.max_running_sequences)
-    # The probe and the warm-up wrote K/V into blocks 0.. behind the engine's back, over blocks the self-check's
-    # prompt left named in the prefix cache: a request starting like that prompt must not reuse them.
-    engine.blocks.forget_cached()
+    engine.forget_start_up_checks()  # the probe and warm-up wrote K/V behind its back; counters from zero
     log.info("artifact %s (%s, %s) on %s: %d KV blocks of %d tokens, context %d",
              reader.manifest.artifact_id, reader.manifest.format, reader.manifest.gpu_target, gpu_name,
              num_blocks, config.block_size, max_context)

@@ -271,6 +271,34 @@ def test_a_drain_cuts_a_hung_heartbeat_short_and_still_deregisters():
     asyncio.run(scenario())
 
 
+class FlakyDeregistrationAdmin(FakeAdmin):
+    """Its first DeregisterWorker fails (a connection reset, a replica restarting)."""
+
+    async def DeregisterWorker(self, request, context):
+        if not any(call[0] == "deregister-failed" for call in self.calls):
+            self.calls.append(("deregister-failed", request.worker_id))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "transient: connection reset")
+        return await super().DeregisterWorker(request, context)
+
+
+def test_a_failed_deregistration_is_tried_again():
+    """One failed call was the end of it: the gateway kept the worker until its heartbeat timeout, then ended
+    every stream still finishing on it, cutting the drain's grace short."""
+    async def scenario():
+        server, admin, port = await _fake_gateway(admin=FlakyDeregistrationAdmin())
+        announcer = GatewayAnnouncer(f"127.0.0.1:{port}", TOKEN, "127.0.0.1:1234", "a" * 32, _load)
+        announcer.start()
+        await _until(lambda: any(c[0] == "heartbeat" for c in admin.calls))
+        started = time.monotonic()
+        await announcer.stop()
+        assert time.monotonic() - started < 2.0
+        assert admin.calls[-2:] == [("deregister-failed", "w1"), ("deregister", "w1")]
+        assert admin.known == set()
+        await server.stop(0)
+
+    asyncio.run(scenario())
+
+
 def test_an_error_in_the_loop_is_retried_and_the_worker_stays_announced():
     """A bug in the loop (here: reading the engine's load raises, twice) ended the announcer's task: the
     worker stopped heartbeating and left the gateway's pool for good, silently. It is logged and retried;
@@ -331,9 +359,11 @@ def test_requests_being_tokenized_count_as_waiting_in_the_heartbeat():
 
     from services.worker.engine.engine import EngineStats
     from services.worker.server import WorkerServer
+    from services.worker.servicer import WorkerServicer
 
     stats = EngineStats(running=1, waiting=2, kv_blocks_total=8, kv_blocks_free=4, kv_blocks_used=4, preemptions=0)
-    worker = SimpleNamespace(served=SimpleNamespace(engine=SimpleNamespace(stats=lambda: stats)),
-                             servicer=SimpleNamespace(admitting=3, draining=False, stalled=False))
+    servicer = SimpleNamespace(engine=SimpleNamespace(stats=lambda: stats), admitting=3, draining=False, stalled=False)
+    servicer.stats = lambda: WorkerServicer.stats(servicer)
+    worker = SimpleNamespace(servicer=servicer)
     reported, draining = WorkerServer._load(worker)
     assert (reported.running, reported.waiting, draining) == (1, 5, False)

@@ -4,6 +4,9 @@ seconds, and gauges back at idle once the work is over."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import pytest
 from prometheus_client import generate_latest
@@ -185,6 +188,71 @@ def test_requests_failed_by_non_finite_logits_are_counted_apart(worker, client, 
                      "qserve_worker_prefix_cache_hit_tokens_total[]": 4}, delta
     # The cached prefixes may hold the K/V that gave the NaNs: forgotten, no later request reuses them.
     assert value(after, "qserve_worker_kv_blocks_cached") == 0
+
+
+def test_time_to_first_token_and_queue_time_count_tokenizing(worker, client, scrape, monkeypatch):
+    """They started when the engine got the request, after its prompt was tokenized (and after it waited for a
+    thread to do that): a worker slow to tokenize long prompts under load showed nothing of it."""
+    tokenizer = worker.server.served.tokenizer
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: (time.sleep(0.4), encode(*a, **k))[1])
+    before = scrape()
+    request = worker_pb2.GenerateRequest(text="hello there", sampling=common_pb2.SamplingParams(max_new_tokens=2))
+    finish = list(client.Generate(request, timeout=60))[-1].finish
+    after = scrape()
+    for name in ("qserve_worker_time_to_first_token_seconds_sum", "qserve_worker_queue_time_seconds_sum"):
+        assert value(after, name) - value(before, name) >= 0.4, name
+    assert finish.timings.time_to_first_token.ToTimedelta().total_seconds() >= 0.4
+
+
+def test_a_request_cancelled_while_its_prompt_is_tokenized_counts_as_abort_and_as_waiting(worker, client, scrape,
+                                                                                           monkeypatch):
+    """It was counted nowhere (it never reached the engine), and no gauge showed it while it was tokenized."""
+    tokenizer = worker.server.served.tokenizer
+    encode, started = tokenizer.encode, threading.Event()
+
+    def slow_encode(*args, **kwargs):
+        started.set()
+        time.sleep(1.0)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    before = _counts(scrape())
+    call = client.Generate(worker_pb2.GenerateRequest(text="hello"), timeout=60)
+    reader = threading.Thread(target=lambda: next(call, None), daemon=True)  # reading sends the request
+    reader.start()
+    assert started.wait(10)
+    assert value(scrape(), "qserve_worker_waiting_requests") == 1
+    call.cancel()
+    reader.join(10)
+    _wait_for(lambda: _delta(before, _counts(scrape())).get("qserve_worker_requests_total[('reason', 'abort')]") == 1,
+              what="the cancel counted as an abort")
+
+
+def test_tokens_streamed_before_an_engine_error_are_counted(worker, client, scrape):
+    """Only finished requests added to the generated-tokens counter: a failing GPU's token rate read low."""
+    runner = worker.server.served.engine.runner
+    step, steps = runner.step, []
+
+    def fail_the_third(batch):
+        steps.append(1)
+        if len(steps) == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return step(batch)
+
+    runner.step = fail_the_third
+    before = scrape()
+    streamed = 0
+    try:
+        with pytest.raises(grpc.RpcError) as failed:
+            for message in client.Generate(_request(max_new_tokens=8, ignore_eos=True), timeout=60):
+                streamed += len(message.token_ids)
+    finally:
+        runner.step = step
+    assert failed.value.code() == grpc.StatusCode.INTERNAL and streamed == 2
+    delta = _delta(_counts(before), _counts(scrape()))
+    assert delta["qserve_worker_requests_total[('reason', 'error')]"] == 1
+    assert delta["qserve_worker_generated_tokens_total[]"] == streamed
 
 
 def test_the_start_up_probe_error_is_a_gauge(scrape):

@@ -120,20 +120,25 @@ def test_tokenizing_a_prompt_does_not_stop_the_other_streams(start_worker):
     channel.close()
 
 
+def _slow_tokenizing(w, seconds: float) -> threading.Event:
+    """Makes the worker's tokenizer take `seconds` per prompt; the event is set once one has started."""
+    entered, real_encode = threading.Event(), w.server.served.tokenizer.encode
+
+    def slow_encode(text):
+        entered.set()
+        time.sleep(seconds)
+        return real_encode(text)
+
+    w.server.served.tokenizer.encode = slow_encode
+    return entered
+
+
 def test_a_stop_waits_for_a_request_accepted_while_its_prompt_was_being_tokenized(start_worker):
     """Tokenized off the event loop, a request is not in the engine yet while its prompt is encoded: a drain
     that looked only at the engine found nothing in flight, and the server's stop cut the stream it had accepted."""
     w = start_worker("fp16")
     channel, client = stub(w)
-    entered = threading.Event()
-    real_encode = w.server.served.tokenizer.encode
-
-    def slow_encode(text):
-        entered.set()
-        time.sleep(1.0)
-        return real_encode(text)
-
-    w.server.served.tokenizer.encode = slow_encode
+    entered = _slow_tokenizing(w, 1.0)
     result = {}
     sender = threading.Thread(target=lambda: result.update(messages=list(client.Generate(worker_pb2.GenerateRequest(
         text="def main(", sampling={"max_new_tokens": 4, "ignore_eos": True}), timeout=60))))
@@ -142,4 +147,29 @@ def test_a_stop_waits_for_a_request_accepted_while_its_prompt_was_being_tokenize
     w.stop(grace_s=20)
     sender.join(30)
     assert result["messages"][-1].finish.generated_tokens == 4
+    channel.close()
+
+
+def test_a_request_still_tokenized_when_the_drain_grace_ends_is_refused_as_draining(start_worker):
+    """It was added to the engine after the drain had given up waiting, streamed while the server stopped, and
+    was cut with "Cancelling all calls": a failure the gateway counted, not a draining refusal it retries."""
+    w = start_worker("fp16")
+    channel, client = stub(w)
+    entered = _slow_tokenizing(w, 0.6)
+    result = {}
+
+    def send():
+        try:
+            list(client.Generate(worker_pb2.GenerateRequest(
+                text="def main(", sampling={"max_new_tokens": 400, "ignore_eos": True}), timeout=60))
+        except grpc.RpcError as exc:
+            result.update(code=exc.code(), details=exc.details(), trailers=dict(exc.trailing_metadata() or ()))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    assert entered.wait(10)
+    w.stop(grace_s=0.1)
+    sender.join(30)
+    assert result["code"] == grpc.StatusCode.UNAVAILABLE and "stopped while the prompt was tokenized" in result["details"]
+    assert result["trailers"].get("qserve-refusal") == "draining"
     channel.close()

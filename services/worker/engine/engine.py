@@ -138,8 +138,10 @@ class Engine:
 
     # ---- called from any thread ----
 
-    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingOptions, sink: Sink) -> None:
-        """Queues a validated request. Raises DuplicateRequest, QueueFull, or InvalidRequest for a prompt that
+    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingOptions, sink: Sink,
+                    arrival: float | None = None) -> None:
+        """Queues a validated request; arrival (time.monotonic()) is when its caller got it, now if None: a
+        server's time to first token starts before its tokenizing. Raises DuplicateRequest, QueueFull, or InvalidRequest for a prompt that
         leaves no room for a token in the context window (requests.py refuses those first, with the wording a
         client sees; the engine's own callers, the start-up checks and benchmarks, get it here: queued, such a
         prompt could never be admitted and every request behind it would wait for ever)."""
@@ -163,6 +165,8 @@ class Engine:
             if sampling.max_new_tokens:
                 max_tokens = min(max_tokens, len(prompt_ids) + sampling.max_new_tokens)
             seq = Sequence(next(self._ids), request_id, list(prompt_ids), sampling, max_tokens=max_tokens)
+            if arrival is not None:
+                seq.arrival = arrival
             if not sampling.greedy:
                 seq.generator = new_generator(sampling, self.runner.device)
             if not self._live and not self._in_iteration:  # an idle engine was waiting for work, not stalled
@@ -193,6 +197,15 @@ class Engine:
                 prefix_cache_queried_tokens=self.scheduler.prefix_queried_tokens,
                 prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
             )
+
+    def forget_start_up_checks(self) -> None:
+        """After the start-up checks, before serving: K/V they wrote behind the engine's back (the probe, the
+        warm-up) may sit in blocks the self-check's prompt left named in the prefix cache, so none is reused;
+        and the counters start from nothing (a fresh worker's prefix cache had "queried" the self-check)."""
+        with self._cond:
+            self.blocks.forget_cached()
+            self.scheduler.prefix_queried_tokens = self.scheduler.prefix_hit_tokens = 0
+            self._preemptions = 0
 
     def stalled_s(self) -> float:
         """How long requests have been in flight, or an iteration has been running, with no step launched or
@@ -411,7 +424,8 @@ class Engine:
                     continue
                 self._live.pop(seq.request_id)
                 self.scheduler.finish(seq)
-                _deliver(live, RequestOutput(seq.request_id, error=message, non_finite=non_finite))
+                _deliver(live, RequestOutput(seq.request_id, error=message, non_finite=non_finite,
+                                             generated_tokens=_generated(seq)))
             # A failed step (or NaN logits) may have left wrong or unwritten K/V in blocks already named for
             # the prefix cache: none of them is handed to another request.
             self.blocks.forget_cached()
@@ -426,11 +440,15 @@ def _deliver(live: _Live, out: RequestOutput) -> None:
         log.exception("request %s: its output could not be delivered", out.request_id)
 
 
+def _generated(seq: Sequence) -> int:
+    return sum(1 for t in seq.output_ids if t >= 0)  # not the placeholder of a step in flight (abort)
+
+
 def _finish_info(seq: Sequence, reason: FinishReason) -> FinishInfo:
     end = time.monotonic()
     total = end - seq.arrival
     ttft = seq.first_token - seq.arrival if seq.first_token is not None else 0.0
-    generated = sum(1 for t in seq.output_ids if t >= 0)  # not the placeholder of a step in flight (abort)
+    generated = _generated(seq)
     tpot = (total - ttft) / (generated - 1) if generated >= 2 else 0.0
     queue = (seq.first_scheduled if seq.first_scheduled is not None else end) - seq.arrival
     return FinishInfo(reason, len(seq.prompt_ids), generated, queue, ttft, tpot, total)

@@ -26,6 +26,7 @@ class RequestOutput:
     finish: FinishInfo | None = None  # set on the last output only
     error: str | None = None  # the step failed for this request (the last output; no finish)
     non_finite: bool = False  # the error is the model's NaN / inf logits (the metrics count those apart)
+    generated_tokens: int = 0  # with an error: the tokens generated (and streamed) before it, for the metrics
 
 
 @dataclass(slots=True, frozen=True)
