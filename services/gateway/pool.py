@@ -121,9 +121,11 @@ class PooledWorker:
     probe_error: float | None = None  # its start-up probe's, from its Info at registration; None when unchecked
     watcher: asyncio.Task | None = None  # watches the connection (WorkerPool._watch)
     tls_generation: int = 0  # of the pool's client TLS files when its channel was dialled
-    # Channels replaced after a TLS rotation while streams were open on them: closed once none is
-    # (a closed channel ends its calls).
-    retired_channels: list[grpc.aio.Channel] = field(default_factory=list)
+    # Channels replaced after a TLS rotation while streams were open on them, each with how many still are:
+    # closed once none is (a closed channel ends its calls). Counted per channel: closed when the worker had no
+    # stream at all, under steady load none ever closed, one more connection kept per worker at each rotation.
+    retired_channels: dict[grpc.aio.Channel, int] = field(default_factory=dict)
+    channel_streams: int = 0  # streams open on `channel`
     # One callback per open stream that asked to be ended should the worker be unable to finish it
     # (WorkerPool.acquire); called with the reason, and removed, by WorkerPool._end_streams.
     stream_enders: set[Callable[[str], None]] = field(default_factory=set)
@@ -134,8 +136,10 @@ class PooledWorker:
 
     def health_label(self) -> str:
         """Its health for the workers gauge (GatewayMetrics.watch_workers): a quarantined worker apart from
-        other unhealthy ones, so that an alert can tell a bad GPU among peers from a lost worker."""
-        if self.health is Health.UNHEALTHY and self.quarantined_until > time.monotonic():
+        other unhealthy ones, so that an alert can tell a bad GPU among peers from a lost worker (one that has
+        also stopped heartbeating is lost: WorkerPool.expire gives it that reason)."""
+        if (self.health is Health.UNHEALTHY and self.quarantined_until > time.monotonic()
+                and self.failed_reason == self.quarantine_reason):
             return "quarantined"
         return self.health.name.lower()
 
@@ -218,8 +222,9 @@ class WorkerPool:
             worker.stub = worker_pb2_grpc.WorkerStub(worker.channel)
             worker.tls_generation = generation
             worker.watcher = asyncio.create_task(self._watch(worker), name=f"worker-connection-{worker.address}")
-            if worker.in_flight:
-                worker.retired_channels.append(old)
+            if worker.channel_streams:
+                worker.retired_channels[old] = worker.channel_streams
+                worker.channel_streams = 0
             else:
                 await old.close()
             renewed.append(worker)
@@ -311,21 +316,33 @@ class WorkerPool:
             await worker.channel.close()
         return worker
 
-    def acquire(self, worker: PooledWorker, end: Callable[[str], None] | None = None) -> None:
-        """A stream opened on the worker. end(reason), when given, is called (once, at most) if the worker
-        turns out unable to finish it: stalled, its heartbeats stopped, or it knows nothing of the stream
-        (_end_unheard; heard_from says the stream had a reply). release() with the same end unregisters it."""
+    def acquire(self, worker: PooledWorker, end: Callable[[str], None] | None = None) -> grpc.aio.Channel:
+        """A stream opened on the worker, on the channel returned (the worker's now: give it to release). end(reason),
+        when given, is called (once, at most) if the worker turns out unable to finish it: stalled, its heartbeats
+        stopped, or it knows nothing of the stream (_end_unheard; heard_from says the stream had a reply). release()
+        with the same end unregisters it."""
         worker.in_flight += 1
+        worker.channel_streams += 1
         if end is not None:
             worker.stream_enders.add(end)
             worker.silent_streams.add(end)
+        return worker.channel
 
     def heard_from(self, worker: PooledWorker, end: Callable[[str], None]) -> None:
         """The stream acquired with `end` got its first reply: the worker knows of it (see _end_unheard)."""
         worker.silent_streams.discard(end)
 
-    async def release(self, worker: PooledWorker, end: Callable[[str], None] | None = None) -> None:
+    async def release(self, worker: PooledWorker, end: Callable[[str], None] | None = None,
+                      channel: grpc.aio.Channel | None = None) -> None:
+        """The stream acquired (on `channel`; None: the worker's channel now) has ended."""
         worker.in_flight -= 1
+        if channel is None or channel is worker.channel:
+            worker.channel_streams -= 1
+        elif channel in worker.retired_channels:
+            worker.retired_channels[channel] -= 1
+            if not worker.retired_channels[channel]:
+                del worker.retired_channels[channel]
+                await channel.close()
         worker.stream_enders.discard(end)  # already gone if the pool ended the stream
         worker.silent_streams.discard(end)
         if worker.in_flight == 0:
@@ -420,7 +437,10 @@ class WorkerPool:
         now = time.monotonic()
         overdue = [w for w in self.workers.values() if now - w.last_heartbeat_mono > self.heartbeat_timeout_s]
         expired = [w for w in overdue if w.health is not Health.UNHEALTHY]
-        for worker in expired:
+        # A quarantined worker that stops heartbeating too is lost, not only quarantined: shown "quarantined"
+        # until its quarantine ended (up to max_s), it could be forgotten without ever showing as unhealthy.
+        lost = [w for w in overdue if w.quarantined_until and w.failed_reason == w.quarantine_reason]
+        for worker in expired + lost:
             worker.health = Health.UNHEALTHY
             worker.failed_reason = f"no heartbeat for {now - worker.last_heartbeat_mono:.1f} s"
         # Every overdue worker, not only those newly marked: one already unhealthy for another reason (a
@@ -497,7 +517,9 @@ def _clear_record(worker: PooledWorker) -> None:
 
 async def _close_retired(worker: PooledWorker) -> None:
     while worker.retired_channels:
-        await worker.retired_channels.pop().close()
+        channel = next(iter(worker.retired_channels))
+        del worker.retired_channels[channel]
+        await channel.close()
 
 
 async def _stop_watching(worker: PooledWorker) -> None:

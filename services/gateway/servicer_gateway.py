@@ -59,7 +59,7 @@ from services.gateway.errors import MAPPED, AdmissionFull, InvalidRequest, NoWor
 from services.gateway.metrics import GatewayMetrics, Outcome, client_label
 from services.gateway.pool import PooledWorker, WorkerPool
 from services.gateway.router import Arm, Route
-from shared.rpc.qserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2
+from shared.rpc.qserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from shared.rpc.refusal import refused_for_draining
 
 log = logging.getLogger(__name__)
@@ -400,7 +400,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             attempt.lost = reason
             call.cancel()
 
-        self.pool.acquire(worker, lose)
+        channel = self.pool.acquire(worker, lose)
         trace.worker_started = time.monotonic()
         timer = self._first_reply_timer(lose)
         silent = True  # nothing received from the worker yet
@@ -475,7 +475,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 # the worker's work now (a worker that merely stalled frees the request's KV blocks).
                 call.cancel()
                 self._send_abort(worker, worker_request.request_id)
-            await self.pool.release(worker, lose)
+            await self.pool.release(worker, lose, channel)
         if not _routine(attempt.failure):
             self.pool.mark_failed(worker, attempt.failure)
         # %r: the client's request id and the worker's error text (a CUDA error spans lines) stay one line.
@@ -502,17 +502,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _send_abort(self, worker: PooledWorker, worker_request_id: str) -> None:
         async def abort() -> None:
             try:
-                await worker.stub.Abort(worker_pb2.AbortRequest(request_id=worker_request_id), timeout=ABORT_TIMEOUT_S)
+                await worker_pb2_grpc.WorkerStub(channel).Abort(worker_pb2.AbortRequest(request_id=worker_request_id),
+                                                                timeout=ABORT_TIMEOUT_S)
             except Exception as err:  # the cancelled call alone still frees the blocks; nothing left unretrieved
                 why = err.code().name if isinstance(err, grpc.aio.AioRpcError) else repr(err)
                 log.info("Abort of %s on %s failed: %s", worker_request_id, worker.address, why)
             finally:
-                await self.pool.release(worker)
+                await self.pool.release(worker, channel=channel)
 
         # The Abort holds the worker as a stream does: the stream's own release follows at once, and the last
         # release closes the channel of a worker removed meanwhile (draining), which the Abort still needs. The
         # worker holds the request until the Abort (or the cancel) reaches it, so it is rightly counted busy.
-        self.pool.acquire(worker)
+        channel = self.pool.acquire(worker)
         task = asyncio.ensure_future(abort())
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)

@@ -1,6 +1,8 @@
-"""When a PEM certificate chain expires: the earliest notAfter of its certificates, read from their DER
-(RFC 5280: Certificate > tbsCertificate > validity > notAfter) without a dependency beyond the standard
-library, whose ssl module decodes only CA certificates.
+"""When a PEM certificate chain's own certificate (its first, the leaf) is valid: its notBefore and notAfter,
+read from the DER (RFC 5280: Certificate > tbsCertificate > validity) without a dependency beyond the standard
+library, whose ssl module decodes only CA certificates. The leaf's, not the earliest of the chain: an expired
+cross-signed root left in a full chain (the AddTrust 2020, DST Root X3 2021 pattern) does not stop peers that
+trust the newer root, and judged by it a working certificate was refused at start-up and on every renewal.
 
 Used by shared/rpc/tls.py to refuse an expired certificate at start-up (and on a reload) with a line that says
 so, instead of the peer's opaque handshake failure, and by the services' metrics
@@ -21,20 +23,33 @@ _PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----(.*?)-----END CERTIF
 _SEQUENCE, _VERSION, _UTC_TIME, _GENERALIZED_TIME = 0x30, 0xA0, 0x17, 0x18
 
 
-def chain_expiry(pem: bytes) -> float | None:
-    """Epoch seconds of the earliest notAfter among the PEM certificates; None when there is none, or one
-    does not parse (the TLS library judges such a file; this module only reads dates)."""
-    times = []
-    for block in _PEM_CERTIFICATE.findall(pem):
-        try:
-            times.append(not_after(base64.b64decode(b"".join(block.split()), validate=True)))
-        except (binascii.Error, ValueError, IndexError):
-            return None
-    return min(times) if times else None
+# The certificate in service for each certificate file (its leaf's validity), as the TLS loaders last loaded it:
+# a renewal refused (a key that does not match, a half-written file) keeps the old certificate in service, and
+# the metric must show that one, whose expiry is coming, not the file's.
+_in_service: dict[str, tuple[float, float]] = {}
 
 
-def not_after(der: bytes) -> float:
-    """The notAfter of one DER certificate, epoch seconds; ValueError or IndexError when it is not one."""
+def leaf_validity(pem: bytes) -> tuple[float, float] | None:
+    """(notBefore, notAfter) of the first PEM certificate, epoch seconds; None when there is none, or it does
+    not parse (the TLS library judges such a file; this module only reads dates)."""
+    block = next(iter(_PEM_CERTIFICATE.findall(pem)), None)
+    if block is None:
+        return None
+    try:
+        return validity(base64.b64decode(b"".join(block.split()), validate=True))
+    except (binascii.Error, ValueError, IndexError):
+        return None
+
+
+def note_in_service(path: str, pem: bytes) -> None:
+    """Records the certificate of path that a TLS loader has just loaded (and its service now uses)."""
+    dates = leaf_validity(pem)
+    if dates is not None:
+        _in_service[path] = dates
+
+
+def validity(der: bytes) -> tuple[float, float]:
+    """(notBefore, notAfter) of one DER certificate, epoch seconds; ValueError or IndexError when it is not one."""
     tag, start, _ = _element(der, 0)
     _expect(tag, _SEQUENCE, "Certificate")
     tag, pos, _ = _element(der, start)
@@ -44,11 +59,12 @@ def not_after(der: bytes) -> float:
         pos = end
     for _ in range(3):  # serialNumber, signature, issuer
         _, _, pos = _element(der, pos)
-    tag, validity, _ = _element(der, pos)
+    tag, dates, _ = _element(der, pos)
     _expect(tag, _SEQUENCE, "validity")
-    _, _, after = _element(der, validity)  # notBefore
+    tag, start, after = _element(der, dates)
+    not_before = _time(tag, der[start:after].decode("ascii"))
     tag, start, end = _element(der, after)
-    return _time(tag, der[start:end].decode("ascii"))
+    return not_before, _time(tag, der[start:end].decode("ascii"))
 
 
 def _element(der: bytes, pos: int) -> tuple[int, int, int]:
@@ -83,8 +99,9 @@ def _time(tag: int, text: str) -> float:
 
 
 class CertificateExpiry:
-    """Prometheus collector: qserve_<service>_tls_certificate_expiry_timestamp_seconds{file} of each certificate
-    file, read at each scrape (a renewed file shows at once; a file that cannot be read or parsed has no sample)."""
+    """Prometheus collector: qserve_<service>_tls_certificate_expiry_timestamp_seconds{file} of the certificate in
+    service for each certificate file (note_in_service: a renewal shows once loaded, a refused one not at all);
+    read from the file where no loader of this process has loaded it."""
 
     def __init__(self, service: str, files: list[str]):
         self._name = f"qserve_{service}_tls_certificate_expiry_timestamp_seconds"
@@ -92,13 +109,15 @@ class CertificateExpiry:
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(self._name,
-                                   "When the certificate in the file expires (the earliest notAfter of its chain), "
-                                   "unix seconds", labels=["file"])
+                                   "When the certificate in service from the file expires (its notAfter), unix seconds",
+                                   labels=["file"])
         for path in self._files:
-            try:
-                expiry = chain_expiry(Path(path).read_bytes())
-            except OSError:
-                continue
-            if expiry is not None:
-                family.add_metric([path], expiry)
+            dates = _in_service.get(path)
+            if dates is None:
+                try:
+                    dates = leaf_validity(Path(path).read_bytes())
+                except OSError:
+                    continue
+            if dates is not None:
+                family.add_metric([path], dates[1])
         yield family

@@ -37,14 +37,16 @@ from pathlib import Path
 
 import grpc
 
-from shared.rpc.cert_expiry import chain_expiry
+from shared.rpc.cert_expiry import leaf_validity, note_in_service
 
 log = logging.getLogger(__name__)
 # What a service calls its client settings; qctl passes its own names (its flags and variables).
 CLIENT_FLAGS = ("--tls-ca", "--tls-client-cert", "--tls-client-key")
 _CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----")
 _PRIVATE_KEY = re.compile(rb"-----BEGIN (?:RSA |EC )?PRIVATE KEY-----")
+_CERTIFICATE_BLOCK = re.compile(rb"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----", re.DOTALL)
 EXPIRY_WARNING_S = 7 * 86400  # a certificate that expires sooner is logged as a warning when it is loaded
+CLOCK_SKEW_S = 300.0  # a certificate valid from later than this is refused as not valid yet
 
 
 class TlsError(ValueError):
@@ -217,11 +219,13 @@ def load_server_tls(cert: Path | str | None, key: Path | str | None, client_ca: 
     chain, private_key = _read(cert, cert_flag, "certificate"), _read(key, key_flag, "private key")
     _check_pair(cert, key, cert_flag, key_flag)
     _check_dates(chain, cert, cert_flag)
-    if client_ca is None:
-        return ServerTls(str(cert), str(key), None, chain, private_key, flags=tuple(flags), signature=signature)
-    ca = _read(client_ca, ca_flag, "certificate")
-    _check_ca(ca, client_ca, ca_flag)
-    return ServerTls(str(cert), str(key), str(client_ca), chain, private_key, ca, tuple(flags), signature)
+    ca = None
+    if client_ca is not None:
+        ca = _read(client_ca, ca_flag, "certificate")
+        _check_ca(ca, client_ca, ca_flag)
+    note_in_service(str(cert), chain)
+    return ServerTls(str(cert), str(key), None if client_ca is None else str(client_ca), chain, private_key, ca,
+                     tuple(flags), signature)
 
 
 def load_client_tls(ca: Path | str | None, cert: Path | str | None, key: Path | str | None,
@@ -244,6 +248,7 @@ def load_client_tls(ca: Path | str | None, cert: Path | str | None, key: Path | 
     chain, private_key = _read(cert, cert_flag, "certificate"), _read(key, key_flag, "private key")
     _check_pair(cert, key, cert_flag, key_flag)
     _check_dates(chain, cert, cert_flag)
+    note_in_service(str(cert), chain)
     return ClientTls(str(ca), roots, chain, private_key, server_name, str(cert), str(key), tuple(flags), signature)
 
 
@@ -272,11 +277,17 @@ def mismatch_hint(details: str, tls: bool, settings: Sequence[str] = CLIENT_FLAG
 
 
 def _check_dates(chain: bytes, path: Path | str, flag: str) -> None:
-    """Refuses a certificate that has expired (its peers would refuse every handshake, saying only that);
-    warns about one that expires within EXPIRY_WARNING_S."""
-    expiry = chain_expiry(chain)
-    if expiry is None:
+    """Refuses a certificate that has expired, or is not valid yet (its issuer's clock ahead: a renewal loaded
+    then failed every new handshake where the one it replaced was still good): its peers would refuse every
+    handshake, saying only that. Warns about one that expires within EXPIRY_WARNING_S."""
+    dates = leaf_validity(chain)
+    if dates is None:
         return
+    not_before, expiry = dates
+    if not_before > time.time() + CLOCK_SKEW_S:
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(not_before))
+        raise TlsError(f"{flag} {path}: the certificate is not valid before {when} (its issuer's clock, or this "
+                       "host's, is wrong); keep the current one until then")
     left = expiry - time.time()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expiry))
     if left <= 0:
@@ -324,8 +335,10 @@ def _check_pair(cert: Path | str, key: Path | str, cert_flag: str, key_flag: str
 
 
 def _check_ca(data: bytes, path: Path | str, flag: str) -> None:
+    # Its PEM blocks only: bundles carry titles between them, in UTF-8 in curl's cacert.pem; gRPC skips them.
+    blocks = b"\n".join(match.group(0) for match in _CERTIFICATE_BLOCK.finditer(data))
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=data.decode("ascii"))
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=blocks.decode("ascii"))
     except (ssl.SSLError, UnicodeDecodeError) as exc:
         reason = getattr(exc, "reason", None) or exc
         raise TlsError(f"{flag} {path}: its certificates cannot be loaded ({reason})") from None

@@ -205,7 +205,17 @@ def test_the_workers_gauge_counts_each_health_at_scrape_time(artifacts):
             counts = {h: value(fams, "qserve_gateway_workers", health=h)
                       for h in ("healthy", "draining", "stalled", "quarantined", "unhealthy")}
             assert counts == {"healthy": 1, "draining": 1, "stalled": 1, "quarantined": 0, "unhealthy": 1}
-            pool.get(servers[3].worker_id).quarantined_until = time.monotonic() + 60
+            bad = pool.get(servers[3].worker_id)
+            pool._quarantine(bad, "boom")  # another healthy worker serves its artifact
+            assert bad.quarantined_until > time.monotonic()
             assert value(await scrape(stack), "qserve_gateway_workers", health="quarantined") == 1
+            # Then it stops heartbeating: lost, not only quarantined (it read "quarantined" until its quarantine
+            # ended, and could be forgotten without ever showing as unhealthy).
+            bad.last_heartbeat_mono -= pool.heartbeat_timeout_s + 1
+            pool.expire()
+            fams = await scrape(stack)
+            assert value(fams, "qserve_gateway_workers", health="quarantined") == 0
+            assert value(fams, "qserve_gateway_workers", health="unhealthy") == 1
+            assert bad.health_reason().startswith("no heartbeat for ")
 
     run(scenario())
