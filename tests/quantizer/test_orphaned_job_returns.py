@@ -148,22 +148,28 @@ def test_a_returning_orphan_deletes_what_it_published_when_no_job_retries(tmp_pa
     assert store.list("_claims/") == []
 
 
-def test_deleting_what_an_orphan_left_holds_no_registry_lock(tmp_path, start_quantizer, any_registry_url,
-                                                             open_registry, monkeypatch):
-    """It ran inside a transaction holding the artifact's row lock (on SQLite the whole registry's write lock)
-    for as long as the store took: heartbeats, progress reports and a new claim of the artifact waited, and
-    past the lock bound (30 s) healthy jobs failed."""
-    quantizer = start_quantizer(StorageConfig(kind="local", root=tmp_path / "objects"), any_registry_url,
-                                create_bucket=True)
+def _an_orphans_leftover(tmp_path, start_quantizer, registry_url, open_registry, **config):
+    """A quantizer, and a FAILED artifact with an object its orphaned job left: (runner, registry, id, key)."""
+    quantizer = start_quantizer(StorageConfig(kind="local", root=tmp_path / "objects"), registry_url,
+                                create_bucket=True, **config)
     runner = quantizer.server.running.runner
-    store = runner.services.store
-    registry = open_registry(any_registry_url)
+    registry = open_registry(registry_url)
     with registry.transaction() as session:
         version = register_model_version(session, "rand", "f" * 64)
         artifact = reserve_artifact(session, version.id, "w4a8kv4-g128", "cpu").artifact
         mark_artifact_failed(session, artifact.id, "orphaned")
         artifact_id, prefix = artifact.id, artifact.object_prefix
-    key = store.put_bytes(b"w", f"{prefix}weights/a.bin").key
+    return runner, registry, artifact_id, runner.services.store.put_bytes(b"w", f"{prefix}weights/a.bin").key
+
+
+def test_deleting_what_an_orphan_left_holds_no_registry_lock(tmp_path, start_quantizer, any_registry_url,
+                                                             open_registry, monkeypatch):
+    """It ran inside a transaction holding the artifact's row lock (on SQLite the whole registry's write lock)
+    for as long as the store took: heartbeats, progress reports and a new claim of the artifact waited, and
+    past the lock bound (30 s) healthy jobs failed."""
+    runner, registry, artifact_id, key = _an_orphans_leftover(tmp_path, start_quantizer, any_registry_url,
+                                                              open_registry)
+    store = runner.services.store
     deleting, finish = threading.Event(), threading.Event()
     delete_prefix = store.delete_prefix
 
@@ -195,17 +201,10 @@ def test_what_a_killed_publish_left_is_deleted_once_its_claim_is_stale(tmp_path,
     tried again every housekeeping round, not dropped (its job FAILED, no later sweep would come back to it)."""
     from shared.storage import claims
 
-    quantizer = start_quantizer(StorageConfig(kind="local", root=tmp_path / "objects"), registry_url,
-                                create_bucket=True, heartbeat_s=0.2)
-    runner = quantizer.server.running.runner
+    runner, _registry, artifact_id, key = _an_orphans_leftover(tmp_path, start_quantizer, registry_url, open_registry,
+                                                               heartbeat_s=0.2)
     store = runner.services.store
-    registry = open_registry(registry_url)
-    with registry.transaction() as session:
-        version = register_model_version(session, "rand", "f" * 64)
-        artifact = reserve_artifact(session, version.id, "w4a8kv4-g128", "cpu").artifact
-        mark_artifact_failed(session, artifact.id, "orphaned")
-        artifact_id, prefix = artifact.id, artifact.object_prefix
-    key = store.put_bytes(b"{}", f"{prefix}manifest.json").key
+    prefix = key.rsplit("/", 2)[0] + "/"  # the artifact's: key is <prefix>weights/a.bin
     killed = {"attempt": "1-killed", "process": "gone", "host": "gone", "pid": 1, "at": time.time()}
     store.put_bytes(json.dumps(killed).encode(), claims.claim_key(prefix))
 
