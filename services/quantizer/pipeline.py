@@ -49,12 +49,16 @@ from shared.registry import (
     mark_artifact_failed,
     mark_artifact_ready,
 )
-from shared.storage import ObjectStore, TransferProgress
+from shared.storage import ObjectStore, PublishInProgress, TransferProgress
 
 log = logging.getLogger(__name__)
 # Under the quantizer's work_dir: the disk claims of the jobs writing there (shared.disk_space.SharedSpace),
 # of this quantizer and any other sharing the folder.
 DISK_CLAIMS_DIR = "disk-claims"
+# How long a job waits for the claim on its artifact's prefix: long enough for a claim its writer left (killed)
+# to go stale and be taken over (claims.CLAIM_STALE_AFTER_S, 45 s).
+CLEAR_WAIT_S = 75.0
+CLEAR_POLL_S = 2.0
 
 
 class Reporter(Protocol):
@@ -296,10 +300,7 @@ class Pipeline:
         self.reporter.progress(Stage.UPLOAD, message=f"publishing to {store.uri(prefix)}")
         # An earlier attempt of this (never READY) artifact died mid-publish. Cleared also when a twin's
         # objects are reused: a worker without a registry finds an artifact id by the manifest under it.
-        # Under the prefix's claim: refused (PublishInProgress) while an orphaned job, cut off from the registry
-        # but alive, still publishes there: its files and ours would mix.
-        if store.list(prefix):
-            store.clear_prefix(prefix)
+        self._clear_prefix(store, prefix)
         with self.services.registry.sessions() as session:
             twin = find_ready_by_digest(session, digest)
         if twin is not None:
@@ -313,6 +314,23 @@ class Pipeline:
         )
         self.details = ArtifactDetails(sum(o.size for o in objects), self.evaluation)
         return None, sha256_file(artifact_dir / MANIFEST_NAME)
+
+    def _clear_prefix(self, store: ObjectStore, prefix: str) -> None:
+        """Clears the prefix under its claim (shared/storage/claims.py). A claim still held is waited for, up to
+        CLEAR_WAIT_S: one left by a quantizer killed mid-publish and restarted at once (it fails its own jobs at
+        start, so a retry can come seconds later) is taken over once stale. Past the wait (an orphaned job, cut
+        off from the registry but alive, still publishing there: its files and ours would mix) the job fails."""
+        deadline = time.monotonic() + CLEAR_WAIT_S
+        while True:
+            try:
+                if store.list(prefix):
+                    store.clear_prefix(prefix)
+                return
+            except PublishInProgress as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                self.reporter.progress(Stage.UPLOAD, message=f"waiting for the artifact's prefix: {exc}")
+                time.sleep(CLEAR_POLL_S)
 
     def _register(self, finish: Callable[[Session, str], None], digest: str, manifest_sha256: str,
                   reuse_of: str | None, artifact_dir: Path) -> None:

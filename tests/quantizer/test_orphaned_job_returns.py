@@ -216,3 +216,38 @@ def test_what_a_killed_publish_left_is_deleted_once_its_claim_is_stale(tmp_path,
         assert time.monotonic() < deadline, "never deleted"
         time.sleep(0.1)
     assert store.list("") == []
+
+
+def test_a_retry_waits_for_the_claim_a_killed_publish_left(tmp_path, start_quantizer, registry_url, open_registry,
+                                                           small_model, request_for, monkeypatch):
+    """A quantizer killed mid-publish and restarted at once fails its own jobs at start: a retry seconds later
+    found the prefix still claimed by the killed publish and failed; it waits for the claim to go stale."""
+    from services.quantizer import pipeline
+    from services.quantizer.jobs import JobRunner
+    from shared.model.checkpoint import HfCheckpoint
+    from shared.storage import claims
+
+    monkeypatch.setattr(claims, "CLAIM_STALE_AFTER_S", 2.0)
+    monkeypatch.setattr(pipeline, "CLEAR_POLL_S", 0.2)
+    quantizer = start_quantizer(StorageConfig(kind="local", root=tmp_path / "objects"), registry_url,
+                                create_bucket=True)
+    store = quantizer.server.running.runner.services.store
+    with open_registry(registry_url).transaction() as session:
+        version = register_model_version(session, "rand", HfCheckpoint(small_model).content_hash())
+        artifact = reserve_artifact(session, version.id, "w4a8kv4-g128", "cpu").artifact
+        mark_artifact_failed(session, artifact.id, "its quantizer was killed")
+        prefix = artifact.object_prefix
+    store.put_bytes(b"half", f"{prefix}weights/block_000.safetensors")
+    real_progress = JobRunner._progress
+
+    def killed_just_now(self, job_id, stage, *args):  # the killed publish's claim, 0 s old when the upload starts
+        if stage is Stage.UPLOAD and not store.exists(claims.claim_key(prefix)) and store.list(prefix):
+            killed = {"attempt": "1-killed", "process": "gone", "host": "gone", "pid": 1, "at": time.time()}
+            store.put_bytes(json.dumps(killed).encode(), claims.claim_key(prefix))
+        real_progress(self, job_id, stage, *args)
+
+    monkeypatch.setattr(JobRunner, "_progress", killed_just_now)
+    job, updates = quantizer.publish(request_for(small_model))
+    assert job.state == quantizer_pb2.JOB_STATE_SUCCEEDED, job.error
+    assert job.artifact.object_key_prefix == prefix
+    assert any("waiting for the artifact's prefix" in update.message for update in updates)
