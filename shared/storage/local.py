@@ -60,8 +60,12 @@ class LocalStore(ObjectStore):
         try:
             tmp.write_bytes(data)
             self._place(tmp, dest, put=os.link)  # a link fails where a file is: of two writers, one links
-        except FileExistsError:
-            return False
+        except FileExistsError as exc:
+            if dest.is_file():
+                return False
+            # A folder where the object would be, or a file where a folder of its path would be: a key that is
+            # a prefix of another (a claim on a/b beside one on a/b/c), which a folder cannot hold at once.
+            raise StorageError(f"cannot write {self.uri(key)}: {exc}") from exc
         except OSError as exc:
             raise StorageError(f"cannot write {self.uri(key)}: {exc}") from exc
         finally:

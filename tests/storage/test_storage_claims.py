@@ -123,3 +123,17 @@ def test_create_bytes_writes_only_where_nothing_is(store):
     assert store.create_bytes(b"a", "k/one")
     assert not store.create_bytes(b"b", "k/one")
     assert store.get_bytes("k/one") == b"a"
+
+
+def test_a_key_that_a_folder_store_cannot_hold_beside_another_is_an_error_not_a_claim_taken(tmp_path):
+    """A claim on a/b beside one on a/b/c: a folder cannot be both a file and a folder, and the failure read as
+    "someone holds it", ending in "its claim keeps changing hands"."""
+    from shared.storage import LocalStore
+
+    store = LocalStore(tmp_path / "store", create=True)
+    assert store.create_bytes(b"x", "_claims/team/llama")
+    with pytest.raises(StorageError, match="cannot write .*_claims/team/llama/v1"):
+        store.create_bytes(b"y", "_claims/team/llama/v1")
+    assert store.create_bytes(b"x", "_claims/other/llama/v1")
+    with pytest.raises(StorageError, match="cannot write .*_claims/other/llama"):
+        store.create_bytes(b"y", "_claims/other/llama")
