@@ -64,6 +64,10 @@ def quantile(sorted_values: list[float], q: float) -> float:
 
 
 UNNAMED_CLIENT = "unnamed"  # the client label of API keys given without a name
+# An artifact that served no request of a deployment for this long (retired by a rollout, most often) has its
+# series and its window of requests forgotten: kept, every rollout left ~44 series and up to RECORDS_KEPT
+# requests in memory for the life of the gateway.
+FORGET_IDLE_S = 86400.0
 
 
 def client_label(key: ApiKey) -> str:
@@ -103,6 +107,7 @@ class GatewayMetrics:
                                       "their API key had max_streams_per_client streams open", client,
                                       registry=self.registry)
         self._windows: dict[tuple[str, str], deque[Outcome]] = {}
+        self._arms: dict[tuple[str, str], set[str]] = {}  # the arms each (deployment, artifact) was recorded in
 
     def watch_workers(self, health_labels: Callable[[], Iterable[str]]) -> None:
         """Exports qserve_gateway_workers{health}, counted at each scrape from health_labels() (one label
@@ -122,6 +127,22 @@ class GatewayMetrics:
         self.tokens.labels(*labels).inc(outcome.tokens)
         window = self._windows.setdefault((deployment, artifact_id), deque(maxlen=RECORDS_KEPT))
         window.append(outcome)
+        self._arms.setdefault((deployment, artifact_id), set()).add(arm)
+
+    def forget_idle(self, now: float | None = None) -> int:
+        """Forgets the series and window of each (deployment, artifact) without a request for FORGET_IDLE_S;
+        returns how many. Called by the gateway's periodic pass (on the event loop, as record is)."""
+        cutoff = (time.time() if now is None else now) - FORGET_IDLE_S
+        idle = [key for key, window in self._windows.items() if not window or window[-1].at < cutoff]
+        for deployment, artifact_id in idle:
+            for arm in self._arms.pop((deployment, artifact_id), ()):
+                for metric in (self.requests, self.errors, self.ttft, self.tpot, self.tokens):
+                    try:
+                        metric.remove(deployment, arm, artifact_id)
+                    except KeyError:  # never touched with these labels (a histogram of a request that failed)
+                        pass
+            del self._windows[(deployment, artifact_id)]
+        return len(idle)
 
     def _observe_latency(self, labels: tuple[str, str, str], outcome: Outcome) -> None:
         """Latencies of a request that did not fail on the serving side, as stats() counts them: a broken

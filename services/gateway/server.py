@@ -166,6 +166,7 @@ class GatewayServer:
         for worker in await self.pool.forget():
             log.warning("worker %s (%s) removed from the pool: no heartbeat for %.0f s", worker.worker_id,
                         worker.address, time.monotonic() - worker.last_heartbeat_mono)
+        self.metrics.forget_idle()
 
 
 class BackgroundGateway:

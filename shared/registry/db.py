@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from shared.registry import migrate
 from shared.registry.errors import InvalidState, InvalidValue
+from shared.registry.urls import shown_url
 
 _ACCEPTED_URLS = "sqlite:///path/to/registry.db or postgresql+psycopg://user@host:5432/dbname"
 # PostgreSQL waits for a row lock (SELECT ... FOR UPDATE) without limit by default: a session left open in
@@ -41,6 +42,10 @@ def sqlite_url(path: str | Path) -> str:
     return sa.URL.create("sqlite", database=str(Path(path).expanduser().resolve())).render_as_string()
 
 
+# The drivers this code is built and tested with (psycopg 3, the standard library's sqlite3): another named in
+# the URL (psycopg2, asyncpg, aiosqlite) failed on its missing module with a traceback of every service.
+_DRIVERS = {"sqlite": ("sqlite", "sqlite+pysqlite"), "postgresql": ("postgresql", "postgresql+psycopg")}
+
 def make_engine(url: str, *, create: bool = True) -> sa.Engine:
     """With create=False a SQLite file that does not exist is refused (InvalidValue) instead of created."""
     try:
@@ -48,6 +53,9 @@ def make_engine(url: str, *, create: bool = True) -> sa.Engine:
     except ValueError as exc:  # a port that is not a number: int()'s words, as a traceback of every service
         raise InvalidValue(f"the registry URL cannot be parsed ({exc}); use {_ACCEPTED_URLS}") from None
     backend = parsed.get_backend_name()
+    if backend in _DRIVERS and parsed.drivername not in _DRIVERS[backend]:
+        raise InvalidValue(f"registry URL {shown_url(parsed)!r}: driver {parsed.drivername!r} is not supported; "
+                           f"use {_ACCEPTED_URLS}")
     if backend == "sqlite":
         return _sqlite_engine(parsed, create)
     if backend == "postgresql":
@@ -71,22 +79,25 @@ def make_engine(url: str, *, create: bool = True) -> sa.Engine:
                 conn.exec_driver_sql(f"SET LOCAL lock_timeout = {_lock_wait_ms(conn)}")
 
         return engine
-    shown = parsed.render_as_string(hide_password=True)
-    raise InvalidValue(f"registry URL {shown!r}: backend {backend!r} is not supported; use {_ACCEPTED_URLS}")
+    raise InvalidValue(f"registry URL {shown_url(parsed)!r}: backend {backend!r} is not supported; "
+                       f"use {_ACCEPTED_URLS}")
 
 
 def _sqlite_engine(url: sa.URL, create: bool) -> sa.Engine:
-    if not url.database or url.database == ":memory:":
+    # Also in URI form (file::memory:?uri=true, file:x?mode=memory&uri=true): a registry gone at its close.
+    if not url.database or ":memory:" in url.database or url.query.get("mode") == "memory":
         raise InvalidValue(
-            f"registry URL {url.render_as_string()!r}: an in-memory SQLite database is not shared between "
+            f"registry URL {shown_url(url)!r}: an in-memory SQLite database is not shared between "
             f"connections; use a file, e.g. sqlite:///var/qserve/registry.db"
         )
+    if url.database.startswith("~"):  # as sqlite_url() does: sqlite3 made a folder named '~' in the working one
+        url = url.set(database=str(Path(url.database).expanduser()))
     path = Path(url.database)
     if not create and not path.is_file():
         # sqlite3 would create an empty database (and mkdir below its folders) at a mistyped path, which the
         # schema check then calls an old registry.
         raise InvalidValue(
-            f"registry URL {url.render_as_string()!r}: there is no SQLite database at {str(path.resolve())!r}; "
+            f"registry URL {shown_url(url)!r}: there is no SQLite database at {str(path.resolve())!r}; "
             f"check --registry-url (the quantizer and the gateway create the registry, a worker only opens it)"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -195,7 +206,7 @@ def _migrate_or_check(engine: sa.Engine, migrate_to_head: bool) -> None:
     current, head = migrate.current_revision(engine), migrate.head_revision()
     if current != head:
         raise InvalidState(
-            f"registry at {engine.url.render_as_string(hide_password=True)!r} is at schema revision "
+            f"registry at {shown_url(engine.url)!r} is at schema revision "
             f"{current!r}, this code needs {head!r}: start the quantizer or the gateway of this version once "
             f"against it (they migrate the registry), or check --registry-url"
         )

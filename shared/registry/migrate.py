@@ -11,6 +11,7 @@ the migration lock and handle SQLite's foreign keys.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,10 +25,12 @@ from alembic.util import CommandError
 
 from shared.registry.errors import InvalidState
 from shared.registry.models import Base
+from shared.registry.urls import shown_url
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 # Any constant: serializes concurrent upgrades of one PostgreSQL database (two services starting).
 _PG_MIGRATION_LOCK = 0x5153_5256  # "QSRV"
+MIGRATION_WAIT_S = 600.0  # how long a start waits for another service's migration (PostgreSQL)
 
 
 def alembic_config(connection: sa.Connection | None = None) -> Config:
@@ -61,8 +64,13 @@ def refuse_unknown_schema(conn: sa.Connection) -> None:
     would fail on the revision it cannot locate) and one holding registry tables without a revision
     (made some other way: creating the tables again fails half-way, and its constraints and triggers
     are not the migrations')."""
-    where = f"registry at {conn.engine.url.render_as_string(hide_password=True)!r}"
+    where = f"registry at {shown_url(conn.engine.url)!r}"
     current = MigrationContext.configure(conn).get_current_revision()
+    if current is not None and not re.fullmatch(r"\d{4}(?:_\w+)?", current):  # ours: 0001, 0002, ...
+        raise InvalidState(
+            f"{where} holds another application's schema revision {current!r} (alembic_version): give the "
+            f"registry a database or schema of its own, e.g. ?options=-csearch_path%3Dqserve on PostgreSQL"
+        )
     if current is not None and not _known_revision(current):
         raise InvalidState(
             f"{where} is at schema revision {current!r}, which this code (head {head_revision()!r}) does not "
@@ -86,21 +94,28 @@ def upgrade(url_or_engine: str | sa.Engine, target: str = "head") -> None:
 def downgrade(url_or_engine: str | sa.Engine, target: str) -> None:
     """Migrates the database back to `target` (a revision such as "0004", or "base": no registry tables),
     so that an older release can run against it. What the later revisions added is dropped (each version's
-    downgrade() says how). Stop the services first: the code of this version needs head."""
+    downgrade() says how). Stop the services first: the code of this version needs head. Not dropped: events of
+    kinds the older release does not know (the events table is append-only; its event listing refuses them), and
+    what a dropped column meant (below 0002, a cancel asked for a running job is forgotten: let jobs end first)."""
     _migrate(url_or_engine, target, command.downgrade, create=False)
 
 
 def _migrate(url_or_engine: str | sa.Engine, target: str, step: Callable[[Config, str], None], create: bool) -> None:
     """One alembic step in one transaction: under PostgreSQL's advisory lock, with SQLite's foreign keys
     off (downgrades rebuild tables too) and the references checked before the commit."""
-    from shared.registry.db import make_engine  # db imports this module
+    from shared.registry.db import LOCK_WAIT_S, make_engine  # db imports this module
 
     owned = isinstance(url_or_engine, str)
     engine = make_engine(url_or_engine, create=create) if owned else url_or_engine
     try:
         with engine.connect() as conn, _sqlite_foreign_keys_off(conn), conn.begin():
             if conn.dialect.name == "postgresql":
+                # Another service migrating holds it as long as its migration takes (an ALTER TABLE queued behind
+                # a long transaction): waited for up to MIGRATION_WAIT_S, not the connection's 30 s lock bound,
+                # which failed this start; then the bound again for the migration's own statements.
+                conn.exec_driver_sql(f"SET LOCAL lock_timeout = {round(1000 * MIGRATION_WAIT_S)}")
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
+                conn.exec_driver_sql(f"SET LOCAL lock_timeout = {round(1000 * LOCK_WAIT_S)}")
             refuse_unknown_schema(conn)  # under the lock: what another process migrated meanwhile counts
             step(alembic_config(conn), target)
             _refuse_dangling_references(conn, target)
@@ -137,7 +152,7 @@ def _refuse_dangling_references(conn: sa.Connection, target: str) -> None:
     if dangling:
         shown = ", ".join(f"{table} row {rowid} -> {parent}" for table, rowid, parent, _ in dangling[:5])
         raise InvalidState(
-            f"migrating the registry at {conn.engine.url.render_as_string(hide_password=True)!r} to {target!r} "
+            f"migrating the registry at {shown_url(conn.engine.url)!r} to {target!r} "
             f"would leave {len(dangling)} row(s) referring to missing rows ({shown}); nothing was changed"
         )
 

@@ -150,6 +150,22 @@ def test_latency_buckets_reach_from_milliseconds_to_a_minute():
     assert value(fams, "qserve_gateway_time_to_first_token_seconds_bucket", le="30.0", **labels) == 1
 
 
+def test_an_artifact_idle_for_a_day_has_its_series_and_requests_forgotten():
+    """Each rollout left the retired artifact's ~44 series and up to 20,000 requests in memory for good."""
+    from services.gateway.metrics import FORGET_IDLE_S
+
+    metrics, now = GatewayMetrics(), time.time()
+    for arm, artifact, at in (("stable", "old", now - FORGET_IDLE_S - 1), ("canary", "old", now - FORGET_IDLE_S - 5),
+                              ("stable", "new", now - 60)):
+        metrics.record("d", arm, artifact, Outcome(at=at, server_error=arm == "canary", ttft_s=0.1, tpot_s=0.01,
+                                                  tokens=3))
+    assert metrics.forget_idle(now) == 1
+    exported = generate_latest(metrics.registry).decode()
+    assert 'artifact="old"' not in exported and 'artifact="new"' in exported
+    assert metrics.window("d", "old", 0, now) == [] and len(metrics.window("d", "new", 0, now)) == 1
+    assert metrics.forget_idle(now) == 0
+
+
 def test_no_log_line_carries_the_prompt_or_the_api_key(artifacts, caplog):
     secret_prompt, api_key = "my card number is 4111-1111", "sk-live-0123456789"
 

@@ -188,6 +188,15 @@ def test_upgrade_refuses_a_database_of_a_newer_revision(db_url: str) -> None:
         upgrade(db_url)
 
 
+def test_a_schema_another_applications_migrations_keep_is_refused_as_such(db_url: str) -> None:
+    """Its alembic revision read as one of a newer qserve: the operator went looking for a release that does not
+    exist instead of giving the registry a schema of its own."""
+    create_registry(db_url).close()
+    _set_revision(db_url, "3f1c2a9b7d41")
+    with pytest.raises(InvalidState, match="another application's schema revision '3f1c2a9b7d41'"):
+        upgrade(db_url)
+
+
 def test_a_database_with_registry_tables_but_no_revision_is_refused(db_url: str) -> None:
     # e.g. made by metadata.create_all: migrating it would fail half-way on "table already exists",
     # and stamping it would trust a schema without triggers or named constraints.
@@ -238,3 +247,38 @@ def test_services_opening_a_new_sqlite_registry_together_never_see_it_locked(tmp
     for attempt in range(40):
         errors = _open_together(f"sqlite:///{tmp_path}/registry-{attempt}.db")
         assert not errors, (attempt, errors)
+
+
+@pytest.mark.postgres
+def test_a_start_waits_for_another_services_migration_past_the_lock_bound(monkeypatch) -> None:
+    """The migration lock was taken under the connection's lock bound (30 s): a service starting while another's
+    migration ran longer (an ALTER TABLE queued behind a long transaction) failed on a lock timeout."""
+    from shared.registry import db
+    from shared.registry.migrate import _PG_MIGRATION_LOCK
+    from tests.conftest import fresh_postgres_schema
+
+    monkeypatch.setattr(db, "LOCK_WAIT_S", 1.0)  # the bound, scaled down: the other migration takes 2.5 s
+    with fresh_postgres_schema("test_migration_wait") as url:
+        other = sa.create_engine(url)
+        held, release = threading.Event(), threading.Event()
+
+        def another_services_migration() -> None:
+            with other.connect() as conn, conn.begin():
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
+                held.set()
+                release.wait(2.5)
+
+        migrating = threading.Thread(target=another_services_migration)
+        migrating.start()
+        try:
+            assert held.wait(10)
+            upgrade(url)  # waits for it, then migrates
+        finally:
+            release.set()
+            migrating.join(10)
+            other.dispose()
+        engine = make_engine(url)
+        try:
+            assert current_revision(engine) == head_revision()
+        finally:
+            engine.dispose()

@@ -22,6 +22,7 @@ from shared.registry import (
 from shared.registry.db import make_engine
 from shared.registry.migrate import alembic_config
 from shared.registry.models import Base
+from shared.registry.urls import shown_url
 from tests.registry.test_migration_rebuilds import _registry_in_use
 
 TABLES = {"models", "model_versions", "artifacts", "quant_jobs", "deployments", "events"}
@@ -108,8 +109,36 @@ def test_a_registry_in_use_downgrades_keeping_its_rows_and_upgrades_again(db_url
 
 @pytest.mark.parametrize(
     "url, expected",
-    [("mysql://u@h/db", "backend 'mysql' is not supported"), ("sqlite://", "in-memory SQLite")],
+    [("mysql://u@h/db", "backend 'mysql' is not supported"), ("sqlite://", "in-memory SQLite"),
+     # In URI form too: a registry that vanished when its last connection closed, accepted.
+     ("sqlite:///file::memory:?cache=shared&uri=true", "in-memory SQLite"),
+     ("sqlite:///file:reg?mode=memory&cache=shared&uri=true", "in-memory SQLite"),
+     # Drivers that are not dependencies: a traceback of every service on the missing module.
+     ("postgresql+psycopg2://u@127.0.0.1/db", "driver 'postgresql\\+psycopg2' is not supported"),
+     ("sqlite+aiosqlite:////tmp/x.db", "driver 'sqlite\\+aiosqlite' is not supported")],
 )
 def test_unsupported_urls_say_what_is_accepted(url: str, expected: str) -> None:
     with pytest.raises(InvalidValue, match=expected):
         make_engine(url)
+
+
+def test_a_password_in_the_url_query_is_never_shown() -> None:
+    """libpq takes ?password= as well as user:password@; only the latter was masked in the services' errors."""
+    with pytest.raises(InvalidValue) as refused:
+        make_engine("postgresql+psycopg2://u@127.0.0.1/db?password=S3cret&sslpassword=K3y")
+    assert "S3cret" not in str(refused.value) and "K3y" not in str(refused.value)
+    assert shown_url("postgresql://u:S3cret@h/db?password=S3cret&sslmode=require") == \
+        "postgresql://u:***@h/db?sslmode=require"
+
+
+def test_a_sqlite_path_under_the_home_folder_is_expanded(tmp_path, monkeypatch) -> None:
+    """sqlite3 made a folder named '~' in the working directory and the registry in it."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    engine = make_engine("sqlite:///~/qserve/registry.db")
+    try:
+        with engine.connect():
+            pass
+    finally:
+        engine.dispose()
+    assert (tmp_path / "home" / "qserve" / "registry.db").is_file() and not (tmp_path / "~").exists()
