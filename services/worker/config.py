@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import re
@@ -17,6 +18,8 @@ from shared.formats.spec import FORMATS
 from shared.rpc.address import is_host_port
 from shared.rpc.tls import ClientTls, ServerTls
 from shared.storage import StorageConfig
+
+log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50071
@@ -120,6 +123,12 @@ class WorkerConfig:
         for name in ("block_size", "max_running_sequences", "max_waiting_requests", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.max_batch_tokens < self.max_running_sequences:
+            # Decodes are served in admission order within the step's token budget: the later sequences would get
+            # no token until earlier ones finish (correct tokens, a stalled stream each).
+            log.warning("max_batch_tokens=%d is below max_running_sequences=%d: a step decodes at most %d sequences "
+                        "and the others wait for earlier ones to finish; raise max_batch_tokens",
+                        self.max_batch_tokens, self.max_running_sequences, self.max_batch_tokens)
         if self.device != "cpu" and self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size={self.block_size} must be a power of two on {self.device} (the GPU kernels' pages)")
         if self.max_context_tokens is not None and self.max_context_tokens < 2:

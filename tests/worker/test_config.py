@@ -111,3 +111,17 @@ def test_duplicate_or_malformed_gateway_addresses_are_refused(argv, words):
 def test_bad_memory_size():
     with pytest.raises(ConfigError, match="'48 parsecs'"):
         parse_bytes("48 parsecs")
+
+
+def test_a_step_budget_below_the_running_sequences_is_warned_about(caplog):
+    """Decodes are served in admission order within the budget: the later sequences got no token until earlier
+    ones finished, with nothing said (a stalled stream each)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="services.worker.config"):
+        WorkerConfig(artifact="a", max_batch_tokens=8, max_running_sequences=32)
+    assert any("max_batch_tokens=8 is below max_running_sequences=32" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="services.worker.config"):
+        WorkerConfig(artifact="a", max_batch_tokens=32, max_running_sequences=32)
+    assert not caplog.records
