@@ -29,7 +29,7 @@ from shared.registry import sqlite_url
 from shared.rpc import probe
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2_grpc
 from shared.rpc.serving import BackgroundLoop, listen
-from shared.rpc.tls import ClientTls, ReloadingClientTls, ServerTls, load_client_tls, load_server_tls
+from shared.rpc.tls import ClientTls, ReloadingClientTls, ServerTls, TlsError, load_client_tls, load_server_tls
 from shared.storage import StorageConfig
 from tests.gateway.conftest import ADMIN, TOKENS, WORKER, Artifacts, seed_artifacts
 from tests.gateway.fake_worker import FakeWorker, expected_tokens
@@ -510,3 +510,20 @@ def test_a_ca_bundle_with_titles_between_its_certificates_loads(tmp_path):
     bundle.write_bytes("Autorité de test\n================\n".encode() + certs.ca.read_bytes()
                        + "NetLock Arany (Class Gold) Főtanúsítvány\n".encode() + certs.other_ca.read_bytes())
     assert load_client_tls(bundle, None, None).ca == bundle.read_bytes()  # gRPC gets the file as it is
+
+
+@pytest.mark.parametrize("cut", ["no_end", "second_half"])
+def test_a_ca_file_caught_half_written_is_refused_and_the_current_one_kept(tmp_path, cut):
+    """Only the PEM blocks are read since bundles may carry text between them: a file cut inside its last block
+    then reached the TLS library as no certificate at all, a ValueError every reload raised again (a worker
+    stopped heartbeating, the gateway's expiry pass stopped), where a refusal keeps the current files."""
+    certs = make_certs(tmp_path / "certs")
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(certs.ca.read_bytes())
+    tls = ReloadingClientTls(load_client_tls(ca, None, None))
+    whole = certs.ca.read_bytes() + certs.other_ca.read_bytes()
+    ca.write_bytes(whole[: whole.index(b"-----END", len(certs.ca.read_bytes()))] if cut == "second_half"
+                   else certs.ca.read_bytes().split(b"-----END")[0])
+    assert tls.current().ca == certs.ca.read_bytes() and tls.generation == 0
+    with pytest.raises(TlsError, match="incomplete"):
+        load_client_tls(ca, None, None)

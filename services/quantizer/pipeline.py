@@ -323,8 +323,7 @@ class Pipeline:
         deadline = time.monotonic() + CLEAR_WAIT_S
         while True:
             try:
-                if store.list(prefix):
-                    store.clear_prefix(prefix)
+                store.clear_prefix(prefix)  # even empty: a publish killed while uploading left its claim alone
                 return
             except PublishInProgress as exc:
                 if time.monotonic() >= deadline:

@@ -336,9 +336,11 @@ def _check_pair(cert: Path | str, key: Path | str, cert_flag: str, key_flag: str
 
 def _check_ca(data: bytes, path: Path | str, flag: str) -> None:
     # Its PEM blocks only: bundles carry titles between them, in UTF-8 in curl's cacert.pem; gRPC skips them.
-    blocks = b"\n".join(match.group(0) for match in _CERTIFICATE_BLOCK.finditer(data))
+    blocks = [match.group(0) for match in _CERTIFICATE_BLOCK.finditer(data)]
+    if len(blocks) != len(_CERTIFICATE.findall(data)):  # a block begun and not ended: a file caught half written
+        raise TlsError(f"{flag} {path}: a certificate in it is incomplete (no -----END CERTIFICATE-----)")
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=blocks.decode("ascii"))
-    except (ssl.SSLError, UnicodeDecodeError) as exc:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=b"\n".join(blocks).decode("ascii"))
+    except (ssl.SSLError, UnicodeDecodeError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or exc
         raise TlsError(f"{flag} {path}: its certificates cannot be loaded ({reason})") from None

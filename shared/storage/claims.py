@@ -121,6 +121,8 @@ def _take(store: ObjectStore, claim: PrefixClaim) -> None:
         holder, written = _holder(store, claim.key), _written(store, claim.key)
         if holder is None or written is None:
             continue  # released meanwhile
+        if holder.get("attempt") == claim.attempt and holder.get("process") == _process:
+            return  # ours: the write went through, its reply was lost and the retried request refused
         idle = time.time() - written
         if idle < CLAIM_STALE_AFTER_S and not _left_here(holder):
             raise PublishInProgress(

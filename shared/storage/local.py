@@ -59,18 +59,21 @@ class LocalStore(ObjectStore):
         tmp = self._tmp / uuid.uuid4().hex
         try:
             tmp.write_bytes(data)
-            self._place(tmp, dest, put=os.link)  # a link fails where a file is: of two writers, one links
-        except FileExistsError as exc:
-            if dest.is_file():
-                return False
+            for _ in range(3):
+                try:
+                    self._place(tmp, dest, put=os.link)  # a link fails where a file is: of two writers, one links
+                    return True
+                except FileExistsError as exc:
+                    if dest.is_file():
+                        return False
+                    conflict = exc  # deleted since the link failed (released): try again; or see below
             # A folder where the object would be, or a file where a folder of its path would be: a key that is
             # a prefix of another (a claim on a/b beside one on a/b/c), which a folder cannot hold at once.
-            raise StorageError(f"cannot write {self.uri(key)}: {exc}") from exc
+            raise StorageError(f"cannot write {self.uri(key)}: {conflict}") from conflict
         except OSError as exc:
             raise StorageError(f"cannot write {self.uri(key)}: {exc}") from exc
         finally:
             tmp.unlink(missing_ok=True)
-        return True
 
     def get_file(self, key: str, local_path: str | os.PathLike[str]) -> ObjectInfo:
         src = self._existing(key)
@@ -83,6 +86,8 @@ class LocalStore(ObjectStore):
             os.replace(tmp, dest)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
+            if isinstance(exc, FileNotFoundError) and not src.exists():  # deleted meanwhile, as S3 would say
+                raise ObjectNotFound(f"no object {self.uri(key)}") from exc
             raise StorageError(f"cannot copy {self.uri(key)} to {dest}: {exc}") from exc
         return ObjectInfo(key, size, sha)
 

@@ -9,6 +9,8 @@ import threading
 import time
 from datetime import timedelta
 
+import pytest
+
 from services.quantizer.pipeline import Pipeline
 from services.quantizer.views import Stage
 from shared.registry import (
@@ -218,8 +220,9 @@ def test_what_a_killed_publish_left_is_deleted_once_its_claim_is_stale(tmp_path,
     assert store.list("") == []
 
 
+@pytest.mark.parametrize("killed", ["moving", "uploading"])  # objects under the prefix, or only in staging
 def test_a_retry_waits_for_the_claim_a_killed_publish_left(tmp_path, start_quantizer, registry_url, open_registry,
-                                                           small_model, request_for, monkeypatch):
+                                                           small_model, request_for, monkeypatch, killed):
     """A quantizer killed mid-publish and restarted at once fails its own jobs at start: a retry seconds later
     found the prefix still claimed by the killed publish and failed; it waits for the claim to go stale."""
     from services.quantizer import pipeline
@@ -237,13 +240,15 @@ def test_a_retry_waits_for_the_claim_a_killed_publish_left(tmp_path, start_quant
         artifact = reserve_artifact(session, version.id, "w4a8kv4-g128", "cpu").artifact
         mark_artifact_failed(session, artifact.id, "its quantizer was killed")
         prefix = artifact.object_prefix
-    store.put_bytes(b"half", f"{prefix}weights/block_000.safetensors")
-    real_progress = JobRunner._progress
+    if killed == "moving":
+        store.put_bytes(b"half", f"{prefix}weights/block_000.safetensors")
+    real_progress, claimed = JobRunner._progress, []
 
     def killed_just_now(self, job_id, stage, *args):  # the killed publish's claim, 0 s old when the upload starts
-        if stage is Stage.UPLOAD and not store.exists(claims.claim_key(prefix)) and store.list(prefix):
-            killed = {"attempt": "1-killed", "process": "gone", "host": "gone", "pid": 1, "at": time.time()}
-            store.put_bytes(json.dumps(killed).encode(), claims.claim_key(prefix))
+        if stage is Stage.UPLOAD and not claimed:
+            record = {"attempt": "1-killed", "process": "gone", "host": "gone", "pid": 1, "at": time.time()}
+            store.put_bytes(json.dumps(record).encode(), claims.claim_key(prefix))
+            claimed.append(True)
         real_progress(self, job_id, stage, *args)
 
     monkeypatch.setattr(JobRunner, "_progress", killed_just_now)
