@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
@@ -201,7 +202,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # aclosing: a client gone while this generator waits at a yield closes it, and the inner ones
             # must run their finally (worker call cancelled, Worker.Abort, pool slot released) then, not
             # whenever the garbage collector reaches them.
-            async with contextlib.aclosing(self._generate(request, arrival)) as replies:
+            async with contextlib.aclosing(self._generate(request, arrival, _cache_scope(client))) as replies:
                 async for reply in replies:
                     if client_tokens is not None:
                         client_tokens.inc(len(reply.token_ids))
@@ -232,7 +233,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.metrics.rejected.labels(code.name).inc()
         await context.abort(code, details)
 
-    async def _generate(self, request: gateway_pb2.GatewayGenerateRequest, arrival: float
+    async def _generate(self, request: gateway_pb2.GatewayGenerateRequest, arrival: float, cache_scope: str = ""
                         ) -> AsyncIterator[gateway_pb2.GatewayGenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         # The worker-side id must be unique even when clients reuse request ids: a worker refuses a
@@ -273,7 +274,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     self._record_failed_attempt(deployment, failed_route)
                     failed_route = None
                 tried.add(attempt.worker.worker_id)
-                worker_request = _worker_request(request, f"{worker_key}.{len(tried)}")
+                worker_request = _worker_request(request, f"{worker_key}.{len(tried)}", cache_scope)
                 try:
                     async with contextlib.aclosing(self._relay(attempt, worker_request, request_id, trace)) as replies:
                         async for reply in replies:
@@ -588,8 +589,18 @@ def _validate(request: gateway_pb2.GatewayGenerateRequest) -> None:
         raise InvalidRequest("prompt is required: give a non-empty text or a non-empty token_ids list")
 
 
-def _worker_request(request: gateway_pb2.GatewayGenerateRequest, worker_request_id: str) -> worker_pb2.GenerateRequest:
-    out = worker_pb2.GenerateRequest(request_id=worker_request_id, sampling=request.sampling)
+def _cache_scope(client: ApiKey | None) -> str:
+    """Each API key's own prefix-cache scope on the workers: shared, a client could time whether another's prompt
+    prefix (a system prompt, a document) was cached. A digest, not the key nor its name (two keys may share a
+    name, and a worker need not know the key)."""
+    if client is None:
+        return ""
+    return hashlib.sha256(b"qserve cache scope\0" + client.key.encode()).hexdigest()[:32]
+
+
+def _worker_request(request: gateway_pb2.GatewayGenerateRequest, worker_request_id: str,
+                    cache_scope: str = "") -> worker_pb2.GenerateRequest:
+    out = worker_pb2.GenerateRequest(request_id=worker_request_id, sampling=request.sampling, cache_scope=cache_scope)
     if request.WhichOneof("prompt") == "text":
         out.text = request.text
     else:

@@ -15,6 +15,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 # Each generated token is checked against them on the engine's thread, which every request shares.
 MAX_STOP_TOKEN_IDS = 256
+MAX_CACHE_SCOPE_CHARS = 128
 
 
 @dataclass(slots=True, frozen=True)
@@ -33,6 +34,7 @@ class Generation:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingOptions
+    cache_scope: str = ""  # GenerateRequest.cache_scope
 
 
 def generation_from_pb(request: worker_pb2.GenerateRequest, limits: PromptLimits, encode) -> Generation:
@@ -71,7 +73,9 @@ def generation_from_pb(request: worker_pb2.GenerateRequest, limits: PromptLimits
             f"the prompt has {len(ids)} tokens; this worker's context window is {limits.max_context} tokens "
             f"(prompt + generated), so a prompt may have at most {limits.max_context - 1}"
         )
-    return Generation(request_id, ids, sampling_from_pb(request.sampling, limits.vocab_size))
+    if len(request.cache_scope) > MAX_CACHE_SCOPE_CHARS:
+        raise InvalidRequest(f"cache_scope has {len(request.cache_scope)} characters; at most {MAX_CACHE_SCOPE_CHARS}")
+    return Generation(request_id, ids, sampling_from_pb(request.sampling, limits.vocab_size), request.cache_scope)
 
 
 def sampling_from_pb(pb: common_pb2.SamplingParams, vocab_size: int) -> SamplingOptions:

@@ -69,7 +69,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         self.metrics.observe_error(out.non_finite, out.generated_tokens)
                     loop.call_soon_threadsafe(queue.put_nowait, out)
 
-                self.engine.add_request(gen.request_id, gen.prompt_ids, gen.sampling, sink, arrival)
+                self.engine.add_request(gen.request_id, gen.prompt_ids, gen.sampling, sink, arrival, gen.cache_scope)
             except asyncio.CancelledError:
                 self.metrics.observe_cancelled_before_admission()
                 raise

@@ -49,6 +49,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         # prompts longer than this are refused INVALID_ARGUMENT, as a worker with a shorter context window does
         self.max_prompt_tokens: int | None = None
         self.started: list[str] = []  # request ids of Generate calls, in arrival order
+        self.cache_scopes: list[str] = []  # GenerateRequest.cache_scope of each, in the same order
         self.finished: list[str] = []
         self.cancelled: list[str] = []  # Generate calls whose caller went away
         self.aborts: list[str] = []  # request ids of Abort calls
@@ -56,6 +57,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context) -> AsyncIterator[worker_pb2.GenerateResponse]:
         self.started.append(request.request_id)
+        self.cache_scopes.append(request.cache_scope)
         if self.full:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake worker's waiting queue is full")
         if self.refuse_draining:

@@ -53,6 +53,21 @@ def test_generate_needs_an_api_key_when_keys_are_configured(artifacts):
     run(scenario())
 
 
+def test_each_api_key_gets_a_prefix_cache_scope_of_its_own_on_the_workers(artifacts):
+    """The workers' prefix cache was shared by every client: the time to first token told one whether another's
+    prompt prefix (a system prompt, a document) had been seen. A digest of the key, never the key itself."""
+    async def scenario():
+        async with gateway_stack(artifacts, api_keys=frozenset({"key-1", "key-2"})) as stack:
+            worker = await stack.add_worker(artifacts.stable, tokens=1)
+            for key in ("key-1", "key-2", "key-1"):
+                await stack.generate(metadata=(("authorization", f"Bearer {key}"),))
+            first, second, again = worker.worker.cache_scopes
+            assert first == again and first != second and "" not in (first, second)
+            assert not any("key-" in scope for scope in (first, second))
+
+    run(scenario())
+
+
 def test_api_keys_take_an_optional_name_and_bad_entries_are_named_without_the_key():
     config = GatewayConfig.from_args(
         ["--registry-url", "sqlite:///x.db", "--max-streams-per-client", "4"],

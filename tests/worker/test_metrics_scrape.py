@@ -264,3 +264,23 @@ def test_the_start_up_probe_error_is_a_gauge(scrape):
 def test_a_worker_whose_probe_was_not_checked_has_no_gauge():
     metrics = WorkerMetrics(lambda: EngineStats(0, 0, 0, 0, 0, 0), probe_error=None)
     assert b"qserve_worker_probe_relative_error" not in generate_latest(metrics.registry)
+
+
+def test_prefix_cache_blocks_are_reused_within_one_cache_scope_only(client, scrape):
+    """Shared by every request, the prefix cache let a client time whether another client's prompt prefix (a
+    system prompt, a document) had been seen: the gateway gives each API key its own scope."""
+    prompt = common_pb2.TokenIds(ids=list(range(2000, 2040)))  # ten blocks of 4
+
+    def hit_tokens(scope: str) -> float:
+        before = value(scrape(), "qserve_worker_prefix_cache_hit_tokens_total")
+        list(client.Generate(worker_pb2.GenerateRequest(token_ids=prompt, cache_scope=scope,
+                                                        sampling=common_pb2.SamplingParams(max_new_tokens=1)),
+                             timeout=60))
+        return value(scrape(), "qserve_worker_prefix_cache_hit_tokens_total") - before
+
+    assert hit_tokens("tenant-a") == 0
+    assert hit_tokens("tenant-a") == 36  # its own: all but the block holding the last prompt token
+    assert hit_tokens("tenant-b") == 0 and hit_tokens("") == 0
+    with pytest.raises(grpc.RpcError) as refused:
+        list(client.Generate(worker_pb2.GenerateRequest(token_ids=prompt, cache_scope="x" * 129), timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_scope" in refused.value.details()

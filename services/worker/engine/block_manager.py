@@ -25,12 +25,13 @@ class OutOfBlocks(RuntimeError):
     """More blocks were asked for than are free (the scheduler checks first; this is a bug guard)."""
 
 
-def prefix_block_hashes(token_ids: list[int], block_size: int, known: list[bytes] = ()) -> list[bytes]:
+def prefix_block_hashes(token_ids: list[int], block_size: int, known: list[bytes] = (), salt: bytes = b"") -> list[bytes]:
     """The name of each full block of token_ids: sha256 of the previous block's name and this block's
     ids. A cryptographic hash, not Python's: a collision would hand one request another's K/V, and
     Python's hash of integers is predictable enough for a client to aim at one. `known`: the names of
-    the first blocks, already computed (they are returned, and only the blocks after them hashed)."""
-    hashes, parent = list(known), known[-1] if known else b""
+    the first blocks, already computed (they are returned, and only the blocks after them hashed). `salt`
+    stands before the first block: requests of another cache scope (Sequence.cache_salt) name blocks apart."""
+    hashes, parent = list(known), known[-1] if known else salt
     for start in range(len(known) * block_size, len(token_ids) // block_size * block_size, block_size):
         parent = hashlib.sha256(parent + array("q", token_ids[start : start + block_size]).tobytes()).digest()
         hashes.append(parent)

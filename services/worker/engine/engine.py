@@ -22,6 +22,7 @@ A sequence never runs past its max_new_tokens or the context, known before its t
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import threading
@@ -139,7 +140,7 @@ class Engine:
     # ---- called from any thread ----
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingOptions, sink: Sink,
-                    arrival: float | None = None) -> None:
+                    arrival: float | None = None, cache_scope: str = "") -> None:
         """Queues a validated request; arrival (time.monotonic()) is when its caller got it, now if None: a
         server's time to first token starts before its tokenizing. Raises DuplicateRequest, QueueFull, or InvalidRequest for a prompt that
         leaves no room for a token in the context window (requests.py refuses those first, with the wording a
@@ -167,6 +168,8 @@ class Engine:
             seq = Sequence(next(self._ids), request_id, list(prompt_ids), sampling, max_tokens=max_tokens)
             if arrival is not None:
                 seq.arrival = arrival
+            if cache_scope:  # its prefix-cache blocks are shared with requests of this scope only
+                seq.cache_salt = hashlib.sha256(b"qserve cache scope\0" + cache_scope.encode()).digest()
             if not sampling.greedy:
                 seq.generator = new_generator(sampling, self.runner.device)
             if not self._live and not self._in_iteration:  # an idle engine was waiting for work, not stalled

@@ -157,7 +157,8 @@ class Scheduler:
         it finishes: tokens whose K/V steps already read back have written."""
         if self.blocks.prefix_caching and seq.state is SeqState.RUNNING:
             # The prompt's names were made at admission: only the generated blocks are hashed here.
-            names = prefix_block_hashes(seq.token_at(0, known), self.blocks.block_size, seq.prompt_hashes or ())
+            names = prefix_block_hashes(seq.token_at(0, known), self.blocks.block_size, seq.prompt_hashes or (),
+                                        seq.cache_salt)
             for block, name in zip(seq.block_table, names):
                 self.blocks.name(block, name)
 
@@ -167,7 +168,7 @@ class Scheduler:
         if not self.blocks.prefix_caching:
             return []
         if seq.prompt_hashes is None:
-            seq.prompt_hashes = prefix_block_hashes(seq.prompt_ids, self.blocks.block_size)
+            seq.prompt_hashes = prefix_block_hashes(seq.prompt_ids, self.blocks.block_size, salt=seq.cache_salt)
         return self.blocks.cached_prefix(seq.prompt_hashes[: (seq.num_tokens - 1) // self.blocks.block_size])
 
     def _make_room(self, seq: Sequence, n: int, scheduled: set[int], out: Schedule) -> bool:

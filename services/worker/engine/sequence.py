@@ -66,6 +66,7 @@ class Sequence:
     # The names of the prompt's full blocks (block_manager.prefix_block_hashes), made at first admission
     # when prefix caching is on.
     prompt_hashes: list[bytes] | None = None
+    cache_salt: bytes = b""  # of its cache scope (Engine.add_request): its blocks are named apart from others'
 
     @property
     def num_tokens(self) -> int:
