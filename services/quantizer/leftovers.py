@@ -46,18 +46,19 @@ def delete_leftover_objects(services: Services, artifact_id: str, left_by: str) 
     returns how many, or None when they could not be looked at yet (the prefix's claim is held, by a publish
     alive or one killed less than claims.CLAIM_STALE_AFTER_S ago; the store or registry failing): try later."""
 
-    def still_failed() -> bool:
+    def failed_prefix() -> str | None:
+        """Its object prefix while it is FAILED and no READY artifact reuses the objects there; else None."""
         with services.registry.sessions() as session:
             artifact = get_artifact(session, artifact_id)
-            return artifact.state == ArtifactState.FAILED and not prefix_served_by_another(session, artifact)
+            if artifact.state == ArtifactState.FAILED and not prefix_served_by_another(session, artifact):
+                return artifact.object_prefix
+            return None
 
-    prefix = ""
     try:
-        if not still_failed():
+        prefix = failed_prefix()
+        if prefix is None:
             return 0  # retried (its job clears the prefix first), or someone's objects
-        with services.registry.sessions() as session:
-            prefix = get_artifact(session, artifact_id).object_prefix
-        removed = services.store.clear_prefix(prefix, only_if=still_failed)
+        removed = services.store.clear_prefix(prefix, only_if=lambda: failed_prefix() is not None)
     except PublishInProgress as exc:
         log.info("left the objects of artifact %s alone for now: %s", artifact_id, exc)
         return None
