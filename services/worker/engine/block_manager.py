@@ -25,7 +25,8 @@ class OutOfBlocks(RuntimeError):
     """More blocks were asked for than are free (the scheduler checks first; this is a bug guard)."""
 
 
-def prefix_block_hashes(token_ids: list[int], block_size: int, known: list[bytes] = (), salt: bytes = b"") -> list[bytes]:
+def prefix_block_hashes(token_ids: list[int], block_size: int, known: list[bytes] = (),
+                        salt: bytes = b"") -> list[bytes]:
     """The name of each full block of token_ids: sha256 of the previous block's name and this block's
     ids. A cryptographic hash, not Python's: a collision would hand one request another's K/V, and
     Python's hash of integers is predictable enough for a client to aim at one. `known`: the names of

@@ -142,8 +142,8 @@ class Engine:
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingOptions, sink: Sink,
                     arrival: float | None = None, cache_scope: str = "") -> None:
         """Queues a validated request; arrival (time.monotonic()) is when its caller got it, now if None: a
-        server's time to first token starts before its tokenizing. Raises DuplicateRequest, QueueFull, or InvalidRequest for a prompt that
-        leaves no room for a token in the context window (requests.py refuses those first, with the wording a
+        server's time to first token starts before its tokenizing. Raises DuplicateRequest, QueueFull, or
+        InvalidRequest for a prompt that leaves no room for a token in the context window (requests.py refuses those first, with the wording a
         client sees; the engine's own callers, the start-up checks and benchmarks, get it here: queued, such a
         prompt could never be admitted and every request behind it would wait for ever)."""
         if not 0 < len(prompt_ids) < self.limits.max_context:
