@@ -280,7 +280,7 @@ class ObjectStore(abc.ABC):
     def purge_staging(self, older_than_s: float = 3600.0) -> int:
         """Delete staging objects of publishes that started more than older_than_s ago and have written
         nothing for as long (crashed or cut off from the store), what a store keeps of their unfinished
-        writes, and claims not rewritten for as long (claims.delete_stale); returns how many objects (and
+        writes, and claims not written for as long (claims.delete_stale); returns how many objects (and
         unfinished writes) were deleted. A publish still uploading (a large model on a slow link can take
         longer than older_than_s) keeps writing, so it is left alone."""
         stale = self._stale_staging_attempts(older_than_s)

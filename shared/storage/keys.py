@@ -9,7 +9,7 @@ from __future__ import annotations
 from .errors import InvalidKey
 
 STAGING_ROOT = "_staging/"
-# Where a publish claims its final prefix (claims.py): `_claims/<prefix without its trailing slash>`.
+# Where a publish claims its final prefix (claims.py): `_claims/<prefix>/claim-<generation>`.
 CLAIMS_ROOT = "_claims/"
 
 

@@ -208,7 +208,7 @@ def test_what_a_killed_publish_left_is_deleted_once_its_claim_is_stale(tmp_path,
     store = runner.services.store
     prefix = key.rsplit("/", 2)[0] + "/"  # the artifact's: key is <prefix>weights/a.bin
     killed = {"attempt": "1-killed", "process": "gone", "host": "gone", "pid": 1, "at": time.time()}
-    store.put_bytes(json.dumps(killed).encode(), claims.claim_key(prefix))
+    store.put_bytes(json.dumps(killed).encode(), claims.claim_key(prefix, 1))
 
     runner._delete_orphaned_objects(artifact_id)
     assert store.exists(key)  # claimed: left for now
@@ -247,7 +247,7 @@ def test_a_retry_waits_for_the_claim_a_killed_publish_left(tmp_path, start_quant
     def killed_just_now(self, job_id, stage, *args):  # the killed publish's claim, 0 s old when the upload starts
         if stage is Stage.UPLOAD and not claimed:
             record = {"attempt": "1-killed", "process": "gone", "host": "gone", "pid": 1, "at": time.time()}
-            store.put_bytes(json.dumps(record).encode(), claims.claim_key(prefix))
+            store.put_bytes(json.dumps(record).encode(), claims.claim_key(prefix, 1))
             claimed.append(True)
         real_progress(self, job_id, stage, *args)
 

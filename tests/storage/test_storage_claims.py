@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -24,10 +25,10 @@ def _keys(store, prefix=""):
     return {info.key for info in store.list(prefix)}
 
 
-def _claim_of_another_process(store, attempt="1-dead", **fields):
+def _claim_of_another_process(store, attempt="1-dead", generation=1, **fields):
     """A claim as another quantizer writes it (one killed since, or one alive elsewhere)."""
     record = {"attempt": attempt, "process": "another", "host": "elsewhere", "pid": 7, "at": time.time(), **fields}
-    store.put_bytes(json.dumps(record).encode(), claim_key(FINAL))
+    store.put_bytes(json.dumps(record).encode(), claim_key(FINAL, generation))
 
 
 def test_a_second_publish_while_one_writes_is_refused_and_the_first_lands_whole(store, artifact_dir, tmp_path):
@@ -47,7 +48,7 @@ def test_a_second_publish_while_one_writes_is_refused_and_the_first_lands_whole(
     assert refusals
     assert _keys(store, FINAL) == {info.key for info in published}  # only the first one's files
     assert store.get_bytes(FINAL + "manifest.json") == (artifact_dir / "manifest.json").read_bytes()
-    assert not store.exists(claim_key(FINAL))  # released
+    assert not store.exists(claim_key(FINAL, 1))  # released
     assert _keys(store) == _keys(store, FINAL)  # nor staging left by either
 
 
@@ -84,9 +85,9 @@ def test_a_long_publish_keeps_its_claim_fresh(store, artifact_dir, monkeypatch):
 def test_a_claim_whose_writer_is_gone_is_taken_over_once_stale(store, artifact_dir, monkeypatch):
     # Another process on this host with this pid (containers sharing a node's network, each its pid 1): not ours.
     _claim_of_another_process(store, host=socket.gethostname(), pid=os.getpid())
-    with pytest.raises(PublishInProgress, match="'1-dead'.*not rewritten for 45 s is taken over"):
+    with pytest.raises(PublishInProgress, match="'1-dead'.*not written for 45 s is taken over"):
         store.publish_folder(artifact_dir, FINAL)
-    assert _keys(store) == {claim_key(FINAL)}  # the refused publish wrote nothing
+    assert _keys(store) == {claim_key(FINAL, 1)}  # the refused publish wrote nothing
 
     monkeypatch.setattr(claims, "CLAIM_STALE_AFTER_S", 0.0)
     published = store.publish_folder(artifact_dir, FINAL)
@@ -105,13 +106,13 @@ def test_purge_removes_stale_claims_only(store, monkeypatch):
 def test_a_publish_whose_claim_was_taken_over_stops_and_leaves_the_prefix_to_its_new_holder(store, artifact_dir):
     def taken_over(_info):
         if not store.exists(FINAL + "manifest.json"):  # once, after the first upload
-            _claim_of_another_process(store, attempt="3-new")  # another publish found it stale and took it over
+            _claim_of_another_process(store, attempt="3-new", generation=2)  # found stale, taken over
             store.put_bytes(b"theirs", FINAL + "manifest.json")
 
     with pytest.raises(StorageError, match="was taken over"):
         store.publish_folder(artifact_dir, FINAL, progress=taken_over)
     # The new holder's claim and object stay; the stopped publish's staging is gone.
-    assert _keys(store) == {claim_key(FINAL), FINAL + "manifest.json"}
+    assert _keys(store) == {claim_key(FINAL, 2), FINAL + "manifest.json"}
     assert store.get_bytes(FINAL + "manifest.json") == b"theirs"
 
 
@@ -127,8 +128,8 @@ def test_create_bytes_writes_only_where_nothing_is(store):
 
 
 def test_a_key_that_a_folder_store_cannot_hold_beside_another_is_an_error_not_a_claim_taken(tmp_path):
-    """A claim on a/b beside one on a/b/c: a folder cannot be both a file and a folder, and the failure read as
-    "someone holds it", ending in "its claim keeps changing hands"."""
+    """Keys a/b and a/b/c (claims once were named so): a folder cannot be both a file and a folder, and the
+    failure read as "someone holds it", ending in "its claim keeps changing hands"."""
     from shared.storage import LocalStore
 
     store = LocalStore(tmp_path / "store", create=True)
@@ -140,11 +141,101 @@ def test_a_key_that_a_folder_store_cannot_hold_beside_another_is_an_error_not_a_
         store.create_bytes(b"y", "_claims/other/llama")
 
 
-def test_a_claim_whose_write_landed_unanswered_is_taken_as_ours(store):
+def test_a_claim_whose_write_landed_unanswered_is_taken_as_ours(store, monkeypatch):
     """The conditional write went through but its reply was lost; the retried request was refused (412): the
     publish was refused as if another held the prefix, naming its own attempt, and left the claim for 45 s."""
-    body = claims._body(claims.PrefixClaim(claim_key(FINAL), "5-mine", FINAL))
-    store.put_bytes(body, claim_key(FINAL))  # the write that landed
+    real_create = type(store).create_bytes
+
+    def landed_unanswered(self, data, key):
+        real_create(self, data, key)
+        return False
+
+    monkeypatch.setattr(type(store), "create_bytes", landed_unanswered)
     claim = claims.claim_prefix(store, FINAL, "5-mine")
+    assert claims.holds(store, claim)
     claims.release(store, claim)
-    assert not store.exists(claim_key(FINAL))
+    assert _keys(store) == set()
+
+
+def _wait_for(condition, what, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_late_heartbeat_of_a_holder_taken_over_does_not_take_the_claim_back(store, monkeypatch):
+    """A holder paused past the staleness bound just after its refresher found the claim still its own, and taken
+    over meanwhile, rewrote its claim over the new holder's: the new holder lost it, the paused one went on."""
+    monkeypatch.setattr(claims, "CLAIM_REFRESH_S", 0.05)
+    real_holds, taker = claims.holds, []
+
+    def taken_over_right_after_the_check(store_, claim):
+        held = real_holds(store_, claim)
+        if claim.attempt == "1-paused" and not taker and threading.current_thread().name.startswith("claim-"):
+            monkeypatch.setattr(claims, "CLAIM_STALE_AFTER_S", 0.0)  # paused long enough to be stale
+            taker.append(claims.claim_prefix(store_, FINAL, "2-taker"))
+        return held
+
+    monkeypatch.setattr(claims, "holds", taken_over_right_after_the_check)
+    paused = claims.claim_prefix(store, FINAL, "1-paused")
+    _wait_for(lambda: taker and (paused.lost or taker[0].lost), "neither claim was found lost")
+    assert real_holds(store, taker[0]) and not real_holds(store, paused)
+    assert paused.lost and not taker[0].lost
+    for claim in (paused, taker[0]):
+        claims.release(store, claim)
+    assert _keys(store) == set()
+
+
+def test_of_two_attempts_taking_over_one_stale_claim_only_one_holds_it(store, monkeypatch):
+    _claim_of_another_process(store)  # its writer was killed
+    monkeypatch.setattr(claims, "CLAIM_STALE_AFTER_S", 0.0)
+    real_create, other = type(store).create_bytes, []
+
+    def the_other_gets_there_first(self, data, key):
+        if not other:
+            other.append(None)
+            other[0] = claims.claim_prefix(self, FINAL, "2-other")
+            monkeypatch.setattr(claims, "CLAIM_STALE_AFTER_S", 45.0)  # its claim is fresh now
+        return real_create(self, data, key)
+
+    monkeypatch.setattr(type(store), "create_bytes", the_other_gets_there_first)
+    with pytest.raises(PublishInProgress, match="'2-other'"):
+        claims.claim_prefix(store, FINAL, "3-late")
+    assert claims.holds(store, other[0])
+    claims.release(store, other[0])
+    assert _keys(store) == set()
+
+
+def test_a_first_claim_made_while_a_released_claim_is_taken_over_keeps_the_prefix(store, monkeypatch):
+    """The claim taken over is released meanwhile and a third attempt claims the free prefix (the same first
+    generation again): the attempt taking over must not also hold it, nor delete that claim as the stale one."""
+    _claim_of_another_process(store, attempt="1-slow")
+    time.sleep(1.1)  # stores keep times to the second: the new claim must not read as written when the old one was
+    monkeypatch.setattr(claims, "CLAIM_STALE_AFTER_S", 0.0)
+    real_create, fresh = type(store).create_bytes, []
+
+    def released_and_claimed_again_meanwhile(self, data, key):
+        if not fresh:
+            fresh.append(None)
+            self.delete(claim_key(FINAL, 1))  # the slow publish ends and releases its claim
+            monkeypatch.setattr(claims, "CLAIM_STALE_AFTER_S", 45.0)
+            fresh[0] = claims.claim_prefix(self, FINAL, "3-fresh")
+        return real_create(self, data, key)
+
+    monkeypatch.setattr(type(store), "create_bytes", released_and_claimed_again_meanwhile)
+    with pytest.raises(PublishInProgress, match="'3-fresh'"):
+        claims.claim_prefix(store, FINAL, "2-taker")
+    assert claims.holds(store, fresh[0]) and _keys(store) == {claim_key(FINAL, 1)}
+    claims.release(store, fresh[0])
+    assert _keys(store) == set()
+
+
+def test_claims_of_nested_prefixes_are_apart(store):
+    """A claim on a/b beside one on a/b/c: neither is the other's, on a folder store too."""
+    outer = claims.claim_prefix(store, "team/llama/", "1-outer")
+    inner = claims.claim_prefix(store, "team/llama/v1/", "2-inner")
+    assert claims.holds(store, outer) and claims.holds(store, inner)
+    for claim in (outer, inner):
+        claims.release(store, claim)
+    assert _keys(store) == set()

@@ -97,9 +97,9 @@ def test_server_stopping_mid_publish(moto_server, s3_config, artifact_dir):
     moto_server(server.port)
     assert store.list(final) == []  # the final prefix never saw an object
     # The publish's claim could not be released either: this process takes it over at once (another once stale).
-    assert {o.key for o in store.list()} == {*staged, claim_key(final)}
+    assert {o.key for o in store.list()} == {*staged, claim_key(final, 1)}
     assert store.purge_staging(older_than_s=0) == len(staged)
-    assert [o.key for o in store.list()] == [claim_key(final)]
+    assert [o.key for o in store.list()] == [claim_key(final, 1)]
 
     published = store.publish_folder(artifact_dir, final)
     assert len(published) == 4
