@@ -299,7 +299,8 @@ def _parser() -> argparse.ArgumentParser:
                         "default) leaves TTFT unjudged: it grows with prompt lengths and load")
     p.add_argument("--fallback-window-s", type=float, default=30.0, help="window the budgets are measured over")
     p.add_argument("--fallback-min-requests", type=int, default=20,
-                   help="finished requests in the window below which the budgets are not judged")
+                   help="finished requests in the window below which the arm is judged on its whole run (up "
+                        "to an hour back) instead; fewer there too: not judged")
     p.add_argument("--quarantine-after-failures", type=int, default=3,
                    help="a worker that fails this many requests in a row gets no requests for --quarantine-s "
                         "though it heartbeats, while another healthy worker serves its artifact (the last one "

@@ -22,7 +22,11 @@ was measured before an operator turned fallback off (or before a promote or a ne
 guard again, while a ramp of the same canary keeps its failures so far. The change's time in the registry is
 the clock of whichever replica made it; the window also starts no earlier than when this replica's cache first
 saw that run, so a replica whose clock runs behind cannot make another judge its arms on what they did before
-the change."""
+the change.
+
+An arm with fewer than min_requests in that window (low traffic: under min_requests per window_s) is judged on
+its whole run instead, up to RUN_WINDOW_S back: a canary failing every request it gets, one every few seconds,
+was never judged however many it had failed."""
 
 from __future__ import annotations
 
@@ -30,10 +34,11 @@ import asyncio
 import enum
 import logging
 import time
+from dataclasses import dataclass, field
 
 from services.gateway.config import FallbackBudget
 from services.gateway.deployments import ArtifactRefView, DeploymentCache, DeploymentView, view_of
-from services.gateway.fleet import FleetView, with_others
+from services.gateway.fleet import KEEP_S, FleetView, with_others
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pool import WorkerPool
 from shared import registry as reg
@@ -41,6 +46,17 @@ from shared.registry import ArmTotals, Registry, RegistryError
 
 log = logging.getLogger(__name__)
 ACTOR = "auto"
+# How far back an arm short of min_requests in the window is judged: as long as the replicas' reports are kept.
+RUN_WINDOW_S = KEEP_S
+
+
+@dataclass(frozen=True)
+class OtherReplicas:
+    """The other gateway replicas' requests of an arm: in the guard's window, and over the arm's run (read only
+    where the window holds fewer than min_requests across the fleet; None otherwise)."""
+
+    window: ArmTotals = field(default_factory=ArmTotals)
+    run: ArmTotals | None = None
 
 
 class GuardAction(enum.Enum):
@@ -68,19 +84,27 @@ class AutoFallback:
         new stable or canary, a fallback switched; not a ramp of the same canary, whose failures so far count)."""
         return max(now - self.budget.window_s, self.deployments.arm_since(view, arm))
 
+    def run_start(self, view: DeploymentView, now: float, arm: str) -> float:
+        """Where the arm's run began (see window_start), up to RUN_WINDOW_S back."""
+        return max(now - RUN_WINDOW_S, self.deployments.arm_since(view, arm))
+
     def arm_breach(self, view: DeploymentView, arm: str, now: float | None = None,
-                   others: ArmTotals | None = None) -> str | None:
+                   others: OtherReplicas | None = None) -> str | None:
         """Why this arm ("stable" or "canary") of the deployment is over budget, or None when it is not.
-        `others`: the other gateway replicas' requests of the arm in the same window, added to this one's."""
+        `others`: the other gateway replicas' requests of the arm, added to this one's."""
         ref = view.stable if arm == "stable" else view.canary
         if ref is None:
             return None
         now = time.time() if now is None else now
+        others = others or OtherReplicas()
         since = self.window_start(view, now, arm)
-        outcomes = self.metrics.window(view.name, ref.artifact_id, since, now)
-        stats = with_others(outcomes, others or ArmTotals())
+        stats = with_others(self.metrics.window(view.name, ref.artifact_id, since, now), others.window)
         if stats.requests < self.budget.min_requests:
-            return None
+            since = self.run_start(view, now, arm)
+            stats = with_others(self.metrics.window(view.name, ref.artifact_id, since, now),
+                                others.run or ArmTotals())
+            if stats.requests < self.budget.min_requests:
+                return None
         if stats.error_rate > self.budget.max_error_rate:
             return (f"{arm} {ref.artifact_id} error rate {stats.error_rate:.1%} ({stats.errors}/{stats.requests}) "
                     f"over the budget {self.budget.max_error_rate:.1%} in the last {now - since:.0f} s")
@@ -95,7 +119,7 @@ class AutoFallback:
         return None
 
     def verdict(self, view: DeploymentView, now: float | None = None,
-                others: dict[str, ArmTotals] | None = None) -> tuple[GuardAction, str] | None:
+                others: dict[str, OtherReplicas] | None = None) -> tuple[GuardAction, str] | None:
         """(action, reason), or None: what the guard does to this deployment now. `others`: by arm, the
         other replicas' requests (see arm_breach)."""
         others = others or {}
@@ -150,16 +174,25 @@ class AutoFallback:
             acted.append(name)
         return acted
 
-    async def _others(self, view: DeploymentView, now: float) -> dict[str, ArmTotals]:
-        """The other replicas' requests of the deployment's stable and canary in the guard's window."""
+    async def _others(self, view: DeploymentView, now: float) -> dict[str, OtherReplicas]:
+        """The other replicas' requests of the deployment's stable and canary in the guard's window, and over
+        the arm's run where the window is short of min_requests (arm_breach)."""
         if self.fleet is None or view.fallback:
             return {}
         found = {}
         for arm, ref in (("stable", view.stable if _judges_stable(view) else None), ("canary", view.canary)):
-            if ref is not None:
-                since = self.window_start(view, now, arm)
-                found[arm] = await self.fleet.others(view.name, ref.artifact_id, since, now,
-                                                     since_change=since > now - self.budget.window_s)
+            if ref is None:
+                continue
+            since = self.window_start(view, now, arm)
+            window = await self.fleet.others(view.name, ref.artifact_id, since, now,
+                                             since_change=since > now - self.budget.window_s)
+            run = None
+            here = len(self.metrics.window(view.name, ref.artifact_id, since, now))
+            start = self.run_start(view, now, arm)
+            if here + window.requests < self.budget.min_requests and start < since:
+                run = await self.fleet.others(view.name, ref.artifact_id, start, now,
+                                              since_change=start > now - RUN_WINDOW_S)
+            found[arm] = OtherReplicas(window, run)
         return found
 
     def _act(self, name: str, action: GuardAction, reason: str, revision: int) -> DeploymentView | None:

@@ -417,3 +417,28 @@ def test_a_canary_slow_to_its_first_token_is_aborted_when_a_ttft_budget_is_set(a
                 assert deployment.HasField("canary")
 
     run(scenario())
+
+
+def test_a_canary_failing_at_low_traffic_is_judged_on_its_whole_run(artifacts):
+    """Fewer than min_requests in any one window (a request every few seconds at the defaults): a canary failing
+    every request it got was never judged, however many it had failed since its rollout started."""
+    budget = FallbackBudget(max_error_rate=0.1, max_tpot_p95_s=10.0, window_s=0.2, min_requests=3, enabled=False)
+
+    async def scenario():
+        async with gateway_stack(artifacts, budget=budget) as stack:
+            await stack.add_worker(artifacts.stable)
+            await stack.add_worker(artifacts.canary)
+            await stack.admin.StartRollout(gateway_pb2.StartRolloutRequest(
+                deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary, canary_percent=10), metadata=ADMIN)
+            guard = stack.gateway.fallback
+            for failed in range(1, 4):  # one failure per window
+                await asyncio.sleep(0.3)
+                _failures(stack, "canary", artifacts.canary, 1)
+                if failed < 3:
+                    assert await guard.check() == []  # too few so far, in the window and since the start
+            await asyncio.sleep(0.3)  # none in the last window now
+            assert await guard.check() == [DEPLOYMENT]
+            assert not (await stack.deployment()).HasField("canary")
+            assert any(event.kind == "abort" and "(3/3)" in event.detail for event in await events(stack))
+
+    run(scenario())
