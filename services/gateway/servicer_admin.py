@@ -128,23 +128,25 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
         if gone is not None:
             log.warning("worker %s (%s) registered for artifact %s, but %s now serves %s: removed", gone.worker_id,
                         request.address, gone.artifact.artifact_id, request.address, info.artifact.artifact_id)
-        artifact = await self.threads.call(self._servable_artifact, artifact_id)
+        artifact, published_manifest = await self.threads.call(self._servable_artifact, artifact_id)
         if info.artifact.artifact_id != artifact_id:
             raise Precondition(f"the worker at {request.address} serves artifact {info.artifact.artifact_id!r}, "
                                f"not {artifact_id!r}: register it with the artifact it loaded")
+        _check_published_manifest(request.address, artifact_id, info.artifact.manifest_sha256, published_manifest)
         capacity = request.capacity or max(1, info.max_running_sequences + info.max_waiting_requests)
         worker = await self.pool.add(request.address, artifact, capacity, info.max_context_tokens,
                                      info.probe_error if info.HasField("probe_error") else None)
         return gateway_pb2.RegisterWorkerResponse(worker_id=worker.worker_id,
                                                   heartbeat_interval=_seconds(self.heartbeat_interval_s))
 
-    def _servable_artifact(self, artifact_id: str) -> ArtifactRefView:
+    def _servable_artifact(self, artifact_id: str) -> tuple[ArtifactRefView, str | None]:
+        """The READY artifact, and the sha256 of its published manifest.json (None where not recorded)."""
         with self.registry.transaction() as session:
             artifact = reg.get_artifact(session, artifact_id)
             if artifact.state != ArtifactState.READY:
                 raise Precondition(f"artifact {artifact_id} is {artifact.state.value}: only a READY artifact "
                                    f"can be served")
-            return ArtifactRefView.of(artifact)
+            return ArtifactRefView.of(artifact), artifact.manifest_sha256
 
     async def _worker_info(self, address: str) -> worker_pb2.WorkerInfo:
         async with self.pool.dial(address) as channel:
@@ -362,3 +364,21 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
         view = await self.threads.call(run)
         self.deployments.put(view)
         return view
+
+
+def _check_published_manifest(address: str, artifact_id: str, loaded: str, published: str | None) -> None:
+    """Refuses a worker whose manifest.json (which lists every file's sha256) is not the one published for the
+    artifact: a copy changed after publishing and signed again, or a local folder given a published id, served
+    under the vetted artifact's name. A worker that does not report it (older than this gateway) is let in."""
+    if published is None:
+        return
+    if not loaded:
+        log.warning("worker %s does not report the sha256 of the manifest it loaded for artifact %s (a worker "
+                    "older than this gateway): registered unchecked", address, artifact_id)
+        return
+    if loaded != published:
+        raise Precondition(f"the worker at {address} loaded a manifest.json for artifact {artifact_id} with sha256 "
+                           f"{loaded[:12]}..., not the published one ({published[:12]}...): its files are not the "
+                           f"published artifact's (a changed copy, or a local folder reusing the id); serve the "
+                           f"published artifact, or publish these files as an artifact of their own")
+

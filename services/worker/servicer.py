@@ -168,6 +168,7 @@ def _artifact_pb(served: ServedModel) -> common_pb2.ArtifactInfo:
         object_key_prefix=a.object_prefix,
         size_bytes=a.size_bytes,
         vocabulary_digest=served.vocabulary_digest,
+        manifest_sha256=a.reader.manifest_sha256,
     )
     if m.evaluation is not None:
         e = m.evaluation

@@ -203,7 +203,8 @@ class ArtifactReader:
     def __init__(self, folder: str | Path, verify: bool = True):
         self.folder = Path(folder)
         try:
-            self.manifest = Manifest.read(self.folder)
+            # The digest of the bytes parsed: what a worker reports as loaded (WorkerInfo), beside the registry's.
+            self.manifest, self.manifest_sha256 = Manifest.read_with_digest(self.folder)
         except ManifestError as e:
             raise ArtifactError(str(e)) from e
         self.spec: FormatSpec = format_spec(self.manifest.format)

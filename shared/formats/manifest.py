@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -110,12 +111,18 @@ class Manifest:
 
     @classmethod
     def read(cls, folder: Path) -> "Manifest":
+        return cls.read_with_digest(folder)[0]
+
+    @classmethod
+    def read_with_digest(cls, folder: Path) -> tuple["Manifest", str]:
+        """The manifest and the sha256 of its file's bytes, as read once (the registry records that digest)."""
         path = Path(folder) / MANIFEST_NAME
         if not path.is_file():
             raise ManifestError(f"{folder} has no {MANIFEST_NAME}: not an artifact folder")
+        data = path.read_bytes()
         try:
-            text = path.read_text()
+            text = data.decode()
         except UnicodeDecodeError as exc:  # else the codec's words alone, naming no file
             raise ManifestError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}): not an artifact's "
                                 f"manifest") from None
-        return cls.from_json(text)
+        return cls.from_json(text), hashlib.sha256(data).hexdigest()

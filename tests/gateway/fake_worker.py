@@ -30,6 +30,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         # its context window (prompt + generated): told in Info, and a generation stops at it with LENGTH
         self.context_tokens = context_tokens
         self.probe_error: float | None = 0.0312  # its start-up probe's, told in Info (None: not checked)
+        self.manifest_sha256 = ""  # the sha256 of the manifest.json it loaded, told in Info ("": not told)
         self.tokens = tokens  # generated when the request's max_new_tokens is 0
         self.delay_s = delay_s  # before each token
         self.max_running, self.max_waiting = max_running, max_waiting
@@ -108,7 +109,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def Info(self, request: worker_pb2.InfoRequest, context) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(
-            artifact=common_pb2.ArtifactInfo(artifact_id=self.artifact_id, state=common_pb2.ARTIFACT_STATE_READY),
+            artifact=common_pb2.ArtifactInfo(artifact_id=self.artifact_id, state=common_pb2.ARTIFACT_STATE_READY,
+                                             manifest_sha256=self.manifest_sha256),
             gpu_name="cpu", gpu_target="cpu", max_running_sequences=self.max_running,
             max_waiting_requests=self.max_waiting, max_context_tokens=self.context_tokens, running_requests=self.running,
             probe_error=self.probe_error,

@@ -169,6 +169,27 @@ def test_register_checks_the_address_the_artifact_and_the_worker(artifacts):
     run(scenario())
 
 
+def test_a_worker_whose_manifest_is_not_the_published_one_is_refused(artifacts):
+    """A copy of the artifact changed after publishing (its manifest signed again), or a local folder given a
+    published id: its worker registered as the vetted artifact and served its own weights under that name."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            fake = await FakeWorkerServer(FakeWorker(artifacts.stable)).start()
+            stack.workers.append(fake)
+            request = gateway_pb2.RegisterWorkerRequest(address=fake.address, artifact_id=artifacts.stable)
+            fake.worker.manifest_sha256 = "c" * 64  # the registry's is "b" * 64 (conftest)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.admin.RegisterWorker(request, metadata=WORKER)
+            assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "not the published one" in raised.value.details() and "cccccccccccc" in raised.value.details()
+            assert not (await stack.admin.ListWorkers(gateway_pb2.ListWorkersRequest(), metadata=ADMIN)).workers
+            for told in ("b" * 64, ""):  # the published manifest; a worker that does not tell (older): let in
+                fake.worker.manifest_sha256 = told
+                await stack.admin.RegisterWorker(request, metadata=WORKER)
+
+    run(scenario())
+
+
 def test_missed_heartbeats_mark_a_worker_unhealthy_and_a_heartbeat_restores_it(artifacts):
     async def scenario():
         async with gateway_stack(artifacts, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.3) as stack:

@@ -33,6 +33,7 @@ from services.worker.engine.engine import Engine, EngineLimits
 from services.worker.engine.sequence import SamplingOptions
 from services.worker.errors import QueueFull
 from services.worker.server import BackgroundWorker
+from shared.formats.artifact import sha256_file
 from shared.quant.options import QoQOptions
 from shared.quant.quantize_model import QuantizeSettings, quantize_checkpoint
 from shared.registry import create_registry, mark_artifact_ready, register_model_version, reserve_artifact, sqlite_url
@@ -79,7 +80,8 @@ def published(tmp_path_factory, tiny_llama: Path) -> Published:
             # registry's (publish does the same; the manifest is not in its own file list).
             manifest.artifact_id = artifact_id
             manifest.write(folder)
-            mark_artifact_ready(session, artifact_id, manifest_sha256="0" * 64, content_digest=artifact_id,
+            mark_artifact_ready(session, artifact_id, manifest_sha256=sha256_file(folder / "manifest.json"),
+                                content_digest=artifact_id,
                                 actor="test")
     finally:
         registry.close()

@@ -53,13 +53,15 @@ def artifacts(tiny_llama: Path, calib_text: Path, tmp_path_factory) -> dict[str,
 def deploy_artifact(url: str, artifact_dir: Path, monkeypatch) -> str:
     """A registry at url where the artifact at artifact_dir is READY under its own id, deployed as "chat"
     (for a real worker behind real gateways)."""
-    manifest = ArtifactReader(artifact_dir).manifest
+    reader = ArtifactReader(artifact_dir)
+    manifest = reader.manifest
     monkeypatch.setattr("shared.registry.artifacts.new_id", lambda: manifest.artifact_id)
     registry = create_registry(url)
     with registry.transaction() as session:
         version = reg.register_model_version(session, manifest.model_name, manifest.model_version)
         artifact = reg.reserve_artifact(session, version.id, manifest.format, manifest.gpu_target).artifact
-        reg.mark_artifact_ready(session, artifact.id, manifest_sha256="b" * 64, content_digest="d" * 32, actor="test")
+        reg.mark_artifact_ready(session, artifact.id, manifest_sha256=reader.manifest_sha256, content_digest="d" * 32,
+                                actor="test")
         reg.create_deployment(session, "chat", stable_artifact_id=artifact.id, baseline_artifact_id=artifact.id,
                               actor="test")
     registry.close()

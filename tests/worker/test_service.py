@@ -3,6 +3,8 @@ requests, admission limits, Info, health, metrics, and the graceful drain."""
 
 from __future__ import annotations
 
+import hashlib
+
 import socket
 import threading
 import time
@@ -153,6 +155,8 @@ def test_info_describes_the_artifact_and_capacity(client, artifacts):
     assert (info.format, info.gpu_target, info.gpu_name) == ("fp16", "cpu", "cpu")
     assert info.artifact.size_bytes == sum(f.size for f in manifest.files)
     assert info.artifact.vocabulary_digest == Tokenizer(Path(artifacts["fp16"]) / TOKENIZER_DIR).vocabulary_digest()
+    manifest_bytes = (Path(artifacts["fp16"]) / "manifest.json").read_bytes()
+    assert info.artifact.manifest_sha256 == hashlib.sha256(manifest_bytes).hexdigest()  # the gateway checks it
     assert (info.kv_blocks_total, info.kv_block_size, info.max_context_tokens) == (64, 4, 256)
     assert (info.max_running_sequences, info.max_waiting_requests) == (1, 1)
     assert info.kv_blocks_free + info.kv_blocks_used == info.kv_blocks_total and not info.draining
