@@ -40,11 +40,11 @@ def promote(
     canary: str = typer.Option("", "--canary", help="artifact id of the canary you reviewed: refused if the rollout "
                                                     "now has another canary (aborted and restarted meanwhile)"),
     force: bool = typer.Option(False, "--force", help="even when no healthy worker serves the canary (all of its "
-                                                      "traffic would be refused)"),
+                                                      "traffic would be refused), or it has served no request yet"),
     gateway: str = GATEWAY_OPTION,
     token: str = TOKEN_OPTION,
 ):
-    """Make the canary the stable artifact (instant)."""
+    """Make the canary the stable artifact (instant); refused until it has served a request."""
     with admin_client(gateway, token) as admin:
         show_deployment(admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(
             deployment=deployment, canary_artifact_id=canary, force=force)))

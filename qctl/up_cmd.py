@@ -167,8 +167,12 @@ def _up(model: Path | None, workdir: Path, format: QuantizedFormatName, device: 
             admin.StartRollout(G.StartRolloutRequest(
                 deployment=name, canary_artifact_id=quantized_id, canary_percent=canary_percent))
             console.print(f"rollout: {format.value} {quantized_id} takes {canary_percent}% as the canary")
-            _show_canary_split(gateway, name, console)
-            admin.PromoteRollout(G.PromoteRolloutRequest(deployment=name, canary_artifact_id=quantized_id))
+            served = _show_canary_split(gateway, name, console)
+            if not served:
+                console.print(f"the canary got none of these session keys at {canary_percent}%: promoting it with "
+                              f"force (the gateway promotes a canary only once it has served a request)")
+            admin.PromoteRollout(G.PromoteRolloutRequest(deployment=name, canary_artifact_id=quantized_id,
+                                                         force=not served))
             console.print(f"promoted: {format.value} {quantized_id} is now stable (fp16 stays the baseline)")
         _stream(gateway, name, prompt, new_tokens, console)
 
@@ -382,12 +386,13 @@ def _deploy_baseline(admin, name: str, baseline_id: str, workdir: Path, console:
         admin.SetFallback(G.SetFallbackRequest(deployment=name, enabled=False, reason=reason))
     if d.stable.artifact_id != baseline_id:
         admin.StartRollout(G.StartRolloutRequest(deployment=name, canary_artifact_id=baseline_id, canary_percent=100))
-        admin.PromoteRollout(G.PromoteRolloutRequest(deployment=name, canary_artifact_id=baseline_id))
+        # Forced: the run's own fp16 baseline, promoted before it has served a request.
+        admin.PromoteRollout(G.PromoteRolloutRequest(deployment=name, canary_artifact_id=baseline_id, force=True))
 
 
-def _show_canary_split(gateway: str, name: str, console: Console) -> None:
+def _show_canary_split(gateway: str, name: str, console: Console) -> int:
     """A few short requests under distinct session keys, each sent twice: where they land, and that
-    a key always lands on the same arm."""
+    a key always lands on the same arm. Returns how many keys the canary served."""
     arms: dict[str, set[str]] = {}
     sampling = common_pb2.SamplingParams(max_new_tokens=4)
     with gateway_client(gateway) as stub:
@@ -406,6 +411,7 @@ def _show_canary_split(gateway: str, name: str, console: Console) -> None:
     if moved:
         raise StackError(f"session keys {moved} reached both arms: stickiness is broken")
     console.print("every key reached the same arm both times (sticky)")
+    return counts.get("canary", 0)
 
 
 def _stream(gateway: str, name: str, prompt: str, new_tokens: int, console: Console) -> None:

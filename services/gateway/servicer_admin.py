@@ -32,7 +32,7 @@ from services.gateway.fallback import ACTOR as GUARD_ACTOR
 from services.gateway.errors import (MAPPED, DeadlinePassed, InvalidRequest, NoWorker, Precondition, details_of,
                                      status_of)
 from services.gateway.fleet import FleetView, with_others
-from services.gateway.metrics import ArmStats, GatewayMetrics, stats_of
+from services.gateway.metrics import ArmStats, GatewayMetrics, Outcome, stats_of
 from services.gateway.pool import WorkerPool
 from services.gateway.registry_threads import RegistryThreads
 from shared import registry as reg
@@ -248,9 +248,31 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
                 self._require_workers(canary, f"promoted, it would take all of the traffic of deployment {name!r} "
                                               f"(served by the baseline, if any, or refused)",
                                       "start its workers first, or promote with force")
+                await self._require_served(view)
                 expected = canary  # the promote is of the canary just checked, not of one started since
         return (await self._change(
             lambda session: reg.promote(session, name, actor=actor, expected_canary=expected))).to_pb()
+
+    async def _require_served(self, view: DeploymentView) -> None:
+        """Refuses to promote a canary that has served no request since its rollout started, across the fleet:
+        nothing vouches for it (a canary at 1% that got none yet, or one answering every request "full", which
+        the guard does not count as an error, went to 100% at once)."""
+        since = self._window_start(view).timestamp()
+        _, served = await self._arm_record(view, view.canary, since, time.time())
+        if served.requests - served.errors < 1:
+            raise Precondition(
+                f"canary {view.canary.artifact_id} has served no request since its rollout started "
+                f"({served.errors} failed): nothing vouches for it yet; give it traffic first (a higher "
+                f"percentage, and see `qctl rollout status`), or promote with force")
+
+    async def _arm_record(self, view: DeploymentView, ref: ArtifactRefView, since: float,
+                          now: float) -> tuple[list[Outcome], ArmStats]:
+        """The arm's requests at this replica in [since, now], and the stats of the fleet's (what the automatic
+        guard judges: these and the other replicas' reports)."""
+        outcomes = self.metrics.window(view.name, ref.artifact_id, since, now)
+        others = (await self.fleet.others(view.name, ref.artifact_id, since, now)
+                  if self.fleet is not None else ArmTotals())
+        return outcomes, with_others(outcomes, others)
 
     @_admin
     async def AbortRollout(self, request: gateway_pb2.AbortRolloutRequest, actor: str):
@@ -288,11 +310,8 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
         for field, ref in arms:
             if ref is None:
                 continue
-            outcomes = self.metrics.window(view.name, ref.artifact_id, since.timestamp(), now)
+            outcomes, fleet = await self._arm_record(view, ref, since.timestamp(), now)
             metrics = self._arm_pb(ref, stats_of(outcomes))
-            others = (await self.fleet.others(view.name, ref.artifact_id, since.timestamp(), now)
-                      if self.fleet is not None else ArmTotals())
-            fleet = with_others(outcomes, others)  # what the automatic guard judges
             metrics.fleet_requests, metrics.fleet_errors = fleet.requests, fleet.errors
             metrics.fleet_tpot_p95.CopyFrom(_seconds(fleet.tpot_p95_s))
             metrics.fleet_ttft_p95.CopyFrom(_seconds(fleet.ttft_p95_s))

@@ -124,7 +124,8 @@ def test_an_admin_change_past_its_deadline_is_not_made(artifacts: Artifacts) -> 
             # (its answer lost to a deadline: the retry is answered as done, not "no rollout in progress").
             await stack.admin.StartRollout(start, metadata=ADMIN)
             await stack.admin.StartRollout(start, metadata=ADMIN)
-            promote = gateway_pb2.PromoteRolloutRequest(deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary)
+            promote = gateway_pb2.PromoteRolloutRequest(deployment=DEPLOYMENT, canary_artifact_id=artifacts.canary,
+                                                        force=True)  # it has served no request
             await stack.admin.PromoteRollout(promote, metadata=ADMIN)
             again = await stack.admin.PromoteRollout(promote, metadata=ADMIN)
             assert again.stable.artifact_id == artifacts.canary and not again.HasField("canary")

@@ -102,6 +102,7 @@ def test_admin_changes_through_one_replica_route_on_the_other_within_the_cache_b
             assert await change_then_route(a, b, switch_off) == [on_stable, on_stable]
 
             await a.admin.StartRollout(rollout(100, art.canary), metadata=ADMIN)
+            await routes(a)  # a canary promoted only once it has served a request
             promote = call("PromoteRollout", gateway_pb2.PromoteRolloutRequest(deployment=DEPLOYMENT))
             assert await change_then_route(a, b, promote) == [{(STABLE, art.canary)}] * 2
 

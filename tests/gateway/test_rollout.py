@@ -75,6 +75,7 @@ def test_promote_and_abort_take_effect_at_once_and_are_logged(artifacts):
             assert not aborted.HasField("canary") and aborted.canary_percent == 0
             assert set((await arms_by_key(stack, KEYS[:100])).values()) == {gateway_pb2.ARM_STABLE}
             await start_rollout(stack, artifacts.canary, 30)
+            await arms_by_key(stack, KEYS[:100])  # a canary is promoted once it has served requests
             promoted = await stack.admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(deployment=DEPLOYMENT),
                                                         metadata=ADMIN)
             assert promoted.stable.artifact_id == artifacts.canary and not promoted.HasField("canary")
@@ -191,9 +192,39 @@ def test_a_promote_that_would_send_all_traffic_to_an_artifact_no_worker_serves_i
             assert f"no healthy worker serves artifact {artifacts.canary}" in raised.value.details()
             assert (await stack.deployment()).stable.artifact_id == artifacts.stable  # nothing changed
             await stack.add_worker(artifacts.canary)
+            await arms_by_key(stack, KEYS[:100])
             promoted = await stack.admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(deployment=DEPLOYMENT),
                                                         metadata=ADMIN)
             assert promoted.stable.artifact_id == artifacts.canary
+
+    run(scenario())
+
+
+def test_a_canary_that_has_served_no_request_is_not_promoted_unless_forced(artifacts):
+    """Promoted at once, a canary at a small percentage that had got no request yet, or one answering every
+    request "full" (its traffic served by the stable; no error counted against it), took all of the traffic."""
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            await stack.add_worker(artifacts.stable)
+            canary = await stack.add_worker(artifacts.canary)
+            canary.worker.full = True
+            await start_rollout(stack, artifacts.canary, 50)
+            arms = await arms_by_key(stack, KEYS[:40])
+            assert set(arms.values()) == {gateway_pb2.ARM_STABLE} and canary.worker.started  # it was asked
+            promote = gateway_pb2.PromoteRolloutRequest(deployment=DEPLOYMENT)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stack.admin.PromoteRollout(promote, metadata=ADMIN)
+            assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"canary {artifacts.canary} has served no request" in raised.value.details()
+            assert (await stack.deployment()).canary.artifact_id == artifacts.canary  # nothing changed
+            canary.worker.full = False
+            await arms_by_key(stack, KEYS[:40])
+            assert (await stack.admin.PromoteRollout(promote, metadata=ADMIN)).stable.artifact_id == artifacts.canary
+
+            await start_rollout(stack, artifacts.stable, 1)  # back, at 1%: none of it served yet
+            forced = await stack.admin.PromoteRollout(gateway_pb2.PromoteRolloutRequest(
+                deployment=DEPLOYMENT, force=True), metadata=ADMIN)
+            assert forced.stable.artifact_id == artifacts.stable
 
     run(scenario())
 
