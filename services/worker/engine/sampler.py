@@ -2,7 +2,11 @@
 
 Greedy rows take the argmax. Sampled rows scale by temperature, keep the top_k most likely
 tokens, then the smallest set whose probability reaches top_p, and draw from what is left with
-the request's own generator: a seeded request gets the same tokens whatever else is in the batch.
+the request's own generator: a seeded request gets the same tokens whatever else is in the batch, as far as
+its logits do not depend on the batch. On the CPU reference and in the W4A8 formats (integer accumulation)
+they do not: on an H100, greedy and seeded requests alone and inside batches of 8 and 24 gave the same 48
+tokens in every case (bench/batch_invariance.py, bench/results/h100/batch_invariance.json). The fp16
+baseline's cuBLAS GEMMs choose kernels by row count: there one seeded request parted at token 22 in a batch.
 
 A row whose logits hold a NaN or an inf (a broken artifact, an overflow, a failing device) is marked
 NON_FINITE in the ids read back to the host, and the engine fails that request alone: streaming its
