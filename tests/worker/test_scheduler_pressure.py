@@ -92,6 +92,28 @@ def test_a_long_prompt_is_not_let_in_only_to_be_preempted_again_and_again(overla
     assert engine.stats().kv_blocks_used == 0
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-step", "overlapped"])
+def test_the_earlier_arrival_keeps_running_when_it_was_admitted_second(overlap):
+    """Arrival is stamped before tokenizing: a request that came first with a longer prompt reaches the engine
+    after a later, shorter one. It ran behind it, and when blocks ran out it was the one preempted (the later
+    one was already scheduled in the step) and computed its tokens again, against first come, first served."""
+    limits = EngineLimits(num_blocks=6, max_running=4, max_waiting=4, max_batch_tokens=16, max_context=24)
+    engine = Engine(CountingRunner(), Letters(), limits, eos_token_ids=(), overlap=overlap)
+    outs = {"later": [], "earlier": []}
+    engine.add_request("later", [1, 2, 3], SamplingOptions(max_new_tokens=18), outs["later"].append, arrival=2.0)
+    engine.step()
+    engine.add_request("earlier", [4, 5, 6, 7, 8], SamplingOptions(max_new_tokens=18), outs["earlier"].append,
+                       arrival=1.0)
+    earlier = engine.scheduler.waiting[0]
+    later = engine.scheduler.running[0]
+    while engine.step():
+        pass
+    assert earlier.num_preemptions == 0 and later.num_preemptions > 0
+    assert _tokens(outs["earlier"]) == _counted([4, 5, 6, 7, 8], 18)
+    assert _tokens(outs["later"]) == _counted([1, 2, 3], 18)
+    assert engine.stats().kv_blocks_used == 0
+
+
 def test_an_engine_whose_cache_cannot_hold_one_whole_context_is_refused():
     """With 16 slots of cache and a context of 20, a lone request reached the cache's end, preempted
     itself, and then waited for ever (with every request behind it) for room to be recomputed in:

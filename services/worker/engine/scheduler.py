@@ -61,7 +61,9 @@ class Scheduler:
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.waiting: list[Sequence] = []  # by arrival
-        self.running: list[Sequence] = []  # by admission
+        # By arrival too: a request stamped earlier can be admitted later (its longer prompt was still being
+        # tokenized), and the step visits, and preemption spares, the earliest first.
+        self.running: list[Sequence] = []
         # Prompt tokens looked up in the prefix cache at admission, and those found (not computed again).
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -128,7 +130,7 @@ class Scheduler:
                 break  # first come, first served: later arrivals wait behind it
             self.waiting.pop(0)
             seq.state = SeqState.RUNNING
-            self.running.append(seq)
+            _insert_by_arrival(self.running, seq)
             if self.blocks.prefix_caching and not seq.num_preemptions:  # a prompt's first lookup only
                 self.prefix_queried_tokens += len(seq.prompt_ids)
                 self.prefix_hit_tokens += start
@@ -172,11 +174,14 @@ class Scheduler:
         return self.blocks.cached_prefix(seq.prompt_hashes[: (seq.num_tokens - 1) // self.blocks.block_size])
 
     def _make_room(self, seq: Sequence, n: int, scheduled: set[int], out: Schedule) -> bool:
-        """Preempts the latest arrivals not yet scheduled this step until seq can grow by n tokens;
-        False when seq itself is the latest and was preempted."""
+        """Preempts the latest arrivals until seq can grow by n tokens (one scheduled earlier in this step, a
+        decode visited before seq's prefill, loses its chunk); False when seq itself is the latest and was
+        preempted."""
         while not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
-            candidates = [s for s in self.running if s.seq_id not in scheduled]
-            victim = max(candidates, key=lambda s: (s.arrival, s.seq_id))
+            victim = max(self.running, key=lambda s: (s.arrival, s.seq_id))
+            if victim.seq_id in scheduled:
+                out.chunks = [chunk for chunk in out.chunks if chunk.seq is not victim]
+                scheduled.discard(victim.seq_id)
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
@@ -199,8 +204,12 @@ class Scheduler:
         self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
-        key = (seq.arrival, seq.seq_id)
-        i = len(self.waiting)
-        while i > 0 and (self.waiting[i - 1].arrival, self.waiting[i - 1].seq_id) > key:
-            i -= 1
-        self.waiting.insert(i, seq)
+        _insert_by_arrival(self.waiting, seq)
+
+
+def _insert_by_arrival(queue: list[Sequence], seq: Sequence) -> None:
+    key = (seq.arrival, seq.seq_id)
+    i = len(queue)
+    while i > 0 and (queue[i - 1].arrival, queue[i - 1].seq_id) > key:
+        i -= 1
+    queue.insert(i, seq)
