@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
+from shared.rpc.malformed import MalformedRequests
 from shared.rpc.tls import ServerTls
 
 T = TypeVar("T")
@@ -30,8 +31,9 @@ SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 
 
 def grpc_server() -> grpc.aio.Server:
-    """A grpc.aio server for one of our services (SERVER_OPTIONS)."""
-    return grpc.aio.server(options=SERVER_OPTIONS)
+    """A grpc.aio server for one of our services (SERVER_OPTIONS; a request that cannot be parsed answers
+    INVALID_ARGUMENT, shared/rpc/malformed.py)."""
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=[MalformedRequests()])
 
 
 def listen(server: grpc.aio.Server, address: str, setting: str, error: type[Exception],
