@@ -30,7 +30,10 @@ SCOPES = ("publish", "read")
 
 def over_budget(ppl_fp16: float, ppl_quantized: float, budget: float) -> bool:
     """The accuracy budget's rule (a publish's gate, the adoption of an existing artifact, `qctl up`'s check): the
-    quantized perplexity more than `budget` above fp16's."""
+    quantized perplexity more than `budget` above fp16's. A perplexity that is not a finite number (a model that
+    overflows to inf or NaN) is never within it: compared, NaN reads as within any budget."""
+    if not (math.isfinite(ppl_fp16) and math.isfinite(ppl_quantized)):
+        return True
     return ppl_quantized > ppl_fp16 * (1 + budget)
 
 

@@ -41,6 +41,12 @@ class EvalWindows:
     def count(self) -> int:
         return self.tokens.shape[0]
 
+    @property
+    def tokens_sha256(self) -> str:
+        """Of the token ids themselves: the text, the tokenizer that cut it, the window length and count."""
+        shape = f"{self.count}x{self.seq_len}:".encode()
+        return hashlib.sha256(shape + self.tokens.contiguous().numpy().astype("<i8").tobytes()).hexdigest()
+
 
 def eval_windows(text_file: Path, name: str, tokenizer_dir: Path, seq_len: int, max_windows: int) -> EvalWindows:
     """The text tokenized at once (no special tokens), cut into windows; the first max_windows (0 = all)."""
@@ -80,7 +86,9 @@ class Fp16PerplexityCache:
 
     @staticmethod
     def key(model_version: str, windows: EvalWindows) -> str:
-        return f"{model_version}:{windows.sha256}:{windows.seq_len}:{windows.count}"
+        # The tokens, not the text: a checkpoint's model_version covers its config and weights only, and one
+        # with the same weights but another tokenizer got the first one's fp16 perplexity on other tokens.
+        return f"{model_version}:{windows.tokens_sha256}"
 
     def get(self, key: str) -> float | None:
         with self._lock:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -277,6 +278,9 @@ class Pipeline:
         increase = ppl_quantized / ppl_fp16 - 1
         numbers = (f"quantized perplexity {ppl_quantized:.4f} vs fp16 {ppl_fp16:.4f} on {windows.name} "
                    f"({windows.count} windows of {windows.seq_len} tokens): {increase:+.2%}")
+        if not (math.isfinite(ppl_fp16) and math.isfinite(ppl_quantized)):
+            raise AccuracyBudgetExceeded(f"accuracy budget exceeded: {numbers}: a perplexity that is not a finite "
+                                         f"number (a model that overflows to inf or NaN) is within no budget")
         if over_budget(ppl_fp16, ppl_quantized, budget):
             raise AccuracyBudgetExceeded(
                 f"accuracy budget exceeded: {numbers}, above the budget of {budget:.2%} "
