@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
@@ -99,8 +100,10 @@ class ArtifactView:
         evaluation = None
         if row.state != ArtifactState.PENDING and row.ppl_fp16 is not None and row.ppl_quant is not None:
             evaluation = EvaluationView(row.eval_data or "", row.ppl_fp16, row.ppl_quant)
-            if details is not None and details.evaluation is not None:
-                known = details.evaluation
+            known = details.evaluation if details is not None else None
+            # Only what describes these numbers: an artifact that reuses an identical one's stored files (its
+            # content_digest) reads that one's manifest, whose evaluation may be on other windows.
+            if known is not None and _same(known.ppl_fp16, row.ppl_fp16) and _same(known.ppl_quantized, row.ppl_quant):
                 evaluation = replace(evaluation, seq_len=known.seq_len, windows=known.windows, budget=known.budget)
         return cls(
             artifact_id=row.id,
@@ -235,3 +238,9 @@ def _duration(delta: timedelta) -> Duration:
     d = Duration()
     d.FromTimedelta(delta)
     return d
+
+
+def _same(a: float, b: float) -> bool:
+    """The same perplexity, as a manifest's JSON and the registry's float column each keep it."""
+    return math.isclose(a, b, rel_tol=1e-9)
+

@@ -36,3 +36,25 @@ def test_the_fp16_cache_keys_on_the_tokens_not_only_the_text():
     assert Fp16PerplexityCache.key("v", first) != Fp16PerplexityCache.key("w", first)
     fewer = EvalWindows(tokens=tokens[:2], **same_text)
     assert Fp16PerplexityCache.key("v", first) != Fp16PerplexityCache.key("v", fewer)
+
+
+def test_an_artifact_reusing_a_twins_files_does_not_take_the_twins_windows_for_its_numbers():
+    """Published again on 8 windows, an artifact reusing an identical one's stored files (published on 4) read
+    that one's manifest after a restart: its own 8-window perplexities came labelled as of 4 windows."""
+    from datetime import datetime, timezone
+    from types import SimpleNamespace
+
+    from services.quantizer.views import ArtifactDetails, ArtifactView, EvaluationView
+    from shared.registry import ArtifactState
+
+    version = SimpleNamespace(model=SimpleNamespace(name="tiny"), content_hash="c" * 64, label="")
+    row = SimpleNamespace(id="b" * 32, model_version=version, format="w4a8kv4-g128", gpu="cpu",
+                          state=ArtifactState.READY, failure_reason=None, object_prefix="tiny/a/", eval_data="eval",
+                          ppl_fp16=5.774, ppl_quant=5.856, created_at=datetime.now(timezone.utc),
+                          vocabulary_digest="")
+    twins = ArtifactDetails(100, EvaluationView("eval", 7.158, 7.302, seq_len=512, windows=4))
+    unknown = ArtifactView.from_row(row, twins).evaluation
+    assert (unknown.ppl_fp16, unknown.ppl_quantized, unknown.seq_len, unknown.windows) == (5.774, 5.856, 0, 0)
+    own = ArtifactDetails(100, EvaluationView("eval", 5.774, 5.856, seq_len=512, windows=8, budget=0.05))
+    known = ArtifactView.from_row(row, own).evaluation
+    assert (known.seq_len, known.windows, known.budget) == (512, 8, 0.05)
