@@ -15,6 +15,8 @@ from qctl.tls import tls_options
 from shared.rpc.bearer import bearer_metadata
 from shared.rpc.qserve.v1 import common_pb2, gateway_pb2
 
+# SamplingParams.top_p is a float32 where 0 means no limit: a smaller positive value rounds to it (or to a denormal).
+SMALLEST_TOP_P = 1.2e-38
 EXIT_INCOMPLETE = 1  # the generation was aborted, or the stream ended without its finish: the text is cut short
 
 
@@ -52,6 +54,9 @@ def generate(
     ended without a finish."""
     if (prompt is None) == (token_ids is None):
         raise typer.BadParameter("give either a PROMPT or --token-ids (exactly one)")
+    if 0 < top_p < SMALLEST_TOP_P:  # sent as a float32: it would arrive as 0, "no limit", the opposite
+        raise typer.BadParameter(f"--top-p {top_p:g} is below {SMALLEST_TOP_P:g}, which the request cannot carry "
+                                 f"(it would mean no limit); use --top-k 1 for the most likely token alone")
     sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                          max_new_tokens=max_new_tokens)
     if seed is not None:

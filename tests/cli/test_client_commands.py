@@ -133,6 +133,13 @@ def test_generate_refuses_values_past_the_protos_integer_fields_in_one_line():
         assert "4294967295" in result.output or str(2**64 - 1) in result.output, (args, result.output)
 
 
+def test_generate_refuses_a_top_p_too_small_to_be_sent():
+    """SamplingParams.top_p is a float32 whose 0 means no limit: --top-p 1e-46 arrived as 0 and the worker
+    sampled from the whole distribution, the opposite of what was asked."""
+    result = runner.invoke(app, ["generate", "-d", "chat", "--top-p", "1e-46", "hi"])
+    assert result.exit_code == 2 and "--top-k 1" in result.output, result.output
+
+
 def test_up_offers_only_quantized_formats_to_roll_out(tmp_path):
     """fp16 is the baseline `up` publishes anyway: its rollout onto itself failed after starting the whole stack."""
     result = runner.invoke(app, ["up", "--format", "fp16", "--once", "--workdir", str(tmp_path / "up")])
