@@ -69,6 +69,8 @@ class GatewayAnnouncer:
         self._task: asyncio.Task | None = None
         self._stop = asyncio.Event()
         self._heartbeat_in_flight = False  # stop() cuts a heartbeat short, never a registration
+        self._leaving: asyncio.Task | None = None  # after a failed deregistration, until close() (see stop)
+        self._interval_s = max_backoff_s  # the heartbeat interval the gateway gave, once registered
 
     def start(self) -> None:
         self._dial()
@@ -110,16 +112,50 @@ class GatewayAnnouncer:
         except Exception:  # the loop died of a bug: still deregister and close below
             log.exception("the announcement to gateway %s failed", self.gateway_address)
         self._task = None
-        if self.worker_id is not None:
-            await self._deregister()
-            self.worker_id = None
-        await self._channel.close()
+        if self.worker_id is not None and not await self._deregister():
+            # Still registered: with its heartbeats stopped the gateway would take the worker for lost after
+            # its heartbeat timeout and end the streams a drain lets finish. Until close(), it keeps trying to
+            # deregister, and says it is draining in between.
+            self._leaving = asyncio.create_task(self._leave_later(), name=f"gateway-leaving-{self.gateway_address}")
+            return
+        await self.close()
 
-    async def _deregister(self) -> None:
-        """DeregisterWorker, tried again after a quick failure (a reset connection) for DEREGISTER_RETRIES_S.
-        One failed call was the end of it: heartbeats stopped, the gateway took the worker for lost after its
-        heartbeat timeout (6 s) and ended every stream still finishing on it, cutting a drain's grace short."""
-        retry_until = time.monotonic() + DEREGISTER_RETRIES_S
+    async def close(self) -> None:
+        """Ends stop()'s later deregistration attempts (the drain is over) and closes the channel."""
+        if self._leaving is not None:
+            self._leaving.cancel()
+            try:
+                await self._leaving
+            except asyncio.CancelledError:
+                if not self._leaving.cancelled():
+                    raise
+            self._leaving = None
+        self.worker_id = None
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def _leave_later(self) -> None:
+        log.warning("gateway %s: trying to deregister again until the drain ends, heartbeating as draining "
+                    "meanwhile", self.gateway_address)
+        pause = min(self._interval_s, 1.0)
+        while True:
+            await asyncio.sleep(pause)
+            if await self._deregister(retry_s=0.0, quiet=True):
+                self.worker_id = None
+                return
+            try:
+                await self._heartbeat(draining=True)
+            except grpc.aio.AioRpcError as exc:
+                log.info("draining heartbeat to gateway %s failed: %s %s", self.gateway_address, exc.code().name,
+                         exc.details())
+            pause = min(2 * pause, self._interval_s)
+
+    async def _deregister(self, retry_s: float = DEREGISTER_RETRIES_S, quiet: bool = False) -> bool:
+        """DeregisterWorker, tried again after a quick failure (a reset connection) for retry_s; whether the
+        gateway no longer has the worker. One failed call was the end of it: heartbeats stopped, the gateway took
+        the worker for lost after its heartbeat timeout (6 s) and ended every stream still finishing on it,
+        cutting a drain's grace short."""
+        retry_until = time.monotonic() + retry_s
         pause = 0.1
         while True:
             try:
@@ -128,14 +164,15 @@ class GatewayAnnouncer:
                     metadata=self._metadata, timeout=DEREGISTER_TIMEOUT_S,
                 )
                 log.info("deregistered worker %s from gateway %s", self.worker_id, self.gateway_address)
-                return
+                return True
             except grpc.aio.AioRpcError as exc:
-                final = (exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED)
-                         or time.monotonic() + pause >= retry_until)
-                if final:  # NOT_FOUND: the gateway has forgotten it already (restarted)
-                    log.warning("could not deregister from gateway %s: %s %s", self.gateway_address,
-                                exc.code().name, exc.details())
-                    return
+                if exc.code() == grpc.StatusCode.NOT_FOUND:  # the gateway has forgotten it already (restarted)
+                    return True
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() + pause >= retry_until:
+                    (log.debug if quiet else log.warning)(
+                        "could not deregister from gateway %s: %s %s", self.gateway_address, exc.code().name,
+                        exc.details())
+                    return False
                 log.info("deregistration from gateway %s failed (%s %s); trying again", self.gateway_address,
                          exc.code().name, exc.details())
             await asyncio.sleep(pause)
@@ -192,12 +229,14 @@ class GatewayAnnouncer:
         )
         self.worker_id = response.worker_id
         interval = response.heartbeat_interval.ToTimedelta().total_seconds() or self._max_backoff_s
+        self._interval_s = interval
         log.info("registered with gateway %s as %s (heartbeat every %.1f s)", self.gateway_address,
                  self.worker_id, interval)
         return interval
 
-    async def _heartbeat(self) -> None:
-        stats, draining = self._load()
+    async def _heartbeat(self, draining: bool = False) -> None:
+        stats, now_draining = self._load()
+        draining = draining or now_draining
         stalled = self._stalled()
         self._heartbeat_in_flight = True
         try:
@@ -238,8 +277,14 @@ class GatewayAnnouncers:
         """Deregisters from every gateway at once, so a drain waits for the slowest gateway (each
         bounded as GatewayAnnouncer.stop says), not for their sum. One announcer failing in an
         unforeseen way is logged: the others still deregister, and the drain goes on."""
-        results = await asyncio.gather(*(a.stop() for a in self.announcers), return_exceptions=True)
+        await self._each("stopping the announcement to", lambda announcer: announcer.stop())
+
+    async def close(self) -> None:
+        """At the end of a drain: ends the deregistration attempts stop() left going (see GatewayAnnouncer)."""
+        await self._each("closing the connection to", lambda announcer: announcer.close())
+
+    async def _each(self, what: str, call) -> None:
+        results = await asyncio.gather(*(call(a) for a in self.announcers), return_exceptions=True)
         for announcer, result in zip(self.announcers, results):
             if isinstance(result, BaseException):
-                log.error("stopping the announcement to gateway %s failed", announcer.gateway_address,
-                          exc_info=result)
+                log.error("%s gateway %s failed", what, announcer.gateway_address, exc_info=result)

@@ -177,6 +177,8 @@ class WorkerServer:
             log.warning("drain grace of %.1f s is over; aborting %d request(s)", grace, len(left))
             for request_id in left:
                 engine.abort(request_id)
+        if self.announcers is not None:
+            await self.announcers.close()  # ends the attempts of a deregistration that failed at first
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drains (see drain), then stops the server, the engine and the metrics endpoint."""

@@ -299,6 +299,43 @@ def test_a_failed_deregistration_is_tried_again():
     asyncio.run(scenario())
 
 
+class DeregistrationDownForAWhile(FakeAdmin):
+    """DeregisterWorker fails for down_s from the first attempt (a replica overloaded past the worker's retries)."""
+
+    def __init__(self, down_s: float):
+        super().__init__()
+        self.down_s, self.first_at = down_s, None
+
+    async def DeregisterWorker(self, request, context):
+        self.first_at = self.first_at or time.monotonic()
+        if time.monotonic() - self.first_at < self.down_s:
+            self.calls.append(("deregister-failed", request.worker_id))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "overloaded")
+        return await super().DeregisterWorker(request, context)
+
+
+def test_a_deregistration_failing_past_its_retries_keeps_the_worker_heartbeating_as_draining():
+    """Deregistration failing for longer than its quick retries (1 s) was given up, and the heartbeats had
+    stopped: the gateway took the worker for lost after its heartbeat timeout and ended the streams the drain
+    was letting finish. Until the drain ends it tries again, heartbeating as draining in between."""
+    async def scenario():
+        server, admin, port = await _fake_gateway(admin=DeregistrationDownForAWhile(down_s=1.6))
+        announcer = GatewayAnnouncer(f"127.0.0.1:{port}", TOKEN, "127.0.0.1:1234", "a" * 32, _load)
+        announcer.start()
+        await _until(lambda: any(c[0] == "heartbeat" for c in admin.calls))
+        started = time.monotonic()
+        await announcer.stop()
+        assert time.monotonic() - started < 2.0  # the drain goes on meanwhile
+        await _until(lambda: ("deregister", "w1") in admin.calls)
+        after_stop = admin.calls[admin.calls.index(("deregister-failed", "w1")):]
+        assert any(c[0] == "heartbeat" and c[-1] is True for c in after_stop)  # draining, between the attempts
+        assert admin.known == set()
+        await announcer.close()
+        await server.stop(0)
+
+    asyncio.run(scenario())
+
+
 def test_an_error_in_the_loop_is_retried_and_the_worker_stays_announced():
     """A bug in the loop (here: reading the engine's load raises, twice) ended the announcer's task: the
     worker stopped heartbeating and left the gateway's pool for good, silently. It is logged and retried;
