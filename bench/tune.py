@@ -94,7 +94,7 @@ def merge_rows(winners: dict[int, str], unbounded_ok: Callable[[str], bool] = la
             rows.append([m, winners[m]])
     if not rows:
         return rows
-    if unbounded_ok(rows[-1][1]):
+    if unbounded_ok(rows[-1][1]) or rows[-1][1] == fallback:
         rows[-1][0] = None
     else:
         rows.append([None, fallback])
@@ -230,6 +230,13 @@ class Tuner:
     def rows(self, kind: str, n: int, k: int, winners: dict[int, str]) -> list[list]:
         top = max(winners) if winners else max(self.ms)
         fallback = self.gemm.default_variant_name(top + 1, kind)
+        if winners and top < M_GRID[-1]:
+            # A grid short of the Ms a server runs (--m 1,2,4) made its top M's small-tile winner run every prefill
+            # M too (2.6x slower than the default at M = 4096): past the grid, no row, so each M gets the worker's
+            # default for that M (logged once per shape).
+            rows = merge_rows(winners)
+            rows[-1][0] = top
+            return rows
         return merge_rows(winners, lambda name: self.gemm.get_variant(name).max_m is None, fallback)
 
 
@@ -260,6 +267,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target", choices=[t for t in GPU_TARGETS if t != "cpu"],
                    help="also write shared/formats/kernel_policies/<target>.json")
     p.add_argument("--merge", action="store_true", help="keep the target file's entries for shapes not tuned here")
+    p.add_argument("--any-device", action="store_true",
+                   help="write --target from a run on another device (the Triton interpreter in tests): a table for "
+                        "a GPU must be timed on that GPU")
     p.add_argument("--raw", type=Path, help="write every check and time to this JSON")
     p.add_argument("--warmup", type=int, default=5, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=20, help="do_bench repetition, ms")
@@ -287,6 +297,12 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None, gemm_fn=N
 
     command = shlex.join(["python3", "bench/tune.py", *argv])
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.target and not args.any_device:
+        here = (f"sm{''.join(map(str, torch.cuda.get_device_capability(device)))}" if device.type == "cuda"
+                else device.type)
+        if here != args.target:  # CPU wall-clock timings written as the sm90 table the quantizer ships
+            raise SystemExit(f"--target {args.target}: this run is on {here}; a GPU's table is timed on that GPU "
+                             f"(--out FILE writes a table anywhere)")
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels' module is imported
     kinds = [format_spec(f.strip()).weight_kind for f in args.formats.split(",")]
@@ -305,11 +321,13 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None, gemm_fn=N
     if device.type == "cuda":
         warm_gpu(device)
     gemm: dict = {}
+    unsolved: list[tuple[str, str]] = []  # (kind, shape) with no correct variant: the default, also when merged
     for kind in kinds:
         for _, n, k in shapes:
             winners = tuner.shape(kind, n, k, progress)
             if not winners:
                 print(f"{kind} {n}x{k}: no correct variant at any M; left out of the table (the default applies)")
+                unsolved.append((kind, f"{n}x{k}"))
                 continue
             gemm.setdefault(kind, {})[f"{n}x{k}"] = tuner.rows(kind, n, k, winners)
             tuner.raw.setdefault("winners", {}).setdefault(kind, {})[f"{n}x{k}"] = {str(m): v for m, v in winners.items()}
@@ -331,6 +349,8 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None, gemm_fn=N
             merged = {kind: dict(shapes_) for kind, shapes_ in old.get("gemm", {}).items()}
             for kind, shapes_ in gemm.items():
                 merged.setdefault(kind, {}).update(shapes_)
+            for kind, shape in unsolved:  # its old rows name a variant this run found wrong
+                merged.get(kind, {}).pop(shape, None)
             written = {"gemm": merged, "source": {**source, "merged_into": old.get("source")}}
         write_policy(written, target)
     if args.raw:

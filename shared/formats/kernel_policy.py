@@ -45,6 +45,9 @@ def parse_policy(table: dict | None) -> dict[tuple[str, int, int], Rows]:
         return {}
     if not isinstance(table, dict):
         raise KernelPolicyError(f"kernel_policy must be a mapping, got {type(table).__name__}")
+    unknown = sorted(set(table) - {"gemm", "source"})
+    if unknown:  # a misspelt "Gemm" read as an empty table: every shape on the default, silently
+        raise KernelPolicyError(f"kernel_policy: unknown key(s) {unknown}; expected 'gemm' (and 'source')")
     gemm = table.get("gemm", {})
     if not isinstance(gemm, dict):
         raise KernelPolicyError(f"kernel_policy.gemm must be a mapping kind -> shapes, got {type(gemm).__name__}")
@@ -60,6 +63,9 @@ def parse_policy(table: dict | None) -> dict[tuple[str, int, int], Rows]:
                 n, k = (int(v) for v in shape.split("x"))
             except (ValueError, AttributeError):
                 raise KernelPolicyError(f"kernel_policy.gemm.{kind}: shape key {shape!r} is not '<N>x<K>'") from None
+            if n < 1 or k < 1 or shape != f"{n}x{k}":  # '04096x4096' beside '4096x4096': the later one won
+                raise KernelPolicyError(f"kernel_policy.gemm.{kind}: shape key {shape!r} is not '<N>x<K>' with N "
+                                        f"and K positive, written without leading zeros")
             if not isinstance(entries, list):
                 raise KernelPolicyError(f"kernel_policy.gemm.{kind}.{shape} must be a list of [max_M or null, variant], "
                                         f"got {type(entries).__name__}")
@@ -72,6 +78,11 @@ def parse_policy(table: dict | None) -> dict[tuple[str, int, int], Rows]:
                         f"kernel_policy.gemm.{kind}.{shape}: entry {entry!r} is not [max_M or null, variant]")
                 rows.append((entry[0], entry[1]))
             rows.sort(key=lambda r: float("inf") if r[0] is None else r[0])
+            bounds = [r[0] for r in rows if r[0] is not None]
+            # A row that can never be reached (a repeated bound, a second null) is a table made wrongly.
+            if any(m < 1 for m in bounds) or len(set(bounds)) != len(bounds) or len(rows) - len(bounds) > 1:
+                raise KernelPolicyError(f"kernel_policy.gemm.{kind}.{shape}: rows {entries!r} need distinct "
+                                        f"max_M of at least 1 and at most one null")
             parsed[(kind, n, k)] = rows
     return parsed
 

@@ -85,3 +85,21 @@ def test_a_row_naming_a_variant_that_cannot_run_its_m_says_so(caplog):
         assert policy.variant("w4g128p", 4096, 4096, 32) == w4a8_gemm.default_variant_name(32, "w4g128p")
     (line,) = [r.getMessage() for r in caplog.records]
     assert "names g128.gemv.n4m1g16 for M = 32, which cannot run it" in line and "exceeds 1" in line
+
+
+@pytest.mark.parametrize("table, complaint", [
+    ({"Gemm": {}}, "unknown key"),  # misspelt: an empty table, every shape on the default
+    ({"gemm": {"w4chn": {"04096x4096": [[None, "chn.n128m128"]]}}}, "leading zeros"),
+    ({"gemm": {"w4chn": {"0x4096": [[None, "chn.n128m128"]]}}}, "positive"),
+    ({"gemm": {"w4chn": {"4096x4096": [[0, "chn.n128m16.sk"], [None, "chn.n128m128"]]}}}, "at least 1"),
+    ({"gemm": {"w4chn": {"4096x4096": [[16, "chn.n128m16.sk"], [16, "chn.n128m128"]]}}}, "distinct"),
+    ({"gemm": {"w4chn": {"4096x4096": [[None, "chn.n128m16.sk"], [None, "chn.n128m128"]]}}}, "at most one null"),
+])
+def test_tables_with_rows_that_cannot_mean_what_they_say_are_refused(table, complaint):
+    with pytest.raises(KernelPolicyError, match=complaint):
+        parse_policy(table)
+
+
+def test_an_unknown_variant_is_refused_naming_its_entry():
+    with pytest.raises(KernelPolicyError, match=r"kernel_policy.gemm.w4chn.4096x4096: unknown variant 'chn.n1m1'"):
+        GemmPolicy.from_manifest({"gemm": {"w4chn": {"4096x4096": [[None, "chn.n1m1"]]}}})

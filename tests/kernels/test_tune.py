@@ -33,9 +33,9 @@ TIMES = {
     "chn.n128m16.sk": {1: 2.0, 3: 2.0, 17: 2.0},
     FAULTY: {1: 1e-3, 3: 1e-3, 17: 1e-3},
 }
-EXPECTED = {
-    "w4g128p": [[3, "g128.n64m16.sk"], [None, "g128.n128m64.sk"]],
-    "w4chn": [[1, "chn.n64m16.sk"], [None, "chn.n128m16.sk"]],
+EXPECTED = {  # the grid stops at 17: Ms above it get the worker's default for each M (no row)
+    "w4g128p": [[3, "g128.n64m16.sk"], [17, "g128.n128m64.sk"]],
+    "w4chn": [[1, "chn.n64m16.sk"], [17, "chn.n128m16.sk"]],
 }
 
 
@@ -94,12 +94,45 @@ def test_tune_target_merges_with_the_shipped_table(tmp_path, monkeypatch):
     monkeypatch.setattr(tune, "POLICY_DIR", tmp_path)
     other = {"gemm": {"w4chn": {"4096x4096": [[None, "chn.n128m128"]]}}, "source": {"gpu": "earlier"}}
     (tmp_path / "sm90.json").write_text(json.dumps(other))
-    tune.main(_argv(tmp_path, "--formats", "w4a8kv4-chn", "--target", "sm90", "--merge"),
+    tune.main(_argv(tmp_path, "--formats", "w4a8kv4-chn", "--target", "sm90", "--merge", "--any-device"),
               timer=FakeTimer(), gemm_fn=faulty_gemm)
     written = json.loads((tmp_path / "sm90.json").read_text())
     assert written["gemm"]["w4chn"] == {"4096x4096": [[None, "chn.n128m128"]], f"{N}x{K}": EXPECTED["w4chn"]}
     assert written["source"]["merged_into"] == {"gpu": "earlier"}
     parse_policy(written)
+
+
+def test_a_target_table_is_timed_on_its_gpu(tmp_path, monkeypatch):
+    """CPU wall-clock timings were written as the sm90 table the quantizer ships."""
+    monkeypatch.setattr(tune, "POLICY_DIR", tmp_path)
+    with pytest.raises(SystemExit, match="--target sm90: this run is on cpu"):
+        tune.main(_argv(tmp_path, "--formats", "w4a8kv4-chn", "--target", "sm90"), timer=FakeTimer(),
+                  gemm_fn=faulty_gemm)
+    assert not (tmp_path / "sm90.json").exists()
+
+
+def test_a_merged_shape_with_no_correct_variant_now_gets_the_default(tmp_path, monkeypatch):
+    """"left out of the table (the default applies)", while --merge kept the old rows naming a variant the run had
+    just found wrong."""
+    monkeypatch.setattr(tune, "POLICY_DIR", tmp_path)
+    old = {"gemm": {"w4chn": {f"{N}x{K}": [[None, FAULTY]], "4096x4096": [[None, "chn.n128m128"]]}}}
+    (tmp_path / "sm90.json").write_text(json.dumps(old))
+    tune.main(_argv(tmp_path, "--formats", "w4a8kv4-chn", "--variants", FAULTY, "--target", "sm90", "--merge",
+                    "--any-device"), timer=FakeTimer(), gemm_fn=faulty_gemm)
+    assert json.loads((tmp_path / "sm90.json").read_text())["gemm"]["w4chn"] == {"4096x4096": [[None, "chn.n128m128"]]}
+
+
+def test_a_short_grid_leaves_the_ms_past_it_to_the_default():
+    """--m 1,2,4: the decode-sized winner at M = 4 ran every prefill M (2.6x slower at 4096 on an H100)."""
+    tuner = tune.Tuner(device=None, ms=[1, 2, 4], check_ms=[1], timer=FakeTimer(), gemm_fn=None, variants=[],
+                       rotate=1, prune=0)
+    rows = tuner.rows("w4chn", 4096, 4096, {1: "chn.n128m16.sk", 2: "chn.n128m16.sk", 4: "chn.n128m16.sk"})
+    assert rows == [[4, "chn.n128m16.sk"]]
+    policy = GemmPolicy.from_manifest({"gemm": {"w4chn": {"4096x4096": rows}}})
+    assert policy.variant("w4chn", 4096, 4096, 4) == "chn.n128m16.sk"
+    assert policy.variant("w4chn", 4096, 4096, 4096) == gemm.default_variant_name(4096, "w4chn")
+    full = tuner.rows("w4chn", 4096, 4096, {1: "chn.n128m16.sk", tune.M_GRID[-1]: "chn.n128m16.sk"})
+    assert full == [[None, "chn.n128m16.sk"]]
 
 
 def test_merge_rows():
@@ -108,6 +141,7 @@ def test_merge_rows():
     assert tune.merge_rows({}) == []
     # A last winner that may not run every larger M keeps its bound; the fallback takes the rest.
     assert tune.merge_rows({1: "a", 16: "f16"}, lambda v: v != "f16", "d") == [[1, "a"], [16, "f16"], [None, "d"]]
+    assert tune.merge_rows({1: "a", 16: "d"}, lambda v: False, "d") == [[1, "a"], [None, "d"]]  # the default: one row
 
 
 @pytest.mark.parametrize("hf, expected", [

@@ -22,12 +22,17 @@ class GemmPolicy:
 
     @classmethod
     def from_manifest(cls, table: dict | None) -> "GemmPolicy":
-        """Raises KernelPolicyError for a malformed table or a variant for another weight kind, and
-        w4a8_gemm's error (listing the known variants) for a name these kernels do not have."""
+        """Raises KernelPolicyError for a malformed table, a variant these kernels do not have, or one for
+        another weight kind, naming the entry."""
         rows = parse_policy(table)
         for (kind, n, k), entries in rows.items():
             for _, name in entries:
-                variant = w4a8_gemm.get_variant(name)
+                try:
+                    variant = w4a8_gemm.get_variant(name)
+                except ValueError:  # its own message lists every variant (1,300 characters) and names no entry
+                    raise KernelPolicyError(
+                        f"kernel_policy.gemm.{kind}.{n}x{k}: unknown variant {name!r} (a table for other kernels: "
+                        f"`python3 bench/tune.py` makes one for these)") from None
                 if variant.kind != kind:
                     raise KernelPolicyError(f"kernel_policy.gemm.{kind}.{n}x{k}: {name} reads {variant.kind} weights")
         return cls(rows)
