@@ -198,7 +198,7 @@ class Pipeline:
             elif stage == "pack" and done == 0:
                 self.reporter.progress(Stage.PACK, message=f"block {num_layers}/{num_layers} done; writing the artifact")
 
-        quantize_checkpoint(
+        manifest = quantize_checkpoint(
             QuantizeSettings(
                 model_dir=folder, out_dir=out, format=spec.format, gpu_target=spec.gpu_target, options=spec.options,
                 calib_path=calib, calib_samples=spec.calib_samples, calib_seq_len=spec.calib_seq_len,
@@ -206,6 +206,10 @@ class Pipeline:
             ),
             progress,
         )
+        used = (manifest.calibration or {}).get("samples")
+        if used is not None and used < spec.calib_samples:  # a short text: fewer windows, said nowhere else
+            self.reporter.progress(Stage.PACK, message=f"calibrated on {used} windows, not the {spec.calib_samples} "
+                                                       f"asked: the calibration text holds no more")
         return out
 
     def _eval_windows(self, folder: Path, config: LlamaConfig) -> EvalWindows:

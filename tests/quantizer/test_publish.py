@@ -250,6 +250,20 @@ def test_fp16_perplexity_measured_while_quantizing_then_cached(bucket_store, sta
     assert other.artifact.evaluation.perplexity_fp16 == first.artifact.evaluation.perplexity_fp16
 
 
+def test_a_calibration_text_shorter_than_asked_says_how_many_windows_it_gave(bucket_store, start_quantizer,
+                                                                              registry_url, small_model,
+                                                                              request_for, tmp_path):
+    """--calib-samples 64 on a short text calibrated on the few windows it held, said nowhere but the manifest."""
+    short = tmp_path / "short.txt"
+    short.write_text("def f(x):\n    return x + 1\n" * 40)
+    quantizer = start_quantizer(bucket_store, registry_url)
+    job, updates = quantizer.publish(request_for(small_model, calibration=Q.Calibration(
+        data=str(short), num_samples=64, seq_len=32)))
+    assert job.state == Q.JOB_STATE_SUCCEEDED, job.error
+    said = [u.message for u in updates if "asked: the calibration text holds no more" in u.message]
+    assert len(said) == 1 and "not the 64 asked" in said[0], [u.message for u in updates]
+
+
 def test_a_calibration_text_too_short_fails_the_job(bucket_store, start_quantizer, registry_url, small_model,
                                                     request_for, tmp_path):
     short = tmp_path / "short.txt"
