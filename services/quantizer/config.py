@@ -71,10 +71,14 @@ class QuantizerConfig:
     # name -> token and scope, from QSERVE_QUANTIZER_TOKENS; the name is the actor recorded for Publish and
     # CancelJob. Empty: every caller is accepted (as before tokens existed; mTLS may still guard the port).
     tokens: Mapping[str, QuantizerToken] = field(default_factory=dict)
+    # Folders a request's local paths (source, calibration and eval text) must lie in; empty: any path on this
+    # host but the kernel's pseudo-files (/proc, /sys, /dev: /proc/self/environ holds this process's secrets).
+    local_roots: tuple[Path, ...] = ()
     owner: str = field(default_factory=lambda: f"quantizer@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
 
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir)
+        self.local_roots = tuple(Path(root).expanduser().resolve() for root in self.local_roots)
         if not self.registry_url:
             raise ConfigError("registry_url is required: sqlite:///path/registry.db or postgresql+psycopg://...")
         if not is_host_port(self.listen, port_zero=True):
@@ -126,6 +130,7 @@ class QuantizerConfig:
             grace_s=args.grace_s,
             tls=server_tls_from_args(args, ConfigError),
             tokens=parse_tokens(env.get(TOKENS_ENV, "")),
+            local_roots=tuple(args.local_root),
         )
 
 
@@ -146,6 +151,9 @@ def _parser() -> argparse.ArgumentParser:
     add_store_arguments(p, required=True)
     p.add_argument("--create-bucket", action="store_true", help="create the store's bucket when it does not exist")
     p.add_argument("--work-dir", type=nonempty_path, default=Path("/tmp/qserve-quantizer"), help="scratch folder")
+    p.add_argument("--local-root", type=nonempty_path, action="append", default=[],
+                   help="a folder a request's local paths (source, calibration and eval text) must lie in; repeat "
+                        "for several; none: any path on this host but /proc, /sys and /dev")
     p.add_argument("--listen", type=nonempty, default=DEFAULT_LISTEN, help="host:port to serve gRPC on")
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
                    help="default accuracy budget: largest accepted relative perplexity increase (0.05 = 5%%)")

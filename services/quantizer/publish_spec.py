@@ -159,7 +159,7 @@ def _check_source(source: str, format: str, config: QuantizerConfig) -> tuple[st
     if is_s3(source):
         _check_s3_uri("source", source, config)
         return source, None  # read when the job runs: its errors end the job FAILED
-    folder = Path(source).expanduser()
+    folder = _local_path("source", source, config)
     if not _looked_up("source checkpoint folder", source, folder.is_dir):
         raise MissingInput(f"source checkpoint folder {source!r} does not exist (on the quantizer's host)")
     try:
@@ -184,8 +184,31 @@ def _check_text_file(what: str, uri: str, config: QuantizerConfig) -> None:
         if "/" not in bucket_and_key.strip("/") or bucket_and_key.endswith("/"):
             raise InvalidRequest(f"{what} {uri!r} names no object: use s3://bucket/path/file.txt")
         _check_s3_uri(what, uri, config)
-    elif not _looked_up(f"{what} file", uri, Path(uri).expanduser().is_file):
-        raise MissingInput(f"{what} file {uri!r} does not exist (on the quantizer's host)")
+    else:
+        own = uri in (config.default_calib_data, config.default_eval_data)  # the operator's (--eval-data)
+        path = Path(uri).expanduser() if own else _local_path(what, uri, config)
+        if not _looked_up(f"{what} file", uri, path.is_file):
+            raise MissingInput(f"{what} file {uri!r} does not exist (on the quantizer's host)")
+
+
+# The kernel's pseudo-files: /proc/self/environ holds the quantizer's own secrets (its S3 keys, its tokens).
+NEVER_READ = (Path("/proc"), Path("/sys"), Path("/dev"))
+
+
+def _local_path(what: str, uri: str, config: QuantizerConfig) -> Path:
+    """A request's local path, refused (before it is looked up: whether it exists is news too) where a publish
+    must not read: the kernel's pseudo-files, and anything outside --local-root when that is set."""
+    path = Path(uri).expanduser()
+    try:
+        resolved = path.resolve()
+    except (OSError, RuntimeError):  # a symlink loop, a name too long: _looked_up says why
+        return path
+    if any(resolved.is_relative_to(root) for root in NEVER_READ):
+        raise InvalidRequest(f"{what} {uri!r} is a system file, not model data")
+    if config.local_roots and not any(resolved.is_relative_to(root) for root in config.local_roots):
+        raise InvalidRequest(f"{what} {uri!r} is outside the folders this quantizer reads requests' files from "
+                             f"(--local-root: {', '.join(str(root) for root in config.local_roots)})")
+    return path
 
 
 def _looked_up(what: str, path: str, check: Callable[[], bool]) -> bool:

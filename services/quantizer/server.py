@@ -10,7 +10,6 @@ gracefully: health turns NOT_SERVING, running jobs end FAILED ("the quantizer is
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import sys
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from services.quantizer.leftovers import purge_stale_staging
 from services.quantizer.pipeline import Services
 from services.quantizer.servicer import QuantizerServicer
 from shared.config import fail, require_visible_device
+from shared.rpc.address import is_loopback
 from shared.registry import Registry, RegistryError, create_registry
 from shared.rpc.serving import BackgroundLoop, grpc_server, listen, wait_for_stop_signal
 from shared.rpc.qserve.v1 import quantizer_pb2, quantizer_pb2_grpc
@@ -136,17 +136,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, StorageError, RegistryError, SQLAlchemyError, OSError) as exc:
         return fail(exc)
     return 0
-
-
-def is_loopback(listen: str) -> bool:
-    """Whether host:port names a loopback host (127.0.0.0/8, ::1, localhost): only this machine can call it."""
-    host = listen.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name, or 0.0.0.0-style wildcards are addresses: not loopback
-        return False
 
 
 if __name__ == "__main__":

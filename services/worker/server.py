@@ -36,6 +36,7 @@ from services.worker.servicer import WorkerServicer
 from services.worker.serving import ServedModel, load_served_model
 from shared.config import fail, require_visible_device
 from shared.registry import RegistryError
+from shared.rpc.address import is_loopback
 from shared.rpc.qserve.v1 import worker_pb2, worker_pb2_grpc
 from shared.rpc.cert_expiry import CertificateExpiry
 from shared.rpc.serving import BackgroundLoop, grpc_server, in_daemon_thread, listen, wait_for_stop_signal
@@ -117,6 +118,12 @@ class WorkerServer:
             self._engine_watch = asyncio.create_task(self._watch_engine(), name="worker-engine-watch")
         log.info("worker serving %s on port %d%s (metrics port %s)", served.artifact.artifact_id,
                  port, " over TLS" if self.config.tls else "", self.metrics_port)
+        if not is_loopback(f"{self.config.host}:{port}") and not (self.config.tls and self.config.tls.client_ca):
+            # API keys, per-client stream limits and cache scopes are the gateway's: a client that reaches this
+            # port directly has none of them.
+            log.warning("listening on %s:%d without --tls-client-ca: anyone who can reach this port can generate, "
+                        "past the gateway's API keys and limits; keep it on a private network, or require the "
+                        "gateways' certificates", self.config.host, port)
         return port
 
     def _load(self):

@@ -5,6 +5,7 @@ some of it otherwise than meant: a port past 65535 is taken modulo 65536."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 _HOST_PORT = re.compile(r"(?P<host>[^\s:/\[\]]+|\[[0-9A-Fa-f:.]+\]):(?P<port>\d{1,5})")
@@ -23,3 +24,15 @@ def split_host_port(text: str, *, port_zero: bool = False) -> tuple[str, int] | 
 
 def is_host_port(text: str, *, port_zero: bool = False) -> bool:
     return split_host_port(text, port_zero=port_zero) is not None
+
+
+def is_loopback(listen: str) -> bool:
+    """Whether host:port names a loopback host (127.0.0.0/8, ::1, localhost): only this machine can call it."""
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name, or 0.0.0.0-style wildcards are addresses: not loopback
+        return False
+

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.quantizer.config import QuantizerToken
-from services.quantizer.server import is_loopback
+from shared.rpc.address import is_loopback
 from shared.registry import EventKind, create_job, list_events
 from shared.rpc.qserve.v1 import quantizer_pb2
 from shared.storage import StorageConfig

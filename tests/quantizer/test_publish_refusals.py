@@ -3,6 +3,8 @@ store; its error is one line that names the bad field."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import pytest
 import sqlalchemy as sa
@@ -38,6 +40,10 @@ def _bad_config(tmp_path):
         (lambda r, t: setattr(r, "source", _bad_config(t)), INVALID, "config.json"),
         (lambda r, t: setattr(r.eval, "data", str(t)), NOT_FOUND, "eval.data file"),
         (lambda r, t: setattr(r.eval, "data", "s3://bucket/"), INVALID, "eval.data 's3://bucket/' names no object"),
+        # The kernel's pseudo-files: /proc/self/environ (the quantizer's S3 keys and tokens) was scored as eval text.
+        (lambda r, t: setattr(r.eval, "data", "/proc/self/environ"), INVALID, "is a system file"),
+        (lambda r, t: setattr(r.calibration, "data", "/proc/self/../self/environ"), INVALID, "is a system file"),
+        (lambda r, t: setattr(r, "source", "/sys/kernel"), INVALID, "is a system file"),
     ],
 )
 def test_a_refused_publish_writes_nothing(bucket_store, start_quantizer, registry_url, open_registry, small_model,
@@ -53,3 +59,23 @@ def test_a_refused_publish_writes_nothing(bucket_store, start_quantizer, registr
         for table in (QuantJob, Model, Artifact):
             assert session.scalar(sa.select(sa.func.count()).select_from(table)) == 0
     assert open_store(bucket_store).list() == []
+
+
+def test_local_roots_bound_what_a_publish_may_read(bucket_store, start_quantizer, registry_url, small_model,
+                                                   request_for, tmp_path):
+    """Any file on the quantizer's host could be read as eval text (its perplexity, and whether it exists,
+    answered to any publish-scope token): --local-root bounds them."""
+    texts = Path(request_for(small_model).calibration.data).parent
+    quantizer = start_quantizer(bucket_store, registry_url, local_roots=(small_model, texts))
+    outside = tmp_path / "elsewhere" / "secret.txt"
+    outside.parent.mkdir()
+    outside.write_text("not for publishing\n" * 200)
+    for where in (str(outside), str(tmp_path / "elsewhere" / "absent.txt"), str(small_model / ".." / ".." / "x")):
+        request = request_for(small_model)
+        request.eval.data = where
+        with pytest.raises(grpc.RpcError) as raised:
+            quantizer.stub.Publish(request)
+        assert raised.value.code() == INVALID and "outside the folders" in raised.value.details(), where
+    request = request_for(small_model)  # the folders it may read: accepted
+    job = quantizer.stub.Publish(request)
+    assert job.job_id

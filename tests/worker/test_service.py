@@ -4,6 +4,7 @@ requests, admission limits, Info, health, metrics, and the graceful drain."""
 from __future__ import annotations
 
 import hashlib
+import logging
 
 import socket
 import threading
@@ -305,3 +306,15 @@ def test_a_port_in_use_is_a_config_error_naming_the_setting(artifacts, setting):
         with pytest.raises(ConfigError, match=f"{port}.*--{'metrics-port' if setting == 'metrics_port' else 'host / --port'}"):
             BackgroundWorker(config)
 
+
+
+def test_a_worker_open_beyond_loopback_without_client_certificates_warns(start_worker, caplog):
+    """Its port takes no token: a client reaching it skips the gateway's API keys and limits. Said at start-up
+    (security audit), as the quantizer says it of a port open without tokens."""
+    with caplog.at_level(logging.WARNING, logger="services.worker.server"):
+        start_worker("fp16", host="0.0.0.0")
+    assert any("without --tls-client-ca" in record.getMessage() for record in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="services.worker.server"):
+        start_worker("fp16")  # loopback, the default
+    assert not any("without --tls-client-ca" in record.getMessage() for record in caplog.records)
