@@ -47,8 +47,20 @@ def nonempty_path(text: str) -> Path:
     return Path(nonempty(text))
 
 
+def registry_url_argument(text: str) -> str:
+    """argparse type of --registry-url: one that carries a password is refused (a command line is what `ps` and
+    the orchestrator's pod listing show), as its help has always said; libpq reads $PGPASSWORD."""
+    from shared.registry.urls import carries_password  # sqlalchemy only when a service parses its flags
+
+    if carries_password(nonempty(text)):
+        raise argparse.ArgumentTypeError("carries a password: give it in $PGPASSWORD, not on the command line "
+                                         "(the URL is not shown here)")
+    return text
+
+
 def add_registry_argument(parser: argparse.ArgumentParser, required: bool) -> None:
-    parser.add_argument("--registry-url", type=nonempty, required=required, default=None, help=REGISTRY_HELP)
+    parser.add_argument("--registry-url", type=registry_url_argument, required=required, default=None,
+                        help=REGISTRY_HELP)
 
 
 def add_store_arguments(parser: argparse.ArgumentParser, required: bool) -> None:

@@ -150,7 +150,9 @@ def refuse_fragment(url: str) -> None:
     """A '#' in an s3:// or file:// URL: urlsplit drops '#...' as a fragment, and s3://b/models/llama#ft would
     name models/llama, another model."""
     if "#" in url:
-        raise InvalidConfig(f"storage URL {url!r} holds '#': write it as %23 (a URL's '#' starts a fragment)")
+        # Not echoed when it holds user:password@ (refused as such once the '#' is gone): that part is a secret.
+        shown = "" if "@" in urlsplit(url).netloc else f" {url!r}"
+        raise InvalidConfig(f"storage URL{shown} holds '#': write it as %23 (a URL's '#' starts a fragment)")
 
 
 def _refuse_credentials(what: str, netloc: str) -> None:
