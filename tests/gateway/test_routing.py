@@ -300,6 +300,7 @@ def test_a_registry_outage_keeps_routing_on_the_last_view_without_its_canary(art
                 raise OperationalError("SELECT deployments", {}, ConnectionRefusedError("registry down"))
 
             monkeypatch.setattr(deployments_module, "read_deployments", down)
+            monkeypatch.setattr(deployments_module, "deployment_names", down)
             await asyncio.sleep(2 * stack.gateway.deployments.max_age_s)  # every cached view is now stale
             for _ in range(3):
                 replies = await stack.generate()
@@ -476,8 +477,35 @@ def test_the_background_refresh_does_not_re_read_names_that_do_not_exist(artifac
             assert read_names, "the refresh never ran"
             assert all(names == [DEPLOYMENT] for names in read_names), read_names[:2]
             read_names.clear()
-            with pytest.raises(NotFound):  # stale: the request reads the name again itself
+            lists = []
+            monkeypatch.setattr(deployments_module, "deployment_names",
+                                lambda registry: lists.append(True) or names_of(registry))
+            await asyncio.sleep(0.06)
+            with pytest.raises(NotFound):  # stale: the request reads the list of names again itself
                 await cache.get("nope-3")
-            assert read_names == [["nope-3"]]
+            assert read_names == [] and lists == [True]
+
+    names_of = deployments_module.deployment_names
+    run(scenario())
+
+
+def test_unknown_names_cost_one_read_of_the_names_per_max_age(artifacts, monkeypatch):
+    """With no API key required (the default) a client sending random deployment names cost one registry read
+    each (3,000 in 4 s), and an entry each (security audit)."""
+    reads = []
+    for name in ("read_deployments", "deployment_names"):
+        real = getattr(deployments_module, name)
+        monkeypatch.setattr(deployments_module, name,
+                            lambda *args, real=real, name=name: reads.append(name) or real(*args))
+
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:  # creates the deployment
+            cache = DeploymentCache(stack.gateway.registry, max_age_s=60.0)
+            await cache.get(DEPLOYMENT)
+            reads.clear()
+            for i in range(300):
+                with pytest.raises(NotFound):
+                    await cache.get(f"nope-{i}")
+            assert reads == [] and cache.names() == [DEPLOYMENT] and len(cache._entries) == 1
 
     run(scenario())
