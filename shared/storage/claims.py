@@ -117,8 +117,14 @@ def release(store: ObjectStore, claim: PrefixClaim) -> None:
 
 
 def holds(store: ObjectStore, claim: PrefixClaim) -> bool:
-    """Whether claim is still the highest generation of its prefix (not taken over as stale, nor purged)."""
-    return max(_claims_of(store, claim.prefix), default=None) == claim.generation
+    """Whether claim is still the highest generation of its prefix (not taken over as stale, nor purged), and
+    that generation is still its own: once every claim of a prefix is gone, generations start again at 1, and a
+    holder paused while it was taken over (and the taker finished) would find a newcomer's first generation to
+    be its number."""
+    if max(_claims_of(store, claim.prefix), default=None) != claim.generation:
+        return False
+    holder = _holder(store, claim.key)
+    return holder is not None and holder.get("attempt") == claim.attempt and holder.get("process") == _process
 
 
 def delete_stale(store: ObjectStore, older_than_s: float) -> int:

@@ -239,3 +239,15 @@ def test_claims_of_nested_prefixes_are_apart(store):
     for claim in (outer, inner):
         claims.release(store, claim)
     assert _keys(store) == set()
+
+
+def test_a_holder_taken_over_does_not_hold_a_newcomers_claim_of_its_number(store, monkeypatch):
+    """Taken over while paused, the taker done and gone, the prefix claimed afresh: generations start at 1 again,
+    and the paused holder of generation 1 read the newcomer's claim as its own and went on moving files."""
+    paused = claims.claim_prefix(store, FINAL, "1-paused")
+    paused._done.set()  # its refresher paused with it
+    store.delete(claim_key(FINAL, 1))  # taken over (and the taker's claim released since)
+    newcomer = claims.claim_prefix(store, FINAL, "3-new")
+    assert newcomer.generation == paused.generation == 1
+    assert claims.holds(store, newcomer) and not claims.holds(store, paused)
+    claims.release(store, newcomer)
