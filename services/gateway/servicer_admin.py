@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 
 import grpc
 import sqlalchemy as sa
+from sqlalchemy.exc import OperationalError
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 # Named so in a registration's refusal: the worker reads it, and has settings of the same names itself.
 _GATEWAY_TLS_FLAGS = tuple(f"the gateway's {flag}" for flag in CLIENT_FLAGS)
 DEFAULT_EVENTS, MAX_EVENTS = 100, 1000
+# How early before the client's deadline a lock wait that ran out counts as the deadline passing (_change).
+LOCK_WAIT_SLACK_S = 0.15
 # The monotonic time the running rpc's client stops waiting (None: no deadline); set by _admin, read by _change
 # on a registry thread (RegistryThreads.call passes context variables on).
 _deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("admin_deadline", default=None)
@@ -365,11 +368,19 @@ class AdminServicer(gateway_pb2_grpc.AdminServicer):
         def run() -> DeploymentView:
             deadline = _deadline.get()
             lock_wait_s = None if deadline is None else max(0.001, deadline - time.monotonic())
-            with self.registry.transaction(lock_wait_s=lock_wait_s) as session:
-                view = view_of(session, change(session))
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise DeadlinePassed("the deadline passed before the change was committed; it was not made")
-                return view
+            try:
+                with self.registry.transaction(lock_wait_s=lock_wait_s) as session:
+                    view = view_of(session, change(session))
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise DeadlinePassed("the deadline passed before the change was committed; it was not made")
+                    return view
+            except OperationalError:
+                # The lock wait ran out with the deadline: SQLite's busy handler gives up up to 100 ms before its
+                # timeout, and the client read a lock held to its deadline as the registry unreachable.
+                if deadline is not None and time.monotonic() >= deadline - LOCK_WAIT_SLACK_S:
+                    raise DeadlinePassed("the registry stayed locked until the deadline; the change was not made") \
+                        from None
+                raise
 
         view = await self.threads.call(run)
         self.deployments.put(view)

@@ -85,6 +85,34 @@ def test_admin_calls_waiting_on_a_lock_do_not_hold_up_routing(artifacts: Artifac
     run(scenario(), timeout_s=60)
 
 
+def test_a_lock_wait_that_runs_out_just_before_the_deadline_answers_deadline_exceeded(artifacts: Artifacts,
+                                                                                        monkeypatch) -> None:
+    """SQLite's busy handler gives up up to 100 ms before its timeout (the time left to the client's deadline):
+    a lock held to the deadline reached the client as UNAVAILABLE, the registry unreachable, when the client's
+    own clock had not run out yet (seen under load in CI)."""
+    from contextlib import contextmanager
+
+    from sqlalchemy.exc import OperationalError
+
+    async def scenario():
+        async with gateway_stack(artifacts) as stack:
+            registry = stack.gateway.admin.registry
+
+            @contextmanager
+            def locked_until_just_before(lock_wait_s=None):
+                time.sleep(max(0.0, lock_wait_s - 0.08))
+                raise OperationalError("BEGIN IMMEDIATE", {}, Exception("database is locked"))
+                yield
+
+            monkeypatch.setattr(registry, "transaction", locked_until_just_before)
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await stack.admin.SetFallback(gateway_pb2.SetFallbackRequest(deployment=DEPLOYMENT), metadata=ADMIN,
+                                              timeout=1.0)
+            assert failed.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, failed.value.details()
+
+    run(scenario(), timeout_s=60)
+
+
 @pytest.mark.postgres
 def test_a_registry_slow_to_answer_routes_on_the_last_view(tmp_path: Path) -> None:
     with fresh_postgres_schema("test_registry_waits") as url:
